@@ -1,0 +1,5 @@
+import sys
+
+from fused_stable.cli import main
+
+sys.exit(main())

@@ -1,0 +1,36 @@
+"""`fused-stable` command line: a thin dispatcher; each subcommand owns its own argument parsing."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
+SUBCOMMANDS = {
+    "sft": ("fused_stable.train.cli", "supervised fine-tuning (LoRA / QLoRA / DoRA / full) on FusedAdamW"),
+    "bench": ("fused_stable.bench", "benchmark fused_stable against torch's clip + AdamW step"),
+    "stress": ("fused_stable.stress", "failure scenarios: the usual recipe vs fused_stable's guarded recipe"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: fused-stable {" + ",".join(SUBCOMMANDS) + "} [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "Run `fused-stable COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"fused-stable: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
