@@ -1,0 +1,43 @@
+"""Helpers for the integration tests that run several real torch.distributed processes (gloo, CPU).
+
+Each test spawns its ranks with torch.multiprocessing, on a port found by binding to port 0 (so
+parallel runs do not collide), and every rank leaves its process group in a ``finally``. Ranks write
+their results to files that the test reads and asserts on in the parent process.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, out_dir: str, args: tuple) -> None:
+    # One thread per rank: the test machines have 2 cores and several ranks share them.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, out_dir: Path, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+    port = free_port()
+    mp.spawn(_entry, args=(world_size, port, fn, str(out_dir), args), nprocs=world_size, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
