@@ -1,0 +1,15 @@
+"""fused_stable: a fused, sync-free global-norm clip + AdamW step, and training tools built on it."""
+import os as _os
+
+# FUSED_STABLE_BACKEND=interpret runs the Triton kernels through Triton's interpreter, which triton only
+# honours if TRITON_INTERPRET is set before it is first imported: set it here, on that explicit request only.
+if _os.environ.get("FUSED_STABLE_BACKEND", "").lower() == "interpret":
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from . import schedules  # noqa: E402
+from .amp import GradScaler  # noqa: E402
+from .clip import clip_grad_norm_  # noqa: E402
+from .optim import FusedAdamW  # noqa: E402
+
+__all__ = ["FusedAdamW", "GradScaler", "clip_grad_norm_", "schedules"]
+__version__ = "0.1.0"

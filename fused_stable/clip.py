@@ -1,0 +1,50 @@
+"""`clip_grad_norm_`: a drop-in for torch.nn.utils.clip_grad_norm_ that uses the fused kernels on CUDA.
+
+Same arguments, same return value (the total norm, before clipping, as a tensor). The L2 case on CUDA
+(or under the interpreter backend) runs one multi-tensor norm launch and one multi-tensor scale launch per
+dtype, with the clip coefficient computed on the device; everything else defers to torch.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from . import ops
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads or float(norm_type) != 2.0 or not _fusable(grads):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    backend = ops.resolve_backend(None, grads[0].device)
+    if backend == "torch":
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    total_norm = ops.total_norm_and_scale_(grads, float(max_norm), backend)
+    if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):  # torch syncs here too
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    return total_norm.to(grads[0].dtype)
+
+
+def _fusable(grads: list[torch.Tensor]) -> bool:
+    first = grads[0].device
+    return all(
+        type(g) is torch.Tensor
+        and not g.is_sparse
+        and g.device == first
+        and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for g in grads
+    )

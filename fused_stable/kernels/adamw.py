@@ -1,0 +1,342 @@
+"""The decision kernel and the multi-tensor AdamW update kernel.
+
+A step is three kinds of launch, in stream order, with no host read anywhere:
+  1. norm pass (kernels/norm.py), one launch per grad dtype: per-chunk partial sums of squares;
+  2. `_finalize_kernel`, one program: per-tensor and global sums of squares, the clip coefficient, the
+     skip decision, running norm statistics, the lr schedule, and the per-param `step` counters;
+  3. `_adamw_kernel`, one launch per param dtype: reads those decisions and updates its chunk, or
+     returns at once when the step is skipped.
+Keeping every decision in one single-program kernel is what makes the step race-free (no program reads a
+counter another program is writing) and safe to capture in a CUDA graph; it costs one tiny launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import layout
+from .norm import BLOCK_SIZE, TRITON_DTYPES
+from .tables import CHUNK_SIZE, ChunkMap
+
+# buffer indices as compile-time constants (triton reads globals only as constexpr)
+_F_GRAD_NORM = tl.constexpr(layout.F_GRAD_NORM)
+_F_GRAD_MUL = tl.constexpr(layout.F_GRAD_MUL)
+_F_SKIP = tl.constexpr(layout.F_SKIP)
+_F_FOUND_INF = tl.constexpr(layout.F_FOUND_INF)
+_F_LR_FACTOR = tl.constexpr(layout.F_LR_FACTOR)
+_F_LAST_LR = tl.constexpr(layout.F_LAST_LR)
+_F_NORM_MEAN = tl.constexpr(layout.F_NORM_MEAN)
+_F_NORM_VAR = tl.constexpr(layout.F_NORM_VAR)
+_F_LAST_ZSCORE = tl.constexpr(layout.F_LAST_ZSCORE)
+_F_LAST_SPIKE_NORM = tl.constexpr(layout.F_LAST_SPIKE_NORM)
+_F_WARMUP_SUM = tl.constexpr(layout.F_WARMUP_SUM)
+_F_WARMUP_SUMSQ = tl.constexpr(layout.F_WARMUP_SUMSQ)
+_I_APPLIED_STEPS = tl.constexpr(layout.I_APPLIED_STEPS)
+_I_SKIPPED_STEPS = tl.constexpr(layout.I_SKIPPED_STEPS)
+_I_SPIKE_SKIPS = tl.constexpr(layout.I_SPIKE_SKIPS)
+_I_SPIKE_COUNT = tl.constexpr(layout.I_SPIKE_COUNT)
+_I_LAST_SPIKE_STEP = tl.constexpr(layout.I_LAST_SPIKE_STEP)
+_I_LAST_STEP_SKIPPED = tl.constexpr(layout.I_LAST_STEP_SKIPPED)
+_I_STATS_COUNT = tl.constexpr(layout.I_STATS_COUNT)
+_H_SIZE = tl.constexpr(layout.H_SIZE)
+_H_LR = tl.constexpr(layout.H_LR)
+_H_BETA1 = tl.constexpr(layout.H_BETA1)
+_H_BETA2 = tl.constexpr(layout.H_BETA2)
+_H_EPS = tl.constexpr(layout.H_EPS)
+_H_WEIGHT_DECAY = tl.constexpr(layout.H_WEIGHT_DECAY)
+_SCHEDULE_NONE = tl.constexpr(layout.SCHEDULE_NONE)
+_SCHEDULE_CONSTANT = tl.constexpr(layout.SCHEDULE_CONSTANT)
+_SCHEDULE_LINEAR = tl.constexpr(layout.SCHEDULE_LINEAR)
+_CLIP_ZSCORE = tl.constexpr(layout.CLIP_ZSCORE)
+_ZSCORE_STD_EPS = tl.constexpr(layout.ZSCORE_STD_EPS)
+_CLIP_EPS = tl.constexpr(layout.CLIP_EPS)
+
+# update-table columns (int64 [num_tensors, TABLE_COLUMNS])
+COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP = range(7)
+TABLE_COLUMNS = 8
+_COL_PARAM, _COL_EXP_AVG, _COL_EXP_AVG_SQ, _COL_MASTER, _COL_STEP, _COL_NUMEL, _COL_GROUP = (
+    tl.constexpr(c) for c in range(7)
+)
+_TABLE_COLUMNS = tl.constexpr(TABLE_COLUMNS)
+_PI = tl.constexpr(3.141592653589793)
+
+BLOCK_TENSORS = 128
+
+
+@triton.jit
+def _finalize_kernel(
+    partials,  # fp32 [num_chunks] from the norm pass
+    tensor_chunk_begin,  # int64 [num_tensors]
+    tensor_num_chunks,  # int64 [num_tensors]
+    max_chunks,  # most chunks any one tensor has
+    num_tensors,
+    per_tensor_sumsq,  # fp32 out [num_tensors]
+    step_addrs,  # int64 [num_tensors]: addresses of the fp32 per-param `step` counters
+    fstate,  # fp32 [layout.F_SIZE], read and written
+    istate,  # int64 [layout.I_SIZE], read and written
+    hparams,  # fp32 [num_groups, H_SIZE]
+    scale_ptr,  # fp32 [] loss scale (HAS_SCALE)
+    found_inf_ptr,  # fp32 [] GradScaler's found_inf (HAS_FOUND_INF)
+    external_sumsq_ptr,  # fp32 [] global sum of squares computed elsewhere, e.g. across ranks (HAS_EXTERNAL_SUMSQ)
+    max_grad_norm,  # fixed ceiling; <= 0 means none
+    zscore_alpha,
+    zscore_threshold,
+    zscore_warmup,
+    spike_skip_threshold,  # <= 0 means never skip spikes
+    schedule_total,
+    schedule_warmup,
+    schedule_min_ratio,
+    HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_EXTERNAL_SUMSQ: tl.constexpr,
+    CLIP_MODE: tl.constexpr,
+    SCHEDULE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # 1. per-tensor and global sums of squares (a fixed order: deterministic)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    lanes = tl.arange(0, BLOCK_T)
+    for tensor_start in range(0, num_tensors, BLOCK_T):
+        tensors = tensor_start + lanes
+        in_range = tensors < num_tensors
+        begin = tl.load(tensor_chunk_begin + tensors, mask=in_range, other=0)
+        count = tl.load(tensor_num_chunks + tensors, mask=in_range, other=0)
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for j in range(0, max_chunks):
+            acc += tl.load(partials + begin + j, mask=in_range & (j < count), other=0.0)
+        tl.store(per_tensor_sumsq + tensors, acc, mask=in_range)
+        total += acc
+    sumsq = tl.sum(total, axis=0)
+    if HAS_EXTERNAL_SUMSQ:
+        sumsq = tl.load(external_sumsq_ptr)
+    norm = tl.sqrt(sumsq)
+    nonfinite = (norm - norm) != 0.0  # inf - inf and nan - nan are nan
+    if HAS_FOUND_INF:
+        nonfinite = nonfinite | (tl.load(found_inf_ptr) != 0.0)
+
+    # 2. running statistics of the norm and the spike test (ZClip-style)
+    mean = tl.load(fstate + _F_NORM_MEAN)
+    var = tl.load(fstate + _F_NORM_VAR)
+    stats_count = tl.load(istate + _I_STATS_COUNT)
+    std = tl.sqrt(tl.maximum(var, 0.0))
+    stats_ready = stats_count >= zscore_warmup
+    zscore = tl.where(stats_ready & ~nonfinite, (norm - mean) / (std + _ZSCORE_STD_EPS), 0.0)
+    is_spike = stats_ready & ~nonfinite & (zscore > zscore_threshold)
+    spike_ceiling = mean + zscore_threshold * std
+    spike_skip = is_spike & (spike_skip_threshold > 0.0) & (zscore > spike_skip_threshold)
+    skip = nonfinite | spike_skip
+
+    # clip coefficient, as torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + eps))
+    ceiling = tl.where(max_grad_norm > 0.0, max_grad_norm, float("inf"))
+    if CLIP_MODE == _CLIP_ZSCORE:
+        ceiling = tl.where(is_spike, tl.minimum(ceiling, spike_ceiling), ceiling)
+    coef = tl.minimum(ceiling / (norm + _CLIP_EPS), 1.0)
+    grad_mul = coef
+    if HAS_SCALE:
+        grad_mul = coef * (1.0 / tl.load(scale_ptr))
+
+    # statistics absorb finite norms, a spike only up to its ceiling so one spike cannot blow them up
+    value = tl.where(is_spike, spike_ceiling, norm)
+    old_sum = tl.load(fstate + _F_WARMUP_SUM)
+    old_sumsq = tl.load(fstate + _F_WARMUP_SUMSQ)
+    warm_sum = old_sum + value
+    warm_sumsq = old_sumsq + value * value
+    new_count = stats_count + 1
+    warm_mean = warm_sum / new_count.to(tl.float32)
+    warm_var = tl.maximum(warm_sumsq / new_count.to(tl.float32) - warm_mean * warm_mean, 0.0)
+    ema_mean = zscore_alpha * mean + (1.0 - zscore_alpha) * value
+    ema_var = zscore_alpha * var + (1.0 - zscore_alpha) * (value - ema_mean) * (value - ema_mean)
+    update_stats = ~nonfinite
+    in_warmup = stats_count < zscore_warmup
+    tl.store(fstate + _F_WARMUP_SUM, tl.where(update_stats & in_warmup, warm_sum, old_sum))
+    tl.store(fstate + _F_WARMUP_SUMSQ, tl.where(update_stats & in_warmup, warm_sumsq, old_sumsq))
+    tl.store(fstate + _F_NORM_MEAN, tl.where(update_stats, tl.where(in_warmup, warm_mean, ema_mean), mean))
+    tl.store(fstate + _F_NORM_VAR, tl.where(update_stats, tl.where(in_warmup, warm_var, ema_var), var))
+    tl.store(istate + _I_STATS_COUNT, tl.where(update_stats, new_count, stats_count))
+
+    # 3. the lr schedule, at the count of updates applied before this one
+    applied_before = tl.load(istate + _I_APPLIED_STEPS)
+    n = applied_before.to(tl.float32)
+    factor = 1.0
+    if SCHEDULE != _SCHEDULE_NONE:
+        warm = n / tl.maximum(schedule_warmup, 1.0)
+        span = tl.maximum(schedule_total - schedule_warmup, 1.0)
+        if SCHEDULE == _SCHEDULE_CONSTANT:
+            shape = 1.0
+        elif SCHEDULE == _SCHEDULE_LINEAR:
+            shape = tl.maximum((schedule_total - n) / span, 0.0)
+        else:
+            progress = tl.minimum(tl.maximum((n - schedule_warmup) / span, 0.0), 1.0)
+            shape = 0.5 * (1.0 + tl.cos(_PI * progress))
+        decay = schedule_min_ratio + (1.0 - schedule_min_ratio) * shape
+        if SCHEDULE == _SCHEDULE_CONSTANT:
+            decay = 1.0
+        factor = tl.where(n < schedule_warmup, warm, decay)
+
+    # 4. counters and the scalars the update kernel reads
+    applied = tl.where(skip, 0, 1).to(tl.int64)
+    tl.store(istate + _I_APPLIED_STEPS, applied_before + applied)
+    tl.store(istate + _I_SKIPPED_STEPS, tl.load(istate + _I_SKIPPED_STEPS) + nonfinite.to(tl.int64))
+    tl.store(istate + _I_SPIKE_SKIPS, tl.load(istate + _I_SPIKE_SKIPS) + (spike_skip & ~nonfinite).to(tl.int64))
+    tl.store(istate + _I_SPIKE_COUNT, tl.load(istate + _I_SPIKE_COUNT) + is_spike.to(tl.int64))
+    tl.store(istate + _I_LAST_SPIKE_STEP, tl.where(is_spike, applied_before, tl.load(istate + _I_LAST_SPIKE_STEP)))
+    tl.store(istate + _I_LAST_STEP_SKIPPED, skip.to(tl.int64))
+    tl.store(fstate + _F_LAST_SPIKE_NORM, tl.where(is_spike, norm, tl.load(fstate + _F_LAST_SPIKE_NORM)))
+    tl.store(fstate + _F_GRAD_NORM, norm)
+    tl.store(fstate + _F_GRAD_MUL, grad_mul)
+    tl.store(fstate + _F_SKIP, skip.to(tl.float32))
+    tl.store(fstate + _F_FOUND_INF, nonfinite.to(tl.float32))
+    tl.store(fstate + _F_LR_FACTOR, factor)
+    tl.store(fstate + _F_LAST_LR, tl.load(hparams + _H_LR) * factor)
+    tl.store(fstate + _F_LAST_ZSCORE, zscore)
+
+    # 5. per-param step counters: bias correction advances only on applied steps
+    increment = applied.to(tl.float32)
+    for tensor_start in range(0, num_tensors, BLOCK_T):
+        tensors = tensor_start + lanes
+        in_range = tensors < num_tensors
+        addrs = tl.load(step_addrs + tensors, mask=in_range, other=0).to(tl.pointer_type(tl.float32))
+        steps = tl.load(addrs, mask=in_range, other=0.0)
+        tl.store(addrs, steps + increment, mask=in_range)
+
+
+@triton.jit
+def _adamw_kernel(
+    table,  # int64 [num_tensors, TABLE_COLUMNS]
+    grad_addrs,  # int64 [num_tensors]
+    chunk_tensor,
+    chunk_start,
+    hparams,  # fp32 [num_groups, H_SIZE]
+    fstate,  # fp32: decisions of the finalize kernel
+    PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    if tl.load(fstate + _F_SKIP) == 0.0:
+        pid = tl.program_id(0).to(tl.int64)
+        tensor = tl.load(chunk_tensor + pid)
+        start = tl.load(chunk_start + pid)
+        row = table + tensor * _TABLE_COLUMNS
+        end = tl.minimum(start + CHUNK, tl.load(row + _COL_NUMEL))
+        param = tl.load(row + _COL_PARAM).to(tl.pointer_type(PARAM_DTYPE))
+        exp_avg = tl.load(row + _COL_EXP_AVG).to(tl.pointer_type(tl.float32))
+        exp_avg_sq = tl.load(row + _COL_EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
+        grad = tl.load(grad_addrs + tensor).to(tl.pointer_type(PARAM_DTYPE))
+        master = tl.load(row + _COL_MASTER).to(tl.pointer_type(tl.float32))
+        step = tl.load(tl.load(row + _COL_STEP).to(tl.pointer_type(tl.float32)))
+
+        hp = hparams + tl.load(row + _COL_GROUP) * _H_SIZE
+        lr = tl.load(hp + _H_LR) * tl.load(fstate + _F_LR_FACTOR)
+        beta1 = tl.load(hp + _H_BETA1)
+        beta2 = tl.load(hp + _H_BETA2)
+        eps = tl.load(hp + _H_EPS)
+        decay = 1.0 - lr * tl.load(hp + _H_WEIGHT_DECAY)
+        grad_mul = tl.load(fstate + _F_GRAD_MUL)
+        # beta ** step; beta = 0 gives exp(-inf) = 0 as it should
+        bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))
+        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
+        step_size = lr / bias_correction1
+
+        offsets = tl.arange(0, BLOCK).to(tl.int64)
+        for block_start in range(start, end, BLOCK):
+            idx = block_start + offsets
+            mask = idx < end
+            g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32) * grad_mul
+            if HAS_MASTER:
+                p = tl.load(master + idx, mask=mask, other=0.0)
+            else:
+                p = tl.load(param + idx, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(exp_avg + idx, mask=mask, other=0.0)
+            v = tl.load(exp_avg_sq + idx, mask=mask, other=0.0)
+            # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
+            p = p * decay
+            m = m + (1.0 - beta1) * (g - m)
+            v = v * beta2 + (1.0 - beta2) * (g * g)
+            denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+            p = p - step_size * (m / denom)
+            tl.store(exp_avg + idx, m, mask=mask)
+            tl.store(exp_avg_sq + idx, v, mask=mask)
+            if HAS_MASTER:
+                tl.store(master + idx, p, mask=mask)
+            tl.store(param + idx, p.to(PARAM_DTYPE), mask=mask)
+
+
+def launch_finalize(
+    *,
+    partials: torch.Tensor,
+    tensor_chunk_begin: torch.Tensor,
+    tensor_num_chunks: torch.Tensor,
+    max_chunks: int,
+    per_tensor_sumsq: torch.Tensor,
+    step_addrs: torch.Tensor,
+    fstate: torch.Tensor,
+    istate: torch.Tensor,
+    hparams: torch.Tensor,
+    rules: layout.StepRules,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    external_sumsq: torch.Tensor | None = None,
+) -> None:
+    """One program that turns the norm pass's partial sums into this step's decisions (see module doc)."""
+    schedule = rules.schedule
+    dummy = fstate  # any fp32 device tensor: its pointer is never read when the flag is off
+    _finalize_kernel[(1,)](
+        partials,
+        tensor_chunk_begin,
+        tensor_num_chunks,
+        max_chunks,
+        per_tensor_sumsq.numel(),
+        per_tensor_sumsq,
+        step_addrs,
+        fstate,
+        istate,
+        hparams,
+        grad_scale if grad_scale is not None else dummy,
+        found_inf if found_inf is not None else dummy,
+        external_sumsq if external_sumsq is not None else dummy,
+        float(rules.max_grad_norm or 0.0),
+        float(rules.zscore_alpha),
+        float(rules.zscore_threshold),
+        int(rules.zscore_warmup),
+        float(rules.spike_skip_threshold or 0.0),
+        float(schedule.total_steps if schedule else 0),
+        float(schedule.warmup_steps if schedule else 0),
+        float(schedule.min_lr_ratio if schedule else 0.0),
+        HAS_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None,
+        HAS_EXTERNAL_SUMSQ=external_sumsq is not None,
+        CLIP_MODE=rules.clip_mode,
+        SCHEDULE=schedule.kind if schedule else layout.SCHEDULE_NONE,
+        BLOCK_T=BLOCK_TENSORS,
+    )
+
+
+def launch_adamw(
+    *,
+    table: torch.Tensor,
+    grad_addrs: torch.Tensor,
+    chunks: ChunkMap,
+    hparams: torch.Tensor,
+    fstate: torch.Tensor,
+    param_dtype: torch.dtype,
+    has_master: bool,
+) -> None:
+    """AdamW over every tensor of one param dtype, with the finalize kernel's clip / skip / lr factor."""
+    if param_dtype not in TRITON_DTYPES:
+        raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 params, got {param_dtype}")
+    if chunks.num_chunks == 0:
+        return
+    _adamw_kernel[(chunks.num_chunks,)](
+        table,
+        grad_addrs,
+        chunks.chunk_tensor,
+        chunks.chunk_start,
+        hparams,
+        fstate,
+        PARAM_DTYPE=TRITON_DTYPES[param_dtype],
+        HAS_MASTER=has_master,
+        CHUNK=CHUNK_SIZE,
+        BLOCK=BLOCK_SIZE,
+    )

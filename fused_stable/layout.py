@@ -1,0 +1,70 @@
+"""What one fused step decides, and where each per-step scalar lives in the optimizer's device buffers.
+
+The finalize kernel (kernels/adamw.py), the torch backend (ops.py) and the optimizer's named views
+(optim.py) all use the names below, so the layout and the rules are written exactly once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# float32 buffer
+F_GRAD_NORM = 0  # global L2 norm of this step's (unscaled) grads, before clipping
+F_GRAD_MUL = 1  # factor every grad is multiplied by in the update: clip coefficient / loss scale
+F_SKIP = 2  # 1.0 when this step is skipped (non-finite grads or a spike), else 0.0
+F_FOUND_INF = 3  # 1.0 when this step's grads were non-finite (what a GradScaler must back off on)
+F_LR_FACTOR = 4  # schedule factor applied to every group's lr this step
+F_LAST_LR = 5  # group 0's effective lr this step
+F_NORM_MEAN = 6  # running (EMA) mean of the grad norm
+F_NORM_VAR = 7  # running (EMA) variance of the grad norm
+F_LAST_ZSCORE = 8  # z-score of this step's norm against the running statistics (0 during warm-up)
+F_LAST_SPIKE_NORM = 9  # grad norm of the latest spike
+F_WARMUP_SUM = 10  # sum of norms seen during the statistics warm-up
+F_WARMUP_SUMSQ = 11  # sum of squared norms seen during the statistics warm-up
+F_SIZE = 12
+
+# int64 buffer
+I_APPLIED_STEPS = 0  # optimizer updates actually applied (drives the lr schedule)
+I_SKIPPED_STEPS = 1  # steps skipped because the grads were non-finite
+I_SPIKE_SKIPS = 2  # steps skipped because the norm's z-score exceeded spike_skip_threshold
+I_SPIKE_COUNT = 3  # steps whose norm's z-score exceeded zscore_threshold (after warm-up)
+I_LAST_SPIKE_STEP = 4  # applied-step index at the latest spike, -1 if none
+I_LAST_STEP_SKIPPED = 5  # 1 if the latest step was skipped (either reason)
+I_STATS_COUNT = 6  # finite norms folded into the running statistics
+I_SIZE = 7
+
+# hyper-parameter table, one float32 row per param group
+H_LR = 0
+H_BETA1 = 1
+H_BETA2 = 2
+H_EPS = 3
+H_WEIGHT_DECAY = 4
+H_SIZE = 5
+
+# learning-rate schedule kinds (fused_stable.schedules)
+SCHEDULE_NONE = 0
+SCHEDULE_CONSTANT = 1
+SCHEDULE_LINEAR = 2
+SCHEDULE_COSINE = 3
+
+# clip modes
+CLIP_FIXED = 0
+CLIP_ZSCORE = 1
+
+# absolute floor added to the running std before dividing (ZClip's eps)
+ZSCORE_STD_EPS = 1e-6
+# torch.nn.utils.clip_grad_norm_'s epsilon in max_norm / (norm + eps)
+CLIP_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """The per-optimizer settings of the device-side decisions (clip, skip, statistics, schedule)."""
+
+    max_grad_norm: float | None = None  # fixed global-norm ceiling; None = no fixed clipping
+    clip_mode: int = CLIP_FIXED
+    zscore_alpha: float = 0.97  # EMA decay of the running mean / variance of the grad norm
+    zscore_threshold: float = 2.5  # z-score above which a norm counts as a spike (and is clipped in zscore mode)
+    zscore_warmup: int = 25  # finite norms collected before the statistics (and spike detection) start
+    spike_skip_threshold: float | None = None  # z-score above which the step is skipped; None = never
+    schedule: Any = None  # a fused_stable.schedules.Schedule, or None for the groups' lr as is

@@ -1,0 +1,416 @@
+"""FusedAdamW: global-norm clipping, inf/NaN skipping and AdamW in one fused, sync-free step.
+
+The optimizer owns param groups, per-param state and a few device scalars; the arithmetic lives in
+ops.fused_step (Triton kernels on CUDA, torch's multi-tensor ops on CPU). Semantics equal
+`torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` followed by `torch.optim.AdamW.step()`, except that
+a step whose gradients are not finite is skipped whole, and that nothing in step() reads the device.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from . import layout, ops
+from .layout import StepRules
+from .schedules import Schedule
+
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+_CLIP_MODES = {"fixed": layout.CLIP_FIXED, "zscore": layout.CLIP_ZSCORE}
+_STATE_KEY = "fused_stable"
+
+
+class FusedAdamW(Optimizer):
+    """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
+
+    Args:
+        params: parameters or param-group dicts, as for torch.optim.AdamW.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay). `lr` may be a 0-dim tensor.
+        max_grad_norm: clip the global L2 norm over all groups to this value; None disables fixed clipping.
+        lr_schedule: a `fused_stable.schedules` schedule, evaluated on the device from the count of applied
+            updates, multiplying every group's lr (skipped steps do not advance it).
+        master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
+            the rounded result), so small updates are not lost to rounding.
+        capturable: every per-step value stays on the device (always true here); with it, change lr through a
+            tensor lr or `lr_schedule` so a captured CUDA graph sees the change.
+        clip: "fixed" (max_grad_norm only) or "zscore" (also clip spikes to mean + zscore_threshold * std of the
+            running norm statistics, ZClip-style, after `zscore_warmup` finite steps).
+        zscore_alpha, zscore_threshold, zscore_warmup: the running statistics (kept in every mode, for
+            spike detection).
+        spike_skip_threshold: skip steps whose norm's z-score exceeds this (counted in `spike_skips`).
+        backend: None / "auto", "triton", "interpret" or "torch" (default: $FUSED_STABLE_BACKEND, else by device).
+    """
+
+    # GradScaler hands us `grad_scale` and `found_inf` instead of running its own unscale pass
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = None,
+        lr_schedule: Schedule | None = None,
+        master_weights: bool = False,
+        capturable: bool = False,
+        clip: str = "fixed",
+        zscore_alpha: float = 0.97,
+        zscore_threshold: float = 2.5,
+        zscore_warmup: int = 25,
+        spike_skip_threshold: float | None = None,
+        backend: str | None = None,
+    ) -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
+        if clip not in _CLIP_MODES:
+            raise ValueError(f"clip must be one of {sorted(_CLIP_MODES)}, got {clip!r}")
+        if not 0.0 < zscore_alpha < 1.0:
+            raise ValueError(f"zscore_alpha must be in (0, 1), got {zscore_alpha}")
+        if not zscore_threshold > 0:
+            raise ValueError(f"zscore_threshold must be > 0, got {zscore_threshold}")
+        if int(zscore_warmup) < 1:
+            raise ValueError(f"zscore_warmup must be >= 1, got {zscore_warmup}")
+        if spike_skip_threshold is not None and not spike_skip_threshold >= zscore_threshold:
+            raise ValueError(
+                f"spike_skip_threshold ({spike_skip_threshold}) must be >= zscore_threshold ({zscore_threshold}): "
+                "a step is skipped only when it is a spike"
+            )
+        if lr_schedule is not None and not isinstance(lr_schedule, Schedule):
+            raise TypeError(
+                "lr_schedule must come from fused_stable.schedules (warmup_cosine, warmup_linear, constant); "
+                "for a torch LR scheduler, pass the optimizer to the scheduler instead"
+            )
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            # torch.optim.AdamW's own keys, so that either optimizer loads the other's state_dict
+            amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+            decoupled_weight_decay=True,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        self.rules = StepRules(
+            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            clip_mode=_CLIP_MODES[clip],
+            zscore_alpha=float(zscore_alpha),
+            zscore_threshold=float(zscore_threshold),
+            zscore_warmup=int(zscore_warmup),
+            spike_skip_threshold=None if spike_skip_threshold is None else float(spike_skip_threshold),
+            schedule=lr_schedule,
+        )
+        self.master_weights = bool(master_weights)
+        self.capturable = bool(capturable)
+        self._check_params()
+        self.device = self._params_device()
+        self.backend = ops.resolve_backend(backend, self.device)
+        self._global_sumsq = self._sharded_norm_reducer()
+        self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
+        self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
+        self._istate[layout.I_LAST_SPIKE_STEP] = -1
+        self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
+        self._cache = ops.StepCache()
+        self._state_version = 0
+        self.param_names: list[str] | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # device-side read-outs: 0-dim views of the optimizer's buffers, updated in place by every step
+
+    @property
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the last step's gradients, before clipping (inf/nan if they were not finite)."""
+        return self._fstate[layout.F_GRAD_NORM]
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """Steps skipped so far because the gradients were not finite."""
+        return self._istate[layout.I_SKIPPED_STEPS]
+
+    @property
+    def spike_skips(self) -> torch.Tensor:
+        """Steps skipped so far because the norm's z-score exceeded spike_skip_threshold."""
+        return self._istate[layout.I_SPIKE_SKIPS]
+
+    @property
+    def applied_steps(self) -> torch.Tensor:
+        """Updates applied so far (what the lr schedule counts)."""
+        return self._istate[layout.I_APPLIED_STEPS]
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """Whether the last step was skipped (non-finite grads or a spike), as a 0-dim bool device tensor."""
+        return self._istate[layout.I_LAST_STEP_SKIPPED] != 0
+
+    @property
+    def last_step_found_inf(self) -> torch.Tensor:
+        """1.0 if the last step's gradients were not finite, else 0.0 (what a GradScaler backs off on)."""
+        return self._fstate[layout.F_FOUND_INF]
+
+    @property
+    def last_lr(self) -> torch.Tensor:
+        """Param group 0's effective lr in the last step (schedule applied)."""
+        return self._fstate[layout.F_LAST_LR]
+
+    @property
+    def grad_norm_mean(self) -> torch.Tensor:
+        return self._fstate[layout.F_NORM_MEAN]
+
+    @property
+    def grad_norm_std(self) -> torch.Tensor:
+        return self._fstate[layout.F_NORM_VAR].clamp(min=0.0).sqrt()
+
+    @property
+    def last_zscore(self) -> torch.Tensor:
+        return self._fstate[layout.F_LAST_ZSCORE]
+
+    @property
+    def spike_count(self) -> torch.Tensor:
+        """Steps so far whose norm's z-score exceeded zscore_threshold (after the statistics' warm-up)."""
+        return self._istate[layout.I_SPIKE_COUNT]
+
+    @property
+    def last_spike_step(self) -> torch.Tensor:
+        """Applied-step index of the latest spike, -1 if none."""
+        return self._istate[layout.I_LAST_SPIKE_STEP]
+
+    @property
+    def last_spike_norm(self) -> torch.Tensor:
+        return self._fstate[layout.F_LAST_SPIKE_NORM]
+
+    def per_tensor_grad_norms(self) -> torch.Tensor:
+        """L2 norm of each parameter's gradient in the last step, in param_groups order (0 where no grad).
+
+        A by-product of the norm pass: no further pass over the gradients.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        norms = torch.zeros(len(params), dtype=torch.float32, device=self.device)
+        if self._cache.per_tensor_sumsq is not None:
+            norms.index_copy_(0, self._cache.positions, self._cache.per_tensor_sumsq.sqrt())
+        return norms
+
+    # ------------------------------------------------------------------------------------------
+    # the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batch = self._collect_batch()
+        if batch is None:
+            return loss
+        ops.fused_step(
+            self.backend,
+            batch,
+            ops.StepBuffers(self._fstate, self._istate, self._hparams),
+            self.rules,
+            self._cache,
+            state_version=self._state_version,
+            grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None),
+            global_sumsq=self._global_sumsq,
+        )
+        return loss
+
+    def _collect_batch(self) -> ops.StepBatch | None:
+        """The params that have a grad, with their (lazily created) state. Validates before changing anything."""
+        chosen: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        position = 0
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None:
+                    if grad.is_sparse:
+                        raise RuntimeError(
+                            "FusedAdamW does not support sparse gradients (got one for a parameter of shape "
+                            f"{tuple(p.shape)}); use torch.optim.SparseAdam for sparse embeddings"
+                        )
+                    chosen.append((group_index, position, p, grad))
+                position += 1
+        if not chosen:
+            return None
+        batch = ops.StepBatch([], [], [], [], [], [], [], [], [])
+        for group_index, position, p, grad in chosen:
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            batch.params.append(_local(p))
+            batch.grads.append(_local(grad))
+            batch.exp_avgs.append(_local(state["exp_avg"]))
+            batch.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            master = state.get("master_param")
+            batch.masters.append(_local(master) if master is not None else None)
+            batch.steps.append(state["step"])
+            batch.groups.append(group_index)
+            batch.positions.append(position)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            batch.group_hparams.append((group["lr"], beta1, beta2, group["eps"], group["weight_decay"]))
+        return batch
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        if self.master_weights and p.dtype != torch.float32:
+            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
+        self._state_version += 1
+
+    # ------------------------------------------------------------------------------------------
+    # param groups and validation
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears twice in one param group; list every parameter once")
+        if "lr" in param_group or "betas" in param_group or "eps" in param_group or "weight_decay" in param_group:
+            _check_hyperparameters(
+                param_group.get("lr", self.defaults["lr"]),
+                param_group.get("betas", self.defaults["betas"]),
+                param_group.get("eps", self.defaults["eps"]),
+                param_group.get("weight_decay", self.defaults["weight_decay"]),
+            )
+        if param_group.get("amsgrad") or param_group.get("maximize"):
+            raise ValueError("FusedAdamW implements AdamW without amsgrad or maximize")
+        super().add_param_group(param_group)
+        if hasattr(self, "_hparams"):  # a group added after construction
+            self._check_params()
+            self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
+            self._cache.hparams_key = ()
+            self._global_sumsq = self._sharded_norm_reducer()
+            self._state_version += 1
+
+    def _check_params(self) -> None:
+        devices = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.is_complex():
+                    raise TypeError(
+                        "FusedAdamW does not support complex parameters; optimize torch.view_as_real(param) instead"
+                    )
+                if not p.is_floating_point() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise TypeError(f"FusedAdamW supports float32, bfloat16 and float16 parameters, got {p.dtype}")
+                devices.add(_local(p).device)
+        if len(devices) > 1:
+            raise ValueError(
+                f"all parameters of one FusedAdamW must be on one device, got {sorted(map(str, devices))}: "
+                "create one optimizer per device"
+            )
+
+    def _params_device(self) -> torch.device:
+        return _local(self.param_groups[0]["params"][0]).device
+
+    def _sharded_norm_reducer(self) -> ops.GlobalSumsq | None:
+        """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one."""
+        if not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
+            return None
+        from .integrations import distributed
+
+        for group in self.param_groups:
+            distributed.validate_params(list(group["params"]))
+        return distributed.global_sumsq
+
+    # ------------------------------------------------------------------------------------------
+    # state dict: torch.optim.AdamW's layout, fp32 moments kept fp32, our counters under one extra key
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": 1}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_KEY, None)
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}"
+            )
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+            if saved.get("amsgrad") or saved.get("maximize"):
+                raise ValueError("cannot load a state saved with amsgrad=True or maximize=True: FusedAdamW implements neither")
+            id_to_param.update(zip(saved["params"], group["params"]))
+        # keep the moments in fp32: torch's loader would cast them to the param dtype (bf16 loses bits)
+        moments: dict[Any, dict[str, torch.Tensor]] = {}
+        plain_state = {}
+        for param_id, entry in state_dict["state"].items():
+            param = id_to_param.get(param_id)
+            kept = {k: v for k, v in entry.items() if k not in _MOMENT_KEYS}
+            taken = {k: v for k, v in entry.items() if k in _MOMENT_KEYS}
+            if param is not None:
+                for key, value in taken.items():
+                    if tuple(value.shape) != tuple(_local(param).shape) and tuple(value.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"state {key!r} has shape {tuple(value.shape)} but its parameter has shape "
+                            f"{tuple(param.shape)}: this state dict belongs to another model"
+                        )
+                moments[param_id] = taken
+            plain_state[param_id] = kept
+        super().load_state_dict({**state_dict, "state": plain_state})
+        for param_id, taken in moments.items():
+            param = id_to_param[param_id]
+            state = self.state[param]
+            for key, value in taken.items():
+                state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+            if "step" in state:
+                step = state["step"]
+                state["step"] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).to(
+                    device=self.device, dtype=torch.float32, copy=True
+                ).reshape(())
+            if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
+                state["master_param"] = param.detach().to(torch.float32).clone()
+        if extra is not None:
+            self._fstate.copy_(extra["fstate"])
+            self._istate.copy_(extra["istate"])
+        else:  # a torch.optim.AdamW state: continue the schedule from the steps already taken
+            self._fstate.zero_()
+            self._istate.zero_()
+            self._istate[layout.I_LAST_SPIKE_STEP] = -1
+            steps = [float(s["step"]) for s in self.state.values() if "step" in s]
+            self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
+        self._cache = ops.StepCache()
+        self._state_version += 1
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("decoupled_weight_decay", True)
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError("a tensor lr must have exactly one element")
+        lr_value = float(lr.detach().reshape(()).cpu())
+    else:
+        lr_value = float(lr)
+    if not lr_value >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
+    if len(betas) != 2 or any(isinstance(b, torch.Tensor) for b in betas):
+        raise ValueError(f"betas must be a pair of floats, got {betas}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta} (must be in [0, 1))")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (what the kernels update); any other tensor as is."""
+    return t.to_local() if _is_dtensor(t) else t
