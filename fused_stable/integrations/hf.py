@@ -1,0 +1,224 @@
+"""FusedAdamW inside the Hugging Face Trainer (and TRL's SFTTrainer, which inherits it).
+
+One line swaps the optimizer in::
+
+    trainer = Trainer(model, args, train_dataset=ds,
+                      optimizers=fused_trainer_optimizers(model, args),
+                      callbacks=[FusedStableCallback()])
+
+Three things of the Trainer's would fight the fused step, and this module moves each into the optimizer:
+
+- clipping: the Trainer clips with ``accelerator.clip_grad_norm_`` (a norm pass plus a read-write pass over
+  every grad) whenever ``args.max_grad_norm > 0``. ``fused_trainer_optimizers`` hands ``args.max_grad_norm``
+  to FusedAdamW and sets it to 0 on ``args``, so the clip happens once, inside the fused step.
+- the lr schedule: under fp16, accelerate decides "step skipped" by whether GradScaler called
+  ``optimizer.step()``, and with FusedAdamW (``_step_supports_amp_scaling``) it always does, so a Trainer
+  scheduler would advance on overflow steps; FusedAdamW also skips non-finite steps on its own under bf16
+  or fp32, which no host-side scheduler can see. The schedule named by ``args.lr_scheduler_type`` therefore
+  runs on the device (``FusedAdamW(lr_schedule=...)``, counted in applied updates), and the Trainer gets a
+  constant LambdaLR that leaves ``group["lr"]`` at its base value.
+- logging: ``FusedStableCallback`` puts the optimizer's pre-clip ``grad_norm``, ``skipped_steps``,
+  ``spike_skips`` and the lr really used into each training log (the Trainer's ``log_history`` and the
+  callbacks after it), reading the device only at logging steps.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import TrainerCallback
+
+from .. import schedules
+from ..optim import FusedAdamW
+
+__all__ = [
+    "FusedStableCallback",
+    "FusedStableTrainerMixin",
+    "find_fused_optimizer",
+    "fused_trainer_optimizers",
+    "schedule_from_training_args",
+]
+
+logger = logging.getLogger(__name__)
+
+# lr_scheduler_type values that have a device-side equivalent in fused_stable.schedules
+_DEVICE_SCHEDULES = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+
+
+def _constant_factor(_: int) -> float:
+    # A module-level function (not a lambda) so the Trainer can pickle the scheduler into checkpoints.
+    return 1.0
+
+
+def find_fused_optimizer(optimizer: Any) -> FusedAdamW | None:
+    """The FusedAdamW inside ``optimizer`` (accelerate's AcceleratedOptimizer wraps it), or None."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, FusedAdamW):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return None
+
+
+def _clips(opt: FusedAdamW) -> bool:
+    rules = getattr(opt, "rules", None)
+    return getattr(rules, "max_grad_norm", None) is not None
+
+
+def schedule_from_training_args(args, num_training_steps: int | None = None) -> schedules.Schedule:
+    """The device-side equivalent of ``args.lr_scheduler_type`` with its warm-up.
+
+    ``num_training_steps`` defaults to ``args.max_steps``; schedules that decay need one of the two.
+    """
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if kind not in _DEVICE_SCHEDULES:
+        raise ValueError(
+            f"lr_scheduler_type={kind!r} has no device-side equivalent; fused_stable supports "
+            f"{', '.join(_DEVICE_SCHEDULES)} (or pass lr_schedule=... yourself)"
+        )
+    total = num_training_steps if num_training_steps is not None else args.max_steps
+    if kind in ("constant", "constant_with_warmup") and (total is None or total <= 0):
+        if kind == "constant_with_warmup" and not (args.warmup_steps >= 1 or args.warmup_steps == 0):
+            raise ValueError("a warm-up given as a ratio needs num_training_steps= or max_steps > 0")
+        warmup = int(args.warmup_steps) if kind == "constant_with_warmup" else 0
+        return schedules.constant(warmup)
+    if total is None or total <= 0:
+        raise ValueError(
+            f"lr_scheduler_type={kind!r} needs the number of training steps: set max_steps in the "
+            "TrainingArguments or pass num_training_steps="
+        )
+    warmup = args.get_warmup_steps(total)
+    kwargs = dict(args.lr_scheduler_kwargs or {})
+    if kind == "constant":
+        return schedules.constant(0)
+    if kind == "constant_with_warmup":
+        return schedules.constant(warmup)
+    if kind == "linear":
+        return schedules.warmup_linear(total, warmup)
+    if kwargs.get("num_cycles", 0.5) != 0.5:
+        raise ValueError(f"only num_cycles=0.5 (a half cosine) runs on the device, got {kwargs['num_cycles']}")
+    if kind == "cosine":
+        return schedules.warmup_cosine(total, warmup)
+    if "min_lr_rate" in kwargs:
+        ratio = float(kwargs["min_lr_rate"])
+    elif "min_lr" in kwargs:
+        ratio = float(kwargs["min_lr"]) / float(args.learning_rate)
+    else:
+        raise ValueError("lr_scheduler_type='cosine_with_min_lr' needs lr_scheduler_kwargs min_lr or min_lr_rate")
+    return schedules.warmup_cosine(total, warmup, min_lr_ratio=ratio)
+
+
+def _trainer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The Trainer's own split: no weight decay on biases and norm weights, only trainable params."""
+    from transformers import Trainer
+
+    # Called unbound on purpose: the method only uses `model`, and calling it keeps the split identical
+    # to the installed transformers' create_optimizer (its name patterns change between versions).
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("the model has no trainable parameters (every requires_grad is False)")
+    return groups
+
+
+def fused_trainer_optimizers(
+    model: torch.nn.Module, args, num_training_steps: int | None = None, **fused_kwargs: Any
+) -> tuple[FusedAdamW, LambdaLR]:
+    """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW configured from ``args``.
+
+    Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm``
+    (clipping moves into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not
+    clip again) and ``lr_scheduler_type`` + warm-up (run on the device, so skipped steps do not advance
+    it; the returned scheduler is a constant LambdaLR). ``fused_kwargs`` (e.g. ``clip="zscore"``,
+    ``spike_skip_threshold=6.0``, ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``)
+    override or extend what comes from ``args``. Call it before building the Trainer, with the same args.
+    """
+    kwargs: dict[str, Any] = dict(
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+    )
+    if "max_grad_norm" not in fused_kwargs:
+        mgn = args.max_grad_norm
+        kwargs["max_grad_norm"] = float(mgn) if mgn is not None and mgn > 0 else None
+    if "lr_schedule" not in fused_kwargs:
+        kwargs["lr_schedule"] = schedule_from_training_args(args, num_training_steps)
+    kwargs.update(fused_kwargs)
+    optimizer = FusedAdamW(_trainer_param_groups(model, kwargs.pop("weight_decay")), **kwargs)
+    if args.max_grad_norm is not None and args.max_grad_norm > 0:
+        # The fused step now owns clipping; a Trainer clip on top would be a second, wasted pass.
+        args.max_grad_norm = 0.0
+    return optimizer, LambdaLR(optimizer, _constant_factor)
+
+
+class FusedStableCallback(TrainerCallback):
+    """Trainer callback for FusedAdamW: one clip, and the optimizer's statistics in the training logs.
+
+    ``on_train_begin`` turns the Trainer's own clipping off when FusedAdamW clips (a no-op after
+    ``fused_trainer_optimizers``, which already did). ``on_log`` adds ``grad_norm`` (pre-clip),
+    ``skipped_steps``, ``spike_skips`` and ``learning_rate`` (the lr the last fused step used, schedule
+    applied) to each training log, in the Trainer's ``state.log_history`` and in ``logs`` for the
+    callbacks after this one. Reporting callbacks (TensorBoard, W&B) that transformers registers run
+    before user callbacks; to have them see these values, pass this callback first via
+    ``trainer.callback_handler.callbacks.insert(0, FusedStableCallback())``.
+    """
+
+    def __init__(self) -> None:
+        self._trainer_clips = False
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        opt = find_fused_optimizer(optimizer)
+        if opt is None:
+            raise TypeError(
+                "FusedStableCallback needs the Trainer's optimizer to be a fused_stable.FusedAdamW, got "
+                f"{type(optimizer).__name__}: pass optimizers=fused_trainer_optimizers(model, args)"
+            )
+        self._trainer_clips = bool(args.max_grad_norm is not None and args.max_grad_norm > 0)
+        if self._trainer_clips and _clips(opt):
+            logger.info("FusedAdamW clips the gradients itself: setting max_grad_norm=0 for the Trainer")
+            args.max_grad_norm = 0.0
+            self._trainer_clips = False
+        return control
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        opt = find_fused_optimizer(optimizer)
+        if opt is None or logs is None or "loss" not in logs:  # evaluation and final summary logs
+            return control
+        values = torch.stack(
+            [opt.grad_norm.float(), opt.skipped_steps.float(), opt.spike_skips.float(), opt.last_lr.float()]
+        ).tolist()  # the one host read, at a logging step only
+        extra = {
+            "skipped_steps": int(values[1]),
+            "spike_skips": int(values[2]),
+            "learning_rate": values[3],
+        }
+        if not self._trainer_clips:
+            # With the Trainer clipping, the optimizer only sees clipped grads: keep the Trainer's norm.
+            extra["grad_norm"] = values[0]
+        logs.update(extra)
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step and "loss" in last:
+            last.update(extra)
+        return control
+
+
+class FusedStableTrainerMixin:
+    """Optional: mix in before the Trainer class (``class T(FusedStableTrainerMixin, SFTTrainer)``) to
+    drop transformers 5's extra norm pass. With ``max_grad_norm == 0`` transformers >= 5 still computes
+    the grad norm every step through ``accelerator.clip_grad_norm_(params, inf)`` (a norm pass and a
+    multiply-by-one pass, plus an unscale pass under fp16) just to log it; FusedAdamW already has it.
+    """
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and find_fused_optimizer(getattr(self, "optimizer", None)) is not None:
+            return None  # FusedStableCallback logs the optimizer's own pre-clip norm instead
+        return super()._get_grad_norm(model, grad_norm=grad_norm)

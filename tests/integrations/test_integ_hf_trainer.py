@@ -1,0 +1,160 @@
+"""The real transformers Trainer on a tiny Llama (CPU): FusedAdamW through fused_trainer_optimizers +
+FusedStableCallback follows the same trajectory as the Trainer's own torch AdamW with max_grad_norm=1.0,
+clips once, logs grad_norm / skipped_steps, and a skipped step does not advance the lr schedule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from fused_stable import FusedAdamW  # noqa: E402
+from fused_stable.integrations.hf import (  # noqa: E402
+    FusedStableCallback,
+    FusedStableTrainerMixin,
+    fused_trainer_optimizers,
+    schedule_from_training_args,
+)
+
+STEPS = 6
+LR = 3e-3
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq: int = 12, vocab: int = 64):
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def make_args(out, **overrides) -> TrainingArguments:
+    kw = dict(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=LR,
+        lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        optim="adamw_torch", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def train_logs(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def run_baseline(out):
+    model = tiny_llama()
+    trainer = Trainer(model=model, args=make_args(out), train_dataset=TokenDataset())
+    trainer.train()
+    return model, train_logs(trainer)
+
+
+class ParamSnapshots(TrainerCallback):
+    """Copies of one weight after every step, and an optional non-finite grad injected before a step."""
+
+    def __init__(self, poison_step: int | None = None):
+        self.poison_step = poison_step
+        self.snapshots = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.poison_step is not None and state.global_step + 1 == self.poison_step:
+            model.model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.snapshots.append(model.lm_head.weight.detach().clone())
+
+
+def run_fused(out, trainer_cls=Trainer, poison_step=None, steps=STEPS):
+    model = tiny_llama()
+    args = make_args(out, max_steps=steps)
+    snaps = ParamSnapshots(poison_step)
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=TokenDataset(),
+        optimizers=fused_trainer_optimizers(model, args),
+        callbacks=[FusedStableCallback(), snaps],
+    )
+    trainer.train()
+    return model, train_logs(trainer), trainer, snaps
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return run_baseline(tmp_path_factory.mktemp("base"))
+
+
+@pytest.mark.parametrize("trainer_cls", [Trainer, type("MixedTrainer", (FusedStableTrainerMixin, Trainer), {})],
+                         ids=["Trainer", "Trainer+FusedStableTrainerMixin"])
+def test_same_trajectory_as_trainer_adamw_with_clipping(baseline, tmp_path, trainer_cls):
+    base_model, base_logs = baseline
+    model, logs, trainer, _ = run_fused(tmp_path, trainer_cls)
+    assert len(logs) == len(base_logs) == STEPS
+    # the clip must actually bite in this run, or the comparison would not test it
+    assert max(h["grad_norm"] for h in base_logs) > 1.0
+    for mine, ref in zip(logs, base_logs):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert mine["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-5, abs=1e-9)
+        assert mine["skipped_steps"] == 0 and mine["spike_skips"] == 0
+    for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # clipping moved into the optimizer: the Trainer itself no longer clips
+    assert trainer.args.max_grad_norm == 0.0
+    assert isinstance(trainer.optimizer.optimizer, FusedAdamW)
+
+
+def test_skipped_step_keeps_params_and_does_not_advance_schedule(tmp_path):
+    poison = 3
+    model, logs, trainer, snaps = run_fused(tmp_path, poison_step=poison, steps=STEPS)
+    opt = trainer.optimizer.optimizer
+    assert [h["skipped_steps"] for h in logs] == [0, 0, 1, 1, 1, 1]
+    assert torch.isinf(torch.tensor(logs[poison - 1]["grad_norm"]))
+    torch.testing.assert_close(snaps.snapshots[poison - 1], snaps.snapshots[poison - 2], rtol=0, atol=0)  # nothing applied
+    assert not torch.equal(snaps.snapshots[poison], snaps.snapshots[poison - 1])  # the next step applies again
+    assert int(opt.applied_steps) == STEPS - 1
+    # the lr of the step after the skip is the one the skipped step would have used
+    sched = schedule_from_training_args(trainer.args, STEPS)
+    applied_lrs = [h["learning_rate"] for i, h in enumerate(logs) if i != poison - 1]
+    assert applied_lrs == pytest.approx([LR * sched.factor(n) for n in range(STEPS - 1)], rel=1e-5, abs=1e-9)
+
+
+def test_schedule_mapping_matches_transformers(tmp_path):
+    from transformers.optimization import get_scheduler
+
+    for kind, extra in [("linear", {}), ("cosine", {}), ("constant_with_warmup", {}),
+                        ("cosine_with_min_lr", {"lr_scheduler_kwargs": {"min_lr_rate": 0.1}})]:
+        args = make_args(tmp_path, lr_scheduler_type=kind, max_steps=20, warmup_steps=5, **extra)
+        sched = schedule_from_training_args(args)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        ref = get_scheduler(kind, opt, num_warmup_steps=5, num_training_steps=20,
+                            scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+        for n in range(20):
+            assert sched.factor(n) == pytest.approx(ref.get_last_lr()[0], abs=1e-7), (kind, n)
+            opt.step()
+            ref.step()
+
+
+def test_bad_arguments_get_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="no device-side equivalent"):
+        schedule_from_training_args(make_args(tmp_path, lr_scheduler_type="polynomial"))
+    with pytest.raises(ValueError, match="number of training steps"):
+        schedule_from_training_args(make_args(tmp_path, max_steps=-1))
+    model = tiny_llama()
+    args = make_args(tmp_path)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[FusedStableCallback()])
+    with pytest.raises(TypeError, match="fused_trainer_optimizers"):
+        trainer.train()
