@@ -39,7 +39,13 @@ H_BETA1 = 1
 H_BETA2 = 2
 H_EPS = 3
 H_WEIGHT_DECAY = 4
-H_SIZE = 5
+# derived on the host in float64: 1 - beta and log(beta) in fp32 on the device lose ~1e-5 relative for
+# beta2 = 0.999, which shows in exp_avg_sq and in the bias correction
+H_ONE_MINUS_BETA1 = 5
+H_ONE_MINUS_BETA2 = 6
+H_LOG_BETA1 = 7
+H_LOG_BETA2 = 8
+H_SIZE = 9
 
 # learning-rate schedule kinds (fused_stable.schedules)
 SCHEDULE_NONE = 0

@@ -11,6 +11,7 @@ Neither path reads a device value on the host. This module is the only place tha
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -403,19 +404,27 @@ def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_
 
 def _refresh_hparams(group_hparams: list[tuple], table: torch.Tensor, cache: StepCache) -> None:
     """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync)."""
-    floats = tuple(tuple(0.0 if isinstance(v, torch.Tensor) else float(v) for v in row) for row in group_hparams)
-    if floats != cache.hparams_key:
-        host = torch.tensor(floats, dtype=torch.float32)
+    key = tuple(tuple(None if isinstance(v, torch.Tensor) else float(v) for v in row) for row in group_hparams)
+    if key != cache.hparams_key:
+        host = torch.tensor([_hparam_row(*row) for row in group_hparams], dtype=torch.float32)
         if table.device.type == "cuda":
             host = host.pin_memory()
-        for g, row in enumerate(group_hparams):  # keep tensor lrs out of the float upload's way
-            if isinstance(row[0], torch.Tensor):
-                host[g, layout.H_LR] = 0.0
         table.copy_(host, non_blocking=True)
-        cache.hparams_key = floats
+        cache.hparams_key = key
     for g, row in enumerate(group_hparams):
         if isinstance(row[0], torch.Tensor):
             table[g, layout.H_LR].copy_(row[0])
+
+
+def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
+    row = [0.0] * layout.H_SIZE
+    row[layout.H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
+    row[layout.H_BETA1], row[layout.H_BETA2] = beta1, beta2
+    row[layout.H_EPS], row[layout.H_WEIGHT_DECAY] = eps, weight_decay
+    row[layout.H_ONE_MINUS_BETA1], row[layout.H_ONE_MINUS_BETA2] = 1.0 - beta1, 1.0 - beta2
+    row[layout.H_LOG_BETA1] = math.log(beta1) if beta1 > 0 else float("-inf")
+    row[layout.H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
+    return row
 
 
 def _check_layouts(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:

@@ -45,6 +45,10 @@ _H_BETA1 = tl.constexpr(layout.H_BETA1)
 _H_BETA2 = tl.constexpr(layout.H_BETA2)
 _H_EPS = tl.constexpr(layout.H_EPS)
 _H_WEIGHT_DECAY = tl.constexpr(layout.H_WEIGHT_DECAY)
+_H_ONE_MINUS_BETA1 = tl.constexpr(layout.H_ONE_MINUS_BETA1)
+_H_ONE_MINUS_BETA2 = tl.constexpr(layout.H_ONE_MINUS_BETA2)
+_H_LOG_BETA1 = tl.constexpr(layout.H_LOG_BETA1)
+_H_LOG_BETA2 = tl.constexpr(layout.H_LOG_BETA2)
 _SCHEDULE_NONE = tl.constexpr(layout.SCHEDULE_NONE)
 _SCHEDULE_CONSTANT = tl.constexpr(layout.SCHEDULE_CONSTANT)
 _SCHEDULE_LINEAR = tl.constexpr(layout.SCHEDULE_LINEAR)
@@ -111,7 +115,7 @@ def _finalize_kernel(
     if HAS_EXTERNAL_SUMSQ:
         sumsq = tl.load(external_sumsq_ptr)
     norm = tl.sqrt(sumsq)
-    nonfinite = (norm - norm) != 0.0  # inf - inf and nan - nan are nan
+    nonfinite = ~(norm < float("inf"))  # the comparison is false for inf and for nan
     if HAS_FOUND_INF:
         nonfinite = nonfinite | (tl.load(found_inf_ptr) != 0.0)
 
@@ -202,6 +206,13 @@ def _finalize_kernel(
 
 
 @triton.jit
+def _expm1(x):
+    """exp(x) - 1 without the cancellation near 0 (a Taylor series there); x = -inf gives -1."""
+    series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x / 5040))))))
+    return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)
+
+
+@triton.jit
 def _adamw_kernel(
     table,  # int64 [num_tensors, TABLE_COLUMNS]
     grad_addrs,  # int64 [num_tensors]
@@ -229,14 +240,15 @@ def _adamw_kernel(
 
         hp = hparams + tl.load(row + _COL_GROUP) * _H_SIZE
         lr = tl.load(hp + _H_LR) * tl.load(fstate + _F_LR_FACTOR)
-        beta1 = tl.load(hp + _H_BETA1)
         beta2 = tl.load(hp + _H_BETA2)
+        one_minus_beta1 = tl.load(hp + _H_ONE_MINUS_BETA1)
+        one_minus_beta2 = tl.load(hp + _H_ONE_MINUS_BETA2)
         eps = tl.load(hp + _H_EPS)
         decay = 1.0 - lr * tl.load(hp + _H_WEIGHT_DECAY)
         grad_mul = tl.load(fstate + _F_GRAD_MUL)
-        # beta ** step; beta = 0 gives exp(-inf) = 0 as it should
-        bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))
-        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
+        # 1 - beta ** step = -expm1(step * log(beta)), accurate in fp32 even for beta2 = 0.999 at step 1
+        bias_correction1 = -_expm1(step * tl.load(hp + _H_LOG_BETA1))
+        bias_correction2_sqrt = tl.sqrt(-_expm1(step * tl.load(hp + _H_LOG_BETA2)))
         step_size = lr / bias_correction1
 
         offsets = tl.arange(0, BLOCK).to(tl.int64)
@@ -252,8 +264,8 @@ def _adamw_kernel(
             v = tl.load(exp_avg_sq + idx, mask=mask, other=0.0)
             # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
             p = p * decay
-            m = m + (1.0 - beta1) * (g - m)
-            v = v * beta2 + (1.0 - beta2) * (g * g)
+            m = m + one_minus_beta1 * (g - m)
+            v = v * beta2 + one_minus_beta2 * (g * g)
             denom = tl.sqrt(v) / bias_correction2_sqrt + eps
             p = p - step_size * (m / denom)
             tl.store(exp_avg + idx, m, mask=mask)

@@ -1,0 +1,153 @@
+"""`fused-stable bench`: parse options, measure the copy bandwidth, run the plan, print the table, write results."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import measure, report
+from .contenders import CONTENDERS
+from .paramsets import plan_sets
+from .runner import Options, run_plan
+
+# Per-plan defaults: (warm-up, min steps, seconds of timed steps per row, max steps, compile sets, copy bytes)
+PLAN_DEFAULTS = {
+    "cpu": dict(warmup=3, min_steps=15, min_time=1.0, max_steps=200, compile_sets="dense-fp32",
+                compile_timeout=120.0, copy_mib=256),
+    "gpu": dict(warmup=10, min_steps=30, min_time=0.3, max_steps=500, compile_sets="dense-fp32,lora-fp32",
+                compile_timeout=150.0, copy_mib=2048),
+    "smoke": dict(warmup=1, min_steps=3, min_time=0.0, max_steps=3, compile_sets="",
+                  compile_timeout=60.0, copy_mib=8),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fused-stable bench",
+        description="Time one optimizer step (global-norm clip 1.0 + AdamW) of fused_stable against torch's "
+                    "clip + AdamW variants; print one table and write JSON + markdown.")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    p.add_argument("--plan", default="auto", choices=["auto", "cpu", "gpu", "smoke"],
+                   help="parameter sizes: cpu (fits 2 cores in a few minutes), gpu (1M to 1B+ params), "
+                        "smoke (tiny); auto picks gpu on CUDA, else cpu")
+    p.add_argument("--size-scale", type=float, default=1.0,
+                   help="multiply every set's size by this (e.g. run the gpu plan's logic on CPU with 1e-3)")
+    p.add_argument("--sets", default="", help="comma-separated set names or prefixes to run (default: all)")
+    p.add_argument("--contenders", default="", help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
+    p.add_argument("--warmup", type=int, help="warm-up steps per row")
+    p.add_argument("--steps", type=int, help="minimum timed steps per row")
+    p.add_argument("--max-steps", type=int, help="maximum timed steps per row")
+    p.add_argument("--min-time", type=float, help="seconds of timed steps to aim for per row")
+    p.add_argument("--input-sets", type=int, default=3,
+                   help="independent copies of a set (< 256 MiB) rotated between steps so caches don't flatter")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile contender: auto = on the plan's compile sets, on = every dense/LoRA set")
+    p.add_argument("--compile-sets", help="comma-separated sets that get the torch.compile contender")
+    p.add_argument("--compile-timeout", type=float, help="time box (s) of one torch.compile row, compile included")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiler pass (launches, syncs)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds after which remaining rows are skipped (0: none); results are still written")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results", help="output directory for the JSON and markdown")
+    p.add_argument("--name", default="", help="file stem (default: bench-<device>-<UTC date-time>)")
+    return p
+
+
+def _resolve_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(arg)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {arg}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {arg}: only cpu and cuda are supported")
+    return device
+
+
+def _select_sets(sets, selector: str):
+    if not selector:
+        return sets
+    wanted = [s.strip() for s in selector.split(",") if s.strip()]
+    chosen = [s for s in sets if any(s.name == w or s.name.startswith(w) for w in wanted)]
+    if not chosen:
+        raise ValueError(f"--sets {selector!r} matches none of: {', '.join(s.name for s in sets)}")
+    return chosen
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from rich.console import Console
+
+    console = Console(width=max(200, Console().width))
+    try:
+        device = _resolve_device(args.device)
+        plan = args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")
+        sets = _select_sets(plan_sets(plan, args.size_scale), args.sets)
+        contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())
+        unknown = [c for c in contenders if c not in CONTENDERS]
+        if unknown:
+            raise ValueError(f"--contenders: unknown {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+        if args.threads < 0 or args.input_sets < 1:
+            raise ValueError("--threads must be >= 0 and --input-sets >= 1")
+    except ValueError as e:
+        print(f"fused-stable bench: {e}", file=sys.stderr)
+        return 2
+
+    d = PLAN_DEFAULTS[plan]
+    if args.compile == "off":
+        compile_sets = ()
+    elif args.compile == "on":
+        compile_sets = tuple(s.name for s in sets if s.family in ("dense", "lora"))
+    else:
+        chosen = args.compile_sets if args.compile_sets is not None else d["compile_sets"]
+        compile_sets = tuple(s.strip() for s in chosen.split(",") if s.strip())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    opts = Options(
+        device=str(device), warmup=args.warmup if args.warmup is not None else d["warmup"],
+        min_steps=args.steps if args.steps is not None else d["min_steps"],
+        min_time=args.min_time if args.min_time is not None else d["min_time"],
+        max_steps=args.max_steps if args.max_steps is not None else max(d["max_steps"], args.steps or 0),
+        input_sets=args.input_sets, compile_sets=compile_sets,
+        compile_timeout=args.compile_timeout if args.compile_timeout is not None else d["compile_timeout"],
+        threads=args.threads, seed=args.seed, profile=not args.no_profile, contenders=contenders)
+
+    started = time.monotonic()
+    deadline = started + args.deadline if args.deadline > 0 else None
+    env = report.environment(device)
+    copy_bytes = d["copy_mib"] * 2**20
+    console.print(f"measuring copy bandwidth on {env['device']} ...", markup=False)
+    copy_bw = measure.copy_bandwidth(device, copy_bytes)
+    stem = args.name or f"bench-{device.type}-{env['date'][:19].replace(':', '').replace('-', '')}"
+    out_dir = Path(args.out)
+    result = {
+        "environment": env, "plan": plan, "size_scale": args.size_scale,
+        "command": "fused-stable bench " + " ".join(shlex.quote(a) for a in argv),
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
+        "copy_bytes": copy_bytes, "copy_bandwidth_gbps": copy_bw / 1e9,
+        "bytes_model": {c.key: {"passes": list(c.passes), "note": c.bytes_note} for c in CONTENDERS.values()},
+        "sets": [dict(name=s.name, family=s.family, dtype=s.dtype, n_tensors=s.n_tensors,
+                      n_params=s.n_params, description=s.description) for s in sets],
+        "rows": [], "goals": [],
+    }
+
+    def on_row(row):
+        result["rows"].append(row)
+        status = (f"{row['median_s'] * 1e3:.3f} ms" if row["status"] == "ok"
+                  else f"{row['status']}: {row['reason']}")
+        console.print(f"  {row['set']:<14} {row['contender']:<20} {status}", markup=False)
+        report.write(result, out_dir, stem)   # partial results survive a kill
+
+    run_plan(sets, opts, copy_bw, deadline=deadline, on_row=on_row)
+    env["load_average_end"] = report.load_average()
+    env["wall_s"] = round(time.monotonic() - started, 1)
+    result["goals"] = report.goals(result["rows"], device.type)
+    json_path, md_path = report.write(result, out_dir, stem)
+    report.print_table(console, result)
+    console.print(f"wrote {json_path} and {md_path}", markup=False)
+    return 0

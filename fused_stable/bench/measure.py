@@ -1,0 +1,184 @@
+"""How one benchmark row is measured: step times, the bytes model, copy bandwidth, launches, syncs, memory.
+
+CPU: `time.perf_counter` around each step after warm-up. CUDA: a pair of CUDA events around each step, with a
+256 MiB buffer zeroed between steps (outside the events) so the L2 cache starts cold, as triton's do_bench does.
+Both rotate over several independent input sets when one set is small enough to sit in a cache.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from .paramsets import tensor_bytes
+
+MiB = 2**20
+SMALL_SET_BYTES = 256 * MiB      # below this resident size a step could be served from a cache: rotate inputs
+L2_FLUSH_BYTES = 256 * MiB
+
+# Bytes each memory pass moves, from the total bytes of params (P), grads (G) and full-size optimizer state (S:
+# exp_avg + exp_avg_sq, plus master weights if any). "foreach_update" counts torch's _multi_tensor_adam
+# (non-capturable): wd mul 2P, lerp m 2S'+G, mul v 2S', addcmul v 2S'+G, sqrt 2S', div 2S', add eps 2S',
+# addcdiv 2P+2S' with S' one state = S/2, i.e. 4P + 2G + 7S.
+PASS_BYTES: dict[str, Callable[[int, int, int], int]] = {
+    "norm": lambda P, G, S: G,                       # read every grad once
+    "grad_rw": lambda P, G, S: 2 * G,                # read and write every grad (clip scale, unscale_)
+    "fused_update": lambda P, G, S: 2 * P + G + 2 * S,   # read p, g, m, v; write p, m, v
+    "foreach_update": lambda P, G, S: 4 * P + 2 * G + 7 * S,
+}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, params) -> int:
+    """Bytes of the per-element optimizer state (tensors as large as their param), found after the first step."""
+    total = 0
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if torch.is_tensor(value) and value.numel() == p.numel() and value.numel() > 1:
+                total += value.numel() * value.element_size()
+    return total
+
+
+def bytes_per_step(passes, params, optimizer) -> int:
+    P = tensor_bytes(params)
+    G = tensor_bytes([p.grad for p in params])
+    S = state_bytes(optimizer, params)
+    return sum(PASS_BYTES[name](P, G, S) for name in passes)
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
+    """Median bytes/s of a large contiguous copy (bytes read + bytes written): the device's practical ceiling."""
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    times = _time_loop([lambda: dst.copy_(src)], device, reps, flush=None)[0]
+    del src, dst
+    return 2 * n * 4 / statistics.median(times)
+
+
+def _time_loop(fns, device, n, flush):
+    """Per-step wall times (s) and host CPU seconds spent inside the step calls."""
+    times, host = [], 0.0
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        synchronize(device)
+        for i in range(n):
+            if flush is not None:
+                flush.zero_()
+            starts[i].record()
+            fns[i % len(fns)]()
+            ends[i].record()
+        synchronize(device)
+        times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+        # Host cost measured apart, syncing after every step: launch-queue back-pressure must not count.
+        for i in range(min(n, 20)):
+            c0 = time.process_time()
+            fns[i % len(fns)]()
+            host += time.process_time() - c0
+            synchronize(device)
+        return times, host / min(n, 20)
+    for i in range(n):
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        fns[i % len(fns)]()
+        times.append(time.perf_counter() - t0)
+        host += time.process_time() - c0
+    return times, host / n
+
+
+def time_steps(fns: list[Callable[[], None]], device: torch.device, *, warmup: int, min_steps: int,
+               min_time: float, max_steps: int) -> dict:
+    """Warm up, pick a step count that fills `min_time`, then time every step."""
+    t0 = time.perf_counter()
+    for i in range(max(1, warmup)):
+        fns[i % len(fns)]()
+    synchronize(device)
+    per_step = (time.perf_counter() - t0) / max(1, warmup)
+    n = int(min(max_steps, max(min_steps, math.ceil(min_time / max(per_step, 1e-6)))))
+    flush = torch.empty(L2_FLUSH_BYTES // 4, device=device) if device.type == "cuda" else None
+    times, host = _time_loop(fns, device, n, flush)
+    del flush
+    q1, med, q3 = quartiles(times)
+    return {"steps": n, "median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1,
+            "min_s": min(times), "host_cpu_s": host}
+
+
+def count_launches_and_syncs(step: Callable[[], None], device: torch.device, steps: int = 3) -> dict:
+    """CUDA only: kernels per step from torch.profiler, host syncs per step from the profiler's runtime calls
+    and from torch.cuda.set_sync_debug_mode warnings (the larger of the two)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    kernels: dict[str, int] = {}
+    runtime_syncs = 0
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            kernels[evt.name] = kernels.get(evt.name, 0) + 1
+        elif "Synchronize" in evt.name and evt.name.startswith(("cuda", "cu")):
+            runtime_syncs += 1
+    runtime_syncs -= 1   # the synchronize() that closes the profiled region is ours, not the step's
+
+    synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    debug_syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
+    synchronize(device)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
+    return {"launches_per_step": sum(kernels.values()) / steps,
+            "syncs_per_step": max(max(runtime_syncs, 0), debug_syncs) / steps,
+            "top_kernels": [{"name": k[:120], "per_step": v / steps} for k, v in top]}
+
+
+def step_extra_memory(step: Callable[[], None], device: torch.device) -> int:
+    """Bytes a step allocates beyond what is resident before it (its transient peak)."""
+    synchronize(device)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    # CPU: the profiler's allocator events, replayed in order; the running sum's maximum is the transient peak.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak

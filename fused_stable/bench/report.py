@@ -1,0 +1,226 @@
+"""Results of a benchmark run: the environment record, the goal checks, and the table (rich, markdown, JSON)."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+# Goals of issue 6. GPU goals apply to CUDA runs; the CPU bar is the core issue's bar for the torch path.
+CPU_TIME_RATIO_BAR = 0.95
+
+
+def _version(module: str) -> str:
+    try:
+        mod = __import__(module)
+        return getattr(mod, "__version__", "unknown")
+    except Exception as e:  # triton may be absent or fail to import on some machines
+        return f"not importable ({type(e).__name__})"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_revision() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def load_average() -> list | None:
+    """1/5/15-minute load: other work on the machine shows up in CPU timings, so it is recorded with them."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def environment(device: torch.device) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+        runtime = f"CUDA {torch.version.cuda}"
+    else:
+        name = f"{_cpu_name()} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
+        runtime = "CPU"
+    try:
+        from importlib.metadata import version
+        fs_version = version("fused_stable")
+    except Exception:
+        fs_version = "unknown"
+    return {
+        "device": name, "device_type": device.type, "runtime": runtime,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": _version("triton"), "fused_stable": fs_version,
+        "git": _git_revision(), "python": platform.python_version(), "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_start": load_average(),
+    }
+
+
+def _by(rows, set_name, contender):
+    for r in rows:
+        if r["set"] == set_name and r["contender"] == contender and r["status"] == "ok":
+            return r
+    return None
+
+
+def _goal(name, set_name, value, target, higher_is_better, unit, why_missing=""):
+    if value is None:
+        return {"goal": name, "set": set_name, "value": None, "target": target, "passed": None,
+                "detail": why_missing or "not measured"}
+    passed = value >= target if higher_is_better else value <= target
+    if passed:
+        detail = f"met: {value:.3g}{unit} vs target {'>=' if higher_is_better else '<='} {target:g}{unit}"
+    elif higher_is_better:
+        detail = f"missed by {100 * (1 - value / target):.1f}%: {value:.3g}{unit}, needs >= {target:g}{unit}"
+    else:
+        detail = f"missed by {100 * (value / target - 1):.1f}%: {value:.3g}{unit}, needs <= {target:g}{unit}"
+    return {"goal": name, "set": set_name, "value": value, "target": target, "passed": passed, "detail": detail}
+
+
+def goals(rows: list[dict], device_type: str) -> list[dict]:
+    """The issue's targets, checked against this run's rows (missing rows say why)."""
+    out = []
+    if device_type == "cpu":
+        for r in rows:
+            if r["contender"] in ("fused_stable", "fused_stable_scaler") and r["status"] == "ok":
+                out.append(_goal(f"CPU: {r['contender']} time <= {CPU_TIME_RATIO_BAR}x {r['baseline']}",
+                                 r["set"], r.get("time_ratio"), CPU_TIME_RATIO_BAR, False, "x"))
+        return out
+    dense = _by(rows, "dense-fp32", "fused_stable")
+    if dense is not None and dense["n_params"] < 100_000_000:
+        out.append(_goal("dense fp32 (>=100M params)", "dense-fp32", None, 0, True, "",
+                         f"set has only {dense['n_params']:,} params"))
+    else:
+        out.append(_goal("dense fp32: >= 90% of copy bandwidth", "dense-fp32",
+                         dense and dense.get("pct_copy_bw"), 90.0, True, "%"))
+        out.append(_goal("dense fp32: >= 1.2x torch fused + foreach clip", "dense-fp32",
+                         dense and dense.get("speedup"), 1.2, True, "x"))
+        comp = _by(rows, "dense-fp32", "torch_compile")
+        ratio = comp["median_s"] / dense["median_s"] if (dense and comp) else None
+        out.append(_goal("dense fp32: not slower than torch.compile", "dense-fp32", ratio, 1.0, True, "x",
+                         "torch.compile row was skipped" if dense else ""))
+    lora = _by(rows, "lora-fp32", "fused_stable")
+    out.append(_goal("LoRA (400+ tensors): >= 3x torch fused + foreach clip", "lora-fp32",
+                     lora and lora.get("speedup"), 3.0, True, "x"))
+    amp = _by(rows, "amp-fp16", "fused_stable_scaler")
+    out.append(_goal("fp16 GradScaler path: >= 1.5x torch's recipe", "amp-fp16",
+                     amp and amp.get("speedup"), 1.5, True, "x"))
+    return out
+
+
+# ---- formatting -------------------------------------------------------------------------------------------
+
+COLUMNS = ["set", "contender", "median ms", "IQR ms", "speedup", "B/param", "GB/s", "% copy BW",
+           "launches", "syncs", "peak MiB", "host ms", "notes"]
+
+
+def _f(x, fmt):
+    return "n/a" if x is None else format(x, fmt)
+
+
+def set_cell(r: dict) -> str:
+    return f"{r['set']} ({r['n_params'] / 1e6:.3g}M, {r['n_tensors']} t)"
+
+
+def row_cells(r: dict, name: str | None = None) -> list[str]:
+    name = set_cell(r) if name is None else name
+    if r["status"] != "ok":
+        return [name, r["contender"]] + ["-"] * (len(COLUMNS) - 3) + [f"{r['status']}: {r['reason']}"]
+    notes = []
+    if r.get("backend"):
+        notes.append(r["backend"])
+    if r["contender"] == "torch_compile":
+        notes.append(f"first step {r['first_step_s']:.1f} s")
+    if r["contender"] == r.get("baseline"):
+        notes.append("baseline")
+    return [
+        name, r["contender"],
+        f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}",
+        _f(r.get("speedup"), ".2f") + ("x" if r.get("speedup") is not None else ""),
+        f"{r['bytes_per_param']:.0f}", f"{r['gbps']:.1f}", _f(r.get("pct_copy_bw"), ".0f"),
+        _f(r.get("launches_per_step"), ".1f"), _f(r.get("syncs_per_step"), ".1f"),
+        f"{r['peak_mem_bytes'] / 2**20:.0f}", f"{r['host_cpu_s'] * 1e3:.2f}", ", ".join(notes),
+    ]
+
+
+def print_table(console, result: dict) -> None:
+    from rich.table import Table
+
+    env = result["environment"]
+    title = (f"fused_stable bench: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+             f"copy BW {result['copy_bandwidth_gbps']:.1f} GB/s, {env['date']}")
+    table = Table(title=title, show_lines=False)
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("set", "contender", "notes") else "right",
+                         no_wrap=col != "notes", overflow="fold")
+    previous = None
+    for r in result["rows"]:
+        first = r["set"] != previous
+        if first and previous is not None:
+            table.add_section()
+        previous = r["set"]
+        table.add_row(*row_cells(r, set_cell(r) if first else ""))
+    console.print(table)
+    for g in result["goals"]:
+        mark = {True: "PASS", False: "MISS", None: "n/a "}[g["passed"]]
+        console.print(f"  [{mark}] {g['goal']} ({g['set']}): {g['detail']}", markup=False)
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        f"# fused_stable benchmark: {env['device']}",
+        "",
+        f"- date: {env['date']}",
+        f"- device: {env['device']} ({env['runtime']})",
+        f"- torch {env['torch']}, triton {env['triton']}, fused_stable {env['fused_stable']} "
+        f"(git {env['git']}), python {env['python']}",
+        f"- platform: {env['platform']}, torch threads: {env['torch_threads']}, "
+        f"load average at start: {env['load_average_start']}, at end: {env.get('load_average_end')}",
+        f"- measured copy bandwidth (read + write of a {result['copy_bytes'] / 2**20:.0f} MiB copy): "
+        f"{result['copy_bandwidth_gbps']:.1f} GB/s",
+        f"- command: `{result['command']}`",
+        f"- plan: {result['plan']}; step: global-norm clip at 1.0 + AdamW (lr 1e-3, wd 0.01); timing: "
+        + ("CUDA events per step, L2 flushed between steps" if env["device_type"] == "cuda"
+           else "time.perf_counter per step") + ", after warm-up, rotating input sets when a set is < 256 MiB",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |")
+    lines += ["", "speedup: torch baseline median / row median (baseline: `torch_fused` = clip_grad_norm_"
+              "(foreach=True) + AdamW(fused=True); `torch_scaler` for the fp16 AMP set). "
+              "B/param: bytes model (docs/benchmarks.md). launches, syncs: per step (CUDA only). "
+              "peak MiB: params + grads + optimizer state + the step's transient allocations. "
+              "host ms: CPU time of the process during the step call.", "", "## Goals", ""]
+    lines += ["| goal | set | result |", "|---|---|---|"]
+    for g in result["goals"]:
+        mark = {True: "met", False: "**missed**", None: "n/a"}[g["passed"]]
+        lines.append(f"| {g['goal']} | {g['set']} | {mark}: {g['detail']} |")
+    lines += ["", "## Parameter sets", ""]
+    for s in result["sets"]:
+        lines.append(f"- `{s['name']}`: {s['description']} ({s['n_tensors']} tensors, {s['n_params']:,} params)")
+    return "\n".join(lines) + "\n"
+
+
+def write(result: dict, out_dir: Path, stem: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md_path.write_text(markdown(result))
+    return json_path, md_path

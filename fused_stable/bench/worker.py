@@ -1,0 +1,32 @@
+"""Worker process for one time-boxed benchmark row: `python -m fused_stable.bench.worker '<job json>'`.
+
+The parent (runner._run_isolated) kills it when its time box runs out; on success it prints one `RESULT {json}`
+line with the same row dict `runner.measure_row` returns in-process.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from .contenders import CONTENDERS
+from .paramsets import ParamSetSpec
+from .runner import Options, measure_row
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m fused_stable.bench.worker '<job json>'", file=sys.stderr)
+        return 2
+    job = json.loads(argv[0])
+    opts = Options(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["opts"].items()})
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    row = measure_row(ParamSetSpec.from_json(job["spec"]), CONTENDERS[job["contender"]], opts, job["copy_bw"])
+    print("RESULT " + json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""FusedAdamW against torch.optim.AdamW + torch.nn.utils.clip_grad_norm_ in fp32, on every CPU backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_stable import FusedAdamW
+from helpers import BACKEND_PARAMS, assert_close
+
+STEPS = 8
+# empty tensors first, between and last; sizes around the block (1024) and the chunk (65536); 0-dim, 2-D, 3-D
+SHAPES = [(0,), (1,), (7,), (1023,), (1024,), (1025,), (0, 3), (4097,), (65537,), (), (13, 17), (3, 5, 7), (0,)]
+
+
+def make_params(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def run_pair(shapes, backend, *, groups=None, max_norm=1.0, grad_scale_factor=1.0, none_grads=(), steps=STEPS, seed=0, **hp):
+    """Runs FusedAdamW and the torch reference on the same grads; returns (fused params, ref params, opts)."""
+    init = make_params(shapes, seed)
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    theirs = [torch.nn.Parameter(t.clone()) for t in init]
+
+    def grouped(params):
+        if groups is None:
+            return params
+        return [dict(g, params=[params[i] for i in g["params"]]) for g in groups]
+
+    opt = FusedAdamW(grouped(ours), max_grad_norm=max_norm, backend=backend, **hp)
+    ref = torch.optim.AdamW(grouped(theirs), **hp)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if (step, i) in none_grads:
+                a.grad = b.grad = None
+                continue
+            g = torch.randn(a.shape, generator=gen) * grad_scale_factor
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        ref.step()
+    return ours, theirs, opt, ref
+
+
+def assert_same_state(ours, theirs, opt, ref, rtol=1e-5, atol=1e-6):
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert_close(a, b, rtol, atol, f"param {i} {tuple(a.shape)}")
+        sa, sb = opt.state[a], ref.state[b]
+        assert bool(sa) == bool(sb), f"param {i}: state present {bool(sa)} vs {bool(sb)}"
+        if not sb:
+            continue
+        assert_close(sa["exp_avg"], sb["exp_avg"], rtol, atol, f"exp_avg {i}")
+        assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol, atol * 1e-3, f"exp_avg_sq {i}")
+        assert float(sa["step"]) == float(sb["step"]), f"step {i}"
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("max_norm", [1.0, 1e6, None], ids=["clip-active", "clip-inactive", "no-clip"])
+def test_parity_odd_shapes(backend, max_norm):
+    ours, theirs, opt, ref = run_pair(SHAPES, backend, max_norm=max_norm, lr=1e-2, weight_decay=0.1)
+    assert_same_state(ours, theirs, opt, ref)
+    if max_norm == 1.0:  # the clip really was active: the grads' norm was far above 1
+        assert opt.grad_norm.item() > 100
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_parity_many_tensors(backend):
+    shapes = [(1 + (i * 37) % 300,) for i in range(320)]
+    ours, theirs, opt, ref = run_pair(shapes, backend, steps=3, lr=3e-3)
+    assert_same_state(ours, theirs, opt, ref)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_parity_two_groups_and_missing_grads(backend):
+    shapes = [(33,), (1025,), (4, 4), (9,), (2000,)]
+    groups = [
+        {"params": [0, 1, 2], "lr": 1e-2, "weight_decay": 0.0},
+        {"params": [3, 4], "lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.3},
+    ]
+    # param 2 never has a grad (no state); params 0 and 4 miss some steps
+    none_grads = {(s, 2) for s in range(STEPS)} | {(0, 0), (3, 0), (5, 4)}
+    ours, theirs, opt, ref = run_pair(shapes, backend, groups=groups, none_grads=none_grads, max_norm=2.0)
+    assert_same_state(ours, theirs, opt, ref)
+    assert not opt.state[ours[2]]
+    norms = opt.per_tensor_grad_norms()
+    assert norms.shape == (5,) and norms[2].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_grad_norm_is_pre_clip_global_norm(backend):
+    p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    opt = FusedAdamW(p, lr=0.1, max_grad_norm=1.0, backend=backend)
+    p[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    p[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
+    opt.step()
+    assert opt.grad_norm.dtype == torch.float32 and opt.grad_norm.dim() == 0
+    assert opt.grad_norm.item() == pytest.approx(5.0)
+    assert torch.allclose(opt.per_tensor_grad_norms(), torch.tensor([3.0, 4.0]))
+    assert opt.skipped_steps.item() == 0 and not opt.skipped_steps.is_floating_point()
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_closure_is_called_and_returned(backend):
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = FusedAdamW([w], lr=0.1, backend=backend)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert calls == [1] and loss.item() == pytest.approx(4.0)
+    assert (w < 1).all()
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_tensor_lr_matches_float_lr(backend):
+    a, b = run_pair([(50,), (7,)], backend, lr=torch.tensor(0.01), steps=3)[:2]
+    c, d = run_pair([(50,), (7,)], backend, lr=0.01, steps=3)[:2]
+    for x, y in zip(a, c):
+        assert_close(x, y, 0, 0, "tensor lr vs float lr")
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_torch_lr_scheduler_drives_group_lr(backend):
+    init = make_params([(20,)])
+    ours, theirs = torch.nn.Parameter(init[0].clone()), torch.nn.Parameter(init[0].clone())
+    opt = FusedAdamW([ours], lr=0.1, backend=backend)
+    ref = torch.optim.AdamW([theirs], lr=0.1)
+    s1 = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    for _ in range(5):
+        g = torch.randn(20)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step(), ref.step(), s1.step(), s2.step()
+    assert_close(ours, theirs, 1e-5, 1e-6, "StepLR-driven lr")
