@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from integ_models import TokenDataset, tiny_llama
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fused_stable import FusedAdamW  # noqa: E402
-from fused_stable.integrations.hf import (  # noqa: E402
+from fused_stable import FusedAdamW
+from fused_stable.integrations.hf import (
     FusedStableCallback,
     FusedStableTrainerMixin,
     fused_trainer_optimizers,
@@ -19,27 +19,6 @@ from fused_stable.integrations.hf import (  # noqa: E402
 
 STEPS = 6
 LR = 3e-3
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64, seq: int = 12, vocab: int = 64):
-        g = torch.Generator().manual_seed(1234)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
 
 
 def make_args(out, **overrides) -> TrainingArguments:
