@@ -1,0 +1,125 @@
+"""Smoke tests of `fused-stable bench` on CPU with tiny sizes: the table, the JSON and markdown it writes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fused_stable.bench import main
+from fused_stable.bench.contenders import CONTENDERS
+from fused_stable.bench.measure import PASS_BYTES, bytes_per_step, quartiles
+from fused_stable.bench.paramsets import lora_shapes, plan_sets
+from fused_stable.cli import main as cli_main
+
+FAST = ["--device", "cpu", "--threads", "1", "--warmup", "1", "--steps", "3", "--max-steps", "3",
+        "--min-time", "0", "--input-sets", "2"]
+
+
+def _run(tmp_path, capsys, *extra):
+    rc = cli_main(["bench", "--plan", "smoke", "--out", str(tmp_path), "--name", "r", *FAST, *extra])
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "r.json").read_text())
+    return rc, out, result
+
+
+def _row(result, set_name, contender):
+    return next(r for r in result["rows"] if r["set"] == set_name and r["contender"] == contender)
+
+
+def test_smoke_plan_table_json_and_markdown(tmp_path, capsys):
+    rc, out, result = _run(tmp_path, capsys, "--compile", "off")
+    assert rc == 0
+
+    env = result["environment"]
+    assert env["device_type"] == "cpu" and env["torch"] == torch.__version__
+    assert env["date"] and env["triton"] and env["device"]
+    assert result["copy_bandwidth_gbps"] > 0
+
+    sets = {s["name"] for s in result["sets"]}
+    assert {"dense-fp32", "dense-bf16", "lora-fp32", "amp-fp16"} <= sets
+    assert any(name.startswith("sweep-") for name in sets)
+
+    fused, base = _row(result, "dense-fp32", "fused_stable"), _row(result, "dense-fp32", "torch_fused")
+    assert fused["status"] == base["status"] == "ok"
+    assert fused["backend"] == "torch"            # CPU tensors take the torch path
+    # the bytes model of issue 6 for fp32: 4 + 28 = 32 B/param fused, 40 with torch's foreach clip
+    assert fused["bytes_per_param"] == pytest.approx(32.0)
+    assert base["bytes_per_param"] == pytest.approx(40.0)
+    assert _row(result, "dense-fp32", "torch_foreach")["bytes_per_param"] == pytest.approx(92.0)
+    assert _row(result, "amp-fp16", "torch_scaler")["bytes_per_param"] == pytest.approx(48.0)
+    assert _row(result, "amp-fp16", "fused_stable_scaler")["bytes_per_param"] == pytest.approx(32.0)
+    assert base["speedup"] == pytest.approx(1.0)
+    assert fused["speedup"] == pytest.approx(base["median_s"] / fused["median_s"])
+    for r in (fused, base):
+        assert r["steps"] == 3 and r["input_sets"] == 2
+        assert r["q1_s"] <= r["median_s"] <= r["q3_s"]
+        assert r["gbps"] == pytest.approx(r["bytes_per_step"] / r["median_s"] / 1e9)
+        assert r["pct_copy_bw"] > 0 and r["host_cpu_s"] > 0
+        assert r["launches_per_step"] is None and r["syncs_per_step"] is None   # CUDA-only figures
+        assert r["peak_mem_bytes"] >= r["resident_bytes"] > 0
+
+    lora = _row(result, "lora-fp32", "fused_stable")
+    assert lora["n_tensors"] == 56 and lora["status"] == "ok"
+    apex = _row(result, "dense-fp32", "apex")
+    assert apex["status"] == "skipped" and "CUDA" in apex["reason"]
+    assert _row(result, "dense-fp32", "torch_compile")["status"] == "skipped"
+
+    # one CPU goal line per fused_stable row, each with a measured ratio
+    cpu_goals = [g for g in result["goals"] if g["goal"].startswith("CPU:")]
+    assert len(cpu_goals) == len(sets) and all(g["value"] is not None for g in cpu_goals)
+
+    # the printed table names every set and contender, and the CUDA-only columns read n/a
+    for name in ("dense-fp32", "lora-fp32", "amp-fp16", "fused_stable_scaler", "torch_foreach", "median ms"):
+        assert name in out
+    assert "n/a" in out
+
+    md = (tmp_path / "r.md").read_text()
+    table_rows = [line for line in md.splitlines() if line.startswith("| dense-fp32 (")]
+    assert len(table_rows) == len(CONTENDERS) - 2   # every non-AMP contender has a dense-fp32 row
+    assert "## Goals" in md and env["torch"] in md and "copy bandwidth" in md
+
+
+def test_compile_contender_is_time_boxed_and_reported_as_skipped(tmp_path, capsys):
+    rc, _, result = _run(tmp_path, capsys, "--sets", "dense-fp32", "--contenders", "torch_fused,torch_compile",
+                         "--compile", "on", "--compile-timeout", "1")
+    assert rc == 0
+    row = _row(result, "dense-fp32", "torch_compile")
+    assert row["status"] == "skipped" and "time box" in row["reason"]
+    assert _row(result, "dense-fp32", "torch_fused")["status"] == "ok"
+
+
+def test_gpu_plan_logic_runs_on_cpu_with_a_size_scale(tmp_path, capsys):
+    # the sets gpu_check.sh benchmarks, shrunk 10^4-fold so their code path runs here
+    rc, _, result = _run(tmp_path, capsys, "--plan", "gpu", "--size-scale", "1e-4", "--compile", "off",
+                         "--contenders", "fused_stable,torch_fused,fused_stable_scaler,torch_scaler")
+    assert rc == 0 and result["plan"] == "gpu"
+    names = [s["name"] for s in result["sets"]]
+    assert names[:4] == ["dense-fp32", "dense-bf16", "lora-fp32", "amp-fp16"] and len(names) == 8
+    assert _row(result, "lora-fp32", "fused_stable")["n_tensors"] == 448
+    assert all(r["status"] == "ok" for r in result["rows"])
+
+
+def test_bad_arguments_exit_2_with_a_one_line_error(tmp_path, capsys):
+    assert main(["--device", "cpu", "--sets", "nope", "--out", str(tmp_path)]) == 2
+    assert "matches none of" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--contenders", "torch_fuse", "--out", str(tmp_path)]) == 2
+    assert "unknown torch_fuse" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bytes_model_and_shapes():
+    assert len(lora_shapes(4096, 11008, 32, 16)) == 448
+    # the model counts bytes from the actual tensors: bf16 params with fp32 state
+    p = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p], fused=True)
+    opt.step()
+    # torch keeps bf16 moments for bf16 params: norm reads G=2, update moves 2P + G + 2S = 4 + 2 + 2*4 B/param
+    assert bytes_per_step(("norm", "fused_update"), [p], opt) == 10 * (2 + 4 + 2 + 8)
+    assert PASS_BYTES["foreach_update"](4, 4, 8) == 4 * 4 + 2 * 4 + 7 * 8
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    with pytest.raises(ValueError, match="unknown plan"):
+        plan_sets("huge")
