@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import layout
-from .norm import BLOCK_SIZE, TRITON_DTYPES
+from .norm import BLOCK_SIZE, TRITON_DTYPES, to_storage
 from .tables import CHUNK_SIZE, ChunkMap
 
 # buffer indices as compile-time constants (triton reads globals only as constexpr)
@@ -63,7 +63,6 @@ _COL_PARAM, _COL_EXP_AVG, _COL_EXP_AVG_SQ, _COL_MASTER, _COL_STEP, _COL_NUMEL, _
     tl.constexpr(c) for c in range(7)
 )
 _TABLE_COLUMNS = tl.constexpr(TABLE_COLUMNS)
-_PI = tl.constexpr(3.141592653589793)
 
 BLOCK_TENSORS = 128
 
@@ -172,7 +171,7 @@ def _finalize_kernel(
             shape = tl.maximum((schedule_total - n) / span, 0.0)
         else:
             progress = tl.minimum(tl.maximum((n - schedule_warmup) / span, 0.0), 1.0)
-            shape = 0.5 * (1.0 + tl.cos(_PI * progress))
+            shape = 0.5 * (1.0 + tl.cos(progress * 3.141592653589793))
         decay = schedule_min_ratio + (1.0 - schedule_min_ratio) * shape
         if SCHEDULE == _SCHEDULE_CONSTANT:
             decay = 1.0
@@ -272,7 +271,7 @@ def _adamw_kernel(
             tl.store(exp_avg_sq + idx, v, mask=mask)
             if HAS_MASTER:
                 tl.store(master + idx, p, mask=mask)
-            tl.store(param + idx, p.to(PARAM_DTYPE), mask=mask)
+            tl.store(param + idx, to_storage(p, PARAM_DTYPE), mask=mask)
 
 
 def launch_finalize(

@@ -20,6 +20,23 @@ TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.f
 
 
 @triton.jit
+def to_storage(x, DTYPE: tl.constexpr):
+    """fp32 -> storage dtype with round-to-nearest-even.
+
+    For bf16 the rounding is spelled out on the bits: compiled Triton already rounds to nearest even, but
+    Triton's interpreter truncates fp32 -> bf16, which would make the CPU tests disagree with the GPU.
+    The result is bit-identical to a hardware RTNE conversion; NaN stays NaN.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        rounded = bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, rounded).to(tl.bfloat16)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def _sumsq_kernel(
     grad_addrs,  # int64 [num_tensors]
     numels,  # int64 [num_tensors]
@@ -104,7 +121,7 @@ def _scale_kernel(
         idx = block_start + offsets
         mask = idx < end
         x = tl.load(data + idx, mask=mask, other=0.0).to(tl.float32)
-        tl.store(data + idx, (x * factor).to(DTYPE), mask=mask)
+        tl.store(data + idx, to_storage(x * factor, DTYPE), mask=mask)
 
 
 def launch_scale_(
