@@ -1,0 +1,167 @@
+"""`fused-stable sft`: parse the config, check every input before writing anything, build the model,
+data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import time
+
+# offline by construction: nothing below may try a model hub (set before transformers is imported)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from fused_stable.train.errors import UserError  # noqa: E402
+
+RUN_FILE = "run.yaml"
+# what a previous run leaves in output_dir; --overwrite removes exactly these
+RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "tensorboard", "checkpoints", "adapter", "model")
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        from fused_stable.train.config import help_text
+
+        print(help_text())
+        return 0
+    try:
+        return run(argv)
+    except UserError as exc:
+        print(f"fused-stable sft: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fused-stable sft: interrupted (resume with --resume latest)", file=sys.stderr)
+        return 130
+
+
+def _prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+    existing = [name for name in RUN_ARTIFACTS if os.path.exists(os.path.join(output_dir, name))]
+    if os.path.isfile(output_dir):
+        raise UserError(f"output_dir {output_dir!r} is a file")
+    if existing and not resuming:
+        if not overwrite:
+            raise UserError(
+                f"output_dir {output_dir!r} already holds a run ({', '.join(existing)}); "
+                "pass --resume latest to continue it or --overwrite to replace it"
+            )
+    os.makedirs(output_dir, exist_ok=True)
+    if existing and overwrite and not resuming:
+        for name in existing:
+            path = os.path.join(output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def _resolve(argv: list[str]):
+    """The config, and the checkpoint to resume from (None for a fresh run)."""
+    from fused_stable.train import checkpoint
+    from fused_stable.train.config import resolve_config
+
+    cfg, explicit = resolve_config(argv)
+    if cfg.resume is None:
+        return cfg, None
+    if cfg.resume != "latest" and "output_dir" not in explicit:
+        # a checkpoint path names its run: output_dir/checkpoints/step-N
+        cfg.output_dir = os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume)))
+    path = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
+    # keys not given now come from the run being resumed, so `--resume latest` alone continues it
+    saved = checkpoint.checkpoint_config(path)
+    saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
+    saved["overwrite"] = cfg.overwrite
+    cfg, _ = resolve_config([], base=saved)
+    return cfg, path
+
+
+def run(argv: list[str]) -> int:
+    cfg, resume_path = _resolve(argv)
+
+    import torch
+    import yaml
+
+    from fused_stable import FusedAdamW, GradScaler, schedules
+    from fused_stable.train import data
+    from fused_stable.train.config import dump_yaml, run_dict
+    from fused_stable.train.loop import Trainer
+    from fused_stable.train.model import (apply_tuner, check_model_path, load_base_model, load_tokenizer,
+                                          param_groups, save_final)
+    from fused_stable.train.report import Reporter, plot_curves
+    from fused_stable.train.runtime import resolve_runtime
+
+    # ---- every check on user input happens before anything is written
+    runtime = resolve_runtime(cfg.device, cfg.precision)
+    check_model_path(cfg.model)
+    if cfg.dataset == "builtin":
+        examples = data.builtin_examples(cfg.builtin_examples, seed=cfg.seed)
+    else:
+        examples = data.load_examples(cfg.dataset)
+    existing = [n for n in RUN_ARTIFACTS if os.path.exists(os.path.join(cfg.output_dir, n))]
+    if existing and resume_path is None and not cfg.overwrite:
+        _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=False)  # raises the one-line error
+    tokenizer = load_tokenizer(cfg)
+    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
+    if not any(any(label != data.IGNORE_INDEX for label in item.labels[1:]) for item in items):
+        raise UserError(f"max_length={cfg.max_length} cuts off every answer: nothing left to learn from")
+
+    torch.manual_seed(cfg.seed)
+    model = load_base_model(cfg, tokenizer, runtime.device, runtime.compute_dtype)
+    model = apply_tuner(model, cfg)
+    groups = param_groups(model, cfg)
+    batches = data.BatchOrder(items, cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
+    warmup_steps = int(cfg.warmup_ratio * total_steps)
+    schedule = {
+        "cosine": lambda: schedules.warmup_cosine(total_steps, warmup_steps),
+        "linear": lambda: schedules.warmup_linear(total_steps, warmup_steps),
+        "constant": lambda: schedules.constant(warmup_steps),
+    }[cfg.scheduler]()
+    optimizer = FusedAdamW(
+        groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm or None, lr_schedule=schedule,
+    )  # fmt: skip
+    optimizer.param_names = groups.names
+    scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
+
+    # ---- from here on the run writes into output_dir
+    _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=resume_path is not None)
+    with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
+        f.write(dump_yaml(cfg))
+    trainer = Trainer(
+        model=model, optimizer=optimizer, scaler=scaler, batches=batches, runtime=runtime, reporter=None,
+        output_dir=cfg.output_dir, config=run_dict(cfg), total_steps=total_steps, grad_accum=cfg.grad_accum,
+        logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+    )  # fmt: skip
+    if resume_path is not None:
+        trainer.restore(resume_path)
+    n_trainable = sum(p.numel() for g in groups.groups for p in g["params"])
+    n_total = sum(p.numel() for p in model.parameters())
+    trainer.reporter = Reporter(cfg.output_dir, total_steps, trainer.state.step, tensorboard=cfg.tensorboard,
+                                max_grad_norm=cfg.max_grad_norm)
+    trainer.reporter.message(
+        f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
+        f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={runtime.precision} "
+        f"device={runtime.device} | {n_trainable:,} trainable of {n_total:,} params | {len(items):,} examples | "
+        f"{total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | output {cfg.output_dir}"
+        + (f" | resumed from {resume_path}" if resume_path else "")
+    )
+    t0 = time.perf_counter()
+    try:
+        state = trainer.fit()
+    finally:
+        trainer.reporter.close()
+        plot_curves(cfg.output_dir, cfg.max_grad_norm)
+    if cfg.save_steps == 0 or state.step % cfg.save_steps != 0:
+        trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
+    target = save_final(model, tokenizer, cfg, cfg.output_dir)
+    rows = [r for r in _read_metrics(cfg.output_dir)]
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    print(f"done: {state.step} steps in {time.perf_counter() - t0:.1f}s | loss {first:.4f} -> {last:.4f} | "
+          f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}", flush=True)
+    del yaml
+    return 0
+
+
+def _read_metrics(output_dir: str) -> list[dict]:
+    from fused_stable.train.report import METRICS_FILE, read_jsonl
+
+    return read_jsonl(os.path.join(output_dir, METRICS_FILE))

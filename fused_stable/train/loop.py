@@ -1,0 +1,168 @@
+"""The training loop. Read `Trainer.fit` top to bottom: for each optimizer step, grad_accum micro-batches of
+autocast forward -> loss / tokens in the window -> (scale) -> backward; then one fused step (clip, inf check,
+schedule and AdamW inside FusedAdamW) -> scaler update -> zero_grad.
+
+Nothing reads the device between logging steps: the window loss, grad norm, lr and skip flag of every step
+are stacked on the device and read once per `logging_steps`. At each logging step the callbacks (the
+stability guard's seam) see (step, optimizer, metrics) and may answer "stop" or "rollback".
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fused_stable.train import checkpoint
+from fused_stable.train.data import IGNORE_INDEX, BatchOrder
+from fused_stable.train.model import trainable_state
+from fused_stable.train.report import Reporter
+from fused_stable.train.runtime import Runtime
+
+# (step, optimizer, metrics of the latest step) -> None | "stop" | "rollback"
+Callback = Callable[[int, torch.optim.Optimizer, dict], Optional[str]]
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved in every checkpoint. The data position is `micro_batches` (see BatchOrder)."""
+    step: int = 0             # optimizer steps taken (skipped ones included)
+    micro_batches: int = 0    # micro-batches consumed
+    tokens: int = 0           # non-padding tokens seen
+    elapsed_s: float = 0.0    # training time before this process started (resumed runs)
+    rollbacks: int = 0
+
+
+@dataclass
+class Trainer:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Optional[torch.amp.GradScaler]
+    batches: BatchOrder
+    runtime: Runtime
+    reporter: Optional[Reporter]
+    output_dir: str
+    config: dict              # the run's config (stored in checkpoints)
+    total_steps: int
+    grad_accum: int
+    logging_steps: int
+    save_steps: int
+    save_total_limit: int = 0
+    callbacks: list[Callback] = field(default_factory=list)
+    state: TrainState = field(default_factory=TrainState)
+    stopped_by: Optional[str] = None
+
+    # --------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> TrainState:
+        model, opt, scaler, device = self.model, self.optimizer, self.scaler, self.runtime.device
+        model.train()
+        pending: list[torch.Tensor] = []          # per-step device values, read at the next logging step
+        pending_meta: list[tuple[int, float, int]] = []   # (step, host time, tokens) for the same steps
+        t_start = time.perf_counter()
+        t_last_log, tokens_since_log = t_start, 0
+        while self.state.step < self.total_steps:
+            window = [self.batches.batch(self.state.micro_batches + i) for i in range(self.grad_accum)]
+            # the loss is the mean over every label token of the window, so each micro-batch's summed loss is
+            # divided by the window's token count (a host int), not averaged per micro-batch
+            label_tokens = max(1, sum(b.num_label_tokens for b in window))
+            window_loss = torch.zeros((), device=device)
+            for batch in window:
+                input_ids = batch.input_ids.to(device, non_blocking=True)
+                attention_mask = batch.attention_mask.to(device, non_blocking=True)
+                labels = batch.labels.to(device, non_blocking=True)
+                with self.runtime.autocast():
+                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                loss = F.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                    ignore_index=IGNORE_INDEX, reduction="sum",
+                ) / label_tokens  # fmt: skip
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                window_loss += loss.detach()
+            if scaler is not None:
+                scaler.step(opt)      # FusedAdamW unscales, checks inf/nan and clips in its own norm pass
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+
+            self.state.step += 1
+            self.state.micro_batches += self.grad_accum
+            window_tokens = sum(b.num_tokens for b in window)
+            self.state.tokens += window_tokens
+            tokens_since_log += window_tokens
+            pending.append(torch.stack([
+                window_loss, opt.grad_norm.float(), opt.last_lr.float(), opt.last_step_skipped.float(),
+                opt.skipped_steps.float() + opt.spike_skips.float(),
+            ]))  # fmt: skip
+            pending_meta.append((self.state.step, time.perf_counter(), window_tokens))
+
+            if self.state.step % self.logging_steps == 0 or self.state.step == self.total_steps:
+                values = torch.stack(pending).tolist()      # the one device read of this interval
+                now = time.perf_counter()
+                tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
+                rows = [
+                    {"step": step, "loss": v[0], "grad_norm": v[1], "lr": v[2], "skipped": bool(v[3]),
+                     "skipped_total": int(v[4]), "tokens_per_s": tokens_per_s,
+                     "elapsed_s": self.state.elapsed_s + t - t_start}
+                    for v, (step, t, _) in zip(values, pending_meta)
+                ]  # fmt: skip
+                if scaler is not None:
+                    rows[-1]["loss_scale"] = scaler.get_scale()
+                pending.clear()
+                pending_meta.clear()
+                t_last_log, tokens_since_log = now, 0
+                if self.reporter is not None:
+                    self.reporter.log(rows)
+                action = self._run_callbacks(rows[-1])
+                if action == "stop":
+                    self.save()
+                    self.stopped_by = "callback"
+                    break
+                if action == "rollback":
+                    self.rollback()
+                    continue
+            if self.save_steps and self.state.step % self.save_steps == 0:
+                self.save()
+        self.state.elapsed_s += time.perf_counter() - t_start
+        return self.state
+
+    # --------------------------------------------------------------------------------------------- seams
+    def _run_callbacks(self, metrics: dict) -> Optional[str]:
+        action = None
+        for callback in self.callbacks:
+            answer = callback(self.state.step, self.optimizer, metrics)
+            if answer not in (None, "continue", "stop", "rollback"):
+                raise ValueError(f"a training callback returned {answer!r}; expected None, 'stop' or 'rollback'")
+            if answer in ("stop", "rollback"):
+                action = answer if action != "stop" else action  # stop wins over rollback
+        return action
+
+    def save(self) -> Optional[str]:
+        if not self.runtime.is_main:
+            return None
+        return checkpoint.save_checkpoint(
+            self.output_dir, self.state.step, model_state=trainable_state(self.model), optimizer=self.optimizer,
+            scaler=self.scaler, trainer_state=asdict(self.state), config=self.config, keep=self.save_total_limit,
+        )  # fmt: skip
+
+    def restore(self, path: str, restore_data_position: bool = True) -> None:
+        """Load a checkpoint into the live model, optimizer, scaler and RNGs (resume, or a rollback)."""
+        saved = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scaler=self.scaler)
+        before = self.state
+        self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
+        if not restore_data_position:
+            # a rollback: the data, tokens and time already spent stay spent
+            self.state.micro_batches, self.state.tokens = before.micro_batches, before.tokens
+            self.state.elapsed_s = before.elapsed_s
+
+    def rollback(self) -> None:
+        """Back to the newest complete checkpoint, keeping the data position: the window that caused the
+        trouble is not replayed. With no checkpoint yet there is nothing to roll back to: stop instead."""
+        path = checkpoint.latest_checkpoint(self.output_dir)
+        if path is None:
+            raise RuntimeError("rollback requested but no complete checkpoint exists yet")
+        rollbacks = self.state.rollbacks + 1
+        self.restore(path, restore_data_position=False)
+        self.state.rollbacks = rollbacks

@@ -1,0 +1,195 @@
+"""Model side of the trainer: the embedded tiny Llama or a local model directory, optional 4-/8-bit
+bitsandbytes quantisation of the frozen base, peft LoRA/DoRA adapters, LoRA+ param groups, and saving.
+
+Nothing here reaches a model hub: `tiny` is built from a LlamaConfig, and local directories are read with
+`local_files_only=True`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+from fused_stable.train.config import TrainConfig
+from fused_stable.train.errors import UserError
+from fused_stable.train.tokenizer import build_byte_tokenizer
+
+TINY_INIT_SEED = 0  # the tiny base is the same for every run, so an adapter trained on it stays usable
+
+
+def tiny_llama_config(vocab_size: int) -> LlamaConfig:
+    """A 0.87M-parameter Llama: small enough to train in minutes on 2 CPU cores.
+
+    initializer_range 0.1 (not the usual 0.02): with a random, frozen lm_head of std 0.02 and hidden size
+    128 the largest logit an adapter could reach is about 2.6 nats, so LoRA could barely lower the loss.
+    """
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def build_tiny_model(tokenizer=None) -> LlamaForCausalLM:
+    """The embedded base model: always the same weights (seeded independently of the run's seed)."""
+    tokenizer = tokenizer or build_byte_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_INIT_SEED)
+        return LlamaForCausalLM(tiny_llama_config(len(tokenizer)))
+
+
+def check_model_path(model: str) -> None:
+    if model == "tiny":
+        return
+    if not os.path.isdir(model):
+        raise UserError(
+            f"model directory {model!r} not found (fused-stable runs offline: give a local Hugging Face model "
+            "directory, or 'tiny' for the embedded model)"
+        )
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise UserError(f"{model!r} is not a Hugging Face model directory (no config.json in it)")
+
+
+def load_tokenizer(cfg: TrainConfig):
+    if cfg.model == "tiny":
+        return build_byte_tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"no usable tokenizer in {cfg.model!r} ({str(exc).splitlines()[0]})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss anyway
+    if tokenizer.bos_token_id is None:
+        tokenizer.bos_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _quantization_config(cfg: TrainConfig, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    if cfg.quant_bits == 4:
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )  # fmt: skip
+    if cfg.quant_bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_base_model(cfg: TrainConfig, tokenizer, device: torch.device, compute_dtype: torch.dtype):
+    """The base model on `device`: fp32 for full fine-tuning (autocast does the low-precision math), the
+    compute dtype for a frozen base under LoRA, or bitsandbytes-quantised when quant_bits is set."""
+    quant = _quantization_config(cfg, compute_dtype)
+    base_dtype = torch.float32 if cfg.tuner == "full" else compute_dtype
+    if cfg.model == "tiny" and quant is None:
+        return build_tiny_model(tokenizer).to(device=device, dtype=base_dtype)
+    source, scratch = cfg.model, None
+    if cfg.model == "tiny":
+        # bitsandbytes quantises while loading: give it the tiny model as a local directory to load
+        scratch = tempfile.mkdtemp(prefix="fused_stable_tiny_")
+        build_tiny_model(tokenizer).save_pretrained(scratch)
+        source = scratch
+    try:
+        kwargs = dict(local_files_only=True, dtype=base_dtype)
+        if quant is not None:
+            kwargs["quantization_config"] = quant
+            kwargs["device_map"] = {"": device}
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the model from {cfg.model!r}: {str(exc).splitlines()[0]}") from None
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return model if quant is not None else model.to(device)
+
+
+def apply_tuner(model, cfg: TrainConfig):
+    """Freeze the base and add peft LoRA/DoRA adapters (fp32), or leave every weight trainable (tuner=full)."""
+    if cfg.gradient_checkpointing:
+        # non-reentrant checkpointing needs no requires_grad trick on the inputs of a frozen embedding
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if cfg.tuner == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.quant_bits is not None:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )  # fmt: skip
+    targets = cfg.target_modules.strip()
+    lora = LoraConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+        use_dora=cfg.tuner == "dora", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:
+        raise UserError(f"target_modules={cfg.target_modules!r}: {str(exc).splitlines()[0]}") from None
+
+
+@dataclass
+class ParamGroups:
+    groups: list[dict]  # for the optimizer
+    names: list[str]    # one per param, in the optimizer's order (for per-tensor grad norms)
+
+
+def param_groups(model, cfg: TrainConfig) -> ParamGroups:
+    """AdamW groups: weight decay on matrices only (not on norms, biases or DoRA magnitudes), and under
+    LoRA+ the B matrices at lr x loraplus_lr_ratio (Hayou et al. 2024)."""
+    decay, no_decay, lora_b = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if cfg.loraplus_lr_ratio is not None and ("lora_B" in name or "lora_embedding_B" in name):
+            lora_b.append((name, p))
+        elif p.ndim < 2 or "lora_magnitude_vector" in name:
+            no_decay.append((name, p))
+        else:
+            decay.append((name, p))
+    groups, names = [], []
+    for members, extra in (
+        (decay, {"weight_decay": cfg.weight_decay}),
+        (no_decay, {"weight_decay": 0.0}),
+        (lora_b, {"weight_decay": cfg.weight_decay, "lr": cfg.lr * (cfg.loraplus_lr_ratio or 1.0)}),
+    ):
+        if members:
+            groups.append({"params": [p for _, p in members], **extra})
+            names += [n for n, _ in members]
+    if not groups:
+        raise UserError("nothing to train: no parameter requires a gradient (check target_modules)")
+    return ParamGroups(groups, names)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """What a checkpoint must hold of the model: the trainable tensors (the adapters, or all weights)."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+    unknown = [n for n in state if n not in params]
+    if missing or unknown:
+        raise UserError(
+            f"the checkpoint does not match this model ({len(missing)} trainable tensors missing, "
+            f"{len(unknown)} unknown, e.g. {(missing + unknown)[0]!r}): resume with the run's own config"
+        )
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)
+
+
+def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str) -> str:
+    """peft `save_pretrained` of the adapter (or the whole model for tuner=full), with the tokenizer."""
+    target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

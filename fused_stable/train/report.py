@@ -1,0 +1,125 @@
+"""What a run shows and leaves behind: a live progress bar, metrics.jsonl (one line per optimizer step),
+optional TensorBoard events, and curves.png (loss, grad norm vs the clip threshold, lr, skipped steps).
+
+The loop hands rows over only at logging steps, after one device read for the whole interval.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+METRICS_FILE = "metrics.jsonl"
+ALERTS_FILE = "alerts.jsonl"
+CURVES_FILE = "curves.png"
+
+
+def _fmt(row: dict) -> str:
+    return (f"loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3g} | lr {row['lr']:.3g} | "
+            f"tok/s {row['tokens_per_s']:.0f} | skipped {row['skipped_total']}")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Reporter:
+    def __init__(self, output_dir: str, total_steps: int, start_step: int, *, tensorboard: bool,
+                 max_grad_norm: float | None):
+        self.output_dir = output_dir
+        self.total_steps = total_steps
+        self.max_grad_norm = max_grad_norm
+        self.metrics_path = os.path.join(output_dir, METRICS_FILE)
+        # a resumed run continues the file: drop rows written after the checkpoint by the interrupted run
+        kept = [r for r in read_jsonl(self.metrics_path) if r["step"] <= start_step]
+        with open(self.metrics_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        self._metrics = open(self.metrics_path, "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
+            except ImportError:  # tensorboard is optional: metrics.jsonl and curves.png carry the same data
+                self.tb = None
+        self.console = Console(file=sys.stdout)
+        self.progress = Progress(
+            TextColumn("[bold]sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+            disable=not self.console.is_terminal,
+        )
+        self.task = self.progress.add_task("sft", total=total_steps, completed=start_step, stats="")
+        self.progress.start()
+
+    def log(self, rows: list[dict]) -> None:
+        """One JSON line per optimizer step, TensorBoard scalars, and the progress display."""
+        for row in rows:
+            self._metrics.write(json.dumps(row) + "\n")
+            if self.tb is not None:
+                for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
+                    if math.isfinite(row[key]):
+                        self.tb.add_scalar(f"train/{key}", row[key], row["step"])
+                self.tb.add_scalar("train/skipped_total", row["skipped_total"], row["step"])
+        self._metrics.flush()
+        last = rows[-1]
+        self.progress.update(self.task, completed=last["step"], stats=_fmt(last))
+        if not self.console.is_terminal:  # logs and CI: a plain line per logging step instead of a live bar
+            print(f"step {last['step']}/{self.total_steps} | {_fmt(last)} | {last['elapsed_s']:.1f}s", flush=True)
+
+    def message(self, text: str) -> None:
+        self.progress.console.print(text) if self.console.is_terminal else print(text, flush=True)
+
+    def close(self) -> None:
+        self.progress.stop()
+        self._metrics.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_curves(output_dir: str, max_grad_norm: float | None) -> str | None:
+    """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one)."""
+    rows = read_jsonl(os.path.join(output_dir, METRICS_FILE))
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    skipped = [r["step"] for r in rows if r["skipped"]]
+    alerts = read_jsonl(os.path.join(output_dir, ALERTS_FILE))
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    ax_loss, ax_norm, ax_lr = axes
+    ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, color="tab:blue", label="train loss")
+    ax_loss.set_ylabel("loss (per token)")
+    ax_loss.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {len(rows)} optimizer steps")
+    ax_norm.plot(steps, [r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("nan") for r in rows],
+                 lw=1.0, color="tab:orange", label="grad norm (before clipping)")
+    if max_grad_norm:
+        ax_norm.axhline(max_grad_norm, color="black", ls="--", lw=1, label=f"clip threshold {max_grad_norm:g}")
+    ax_norm.set_yscale("log")
+    ax_norm.set_ylabel("global grad L2 norm")
+    ax_lr.plot(steps, [r["lr"] for r in rows], lw=1.2, color="tab:green", label="learning rate")
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("optimizer step")
+    for ax in axes:
+        for i, step in enumerate(skipped):
+            ax.axvline(step, color="red", alpha=0.5, lw=1, label="skipped step (non-finite or spike)" if i == 0 else None)
+        for i, alert in enumerate(alerts):
+            ax.axvline(alert["step"], color="purple", ls=":", lw=1.5, label="guard alert" if i == 0 else None)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(output_dir, CURVES_FILE)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
