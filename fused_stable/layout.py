@@ -21,7 +21,9 @@ F_LAST_ZSCORE = 8  # z-score of this step's norm against the running statistics 
 F_LAST_SPIKE_NORM = 9  # grad norm of the latest spike
 F_WARMUP_SUM = 10  # sum of norms seen during the statistics warm-up
 F_WARMUP_SUMSQ = 11  # sum of squared norms seen during the statistics warm-up
-F_SIZE = 12
+F_MAX_ZSCORE = 12  # largest z-score since the window was last reset (-inf when reset): what a guard polls
+F_MAX_ZSCORE_NORM = 13  # the grad norm at that z-score
+F_SIZE = 14
 
 # int64 buffer
 I_APPLIED_STEPS = 0  # optimizer updates actually applied (drives the lr schedule)
@@ -31,7 +33,8 @@ I_SPIKE_COUNT = 3  # steps whose norm's z-score exceeded zscore_threshold (after
 I_LAST_SPIKE_STEP = 4  # applied-step index at the latest spike, -1 if none
 I_LAST_STEP_SKIPPED = 5  # 1 if the latest step was skipped (either reason)
 I_STATS_COUNT = 6  # finite norms folded into the running statistics
-I_SIZE = 7
+I_MAX_ZSCORE_STEP = 7  # applied-step index at that z-score
+I_SIZE = 8
 
 # hyper-parameter table, one float32 row per param group
 H_LR = 0

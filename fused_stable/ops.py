@@ -231,6 +231,9 @@ def decide(
     new_f[layout.F_LR_FACTOR] = lr_factor
     new_f[layout.F_LAST_LR] = lr_factor * lr0
     new_f[layout.F_LAST_ZSCORE] = zscore
+    new_max = ready & finite & (zscore > f[layout.F_MAX_ZSCORE])
+    new_f[layout.F_MAX_ZSCORE] = torch.where(new_max, zscore, f[layout.F_MAX_ZSCORE])
+    new_f[layout.F_MAX_ZSCORE_NORM] = torch.where(new_max, norm, f[layout.F_MAX_ZSCORE_NORM])
     new_f[layout.F_LAST_SPIKE_NORM] = torch.where(is_spike, norm, f[layout.F_LAST_SPIKE_NORM])
     new_f[layout.F_WARMUP_SUM] = torch.where(finite & in_warmup, warm_sum, f[layout.F_WARMUP_SUM])
     new_f[layout.F_WARMUP_SUMSQ] = torch.where(finite & in_warmup, warm_sumsq, f[layout.F_WARMUP_SUMSQ])
@@ -246,6 +249,7 @@ def decide(
     new_i[layout.I_LAST_SPIKE_STEP] = torch.where(is_spike, applied_before, i[layout.I_LAST_SPIKE_STEP])
     new_i[layout.I_LAST_STEP_SKIPPED] = skip.long()
     new_i[layout.I_STATS_COUNT] = torch.where(finite, new_count, count)
+    new_i[layout.I_MAX_ZSCORE_STEP] = torch.where(new_max, applied_before, i[layout.I_MAX_ZSCORE_STEP])
     istate.copy_(torch.stack(new_i))
     return grad_mul, new_f[layout.F_SKIP], lr_factor
 

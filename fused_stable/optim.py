@@ -111,6 +111,7 @@ class FusedAdamW(Optimizer):
         self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
         self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
         self._istate[layout.I_LAST_SPIKE_STEP] = -1
+        self.reset_max_zscore()
         self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
         self._cache = ops.StepCache()
         self._state_version = 0
@@ -179,6 +180,28 @@ class FusedAdamW(Optimizer):
     @property
     def last_spike_norm(self) -> torch.Tensor:
         return self._fstate[layout.F_LAST_SPIKE_NORM]
+
+    @property
+    def max_zscore(self) -> torch.Tensor:
+        """Largest grad-norm z-score since reset_max_zscore() (-inf if none): lets a guard that polls only at
+        logging steps see a spike that happened between two polls."""
+        return self._fstate[layout.F_MAX_ZSCORE]
+
+    @property
+    def max_zscore_norm(self) -> torch.Tensor:
+        """The grad norm of the step with the largest z-score since reset_max_zscore()."""
+        return self._fstate[layout.F_MAX_ZSCORE_NORM]
+
+    @property
+    def max_zscore_step(self) -> torch.Tensor:
+        """Applied-step index of the step with the largest z-score since reset_max_zscore() (-1 if none)."""
+        return self._istate[layout.I_MAX_ZSCORE_STEP]
+
+    def reset_max_zscore(self) -> None:
+        """Starts a new polling window for max_zscore (device writes only, no sync)."""
+        self._fstate[layout.F_MAX_ZSCORE] = float("-inf")
+        self._fstate[layout.F_MAX_ZSCORE_NORM] = 0.0
+        self._istate[layout.I_MAX_ZSCORE_STEP] = -1
 
     def per_tensor_grad_norms(self) -> torch.Tensor:
         """L2 norm of each parameter's gradient in the last step, in param_groups order (0 where no grad).
@@ -374,6 +397,7 @@ class FusedAdamW(Optimizer):
             self._fstate.zero_()
             self._istate.zero_()
             self._istate[layout.I_LAST_SPIKE_STEP] = -1
+            self.reset_max_zscore()
             steps = [float(s["step"]) for s in self.state.values() if "step" in s]
             self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
         self._cache = ops.StepCache()

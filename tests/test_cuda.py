@@ -1,0 +1,137 @@
+"""CUDA-only checks of the compiled Triton kernels; skipped cleanly where there is no CUDA device.
+
+Run on a GPU machine by benchmarks/gpu_check.sh: parity with torch, no host syncs, CUDA-graph replay,
+launches per step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_stable
+from fused_stable import FusedAdamW, schedules
+from helpers import assert_close
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SHAPES = [(0,), (1,), (1023,), (1025,), (65537,), (300, 301), (), (3, 5, 7), (0,)]
+
+
+def cuda_params(shapes, dtype=torch.float32, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).to(dtype)) for s in shapes]
+
+
+@pytest.mark.parametrize("max_norm", [1.0, None])
+def test_cuda_parity_with_torch(max_norm):
+    ours = cuda_params(SHAPES)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1, max_grad_norm=max_norm)
+    assert opt.backend == "triton"
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1)
+    for _ in range(8):
+        for a, b in zip(ours, theirs):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        ref.step()
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, 1e-5, 1e-6, "param")
+        if b.numel():
+            assert_close(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"], 1e-5, 1e-9, "exp_avg_sq")
+
+
+def test_cuda_skip_on_nonfinite_and_no_sync():
+    params = cuda_params([(4097,), (33,)], torch.bfloat16)
+    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, master_weights=True, lr_schedule=schedules.warmup_cosine(10, 2))
+    scaler = fused_stable.GradScaler("cuda", init_scale=2.0**8)
+    for step in range(6):
+        opt.zero_grad()
+        loss = sum((p.float() * (step + 1)).square().sum() for p in params)
+        if step == 3:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert opt.skipped_steps.item() == 1
+    assert opt.applied_steps.item() == 5
+
+
+def test_cuda_graph_replay_equals_eager():
+    eager = cuda_params([(1025,), (7, 9)], seed=1)
+    graphed = [torch.nn.Parameter(p.detach().clone()) for p in eager]
+    kwargs = dict(lr=torch.tensor(1e-2, device="cuda"), max_grad_norm=1.0, capturable=True,
+                  lr_schedule=schedules.warmup_linear(20, 3))  # fmt: skip
+    opt_e, opt_g = FusedAdamW(eager, **kwargs), FusedAdamW(graphed, **kwargs)
+    static_grads = [torch.zeros_like(p) for p in graphed]
+    for p, g in zip(graphed, static_grads):
+        p.grad = g
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    grads = [[torch.randn(p.shape, device="cuda", generator=gen) for p in eager] for _ in range(8)]
+
+    # warm up on a side stream (builds and caches the tables), then capture one step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for g, s in zip(grads[0], static_grads):
+            s.copy_(g)
+        opt_g.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt_g.step()
+
+    for p, g in zip(eager, grads[0]):
+        p.grad = g.clone()
+    opt_e.step()
+    for step_grads in grads[1:]:
+        for p, g in zip(eager, step_grads):
+            p.grad = g.clone()
+        opt_e.step()
+        for s, g in zip(static_grads, step_grads):
+            s.copy_(g)
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(graphed, eager):
+        assert_close(a, b, 0, 0, "graph replay vs eager")
+    assert opt_g.applied_steps.item() == opt_e.applied_steps.item() == 8
+
+
+def test_cuda_launches_per_step_do_not_grow_with_tensor_count():
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels_per_step(n):
+        params = cuda_params([(100 + i,) for i in range(n)])
+        opt = FusedAdamW(params, lr=1e-3, max_grad_norm=1.0)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            opt.step()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower())
+
+    assert kernels_per_step(4) == kernels_per_step(400) == 3
+
+
+def test_cuda_clip_grad_norm_matches_torch():
+    ours = cuda_params([(1025,), (65537,), (0,)], seed=3)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn_like(a) * 3
+        b.grad = a.grad.clone()
+    total_ours = fused_stable.clip_grad_norm_(ours, 1.0)
+    total_theirs = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert_close(total_ours, total_theirs, 1e-5, 1e-6, "total norm")
+    for a, b in zip(ours, theirs):
+        assert_close(a.grad, b.grad, 1e-5, 1e-7, "clipped grad")
