@@ -72,6 +72,7 @@ class StepBatch:
     groups: list[int]  # param-group index of each tensor
     positions: list[int]  # index of each tensor in the optimizer's flat parameter order
     group_hparams: list[tuple]  # per param group: (lr: float | Tensor, beta1, beta2, eps, weight_decay)
+    originals: list[torch.Tensor]  # the optimizer's own param objects (DTensors under FSDP2; `params` are local)
 
 
 @dataclass
@@ -136,7 +137,7 @@ def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sums
             per_tensor_sumsq = norms * norms
         else:
             per_tensor_sumsq[torch.tensor(indices, device=per_tensor_sumsq.device)] = norms * norms
-    sumsq = global_sumsq(per_tensor_sumsq, batch.params) if global_sumsq else per_tensor_sumsq.sum()
+    sumsq = global_sumsq(per_tensor_sumsq, batch.originals) if global_sumsq else per_tensor_sumsq.sum()
     cache.per_tensor_sumsq = per_tensor_sumsq
     cache.positions = torch.tensor(batch.positions, device=per_tensor_sumsq.device)
 
@@ -376,7 +377,7 @@ def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_
     external_sumsq = None
     if global_sumsq is not None:
         local = torch.zeros_like(plan.per_tensor_sumsq).index_add_(0, plan.chunk_owner, plan.partials[: plan.chunk_owner.numel()])
-        external_sumsq = global_sumsq(local, [batch.params[i] for i in plan.kernel_order]).reshape(())
+        external_sumsq = global_sumsq(local, [batch.originals[i] for i in plan.kernel_order]).reshape(())
     launch_finalize(
         partials=plan.partials,
         tensor_chunk_begin=plan.tensor_chunk_begin,

@@ -256,12 +256,13 @@ class FusedAdamW(Optimizer):
                 position += 1
         if not chosen:
             return None
-        batch = ops.StepBatch([], [], [], [], [], [], [], [], [])
+        batch = ops.StepBatch([], [], [], [], [], [], [], [], [], [])
         for group_index, position, p, grad in chosen:
             state = self.state[p]
             if not state:
                 self._init_state(p, state)
             batch.params.append(_local(p))
+            batch.originals.append(p)
             batch.grads.append(_local(grad))
             batch.exp_avgs.append(_local(state["exp_avg"]))
             batch.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
