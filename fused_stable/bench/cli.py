@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
         console.print(f"  {row['set']:<14} {row['contender']:<20} {status}", markup=False)
         report.write(result, out_dir, stem)   # partial results survive a kill
 
-    run_plan(sets, opts, copy_bw, deadline=deadline, on_row=on_row)
+    result["rows"] = run_plan(sets, opts, copy_bw, deadline=deadline, on_row=on_row)
     env["load_average_end"] = report.load_average()
     env["wall_s"] = round(time.monotonic() - started, 1)
     result["goals"] = report.goals(result["rows"], device.type)

@@ -2,7 +2,8 @@
 
 CPU: `time.perf_counter` around each step after warm-up. CUDA: a pair of CUDA events around each step, with a
 256 MiB buffer zeroed between steps (outside the events) so the L2 cache starts cold, as triton's do_bench does.
-Both rotate over several independent input sets when one set is small enough to sit in a cache.
+The contenders of a parameter set take turns step by step, so a shared machine's changing load hits them alike,
+and each rotates over several independent input sets when one set is small enough to sit in a cache.
 """
 from __future__ import annotations
 
@@ -69,57 +70,75 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     dst = torch.empty_like(src)
     for _ in range(2):
         dst.copy_(src)
-    times = _time_loop([lambda: dst.copy_(src)], device, reps, flush=None)[0]
+    times = _interleaved_times([[lambda: dst.copy_(src)]], device, reps, flush=None)[0]
     del src, dst
     return 2 * n * 4 / statistics.median(times)
 
 
-def _time_loop(fns, device, n, flush):
-    """Per-step wall times (s) and host CPU seconds spent inside the step calls."""
-    times, host = [], 0.0
+def _interleaved_times(groups, device, n, flush) -> list[list[float]]:
+    """Per-step wall times (s) of each group, the groups taking turns step by step (in an order that rotates
+    every round), so load changes on a shared machine hit every contender alike. A group's steps cycle
+    through its input sets."""
+    k = len(groups)
+    times: list[list[float]] = [[] for _ in range(k)]
     if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(n)] for _ in range(k)]
         synchronize(device)
         for i in range(n):
-            if flush is not None:
-                flush.zero_()
-            starts[i].record()
-            fns[i % len(fns)]()
-            ends[i].record()
+            for j in range(k):
+                g = (i + j) % k
+                if flush is not None:
+                    flush.zero_()
+                start, end = events[g][i]
+                start.record()
+                groups[g][i % len(groups[g])]()
+                end.record()
         synchronize(device)
-        times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
-        # Host cost measured apart, syncing after every step: launch-queue back-pressure must not count.
-        for i in range(min(n, 20)):
-            c0 = time.process_time()
-            fns[i % len(fns)]()
-            host += time.process_time() - c0
-            synchronize(device)
-        return times, host / min(n, 20)
+        return [[s.elapsed_time(e) / 1e3 for s, e in events[g]] for g in range(k)]
+    for i in range(n):
+        for j in range(k):
+            g = (i + j) % k
+            fn = groups[g][i % len(groups[g])]
+            t0 = time.perf_counter()
+            fn()
+            times[g].append(time.perf_counter() - t0)
+    return times
+
+
+def _host_seconds(fns, device, n) -> float:
+    """Process CPU seconds per step spent inside the step call; on CUDA with a synchronize after each step,
+    outside the measurement, so launch-queue back-pressure does not count."""
+    total = 0.0
     for i in range(n):
         c0 = time.process_time()
+        fns[i % len(fns)]()
+        total += time.process_time() - c0
+        synchronize(device)
+    return total / n
+
+
+def time_steps(groups: list[list[Callable[[], None]]], device: torch.device, *, warmup: int, min_steps: int,
+               min_time: float, max_steps: int) -> list[dict]:
+    """Warm every group up, pick one step count that gives the slowest group `min_time` seconds, time all
+    groups interleaved, then measure host time per group. Returns one timing dict per group."""
+    per_step = []
+    for fns in groups:
         t0 = time.perf_counter()
-        fns[i % len(fns)]()
-        times.append(time.perf_counter() - t0)
-        host += time.process_time() - c0
-    return times, host / n
-
-
-def time_steps(fns: list[Callable[[], None]], device: torch.device, *, warmup: int, min_steps: int,
-               min_time: float, max_steps: int) -> dict:
-    """Warm up, pick a step count that fills `min_time`, then time every step."""
-    t0 = time.perf_counter()
-    for i in range(max(1, warmup)):
-        fns[i % len(fns)]()
-    synchronize(device)
-    per_step = (time.perf_counter() - t0) / max(1, warmup)
-    n = int(min(max_steps, max(min_steps, math.ceil(min_time / max(per_step, 1e-6)))))
+        for i in range(max(1, warmup, len(fns))):
+            fns[i % len(fns)]()
+        synchronize(device)
+        per_step.append((time.perf_counter() - t0) / max(1, warmup, len(fns)))
+    n = int(min(max_steps, max(min_steps, math.ceil(min_time / max(max(per_step), 1e-6)))))
     flush = torch.empty(L2_FLUSH_BYTES // 4, device=device) if device.type == "cuda" else None
-    times, host = _time_loop(fns, device, n, flush)
+    all_times = _interleaved_times(groups, device, n, flush)
     del flush
-    q1, med, q3 = quartiles(times)
-    return {"steps": n, "median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1,
-            "min_s": min(times), "host_cpu_s": host}
+    out = []
+    for fns, times in zip(groups, all_times):
+        q1, med, q3 = quartiles(times)
+        out.append({"steps": n, "median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "min_s": min(times),
+                    "host_cpu_s": _host_seconds(fns, device, min(n, 20))})
+    return out
 
 
 def count_launches_and_syncs(step: Callable[[], None], device: torch.device, steps: int = 3) -> dict:

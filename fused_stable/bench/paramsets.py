@@ -117,7 +117,8 @@ def plan_sets(plan: str, size_scale: float = 1.0) -> list[ParamSetSpec]:
     ]
     for total in sweep:
         n = max(1, round(total * size_scale))
-        label = f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K"
+        label = (f"{n / 2**30:.3g}G" if n >= 2**30 else f"{n / 2**20:.3g}M" if n >= 2**20
+                 else f"{n / 2**10:.3g}K")
         sets.append(ParamSetSpec(f"sweep-{label}", "sweep", "fp32", tuple(sweep_shapes(n)),
                                  f"size sweep: 32 equal fp32 tensors, {n:,} params"))
     return sets

@@ -1,7 +1,8 @@
-"""Runs the benchmark plan: one row per (parameter set, contender), each on fresh tensors, then freed.
+"""Runs the benchmark plan: one row per (parameter set, contender), on fresh tensors freed after each set.
 
-`measure_row` is the whole measurement of one row; the parent process calls it directly, and the worker process
-(`python -m fused_stable.bench.worker`) calls it for contenders that must be time-boxed (torch.compile).
+`measure_group` measures the contenders of one set together; the parent process calls it directly, and the
+worker process (`python -m fused_stable.bench.worker`) calls it, for one contender, for rows that must be
+time-boxed (torch.compile).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import measure
-from .contenders import CONTENDERS, Contender, baseline_for, contenders_for
-from .paramsets import ParamSetSpec, materialize, tensor_bytes
+from .contenders import Contender, baseline_for, contenders_for
+from .paramsets import DTYPES, ParamSetSpec, materialize, tensor_bytes
 
 
 @dataclass
@@ -45,55 +46,90 @@ def _row_base(spec: ParamSetSpec, contender: Contender) -> dict:
             "status": "ok", "reason": ""}
 
 
-def measure_row(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw: float) -> dict:
-    """Materialise the set (several copies if small), build the contender on each, and measure."""
-    device = torch.device(opts.device)
+@dataclass
+class _Prepared:
+    contender: Contender
+    row: dict
+    sets: list      # input sets: lists of params with grads
+    built: list     # one Built per input set
+
+
+def _prepare(spec: ParamSetSpec, contender: Contender, opts: Options, device: torch.device) -> _Prepared:
+    """Materialise the set (several copies if small), build the contender on each, take the first steps."""
     row = _row_base(spec, contender)
-    one_set = spec.n_params * torch.tensor([], dtype=_dtype(spec)).element_size() * 4  # p, g, m, v
+    one_set = spec.n_params * torch.tensor([], dtype=DTYPES[spec.dtype]).element_size() * 4  # p, g, m, v
     n_sets = opts.input_sets if one_set <= measure.SMALL_SET_BYTES else 1
     if contender.isolated:
         n_sets = 1   # a compiled step is specialised to its tensors: every extra input set would compile again
     sets = [materialize(spec, device, seed=opts.seed + i) for i in range(max(1, n_sets))]
-    built = []
-    try:
-        t0 = time.perf_counter()
-        built = [contender.build(params, device) for params in sets]
-        built[0].step()      # first step: lazy state allocation, and compilation for torch.compile
-        measure.synchronize(device)
-        row["first_step_s"] = time.perf_counter() - t0
-        for b in built[1:]:
-            b.step()
-        timing = measure.time_steps([b.step for b in built], device, warmup=opts.warmup,
-                                    min_steps=opts.min_steps, min_time=opts.min_time, max_steps=opts.max_steps)
-        row.update(timing)
-        row["input_sets"] = len(sets)
-        row["backend"] = built[0].backend
-        nbytes = measure.bytes_per_step(contender.passes, sets[0], built[0].optimizer)
-        row["bytes_per_step"] = nbytes
-        row["bytes_per_param"] = nbytes / spec.n_params
-        row["gbps"] = nbytes / timing["median_s"] / 1e9
-        row["pct_copy_bw"] = 100.0 * nbytes / timing["median_s"] / copy_bw if copy_bw else None
-        resident = (tensor_bytes(sets[0]) + tensor_bytes([p.grad for p in sets[0]])
-                    + measure.state_bytes(built[0].optimizer, sets[0]))
-        extra = measure.step_extra_memory(built[0].step, device)
-        row["resident_bytes"] = resident
-        row["step_extra_bytes"] = extra
-        row["peak_mem_bytes"] = resident + extra
-        if device.type == "cuda" and opts.profile:
-            row.update(measure.count_launches_and_syncs(built[0].step, device))
-        else:
-            row.update({"launches_per_step": None, "syncs_per_step": None, "top_kernels": []})
-    finally:
-        del built, sets
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    built = [contender.build(params, device) for params in sets]
+    built[0].step()      # first step: lazy state allocation, and compilation for torch.compile
+    measure.synchronize(device)
+    row["first_step_s"] = time.perf_counter() - t0
+    for b in built[1:]:
+        b.step()
+    row["input_sets"] = len(sets)
+    row["backend"] = built[0].backend
+    return _Prepared(contender, row, sets, built)
+
+
+def _finish(spec: ParamSetSpec, prep: _Prepared, timing: dict, opts: Options, copy_bw: float,
+            device: torch.device) -> dict:
+    """Add the bytes model, bandwidth, memory and (CUDA) launch and sync counts to a timed row."""
+    row, params, built = prep.row, prep.sets[0], prep.built[0]
+    row.update(timing)
+    nbytes = measure.bytes_per_step(prep.contender.passes, params, built.optimizer)
+    row["bytes_per_step"] = nbytes
+    row["bytes_per_param"] = nbytes / spec.n_params
+    row["gbps"] = nbytes / timing["median_s"] / 1e9
+    row["pct_copy_bw"] = 100.0 * nbytes / timing["median_s"] / copy_bw if copy_bw else None
+    resident = (tensor_bytes(params) + tensor_bytes([p.grad for p in params])
+                + measure.state_bytes(built.optimizer, params))
+    extra = measure.step_extra_memory(built.step, device)
+    row["resident_bytes"] = resident
+    row["step_extra_bytes"] = extra
+    row["peak_mem_bytes"] = resident + extra
+    if device.type == "cuda" and opts.profile:
+        row.update(measure.count_launches_and_syncs(built.step, device))
+    else:
+        row.update({"launches_per_step": None, "syncs_per_step": None, "top_kernels": []})
     return row
 
 
-def _dtype(spec: ParamSetSpec):
-    from .paramsets import DTYPES
-    return DTYPES[spec.dtype]
+def _error_row(spec, contender, e: Exception) -> dict:
+    row = _skip(spec, contender, f"{type(e).__name__}: {e}"[:300], status="error")
+    row["traceback"] = traceback.format_exc(limit=6)
+    return row
+
+
+def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options, copy_bw: float) -> list[dict]:
+    """Measure several contenders on one parameter set, their timed steps interleaved (see measure.py).
+    A contender that fails to build or step becomes an error row; the others are still measured."""
+    device = torch.device(opts.device)
+    rows: dict[str, dict] = {}
+    prepared: list[_Prepared] = []
+    try:
+        for c in contenders:
+            try:
+                prepared.append(_prepare(spec, c, opts, device))
+            except Exception as e:  # one broken contender must not lose the rest of the table
+                rows[c.key] = _error_row(spec, c, e)
+        if prepared:
+            timings = measure.time_steps([[b.step for b in p.built] for p in prepared], device,
+                                         warmup=opts.warmup, min_steps=opts.min_steps, min_time=opts.min_time,
+                                         max_steps=opts.max_steps)
+            for prep, timing in zip(prepared, timings):
+                try:
+                    rows[prep.contender.key] = _finish(spec, prep, timing, opts, copy_bw, device)
+                except Exception as e:
+                    rows[prep.contender.key] = _error_row(spec, prep.contender, e)
+    finally:
+        del prepared
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return [rows[c.key] for c in contenders]
 
 
 def _skip(spec, contender, reason, status="skipped") -> dict:
@@ -126,36 +162,51 @@ def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_
 
 def run_plan(sets: list[ParamSetSpec], opts: Options, copy_bw: float, *, deadline: float | None = None,
              on_row=None) -> list[dict]:
-    """All rows of the plan, in order; `on_row(row)` is called after each (for progress and partial saves)."""
+    """All rows of the plan, returned in plan order; `on_row(row)` is called after each (progress, partial saves).
+
+    The contenders of a set are measured together, interleaved. Time-boxed rows (torch.compile) run after all
+    the others, so a slow compile can only eat the time left at the end of the run, never the rows the goals
+    are read from.
+    """
     device = torch.device(opts.device)
-    rows = []
-    for spec in sets:
-        for contender in contenders_for(spec.family):
-            if opts.contenders and contender.key not in opts.contenders:
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                row = _skip(spec, contender, "the run's --deadline was reached before this row")
-            elif (reason := contender.unavailable(device)) is not None:
-                row = _skip(spec, contender, reason)
-            elif contender.isolated and spec.name not in opts.compile_sets:
-                row = _skip(spec, contender, "not in --compile-sets (compile-time budget)")
-            else:
+    rows: dict[tuple, dict] = {}
+
+    def emit(spec, row):
+        rows[(spec.name, row["contender"])] = row
+        if on_row is not None:
+            on_row(row)
+
+    def runnable(spec, contender) -> bool:
+        if deadline is not None and time.monotonic() > deadline:
+            emit(spec, _skip(spec, contender, "the run's --deadline was reached before this row"))
+        elif (reason := contender.unavailable(device)) is not None:
+            emit(spec, _skip(spec, contender, reason))
+        elif contender.isolated and spec.name not in opts.compile_sets:
+            emit(spec, _skip(spec, contender, "not in --compile-sets (compile-time budget)"))
+        else:
+            return True
+        return False
+
+    jobs = [(spec, [c for c in contenders_for(spec.family) if not opts.contenders or c.key in opts.contenders])
+            for spec in sets]
+    for spec, contenders in jobs:
+        group = [c for c in contenders if not c.isolated and runnable(spec, c)]
+        if group:
+            for row in measure_group(spec, group, opts, copy_bw):
+                emit(spec, row)
+    for spec, contenders in jobs:
+        for c in contenders:
+            if c.isolated and runnable(spec, c):
+                timeout = opts.compile_timeout
+                if deadline is not None:
+                    timeout = max(1.0, min(timeout, deadline - time.monotonic()))
                 try:
-                    if contender.isolated:
-                        timeout = opts.compile_timeout
-                        if deadline is not None:
-                            timeout = max(1.0, min(timeout, deadline - time.monotonic()))
-                        row = _run_isolated(spec, contender, opts, copy_bw, timeout)
-                    else:
-                        row = measure_row(spec, contender, opts, copy_bw)
-                except Exception as e:  # one broken contender must not lose the rest of the table
-                    row = _skip(spec, contender, f"{type(e).__name__}: {e}"[:300], status="error")
-                    row["traceback"] = traceback.format_exc(limit=6)
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
-    add_speedups(rows)
-    return rows
+                    emit(spec, _run_isolated(spec, c, opts, copy_bw, timeout))
+                except Exception as e:
+                    emit(spec, _error_row(spec, c, e))
+    ordered = [rows[(spec.name, c.key)] for spec, contenders in jobs for c in contenders]
+    add_speedups(ordered)
+    return ordered
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -171,7 +222,3 @@ def add_speedups(rows: list[dict]) -> None:
             r["baseline"] = baseline_for(family)
             r["speedup"] = base["median_s"] / r["median_s"] if ok else None
             r["time_ratio"] = r["median_s"] / base["median_s"] if ok else None
-
-
-def contender_by_key(key: str) -> Contender:
-    return CONTENDERS[key]

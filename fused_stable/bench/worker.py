@@ -1,7 +1,7 @@
 """Worker process for one time-boxed benchmark row: `python -m fused_stable.bench.worker '<job json>'`.
 
 The parent (runner._run_isolated) kills it when its time box runs out; on success it prints one `RESULT {json}`
-line with the same row dict `runner.measure_row` returns in-process.
+line with the same row dict `runner.measure_group` returns in-process.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from .contenders import CONTENDERS
 from .paramsets import ParamSetSpec
-from .runner import Options, measure_row
+from .runner import Options, measure_group
 
 
 def main(argv: list[str]) -> int:
@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     opts = Options(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["opts"].items()})
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    row = measure_row(ParamSetSpec.from_json(job["spec"]), CONTENDERS[job["contender"]], opts, job["copy_bw"])
+    [row] = measure_group(ParamSetSpec.from_json(job["spec"]), [CONTENDERS[job["contender"]]], opts,
+                          job["copy_bw"])
     print("RESULT " + json.dumps(row), flush=True)
     return 0
 

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# GPU check of fused_stable: the CUDA tests, then the full benchmark, in under 8 minutes, offline.
+#
+# Run from anywhere inside a copy of the working tree on a machine with a CUDA GPU, torch and triton already
+# importable, and no network:
+#     OUT=/some/dir bash benchmarks/gpu_check.sh
+# It writes at most 6 files under "$OUT" (never deeper than $OUT/results/<file>):
+#     gpu_check.log            everything this script printed
+#     env.txt                  nvidia-smi, python and library versions
+#     tests.log                the CUDA test run
+#     bench.log                the benchmark's progress and table
+#     results/<stem>.json      every row, the environment record, the goal checks
+#     results/<stem>.md        the same as a markdown table (commit both under benchmarks/results/)
+# Exit status: 0 when the tests passed (or none were selected) and the benchmark wrote its results.
+#
+# Dry run of the same logic on a CPU-only machine (tiny sizes, CPU timings; not GPU numbers):
+#     GPU_CHECK_DEVICE=cpu OUT=/tmp/gc bash benchmarks/gpu_check.sh
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/gpu_check_out}"
+PYTHON="${PYTHON:-python}"
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+TESTS_K="${GPU_CHECK_TESTS_K:-cuda or gpu or triton}"
+# Time budget (seconds): install ~15, tests <= 150, benchmark <= 290 (rows stop at its --deadline of 240,
+# then the results are written) -> under 8 minutes with start-up.
+TESTS_TIMEOUT="${GPU_CHECK_TESTS_TIMEOUT:-150}"
+BENCH_DEADLINE="${GPU_CHECK_BENCH_DEADLINE:-240}"
+BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-290}"
+STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
+
+mkdir -p "$OUT/results"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+echo "== fused_stable gpu_check $STAMP in $ROOT (device $DEVICE) =="
+
+# Compile caches go outside $OUT: only the files listed above may land there.
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/fused_stable_inductor}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/fused_stable_triton}"
+export PYTHONDONTWRITEBYTECODE=1
+
+if [ "$DEVICE" = "cpu" ]; then
+    # CPU dry run: the gpu plan shrunk 1000-fold; the CUDA tests deselect or skip themselves.
+    BENCH_ARGS=(--plan gpu --device cpu --size-scale 1e-3 --compile-timeout 60)
+    BENCH_STEM="gpu-plan-dryrun-cpu-$STAMP"
+else
+    BENCH_ARGS=(--plan gpu --device "$DEVICE")
+    BENCH_STEM="gpu-$STAMP"
+fi
+
+# --- environment -------------------------------------------------------------------------------------------
+{
+    echo "date: $STAMP"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory,clocks.max.sm --format=csv
+        nvidia-smi -L
+    else
+        echo "nvidia-smi: not found"
+    fi
+    "$PYTHON" - <<'PY'
+import platform, torch
+print("python", platform.python_version(), platform.platform())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as e:
+    print("triton not importable:", e)
+PY
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# --- install (offline: no build isolation, no dependencies) ------------------------------------------------
+if ! "$PYTHON" -c "import fused_stable.bench" >/dev/null 2>&1; then
+    echo "== pip install -e . --no-deps"
+    "$PYTHON" -m pip install -q -e . --no-deps --no-build-isolation \
+        || "$PYTHON" -m pip install -q -e . --no-deps
+fi
+for module in rich pytest; do
+    if ! "$PYTHON" -c "import $module" >/dev/null 2>&1; then
+        echo "== $module missing: trying the local wheel cache"
+        "$PYTHON" -m pip install -q --no-index "$module" || echo "could not install $module"
+    fi
+done
+if ! "$PYTHON" -c "import fused_stable.bench"; then
+    echo "FAIL: fused_stable is not importable; nothing else can run"
+    exit 3
+fi
+
+# --- CUDA tests --------------------------------------------------------------------------------------------
+echo "== CUDA tests: pytest -m 'not benchmark' tests -k '$TESTS_K' (time box ${TESTS_TIMEOUT}s)"
+timeout -k 10 "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not benchmark" tests \
+    -k "$TESTS_K" > "$OUT/tests.log" 2>&1
+TESTS_RC=$?
+tail -n 25 "$OUT/tests.log"
+case "$TESTS_RC" in
+    0) echo "tests: passed" ;;
+    5) echo "tests: none selected by -k '$TESTS_K'"; TESTS_RC=0 ;;
+    124|137) echo "tests: TIMED OUT after ${TESTS_TIMEOUT}s" ;;
+    *) echo "tests: FAILED (exit $TESTS_RC)" ;;
+esac
+
+# --- benchmark ---------------------------------------------------------------------------------------------
+echo "== benchmark: fused-stable bench ${BENCH_ARGS[*]} --deadline $BENCH_DEADLINE (time box ${BENCH_TIMEOUT}s)"
+timeout -k 10 "$BENCH_TIMEOUT" "$PYTHON" -m fused_stable.bench "${BENCH_ARGS[@]}" \
+    --deadline "$BENCH_DEADLINE" --out "$OUT/results" --name "$BENCH_STEM" > "$OUT/bench.log" 2>&1
+BENCH_RC=$?
+# the profiler's start/stop lines are noise in the log shown here (bench.log keeps them)
+grep -v -e '^USDT' -e 'SyncActivityProfiler' "$OUT/bench.log" | tail -n 60
+if [ -s "$OUT/results/$BENCH_STEM.md" ]; then
+    echo "== results: $OUT/results/$BENCH_STEM.json and .md (bench exit $BENCH_RC)"
+    [ "$BENCH_RC" -eq 0 ] || echo "(partial: the benchmark was cut short; the files hold the rows it finished)"
+else
+    echo "FAIL: the benchmark wrote no results (exit $BENCH_RC)"
+    BENCH_RC=${BENCH_RC:-1}; [ "$BENCH_RC" -eq 0 ] && BENCH_RC=1
+fi
+
+echo "== done: tests exit $TESTS_RC, bench exit $BENCH_RC; files under $OUT:"
+find "$OUT" -type f | sort
+if [ "$TESTS_RC" -ne 0 ]; then exit "$TESTS_RC"; fi
+exit "$BENCH_RC"
