@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 # offline by construction: nothing below may try a model hub (set before transformers is imported)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,16 +37,25 @@ def main(argv: list[str]) -> int:
         return 130
 
 
+def _existing_artifacts(output_dir: str) -> list[str]:
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"output_dir {output_dir!r} exists and is not a directory")
+    return [name for name in RUN_ARTIFACTS if os.path.exists(os.path.join(output_dir, name))]
+
+
+def _refuse_existing_run(output_dir: str) -> None:
+    existing = _existing_artifacts(output_dir)
+    if existing:
+        raise UserError(
+            f"output_dir {output_dir!r} already holds a run ({', '.join(existing)}); "
+            "pass --resume latest to continue it or --overwrite to replace it"
+        )
+
+
 def _prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
-    existing = [name for name in RUN_ARTIFACTS if os.path.exists(os.path.join(output_dir, name))]
-    if os.path.isfile(output_dir):
-        raise UserError(f"output_dir {output_dir!r} is a file")
-    if existing and not resuming:
-        if not overwrite:
-            raise UserError(
-                f"output_dir {output_dir!r} already holds a run ({', '.join(existing)}); "
-                "pass --resume latest to continue it or --overwrite to replace it"
-            )
+    existing = _existing_artifacts(output_dir)
+    if existing and not resuming and not overwrite:
+        _refuse_existing_run(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     if existing and overwrite and not resuming:
         for name in existing:
@@ -73,31 +83,54 @@ def _resolve(argv: list[str]):
     return cfg, path
 
 
-def run(argv: list[str]) -> int:
+@dataclass
+class RunSetup:
+    """Everything a run needs, built and checked; nothing written yet (see `start`)."""
+    cfg: object
+    runtime: object
+    tokenizer: object
+    model: object
+    trainer: object
+    resume_path: str | None
+    n_examples: int
+
+    def start(self) -> None:
+        """Create output_dir (replacing a run only with --overwrite), write run.yaml, load the checkpoint."""
+        from fused_stable.train.config import dump_yaml
+        from fused_stable.train.report import Reporter
+
+        cfg, trainer = self.cfg, self.trainer
+        _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=self.resume_path is not None)
+        with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
+            f.write(dump_yaml(cfg))
+        if self.resume_path is not None:
+            trainer.restore(self.resume_path)
+        trainer.reporter = Reporter(cfg.output_dir, trainer.total_steps, trainer.state.step,
+                                    tensorboard=cfg.tensorboard, max_grad_norm=cfg.max_grad_norm)
+
+
+def setup_run(argv: list[str]) -> RunSetup:
+    """Parse and check the config, data and model, and build the trainer; raises UserError on bad input."""
     cfg, resume_path = _resolve(argv)
 
     import torch
-    import yaml
 
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.train import data
-    from fused_stable.train.config import dump_yaml, run_dict
+    from fused_stable.train.config import run_dict
     from fused_stable.train.loop import Trainer
-    from fused_stable.train.model import (apply_tuner, check_model_path, load_base_model, load_tokenizer,
-                                          param_groups, save_final)
-    from fused_stable.train.report import Reporter, plot_curves
+    from fused_stable.train.model import apply_tuner, check_model_path, load_base_model, load_tokenizer, param_groups
     from fused_stable.train.runtime import resolve_runtime
 
-    # ---- every check on user input happens before anything is written
+    # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
     check_model_path(cfg.model)
     if cfg.dataset == "builtin":
         examples = data.builtin_examples(cfg.builtin_examples, seed=cfg.seed)
     else:
         examples = data.load_examples(cfg.dataset)
-    existing = [n for n in RUN_ARTIFACTS if os.path.exists(os.path.join(cfg.output_dir, n))]
-    if existing and resume_path is None and not cfg.overwrite:
-        _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=False)  # raises the one-line error
+    if resume_path is None and not cfg.overwrite:
+        _refuse_existing_run(cfg.output_dir)
     tokenizer = load_tokenizer(cfg)
     items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
     if not any(any(label != data.IGNORE_INDEX for label in item.labels[1:]) for item in items):
@@ -115,49 +148,51 @@ def run(argv: list[str]) -> int:
         "linear": lambda: schedules.warmup_linear(total_steps, warmup_steps),
         "constant": lambda: schedules.constant(warmup_steps),
     }[cfg.scheduler]()
+    # clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call
     optimizer = FusedAdamW(
         groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm or None, lr_schedule=schedule,
     )  # fmt: skip
     optimizer.param_names = groups.names
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
-
-    # ---- from here on the run writes into output_dir
-    _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=resume_path is not None)
-    with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
-        f.write(dump_yaml(cfg))
     trainer = Trainer(
         model=model, optimizer=optimizer, scaler=scaler, batches=batches, runtime=runtime, reporter=None,
         output_dir=cfg.output_dir, config=run_dict(cfg), total_steps=total_steps, grad_accum=cfg.grad_accum,
         logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
     )  # fmt: skip
-    if resume_path is not None:
-        trainer.restore(resume_path)
-    n_trainable = sum(p.numel() for g in groups.groups for p in g["params"])
+    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items))
+
+
+def run(argv: list[str]) -> int:
+    from fused_stable.train.model import save_final
+    from fused_stable.train.report import plot_curves
+
+    setup = setup_run(argv)
+    cfg, trainer, model = setup.cfg, setup.trainer, setup.model
+    setup.start()
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in model.parameters())
-    trainer.reporter = Reporter(cfg.output_dir, total_steps, trainer.state.step, tensorboard=cfg.tensorboard,
-                                max_grad_norm=cfg.max_grad_norm)
     trainer.reporter.message(
         f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
-        f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={runtime.precision} "
-        f"device={runtime.device} | {n_trainable:,} trainable of {n_total:,} params | {len(items):,} examples | "
-        f"{total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | output {cfg.output_dir}"
-        + (f" | resumed from {resume_path}" if resume_path else "")
+        f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
+        f"device={setup.runtime.device} | {n_trainable:,} trainable of {n_total:,} params | "
+        f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
+        f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
     )
     t0 = time.perf_counter()
+    start_step = trainer.state.step
     try:
         state = trainer.fit()
     finally:
         trainer.reporter.close()
         plot_curves(cfg.output_dir, cfg.max_grad_norm)
-    if cfg.save_steps == 0 or state.step % cfg.save_steps != 0:
+    if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
         trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
-    target = save_final(model, tokenizer, cfg, cfg.output_dir)
+    target = save_final(model, setup.tokenizer, cfg, cfg.output_dir)
     rows = [r for r in _read_metrics(cfg.output_dir)]
-    first, last = rows[0]["loss"], rows[-1]["loss"]
-    print(f"done: {state.step} steps in {time.perf_counter() - t0:.1f}s | loss {first:.4f} -> {last:.4f} | "
+    summary = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} | " if rows else ""
+    print(f"done: steps {start_step}->{state.step} in {time.perf_counter() - t0:.1f}s | {summary}"
           f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}", flush=True)
-    del yaml
     return 0
 
 

@@ -1,0 +1,147 @@
+"""Short end-to-end runs of `fused-stable sft`: each tuner, quantisation and precision trains, logs and saves."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.train.conftest import TINY, fit, read_metrics, setup_run
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "skipped", "tokens_per_s", "elapsed_s"}
+
+
+def _check_outputs(out_dir, steps, saved="adapter"):
+    rows = read_metrics(out_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # one line per optimizer step
+    for row in rows:
+        assert METRIC_KEYS <= row.keys()
+        assert torch.isfinite(torch.tensor(row["loss"])) and row["loss"] > 0
+        assert row["grad_norm"] > 0 and row["lr"] > 0 and row["tokens_per_s"] > 0
+    for name in ("run.yaml", "curves.png", saved):
+        assert os.path.exists(os.path.join(out_dir, name)), name
+    assert os.path.isfile(os.path.join(out_dir, "checkpoints", f"step-{steps}", "COMPLETE"))
+    return rows
+
+
+def test_lora_default_recipe_trains_and_saves(sft, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, _ = sft(*TINY, "--output_dir", out, "--tensorboard", "true")
+    assert code == 0, stdout
+    rows = _check_outputs(out, 4)
+    assert os.path.isfile(out / "adapter" / "adapter_config.json")
+    assert os.path.isfile(out / "adapter" / "tokenizer.json")  # the byte tokenizer travels with the adapter
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert os.listdir(out / "tensorboard")
+    # warm-up then cosine: lr rises over int(0.1 * 4) = 0 warm-up steps, then decays
+    assert rows[0]["lr"] > rows[-1]["lr"]
+    assert "loss" in stdout and "done:" in stdout
+
+
+def _weights_by_name(model, predicate):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if predicate(n, p)}
+
+
+def test_qlora_4bit_nf4_base_unchanged(tmp_path):
+    import bitsandbytes as bnb
+
+    setup = setup_run(*TINY, "--quant_bits", "4", "--output_dir", tmp_path / "q")
+    model = setup.model
+    four_bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four_bit, "no 4-bit layers"
+    assert all(m.weight.quant_type == "nf4" for m in four_bit)
+    assert all(m.weight.quant_state.nested for m in four_bit)  # double quantisation
+    base_before = [m.weight.data.clone() for m in four_bit]
+    lora_before = _weights_by_name(model, lambda n, p: "lora_B" in n)
+    fit(setup)
+    for before, layer in zip(base_before, four_bit):
+        assert torch.equal(before, layer.weight.data)  # the packed NF4 weights did not move
+    assert not any(m.weight.requires_grad for m in four_bit)
+    moved = [n for n, p in model.named_parameters() if "lora_B" in n and not torch.equal(p, lora_before[n])]
+    assert moved, "the LoRA B matrices did not train"
+
+
+def test_qlora_cli_run(sft, tmp_path):
+    code, stdout, err = sft(*TINY, "--quant_bits", "4", "--output_dir", tmp_path / "q")
+    assert code == 0, err
+    _check_outputs(tmp_path / "q", 4)
+
+
+def test_8bit_base(sft, tmp_path):
+    code, stdout, err = sft(*TINY, "--quant_bits", "8", "--max_steps", "2", "--output_dir", tmp_path / "q8")
+    assert code == 0, err
+    _check_outputs(tmp_path / "q8", 2)
+
+
+def test_dora(sft, tmp_path):
+    out = tmp_path / "dora"
+    code, _, err = sft(*TINY, "--tuner", "dora", "--output_dir", out)
+    assert code == 0, err
+    _check_outputs(out, 4)
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
+    saved = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
+    assert any("lora_magnitude_vector" in k for k in saved)
+
+
+def test_loraplus_groups_and_run(sft, tmp_path):
+    setup = setup_run(*TINY, "--loraplus_lr_ratio", "16", "--output_dir", tmp_path / "lp")
+    groups = setup.trainer.optimizer.param_groups
+    names = setup.trainer.optimizer.param_names
+    b_group = [g for g in groups if g["lr"] == pytest.approx(2e-4 * 16)]
+    assert len(b_group) == 1
+    b_ids = {id(p) for p in b_group[0]["params"]}
+    b_names = [n for n, p in zip(names, [p for g in groups for p in g["params"]]) if id(p) in b_ids]
+    assert b_names and all("lora_B" in n for n in b_names)
+    assert all(g["lr"] == pytest.approx(2e-4) for g in groups if g is not b_group[0])
+    code, _, err = sft(*TINY, "--loraplus_lr_ratio", "16", "--output_dir", tmp_path / "lp2")
+    assert code == 0, err
+    _check_outputs(tmp_path / "lp2", 4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision(sft, tmp_path, precision):
+    out = tmp_path / precision
+    code, _, err = sft(*TINY, "--precision", precision, "--output_dir", out)
+    assert code == 0, err
+    rows = _check_outputs(out, 4)
+    if precision == "fp16":
+        assert rows[-1]["loss_scale"] > 0  # dynamic loss scaling is on
+
+
+def test_full_finetune_with_gradient_checkpointing(sft, tmp_path):
+    out = tmp_path / "full"
+    code, _, err = sft(*TINY, "--tuner", "full", "--gradient_checkpointing", "--lr", "1e-3", "--output_dir", out)
+    assert code == 0, err
+    _check_outputs(out, 4, saved="model")
+    assert os.path.isfile(out / "model" / "config.json")
+
+
+def test_local_model_directory(sft, tmp_path):
+    """A local Hugging Face directory (the tiny model and tokenizer saved to disk) loads offline."""
+    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.tokenizer import build_byte_tokenizer
+
+    local = tmp_path / "local-model"
+    build_tiny_model().save_pretrained(local)
+    build_byte_tokenizer().save_pretrained(local)
+    code, _, err = sft(*TINY, "--model", local, "--max_steps", "2", "--target_modules", "all-linear",
+                       "--output_dir", tmp_path / "out")
+    assert code == 0, err
+    config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert len(config["target_modules"]) == 7  # q, k, v, o, gate, up, down
+
+
+def test_grad_accum_divides_by_window_tokens(tmp_path):
+    """bs 2 x accum 2 sees the same 4 sequences as bs 4 x accum 1: same loss and same update."""
+    common = [*TINY, "--max_steps", "1", "--lora_dropout", "0", "--max_grad_norm", "none"]
+    a = setup_run(*common, "--batch_size", "2", "--grad_accum", "2", "--output_dir", tmp_path / "a")
+    b = setup_run(*common, "--batch_size", "4", "--grad_accum", "1", "--output_dir", tmp_path / "b")
+    fit(a)
+    fit(b)
+    loss_a, loss_b = read_metrics(tmp_path / "a")[0]["loss"], read_metrics(tmp_path / "b")[0]["loss"]
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    pa = dict(a.model.named_parameters())
+    for name, p in b.model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(pa[name], p, rtol=1e-4, atol=1e-6)
