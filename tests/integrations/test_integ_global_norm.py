@@ -138,6 +138,12 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
     p = _param(torch.ones(4, 2), mesh, [Replicate()])
     p.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Partial()])
     capture("partial_grad", lambda: fsd.global_sumsq(torch.ones(1), [p]))
+    # the same checks through the optimizer itself
+    from fused_stable import FusedAdamW
+
+    capture("optim_fsdp1_flat", lambda: FusedAdamW(flat.parameters()))
+    capture("optim_fsdp1_orig", lambda: FusedAdamW(orig.parameters()))
+    capture("optim_two_meshes", lambda: FusedAdamW(two_meshes))
     out["errors"] = errors
     # Two meshes in separate groups are allowed: the global norm still combines them correctly.
     out["two_meshes_sumsq"] = fsd.global_sumsq(_local_sumsq(two_meshes), two_meshes)
@@ -235,6 +241,18 @@ def test_bad_layouts_get_clear_errors(two_ranks, case, exc, words):
         assert name == exc
         for w in words:
             assert w in msg
+
+
+@pytest.mark.parametrize(
+    "case, exc, words",
+    [
+        ("optim_fsdp1_flat", "TypeError", ["FSDP1", "fully_shard"]),
+        ("optim_fsdp1_orig", "TypeError", ["FSDP1", "fully_shard"]),
+        ("optim_two_meshes", "ValueError", ["different device meshes"]),
+    ],
+)
+def test_fused_adamw_rejects_bad_layouts(two_ranks, case, exc, words):
+    test_bad_layouts_get_clear_errors(two_ranks, case, exc, words)
 
 
 def test_2d_mesh_reduces_each_sharded_dim_once(four_ranks):
