@@ -100,6 +100,20 @@ def test_gpu_plan_logic_runs_on_cpu_with_a_size_scale(tmp_path, capsys):
     assert all(r["status"] == "ok" for r in result["rows"])
 
 
+def test_speedups_use_the_set_baseline_or_the_one_timed_alongside():
+    from fused_stable.bench.runner import add_speedups
+
+    def row(contender, median, **extra):
+        return {"set": "s", "family": "dense", "contender": contender, "status": "ok", "median_s": median, **extra}
+
+    rows = [row("torch_fused", 2.0), row("fused_stable", 1.0),
+            row("torch_compile", 3.0, paired_baseline_median_s=6.0),
+            {"set": "s", "family": "dense", "contender": "apex", "status": "skipped"}]
+    add_speedups(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 2.0, 2.0, None]
+    assert rows[1]["time_ratio"] == 0.5 and rows[0]["baseline"] == "torch_fused"
+
+
 def test_bad_arguments_exit_2_with_a_one_line_error(tmp_path, capsys):
     assert main(["--device", "cpu", "--sets", "nope", "--out", str(tmp_path)]) == 2
     assert "matches none of" in capsys.readouterr().err

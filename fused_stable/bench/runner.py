@@ -141,7 +141,10 @@ def _skip(spec, contender, reason, status="skipped") -> dict:
 def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw: float,
                   timeout: float) -> dict:
     """Run one row in a worker process with a hard time limit (torch.compile can take minutes, or hang)."""
-    job = {"spec": spec.to_json(), "contender": contender.key, "opts": asdict(opts), "copy_bw": copy_bw}
+    # The set's baseline is timed again in the worker, interleaved with this row, so the row's speedup does
+    # not compare two processes run at different moments of a shared machine's load.
+    job = {"spec": spec.to_json(), "contender": contender.key, "pair_with": baseline_for(spec.family),
+           "opts": asdict(opts), "copy_bw": copy_bw}
     cmd = [sys.executable, "-m", "fused_stable.bench.worker", json.dumps(job)]
     # Own session, so a timeout can kill the worker together with inductor's compile subprocesses.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -210,7 +213,8 @@ def run_plan(sets: list[ParamSetSpec], opts: Options, copy_bw: float, *, deadlin
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """speedup = baseline median / row median, within each parameter set."""
+    """speedup = baseline median / row median, within each parameter set; a time-boxed row is compared with
+    the baseline timed alongside it in its worker."""
     by_set: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_set.setdefault(r["set"], {})[r["contender"]] = r
@@ -218,7 +222,13 @@ def add_speedups(rows: list[dict]) -> None:
         family = next(iter(group.values()))["family"]
         base = group.get(baseline_for(family))
         for r in group.values():
-            ok = r["status"] == "ok" and base is not None and base["status"] == "ok"
             r["baseline"] = baseline_for(family)
-            r["speedup"] = base["median_s"] / r["median_s"] if ok else None
-            r["time_ratio"] = r["median_s"] / base["median_s"] if ok else None
+            if r.get("paired_baseline_median_s"):
+                base_median = r["paired_baseline_median_s"]
+            elif base is not None and base["status"] == "ok":
+                base_median = base["median_s"]
+            else:
+                base_median = None
+            ok = r["status"] == "ok" and base_median is not None
+            r["speedup"] = base_median / r["median_s"] if ok else None
+            r["time_ratio"] = r["median_s"] / base_median if ok else None
