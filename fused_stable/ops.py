@@ -127,19 +127,29 @@ def fused_step(
 
 
 def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sumsq) -> None:
+    device = buffers.fstate.device
     by_dtype = _indices_by_dtype(batch.params)
-    per_tensor_sumsq = torch.empty(len(batch.params), dtype=torch.float32, device=buffers.fstate.device)
-    for indices in by_dtype.values():
-        norms = torch.stack(torch._foreach_norm([batch.grads[i] for i in indices], 2, dtype=torch.float32))
-        if grad_scale is not None:
-            norms = norms * grad_scale.reciprocal()
-        if len(by_dtype) == 1:
-            per_tensor_sumsq = norms * norms
-        else:
-            per_tensor_sumsq[torch.tensor(indices, device=per_tensor_sumsq.device)] = norms * norms
+    # index tensors are cached: building them from host lists every step would copy from pageable memory
+    key = (tuple(batch.positions), tuple(tuple(v) for v in by_dtype.values()))
+    if cache.extra.get("key") != key:
+        cache.extra.update(
+            key=key,
+            positions=_device_indices(batch.positions, device),
+            order=_device_indices([i for indices in by_dtype.values() for i in indices], device),
+        )
+    norms = [
+        torch.stack(torch._foreach_norm([batch.grads[i] for i in indices], 2, dtype=torch.float32))
+        for indices in by_dtype.values()
+    ]
+    norms = norms[0] if len(norms) == 1 else torch.empty_like(cache.extra["order"], dtype=torch.float32).index_copy_(
+        0, cache.extra["order"], torch.cat(norms)
+    )
+    if grad_scale is not None:
+        norms = norms * grad_scale.reciprocal()
+    per_tensor_sumsq = norms * norms
     sumsq = global_sumsq(per_tensor_sumsq, batch.originals) if global_sumsq else per_tensor_sumsq.sum()
     cache.per_tensor_sumsq = per_tensor_sumsq
-    cache.positions = torch.tensor(batch.positions, device=per_tensor_sumsq.device)
+    cache.positions = cache.extra["positions"]
 
     lr0 = batch.group_hparams[0][0]
     grad_mul, skip, lr_factor = decide(sumsq, buffers.fstate, buffers.istate, rules, lr0, grad_scale, found_inf)
@@ -253,6 +263,12 @@ def decide(
     new_i[layout.I_MAX_ZSCORE_STEP] = torch.where(new_max, applied_before, i[layout.I_MAX_ZSCORE_STEP])
     istate.copy_(torch.stack(new_i))
     return grad_mul, new_f[layout.F_SKIP], lr_factor
+
+
+def _device_indices(values: list[int], device: torch.device) -> torch.Tensor:
+    from .kernels.tables import upload_int64
+
+    return upload_int64(values, device)
 
 
 def _indices_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:

@@ -115,7 +115,7 @@ class FusedAdamW(Optimizer):
         self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
         self._cache = ops.StepCache()
         self._state_version = 0
-        self.param_names: list[str] | None = None
+        self._param_names: list[str] | None = None
 
     # ------------------------------------------------------------------------------------------
     # device-side read-outs: 0-dim views of the optimizer's buffers, updated in place by every step
@@ -202,6 +202,23 @@ class FusedAdamW(Optimizer):
         self._fstate[layout.F_MAX_ZSCORE] = float("-inf")
         self._fstate[layout.F_MAX_ZSCORE_NORM] = 0.0
         self._istate[layout.I_MAX_ZSCORE_STEP] = -1
+
+    @property
+    def param_names(self) -> list[str] | None:
+        """Names for the parameters in param_groups order (e.g. from model.named_parameters()), for tools that
+        report which tensor's gradient exploded; None until set."""
+        return self._param_names
+
+    @param_names.setter
+    def param_names(self, names: Iterable[str] | None) -> None:
+        if names is None:
+            self._param_names = None
+            return
+        names = [str(n) for n in names]
+        count = sum(len(group["params"]) for group in self.param_groups)
+        if len(names) != count:
+            raise ValueError(f"param_names has {len(names)} names but the optimizer has {count} parameters")
+        self._param_names = names
 
     def per_tensor_grad_norms(self) -> torch.Tensor:
         """L2 norm of each parameter's gradient in the last step, in param_groups order (0 where no grad).
@@ -330,13 +347,16 @@ class FusedAdamW(Optimizer):
         return _local(self.param_groups[0]["params"][0]).device
 
     def _sharded_norm_reducer(self) -> ops.GlobalSumsq | None:
-        """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one."""
-        if not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
-            return None
+        """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one.
+
+        Every group is checked (FSDP1 flat params and mixed meshes are refused), DTensor or not.
+        """
         from .integrations import distributed
 
         for group in self.param_groups:
             distributed.validate_params(list(group["params"]))
+        if not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
+            return None
         return distributed.global_sumsq
 
     # ------------------------------------------------------------------------------------------

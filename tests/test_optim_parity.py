@@ -141,3 +141,43 @@ def test_torch_lr_scheduler_drives_group_lr(backend):
         ours.grad, theirs.grad = g.clone(), g.clone()
         opt.step(), ref.step(), s1.step(), s2.step()
     assert_close(ours, theirs, 1e-5, 1e-6, "StepLR-driven lr")
+
+
+def test_param_names_must_match_the_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = FusedAdamW(model.parameters(), lr=1e-3, backend="torch")
+    opt.param_names = [name for name, _ in model.named_parameters()]
+    assert opt.param_names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    with pytest.raises(ValueError, match="3 names but the optimizer has 4"):
+        opt.param_names = ["a", "b", "c"]
+    model(torch.randn(5, 3)).square().sum().backward()
+    opt.step()
+    norms = opt.per_tensor_grad_norms()
+    expected = torch.stack([p.grad.norm() for p in model.parameters()])
+    assert torch.allclose(norms, expected)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_mixed_dtypes_in_one_optimizer(backend):
+    """fp32, bf16 and fp16 params together: per-tensor norms land in parameter order, and without clipping
+    the result equals one optimizer per dtype (the dtypes only meet in the global norm)."""
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float32, torch.bfloat16]
+    init = [torch.randn(10 + 3 * i).to(dt) for i, dt in enumerate(dtypes)]
+    mixed = [torch.nn.Parameter(t.clone()) for t in init]
+    single = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = FusedAdamW(mixed, lr=1e-2, backend=backend)
+    per_dtype = [
+        FusedAdamW([p for p in single if p.dtype == dt], lr=1e-2, backend=backend)
+        for dt in (torch.float32, torch.bfloat16, torch.float16)
+    ]
+    for _ in range(3):
+        grads = [torch.randn(p.shape).to(p.dtype) for p in mixed]
+        for a, b, g in zip(mixed, single, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        for o in per_dtype:
+            o.step()
+    for a, b in zip(mixed, single):
+        assert torch.equal(a, b), a.dtype
+    expected = torch.stack([g.float().norm() for g in grads])
+    assert torch.allclose(opt.per_tensor_grad_norms(), expected, rtol=1e-5)
