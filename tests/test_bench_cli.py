@@ -55,7 +55,8 @@ def test_smoke_plan_table_json_and_markdown(tmp_path, capsys):
         assert r["steps"] == 3 and r["input_sets"] == 2
         assert r["q1_s"] <= r["median_s"] <= r["q3_s"]
         assert r["gbps"] == pytest.approx(r["bytes_per_step"] / r["median_s"] / 1e9)
-        assert r["pct_copy_bw"] > 0 and r["host_cpu_s"] > 0
+        assert r["pct_copy_bw"] > 0 and r["host_cpu_s"] > 0 and r["copy_bw_gbps"] > 0
+        assert r["pct_copy_bw"] == pytest.approx(100 * r["gbps"] / r["copy_bw_gbps"])
         assert r["launches_per_step"] is None and r["syncs_per_step"] is None   # CUDA-only figures
         assert r["peak_mem_bytes"] >= r["resident_bytes"] > 0
 

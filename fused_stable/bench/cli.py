@@ -115,12 +115,13 @@ def main(argv: list[str]) -> int:
         max_steps=args.max_steps if args.max_steps is not None else max(d["max_steps"], args.steps or 0),
         input_sets=args.input_sets, compile_sets=compile_sets,
         compile_timeout=args.compile_timeout if args.compile_timeout is not None else d["compile_timeout"],
-        threads=args.threads, seed=args.seed, profile=not args.no_profile, contenders=contenders)
+        threads=args.threads, seed=args.seed, profile=not args.no_profile, contenders=contenders,
+        copy_bytes=d["copy_mib"] * 2**20)
 
     started = time.monotonic()
     deadline = started + args.deadline if args.deadline > 0 else None
     env = report.environment(device)
-    copy_bytes = d["copy_mib"] * 2**20
+    copy_bytes = opts.copy_bytes
     console.print(f"measuring copy bandwidth on {env['device']} ...", markup=False)
     copy_bw = measure.copy_bandwidth(device, copy_bytes)
     stem = args.name or f"bench-{device.type}-{env['date'][:19].replace(':', '').replace('-', '')}"

@@ -119,9 +119,9 @@ def _host_seconds(fns, device, n) -> float:
 
 
 def time_steps(groups: list[list[Callable[[], None]]], device: torch.device, *, warmup: int, min_steps: int,
-               min_time: float, max_steps: int) -> list[dict]:
+               min_time: float, max_steps: int, host: list[bool] | None = None) -> list[dict]:
     """Warm every group up, pick one step count that gives the slowest group `min_time` seconds, time all
-    groups interleaved, then measure host time per group. Returns one timing dict per group."""
+    groups interleaved, then measure host time per group (where `host[i]`). Returns one timing dict per group."""
     per_step = []
     for fns in groups:
         t0 = time.perf_counter()
@@ -134,10 +134,10 @@ def time_steps(groups: list[list[Callable[[], None]]], device: torch.device, *, 
     all_times = _interleaved_times(groups, device, n, flush)
     del flush
     out = []
-    for fns, times in zip(groups, all_times):
+    for i, (fns, times) in enumerate(zip(groups, all_times)):
         q1, med, q3 = quartiles(times)
         out.append({"steps": n, "median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "min_s": min(times),
-                    "host_cpu_s": _host_seconds(fns, device, min(n, 20))})
+                    "host_cpu_s": _host_seconds(fns, device, min(n, 20)) if host is None or host[i] else None})
     return out
 
 

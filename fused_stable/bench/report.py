@@ -184,6 +184,15 @@ def print_table(console, result: dict) -> None:
         console.print(f"  [{mark}] {g['goal']} ({g['set']}): {g['detail']}", markup=False)
 
 
+def _set_copy_bw(result: dict) -> dict:
+    """Copy bandwidth each set's rows were compared with (the first ok row of the set carries it)."""
+    out: dict[str, float] = {}
+    for r in result["rows"]:
+        if r["status"] == "ok" and r.get("copy_bw_gbps") and r["set"] not in out:
+            out[r["set"]] = r["copy_bw_gbps"]
+    return out
+
+
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
@@ -195,8 +204,9 @@ def markdown(result: dict) -> str:
         f"(git {env['git']}), python {env['python']}",
         f"- platform: {env['platform']}, torch threads: {env['torch_threads']}, "
         f"load average at start: {env['load_average_start']}, at end: {env.get('load_average_end')}",
-        f"- measured copy bandwidth (read + write of a {result['copy_bytes'] / 2**20:.0f} MiB copy): "
-        f"{result['copy_bandwidth_gbps']:.1f} GB/s",
+        f"- copy bandwidth (read + write of a {result['copy_bytes'] / 2**20:.0f} MiB copy): "
+        f"{result['copy_bandwidth_gbps']:.1f} GB/s at the start of the run; `% copy BW` uses the copy timed in "
+        "rotation with each set's steps (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in _set_copy_bw(result).items()),
         f"- command: `{result['command']}`",
         f"- plan: {result['plan']}; step: global-norm clip at 1.0 + AdamW (lr 1e-3, wd 0.01); timing: "
         + ("CUDA events per step, L2 flushed between steps" if env["device_type"] == "cuda"

@@ -37,6 +37,7 @@ class Options:
     seed: int = 0
     profile: bool = True           # CUDA launches/syncs via torch.profiler
     contenders: tuple = ()         # restrict to these contender keys (empty: all)
+    copy_bytes: int = 0            # > 0: time a copy of this size interleaved with each set's steps
     extra: dict = field(default_factory=dict)
 
 
@@ -83,6 +84,7 @@ def _finish(spec: ParamSetSpec, prep: _Prepared, timing: dict, opts: Options, co
     row["bytes_per_step"] = nbytes
     row["bytes_per_param"] = nbytes / spec.n_params
     row["gbps"] = nbytes / timing["median_s"] / 1e9
+    row["copy_bw_gbps"] = copy_bw / 1e9 if copy_bw else None
     row["pct_copy_bw"] = 100.0 * nbytes / timing["median_s"] / copy_bw if copy_bw else None
     resident = (tensor_bytes(params) + tensor_bytes([p.grad for p in params])
                 + measure.state_bytes(built.optimizer, params))
@@ -116,9 +118,19 @@ def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options
             except Exception as e:  # one broken contender must not lose the rest of the table
                 rows[c.key] = _error_row(spec, c, e)
         if prepared:
-            timings = measure.time_steps([[b.step for b in p.built] for p in prepared], device,
-                                         warmup=opts.warmup, min_steps=opts.min_steps, min_time=opts.min_time,
-                                         max_steps=opts.max_steps)
+            groups = [[b.step for b in p.built] for p in prepared]
+            if opts.copy_bytes:
+                # The copy-bandwidth reference is timed in the same rotation as the steps, so it sees the same
+                # machine load; the run-level copy measured at the start is the fallback.
+                src = torch.ones(opts.copy_bytes // 4, device=device)
+                dst = torch.empty_like(src)
+                groups.append([lambda: dst.copy_(src)])
+            timings = measure.time_steps(groups, device, warmup=opts.warmup, min_steps=opts.min_steps,
+                                         min_time=opts.min_time, max_steps=opts.max_steps,
+                                         host=[True] * len(prepared) + [False] * (len(groups) - len(prepared)))
+            if opts.copy_bytes:
+                copy_bw = 2 * (opts.copy_bytes // 4) * 4 / timings[-1]["median_s"]
+                del src, dst
             for prep, timing in zip(prepared, timings):
                 try:
                     rows[prep.contender.key] = _finish(spec, prep, timing, opts, copy_bw, device)
