@@ -37,6 +37,15 @@ def to_storage(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def program_chunk(chunk_tensor, chunk_start, numels, CHUNK: tl.constexpr):
+    """This program's chunk: (program id, tensor index, first element, end element) from the chunk tables."""
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(chunk_tensor + pid)
+    start = tl.load(chunk_start + pid)
+    return pid, tensor, start, tl.minimum(start + CHUNK, tl.load(numels + tensor))
+
+
+@triton.jit
 def _sumsq_kernel(
     grad_addrs,  # int64 [num_tensors]
     numels,  # int64 [num_tensors]
@@ -50,10 +59,7 @@ def _sumsq_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(chunk_tensor + pid)
-    start = tl.load(chunk_start + pid)
-    end = tl.minimum(start + CHUNK, tl.load(numels + tensor))
+    pid, tensor, start, end = program_chunk(chunk_tensor, chunk_start, numels, CHUNK)
     grad = tl.load(grad_addrs + tensor).to(tl.pointer_type(GRAD_DTYPE))
     inv_scale = 1.0
     if HAS_SCALE:
@@ -110,10 +116,7 @@ def _scale_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(chunk_tensor + pid)
-    start = tl.load(chunk_start + pid)
-    end = tl.minimum(start + CHUNK, tl.load(numels + tensor))
+    _, tensor, start, end = program_chunk(chunk_tensor, chunk_start, numels, CHUNK)
     data = tl.load(addrs + tensor).to(tl.pointer_type(DTYPE))
     factor = tl.load(factor_ptr)
     offsets = tl.arange(0, BLOCK).to(tl.int64)
