@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile contender: auto = on the plan's compile sets, on = every dense/LoRA set")
     p.add_argument("--compile-sets", help="comma-separated sets that get the torch.compile contender")
     p.add_argument("--compile-timeout", type=float, help="time box (s) of one torch.compile row, compile included")
+    p.add_argument("--copy-mib", type=float, default=0.0,
+                   help="size of the copy-bandwidth reference (default: 256 on the cpu plan, 2048 on gpu, "
+                        "scaled down with --size-scale)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiler pass (launches, syncs)")
     p.add_argument("--deadline", type=float, default=0.0,
@@ -116,7 +119,8 @@ def main(argv: list[str]) -> int:
         input_sets=args.input_sets, compile_sets=compile_sets,
         compile_timeout=args.compile_timeout if args.compile_timeout is not None else d["compile_timeout"],
         threads=args.threads, seed=args.seed, profile=not args.no_profile, contenders=contenders,
-        copy_bytes=d["copy_mib"] * 2**20)
+        copy_bytes=int(args.copy_mib * 2**20) if args.copy_mib else
+        int(max(8, d["copy_mib"] * min(1.0, args.size_scale)) * 2**20))
 
     started = time.monotonic()
     deadline = started + args.deadline if args.deadline > 0 else None
