@@ -43,7 +43,7 @@ class TrainConfig:
     warmup_ratio: float = _key(0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim")
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     precision: str = _key("auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim")
-    batch_size: int = _key(8, "sequences per micro-batch", "optim")
+    batch_size: int = _key(4, "sequences per micro-batch", "optim")
     grad_accum: int = _key(8, "micro-batches per optimizer step", "optim")
     max_steps: typing.Optional[int] = _key(None, "optimizer steps to run; none = derive from epochs", "optim")
     epochs: float = _key(1.0, "passes over the data set (used when max_steps is none)", "optim")

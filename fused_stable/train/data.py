@@ -150,16 +150,16 @@ def builtin_examples(n: int, seed: int) -> list[Example]:
         kind = rng.randrange(5)
         if kind == 0:
             a, b = rng.randint(0, 99), rng.randint(0, 99)
-            record = {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)}
+            record = {"instruction": "Add.", "input": f"{a} + {b}", "output": str(a + b)}
         elif kind == 1:
             word = _random_word(rng)
-            record = {"instruction": "Reverse the word.", "input": word, "output": word[::-1]}
+            record = {"instruction": "Reverse.", "input": word, "output": word[::-1]}
         elif kind == 2:
             word = _random_word(rng)
-            record = {"instruction": "Write the word in capitals.", "input": word, "output": word.upper()}
+            record = {"instruction": "Uppercase.", "input": word, "output": word.upper()}
         elif kind == 3:
             word = _random_word(rng)
-            record = {"instruction": "Repeat the word twice.", "input": word, "output": f"{word} {word}"}
+            record = {"instruction": "Repeat twice.", "input": word, "output": f"{word} {word}"}
         else:
             word = _random_word(rng)
             record = {"instruction": "Sort the letters.", "input": word, "output": "".join(sorted(word))}
