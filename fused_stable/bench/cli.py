@@ -16,7 +16,7 @@ from .runner import Options, run_plan
 
 # Per-plan defaults: (warm-up, min steps, seconds of timed steps per row, max steps, compile sets, copy bytes)
 PLAN_DEFAULTS = {
-    "cpu": dict(warmup=3, min_steps=15, min_time=1.0, max_steps=200, compile_sets="dense-fp32",
+    "cpu": dict(warmup=3, min_steps=15, min_time=1.0, max_steps=1000, compile_sets="dense-fp32",
                 compile_timeout=120.0, copy_mib=256),
     "gpu": dict(warmup=10, min_steps=30, min_time=0.3, max_steps=500, compile_sets="dense-fp32,lora-fp32",
                 compile_timeout=150.0, copy_mib=2048),
