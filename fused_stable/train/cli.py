@@ -21,7 +21,19 @@ RUN_FILE = "run.yaml"
 RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "tensorboard", "checkpoints", "adapter", "model")
 
 
+def _quiet_third_party_noise() -> None:
+    """Two messages every run would print that say nothing about the run: bitsandbytes' note that an optional
+    hub-downloaded CPU kernel is missing (we are offline by design), and a transformers deprecation that peft
+    triggers."""
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
 def main(argv: list[str]) -> int:
+    _quiet_third_party_noise()
     if any(a in ("-h", "--help") for a in argv):
         from fused_stable.train.config import help_text
 

@@ -1,19 +1,7 @@
-"""Shared pieces for the trainer tests: tiny, fast CLI arguments and a helper that runs `fused-stable sft`."""
-import json
-import os
-
+"""Fixture for the trainer tests: `sft` runs the `fused-stable sft` CLI in-process."""
 import pytest
 
 from fused_stable.train import cli
-
-# a few optimizer steps of the embedded tiny Llama on a small slice of the built-in task
-TINY = ["--builtin_examples", "64", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "4",
-        "--logging_steps", "2", "--save_steps", "2", "--tensorboard", "false", "--max_length", "96"]
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture
@@ -26,16 +14,3 @@ def sft(capsys):
         return code, out, err
 
     return run
-
-
-def setup_run(*argv):
-    """Build a run in-process (config, model, trainer) without starting it, for tests that look inside."""
-    return cli.setup_run([str(a) for a in argv])
-
-
-def fit(setup):
-    setup.start()
-    try:
-        return setup.trainer.fit()
-    finally:
-        setup.trainer.reporter.close()

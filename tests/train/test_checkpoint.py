@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from fused_stable.train import checkpoint
-from tests.train.conftest import TINY, fit, read_metrics, setup_run
+from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
 RUN = [*TINY, "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1"]
 
@@ -103,7 +103,7 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_process_killed_mid_save(tmp_path, sft):
     """A real process killed (os._exit) mid-save: `resume latest` picks the newest complete checkpoint."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *RUN, "--output_dir", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 9, proc.stderr[-2000:]

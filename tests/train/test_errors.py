@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.train.conftest import TINY
+from sft_helpers import REPO_ROOT, TINY
 
 
 def _assert_user_error(code, out, err, *needles):
@@ -83,7 +83,7 @@ def test_bad_values(sft, tmp_path, flag, value, needle):
 
 def test_real_process_exit_code_and_stderr(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fused_stable", "sft", "--lr", "-1", "--output_dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["fused-stable sft: error: lr must be positive, got -1.0"]
 

@@ -1,5 +1,5 @@
 """The loss falls on the embedded task (tiny Llama + byte tokenizer + built-in instructions)."""
-from tests.train.conftest import read_metrics
+from sft_helpers import read_metrics
 
 
 def test_loss_decreases_on_builtin_task(sft, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.conftest import TINY, fit, read_metrics, setup_run
+from sft_helpers import TINY, fit, read_metrics, setup_run
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "skipped", "tokens_per_s", "elapsed_s"}
 

@@ -1,0 +1,29 @@
+"""Helpers for the trainer tests: tiny, fast CLI arguments, metrics reading, in-process runs."""
+import json
+import os
+
+from fused_stable.train import cli
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# a few optimizer steps of the embedded tiny Llama on a small slice of the built-in task
+TINY = ["--builtin_examples", "64", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "4",
+        "--logging_steps", "2", "--save_steps", "2", "--tensorboard", "false", "--max_length", "96"]
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def setup_run(*argv):
+    """Build a run in-process (config, model, trainer) without starting it, for tests that look inside."""
+    return cli.setup_run([str(a) for a in argv])
+
+
+def fit(setup):
+    setup.start()
+    try:
+        return setup.trainer.fit()
+    finally:
+        setup.trainer.reporter.close()
