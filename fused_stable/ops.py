@@ -298,8 +298,10 @@ class _DtypeLaunch:
     chunks: object  # kernels.tables.ChunkMap
     partial_offset: int
     has_master: bool
+    states_aligned: bool  # params, moments and masters all start on 16-byte boundaries
     grad_addrs: torch.Tensor | None = None
     grad_key: tuple = ()
+    grads_aligned: bool = False
 
 
 @dataclass
@@ -318,6 +320,7 @@ class _TritonPlan:
 
 def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
     from .kernels.adamw import TABLE_COLUMNS
+    from .kernels.norm import is_aligned
     from .kernels.tables import build_chunk_map, upload_int64
 
     launches, kernel_order, begins, counts, owners = [], [], [], [], []
@@ -342,6 +345,9 @@ def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
                 chunks=chunks,
                 partial_offset=offset,
                 has_master=batch.masters[indices[0]] is not None,
+                states_aligned=is_aligned(
+                    [t for i in indices for t in (batch.params[i], batch.exp_avgs[i], batch.exp_avg_sqs[i], batch.masters[i]) if t is not None]
+                ),
             )
         )
         first = len(kernel_order)
@@ -367,7 +373,7 @@ def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
 
 def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_inf, global_sumsq) -> None:
     from .kernels.adamw import launch_adamw, launch_finalize
-    from .kernels.norm import launch_sumsq
+    from .kernels.norm import is_aligned, launch_sumsq
     from .kernels.tables import upload_int64
 
     device = buffers.fstate.device
@@ -385,9 +391,10 @@ def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_
         if grad_key != launch.grad_key:  # new grad storage (e.g. after zero_grad(set_to_none=True))
             _check_layouts([batch.params[i] for i in launch.indices], grads)
             launch.grad_addrs, launch.grad_key = upload_int64(list(grad_key), device), grad_key
+            launch.grads_aligned = is_aligned(grads)
         launch_sumsq(
             launch.grad_addrs, launch.numels, launch.chunks, plan.partials, launch.partial_offset,
-            launch.dtype, grad_scale,
+            launch.dtype, grad_scale, aligned=launch.grads_aligned,
         )  # fmt: skip
 
     external_sumsq = None
@@ -418,6 +425,7 @@ def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_
             fstate=buffers.fstate,
             param_dtype=launch.dtype,
             has_master=launch.has_master,
+            aligned=launch.states_aligned and launch.grads_aligned,
         )
     cache.per_tensor_sumsq = plan.per_tensor_sumsq
     cache.positions = plan.positions

@@ -181,3 +181,25 @@ def test_mixed_dtypes_in_one_optimizer(backend):
         assert torch.equal(a, b), a.dtype
     expected = torch.stack([g.float().norm() for g in grads])
     assert torch.allclose(opt.per_tensor_grad_norms(), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_params_that_are_unaligned_views_of_one_buffer(backend):
+    """Params carved out of one flat buffer at odd offsets (no 16-byte alignment: no vector-access hint)."""
+    flat, flat_ref = torch.randn(3001), None
+    flat_ref = flat.clone()
+    cuts = [(1, 1030), (1030, 1031), (1031, 3001)]
+    ours = [torch.nn.Parameter(flat[a:b]) for a, b in cuts]
+    theirs = [torch.nn.Parameter(flat_ref[a:b]) for a, b in cuts]
+    assert ours[0].data_ptr() % 16 != 0
+    opt = FusedAdamW(ours, lr=1e-2, max_grad_norm=1.0, backend=backend)
+    ref = torch.optim.AdamW(theirs, lr=1e-2)
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            g = torch.randn(a.shape)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        ref.step()
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, 1e-5, 1e-6, "unaligned view param")

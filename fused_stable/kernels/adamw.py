@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import layout
-from .norm import BLOCK_SIZE, TRITON_DTYPES, to_storage
+from .norm import BLOCK_SIZE, TRITON_DTYPES, block_pointer, load_pointer, to_storage
 from .tables import CHUNK_SIZE, ChunkMap
 
 # buffer indices as compile-time constants (triton reads globals only as constexpr)
@@ -219,6 +219,44 @@ def _expm1(x):
 
 
 @triton.jit
+def _adamw_block(
+    block_start, offsets, end, param, grad, exp_avg, exp_avg_sq, master,
+    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """AdamW on one block of one tensor; unmasked (vectorisable) unless MASKED (the tail)."""
+    if MASKED:
+        mask = offsets < end - block_start
+        other = 0.0
+    else:
+        mask = None
+        other = None
+    param = block_pointer(param, block_start, ALIGNED) + offsets
+    grad = block_pointer(grad, block_start, ALIGNED) + offsets
+    exp_avg = block_pointer(exp_avg, block_start, ALIGNED) + offsets
+    exp_avg_sq = block_pointer(exp_avg_sq, block_start, ALIGNED) + offsets
+    g = tl.load(grad, mask=mask, other=other).to(tl.float32) * grad_mul
+    if HAS_MASTER:
+        master = block_pointer(master, block_start, ALIGNED) + offsets
+        p = tl.load(master, mask=mask, other=other)
+    else:
+        p = tl.load(param, mask=mask, other=other).to(tl.float32)
+    m = tl.load(exp_avg, mask=mask, other=other)
+    v = tl.load(exp_avg_sq, mask=mask, other=other)
+    # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
+    p = p * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+    p = p - step_size * (m / denom)
+    tl.store(exp_avg, m, mask=mask)
+    tl.store(exp_avg_sq, v, mask=mask)
+    if HAS_MASTER:
+        tl.store(master, p, mask=mask)
+    tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
 def _adamw_kernel(
     table,  # int64 [num_tensors, TABLE_COLUMNS]
     grad_addrs,  # int64 [num_tensors]
@@ -228,6 +266,7 @@ def _adamw_kernel(
     fstate,  # fp32: decisions of the finalize kernel
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -237,11 +276,11 @@ def _adamw_kernel(
         start = tl.load(chunk_start + pid)
         row = table + tensor * _TABLE_COLUMNS
         end = tl.minimum(start + CHUNK, tl.load(row + _COL_NUMEL))
-        param = tl.load(row + _COL_PARAM).to(tl.pointer_type(PARAM_DTYPE))
-        exp_avg = tl.load(row + _COL_EXP_AVG).to(tl.pointer_type(tl.float32))
-        exp_avg_sq = tl.load(row + _COL_EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
-        grad = tl.load(grad_addrs + tensor).to(tl.pointer_type(PARAM_DTYPE))
-        master = tl.load(row + _COL_MASTER).to(tl.pointer_type(tl.float32))
+        param = load_pointer(row + _COL_PARAM, PARAM_DTYPE)
+        exp_avg = load_pointer(row + _COL_EXP_AVG, tl.float32)
+        exp_avg_sq = load_pointer(row + _COL_EXP_AVG_SQ, tl.float32)
+        grad = load_pointer(grad_addrs + tensor, PARAM_DTYPE)
+        master = load_pointer(row + _COL_MASTER, tl.float32)
         step = tl.load(tl.load(row + _COL_STEP).to(tl.pointer_type(tl.float32)))
 
         hp = hparams + tl.load(row + _COL_GROUP) * _H_SIZE
@@ -258,27 +297,20 @@ def _adamw_kernel(
         step_size = lr / bias_correction1
 
         offsets = tl.arange(0, BLOCK).to(tl.int64)
-        for block_start in range(start, end, BLOCK):
-            idx = block_start + offsets
-            mask = idx < end
-            g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32) * grad_mul
-            if HAS_MASTER:
-                p = tl.load(master + idx, mask=mask, other=0.0)
-            else:
-                p = tl.load(param + idx, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(exp_avg + idx, mask=mask, other=0.0)
-            v = tl.load(exp_avg_sq + idx, mask=mask, other=0.0)
-            # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
-            p = p * decay
-            m = m + one_minus_beta1 * (g - m)
-            v = v * beta2 + one_minus_beta2 * (g * g)
-            denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-            p = p - step_size * (m / denom)
-            tl.store(exp_avg + idx, m, mask=mask)
-            tl.store(exp_avg_sq + idx, v, mask=mask)
-            if HAS_MASTER:
-                tl.store(master + idx, p, mask=mask)
-            tl.store(param + idx, to_storage(p, PARAM_DTYPE), mask=mask)
+        # full blocks without a mask (vectorisable), then one masked tail
+        full_end = start + (end - start) // BLOCK * BLOCK
+        for block_start in range(start, full_end, BLOCK):
+            _adamw_block(
+                block_start, offsets, end, param, grad, exp_avg, exp_avg_sq, master,
+                grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+                PARAM_DTYPE, HAS_MASTER, False, ALIGNED,
+            )  # fmt: skip
+        if full_end < end:
+            _adamw_block(
+                full_end, offsets, end, param, grad, exp_avg, exp_avg_sq, master,
+                grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+                PARAM_DTYPE, HAS_MASTER, True, False,
+            )  # fmt: skip
 
 
 def launch_finalize(
@@ -340,8 +372,12 @@ def launch_adamw(
     fstate: torch.Tensor,
     param_dtype: torch.dtype,
     has_master: bool,
+    aligned: bool = False,
 ) -> None:
-    """AdamW over every tensor of one param dtype, with the finalize kernel's clip / skip / lr factor."""
+    """AdamW over every tensor of one param dtype, with the finalize kernel's clip / skip / lr factor.
+
+    `aligned`: every param, grad, state and master address is a multiple of 16 bytes (vector accesses).
+    """
     if param_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 params, got {param_dtype}")
     if chunks.num_chunks == 0:
@@ -355,6 +391,7 @@ def launch_adamw(
         fstate,
         PARAM_DTYPE=TRITON_DTYPES[param_dtype],
         HAS_MASTER=has_master,
+        ALIGNED=aligned,
         CHUNK=CHUNK_SIZE,
         BLOCK=BLOCK_SIZE,
     )

@@ -37,6 +37,27 @@ def to_storage(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def load_pointer(address_ptr, DTYPE: tl.constexpr):
+    """A tensor's address from an int64 table, as a typed pointer."""
+    return tl.load(address_ptr).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def block_pointer(base, block_start, ALIGNED: tl.constexpr):
+    """base + block_start, marked 16-byte aligned when ALIGNED.
+
+    ALIGNED is checked on the host (every address of the launch is a multiple of 16 bytes, and blocks start
+    at multiples of BLOCK elements). Addresses loaded from a table carry no alignment the compiler can see;
+    the hint on each block's base pointer (a hint on the table value or the loop index does not propagate)
+    is what turns full-block accesses into 128-bit vector loads and stores.
+    """
+    pointer = base + block_start
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
 def program_chunk(chunk_tensor, chunk_start, numels, CHUNK: tl.constexpr):
     """This program's chunk: (program id, tensor index, first element, end element) from the chunk tables."""
     pid = tl.program_id(0).to(tl.int64)
@@ -56,22 +77,33 @@ def _sumsq_kernel(
     scale_ptr,  # fp32 [] loss scale to divide by (read only when HAS_SCALE)
     GRAD_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid, tensor, start, end = program_chunk(chunk_tensor, chunk_start, numels, CHUNK)
-    grad = tl.load(grad_addrs + tensor).to(tl.pointer_type(GRAD_DTYPE))
+    grad = load_pointer(grad_addrs + tensor, GRAD_DTYPE)
     inv_scale = 1.0
     if HAS_SCALE:
         inv_scale = 1.0 / tl.load(scale_ptr)
     offsets = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for block_start in range(start, end, BLOCK):
-        idx = block_start + offsets
+    # full blocks without a mask (vectorisable), then one masked tail
+    full_end = start + (end - start) // BLOCK * BLOCK
+    for block_start in range(start, full_end, BLOCK):
         # unscale in registers before squaring: scaled fp32 grads could overflow when squared
+        g = tl.load(block_pointer(grad, block_start, ALIGNED) + offsets).to(tl.float32) * inv_scale
+        acc += g * g
+    if full_end < end:
+        idx = full_end + offsets
         g = tl.load(grad + idx, mask=idx < end, other=0.0).to(tl.float32) * inv_scale
         acc += g * g
     tl.store(partials + partial_offset + pid, tl.sum(acc, axis=0))
+
+
+def is_aligned(tensors) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (fresh allocations do; views may not)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def launch_sumsq(
@@ -82,8 +114,12 @@ def launch_sumsq(
     partial_offset: int,
     grad_dtype: torch.dtype,
     grad_scale: torch.Tensor | None = None,
+    aligned: bool = False,
 ) -> None:
-    """Writes one fp32 sum of squares per chunk into partials[partial_offset:partial_offset + num_chunks]."""
+    """Writes one fp32 sum of squares per chunk into partials[partial_offset:partial_offset + num_chunks].
+
+    `aligned`: every grad address is a multiple of 16 bytes (see `is_aligned`); enables vector loads.
+    """
     if grad_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 grads, got {grad_dtype}")
     if partials.dtype != torch.float32 or partials.numel() < partial_offset + chunks.num_chunks:
@@ -100,6 +136,7 @@ def launch_sumsq(
         grad_scale if grad_scale is not None else partials,
         GRAD_DTYPE=TRITON_DTYPES[grad_dtype],
         HAS_SCALE=grad_scale is not None,
+        ALIGNED=aligned,
         CHUNK=CHUNK_SIZE,
         BLOCK=BLOCK_SIZE,
     )
@@ -117,7 +154,7 @@ def _scale_kernel(
     BLOCK: tl.constexpr,
 ):
     _, tensor, start, end = program_chunk(chunk_tensor, chunk_start, numels, CHUNK)
-    data = tl.load(addrs + tensor).to(tl.pointer_type(DTYPE))
+    data = load_pointer(addrs + tensor, DTYPE)
     factor = tl.load(factor_ptr)
     offsets = tl.arange(0, BLOCK).to(tl.int64)
     for block_start in range(start, end, BLOCK):
