@@ -309,11 +309,9 @@ class _TritonPlan:
     launches: list[_DtypeLaunch]
     partials: torch.Tensor  # fp32 [total chunks]
     per_tensor_sumsq: torch.Tensor  # fp32 [num tensors], kernel order
-    tensor_chunk_begin: torch.Tensor
     tensor_num_chunks: torch.Tensor
-    max_chunks: int
     step_addrs: torch.Tensor
-    chunk_owner: torch.Tensor  # int64 [total chunks]: kernel-order tensor of each chunk (sharded norms)
+    chunk_owner: torch.Tensor  # int64 [total chunks]: kernel-order tensor of each chunk
     positions: torch.Tensor  # int64 [num tensors]: flat parameter position of each kernel-order tensor
     kernel_order: list[int]  # batch indices in kernel order
 
@@ -323,7 +321,7 @@ def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
     from .kernels.norm import is_aligned
     from .kernels.tables import build_chunk_map, upload_int64
 
-    launches, kernel_order, begins, counts, owners = [], [], [], [], []
+    launches, kernel_order, counts, owners = [], [], [], []
     offset = 0
     for dtype, indices in _indices_by_dtype(batch.params).items():
         numels = [batch.params[i].numel() for i in indices]
@@ -352,7 +350,6 @@ def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
         )
         first = len(kernel_order)
         kernel_order += indices
-        begins += [offset + b for b in chunks.tensor_chunk_begin]
         counts += chunks.tensor_num_chunks
         for local, count in enumerate(chunks.tensor_num_chunks):
             owners += [first + local] * count
@@ -361,9 +358,7 @@ def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
         launches=launches,
         partials=torch.zeros(max(offset, 1), dtype=torch.float32, device=device),
         per_tensor_sumsq=torch.zeros(len(kernel_order), dtype=torch.float32, device=device),
-        tensor_chunk_begin=upload_int64(begins, device),
         tensor_num_chunks=upload_int64(counts, device),
-        max_chunks=max(counts, default=0),
         step_addrs=upload_int64([batch.steps[i].data_ptr() for i in kernel_order], device),
         chunk_owner=upload_int64(owners, device),
         positions=upload_int64([batch.positions[i] for i in kernel_order], device),
@@ -403,9 +398,8 @@ def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_
         external_sumsq = global_sumsq(local, [batch.originals[i] for i in plan.kernel_order]).reshape(())
     launch_finalize(
         partials=plan.partials,
-        tensor_chunk_begin=plan.tensor_chunk_begin,
+        chunk_owner=plan.chunk_owner,
         tensor_num_chunks=plan.tensor_num_chunks,
-        max_chunks=plan.max_chunks,
         per_tensor_sumsq=plan.per_tensor_sumsq,
         step_addrs=plan.step_addrs,
         fstate=buffers.fstate,

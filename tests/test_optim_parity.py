@@ -203,3 +203,25 @@ def test_params_that_are_unaligned_views_of_one_buffer(backend):
         ref.step()
     for a, b in zip(ours, theirs):
         assert_close(a, b, 1e-5, 1e-6, "unaligned view param")
+
+
+@pytest.mark.parametrize("block", [2, 4, 1024])
+def test_per_tensor_sums_when_tensors_span_blocks_of_chunks(monkeypatch, block):
+    """The decision kernel sums chunk partials per tensor with a segmented scan over blocks of chunks; small
+    blocks make tensors span several blocks (carried sums) and put empty tensors between them."""
+    from helpers import interpret_available
+
+    if not interpret_available():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    import fused_stable.kernels.adamw as kernels
+
+    monkeypatch.setattr(kernels, "BLOCK_TENSORS", block)
+    shapes = [(140_000,), (0,), (5,), (200_000,), (0,), (65_536,), (1,)]  # 3, 0, 1, 4, 0, 1, 1 chunks
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = FusedAdamW(params, lr=1e-3, backend="interpret")
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    expected = torch.stack([p.grad.norm() for p in params])
+    assert torch.allclose(opt.per_tensor_grad_norms(), expected, rtol=1e-5)
+    assert opt.grad_norm.item() == pytest.approx(expected.norm().item(), rel=1e-5)

@@ -67,15 +67,21 @@ _COL_PARAM, _COL_EXP_AVG, _COL_EXP_AVG_SQ, _COL_MASTER, _COL_STEP, _COL_NUMEL, _
 )
 _TABLE_COLUMNS = tl.constexpr(TABLE_COLUMNS)
 
-BLOCK_TENSORS = 128
+BLOCK_TENSORS = 1024  # lanes of the decision kernel's loops over chunks and tensors
+
+
+@triton.jit
+def _segmented_add(a_value, a_start, b_value, b_start):
+    """Combine step of a segmented inclusive sum: a segment start restarts the sum."""
+    return tl.where(b_start != 0, b_value, a_value + b_value), a_start | b_start
 
 
 @triton.jit
 def _finalize_kernel(
     partials,  # fp32 [num_chunks] from the norm pass
-    tensor_chunk_begin,  # int64 [num_tensors]
+    chunk_owner,  # int64 [num_chunks]: the tensor each chunk belongs to (ascending)
+    num_chunks,
     tensor_num_chunks,  # int64 [num_tensors]
-    max_chunks,  # most chunks any one tensor has
     num_tensors,
     per_tensor_sumsq,  # fp32 out [num_tensors]
     step_addrs,  # int64 [num_tensors]: addresses of the fp32 per-param `step` counters
@@ -100,19 +106,32 @@ def _finalize_kernel(
     SCHEDULE: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    # 1. per-tensor and global sums of squares (a fixed order: deterministic)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    # 1. per-tensor and global sums of squares, in a fixed order (deterministic). Chunks of one tensor are
+    # adjacent, so a segmented scan over blocks of chunks gives every tensor's sum with coalesced loads, in
+    # ceil(num_chunks / BLOCK_T) iterations however the chunks are spread over tensors; a tensor that spans
+    # two blocks carries its running sum over. Each per-tensor sum is stored exactly once.
     lanes = tl.arange(0, BLOCK_T)
     for tensor_start in range(0, num_tensors, BLOCK_T):
         tensors = tensor_start + lanes
-        in_range = tensors < num_tensors
-        begin = tl.load(tensor_chunk_begin + tensors, mask=in_range, other=0)
-        count = tl.load(tensor_num_chunks + tensors, mask=in_range, other=0)
-        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for j in range(0, max_chunks):
-            acc += tl.load(partials + begin + j, mask=in_range & (j < count), other=0.0)
-        tl.store(per_tensor_sumsq + tensors, acc, mask=in_range)
-        total += acc
+        empty = (tensors < num_tensors) & (tl.load(tensor_num_chunks + tensors, mask=tensors < num_tensors, other=1) == 0)
+        tl.store(per_tensor_sumsq + tensors, tl.zeros([BLOCK_T], dtype=tl.float32), mask=empty)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    carry = 0.0
+    carry_owner = tl.full([], -1, tl.int64)
+    for chunk_start in range(0, num_chunks, BLOCK_T):
+        chunks = chunk_start + lanes
+        valid = chunks < num_chunks
+        part = tl.load(partials + chunks, mask=valid, other=0.0)
+        owner = tl.load(chunk_owner + chunks, mask=valid, other=-1)
+        previous = tl.load(chunk_owner + chunks - 1, mask=valid & (chunks > 0), other=-1)
+        following = tl.load(chunk_owner + chunks + 1, mask=(chunks + 1) < num_chunks, other=-2)
+        total += part
+        part += tl.where((lanes == 0) & (owner == carry_owner), carry, 0.0)
+        starts = ((lanes == 0) | (owner != previous)).to(tl.int32)
+        running, _ = tl.associative_scan((part, starts), 0, _segmented_add)
+        tl.store(per_tensor_sumsq + owner, running, mask=valid & (owner != following))
+        carry = tl.sum(tl.where(lanes == BLOCK_T - 1, running, 0.0), axis=0)
+        carry_owner = tl.sum(tl.where(lanes == BLOCK_T - 1, owner, 0), axis=0)
     sumsq = tl.sum(total, axis=0)
     if HAS_EXTERNAL_SUMSQ:
         sumsq = tl.load(external_sumsq_ptr)
@@ -316,9 +335,8 @@ def _adamw_kernel(
 def launch_finalize(
     *,
     partials: torch.Tensor,
-    tensor_chunk_begin: torch.Tensor,
+    chunk_owner: torch.Tensor,
     tensor_num_chunks: torch.Tensor,
-    max_chunks: int,
     per_tensor_sumsq: torch.Tensor,
     step_addrs: torch.Tensor,
     fstate: torch.Tensor,
@@ -334,9 +352,9 @@ def launch_finalize(
     dummy = fstate  # any fp32 device tensor: its pointer is never read when the flag is off
     _finalize_kernel[(1,)](
         partials,
-        tensor_chunk_begin,
+        chunk_owner,
+        chunk_owner.numel(),
         tensor_num_chunks,
-        max_chunks,
         per_tensor_sumsq.numel(),
         per_tensor_sumsq,
         step_addrs,

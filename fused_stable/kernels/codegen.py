@@ -32,7 +32,7 @@ _ADAMW_SIGNATURE = {
     "CHUNK": "constexpr", "BLOCK": "constexpr",
 }  # fmt: skip
 _FINALIZE_SIGNATURE = {
-    "partials": "*fp32", "tensor_chunk_begin": _I64, "tensor_num_chunks": _I64, "max_chunks": "i32",
+    "partials": "*fp32", "chunk_owner": _I64, "num_chunks": "i32", "tensor_num_chunks": _I64,
     "num_tensors": "i32", "per_tensor_sumsq": "*fp32", "step_addrs": _I64, "fstate": "*fp32", "istate": "*i64",
     "hparams": "*fp32", "scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "external_sumsq_ptr": "*fp32",
     "max_grad_norm": "fp32", "zscore_alpha": "fp32", "zscore_threshold": "fp32", "zscore_warmup": "i32",

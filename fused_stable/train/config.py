@@ -52,7 +52,7 @@ class TrainConfig:
     # bookkeeping
     logging_steps: int = _key(10, "read metrics from the device every N optimizer steps", "run")
     save_steps: int = _key(100, "write a checkpoint every N optimizer steps (0 = only at the end)", "run")
-    save_total_limit: int = _key(3, "keep at most this many checkpoints (oldest removed first)", "run")
+    save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
     tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard (needs the tensorboard package)", "run")
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
     resume: typing.Optional[str] = _key(None, "'latest' or a checkpoint directory to continue from", "run")

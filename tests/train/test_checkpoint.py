@@ -30,6 +30,7 @@ def _final_weights(out):
     return load_file(os.path.join(out, "checkpoints", "step-6", "weights.safetensors"))
 
 
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine, ~15-25 s on a quiet one
 def test_resume_matches_uninterrupted_run_bit_for_bit(sft, tmp_path):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     assert sft(*RUN, "--output_dir", straight)[0] == 0
@@ -100,6 +101,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine, ~15-25 s on a quiet one
 def test_process_killed_mid_save(tmp_path, sft):
     """A real process killed (os._exit) mid-save: `resume latest` picks the newest complete checkpoint."""
     out = tmp_path / "run"

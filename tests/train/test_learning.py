@@ -1,7 +1,10 @@
 """The loss falls on the embedded task (tiny Llama + byte tokenizer + built-in instructions)."""
+import pytest
+
 from sft_helpers import read_metrics
 
 
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine, ~15-25 s on a quiet one
 def test_loss_decreases_on_builtin_task(sft, tmp_path):
     out = tmp_path / "learn"
     # a shorter schedule than the default run's 400 steps, so a higher lr (LoRA+ on the B matrices)
