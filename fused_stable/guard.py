@@ -1,0 +1,493 @@
+"""The stability guard: spike and divergence detection from device-side counters, and what to do about it.
+
+Pure logic, usable without a model or a trainer. A `Guard` is told about every optimizer step with
+`observe_step` (device-only work, no host read) and checked at logging steps with `check`, which does one
+device read for the whole interval and returns a `Decision`:
+
+- grad-norm spikes: the optimizer keeps running statistics of the global grad norm on the device and the
+  worst z-score since the last poll (`FusedAdamW.max_zscore`), so a spike between two logging steps is seen;
+- non-finite gradients: the optimizer skips those steps itself and counts them (`skipped_steps`);
+- loss spikes: the z-score of each step's loss against running statistics of the loss (`LossStats`, the same
+  rules as the optimizer's grad-norm statistics), and non-finite losses.
+
+Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of normal steps, which ZClip
+clips gently by design): by default at z >= 6 for the grad norm and for the loss.
+
+Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip spiking steps on the device
+(`spike_skip_threshold` = the alert threshold) and records them; `stop` asks the trainer to checkpoint and
+exit; `rollback` asks it to restore the last good checkpoint, multiplies the lr by `lr_factor` and skips the
+data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+
+POLICIES = ("warn", "skip", "stop", "rollback")
+ALERTS_FILE = "alerts.jsonl"
+
+# alert kinds
+GRAD_SPIKE = "grad_spike"            # grad-norm z-score at or above grad_z
+NONFINITE_GRADS = "nonfinite_grads"  # steps skipped for inf/NaN gradients in the interval
+LOSS_SPIKE = "loss_spike"            # loss z-score at or above loss_z
+NONFINITE_LOSS = "nonfinite_loss"    # a step's loss was inf/NaN
+LOSS_RISE = "loss_rise"              # a logging interval's median loss rose above loss_rise x the best one so far
+DATA_SHIFT = "data_shift"            # right after a rollback, the restored model finds the new data bad too
+
+# what happened (or will happen) because of an alert
+ACTION_WARN = "warn"          # recorded, training goes on
+ACTION_SKIPPED = "skipped"    # the optimizer skipped the step(s) on the device
+ACTION_STOP = "stop"          # checkpoint + exit (code 3)
+ACTION_ROLLBACK = "rollback"  # restore the last good checkpoint, lower the lr, skip the data window
+ACTION_GIVE_UP = "give_up"    # rollback budget exhausted: stop
+ACTION_REBASELINE = "rebaseline"  # the loss statistics start over on the new data (no rollback)
+# alerts whose cure is a smaller lr; a storm of non-finite steps is rolled back without touching the lr
+_LR_KINDS = (GRAD_SPIKE, LOSS_SPIKE, LOSS_RISE)
+
+_LOSS_STD_EPS = 1e-8
+
+
+@dataclass
+class GuardConfig:
+    policy: str = "warn"
+    grad_z: float = 6.0           # alert when the grad norm's z-score exceeds this...
+    grad_ratio: float = 5.0       # ...and the norm is at least this many times its running mean (0: z alone)
+    skip_z: float = 20.0          # under skip / rollback the optimizer skips steps whose z-score exceeds this
+    loss_z: float = 6.0           # alert when the loss's z-score reaches this
+    loss_alpha: float = 0.97      # EMA decay of the loss statistics
+    loss_warmup: int = 20         # steps of loss collected before loss z-scores count
+    loss_rel_floor: float = 0.01  # the loss std is floored at this fraction of the mean (a flat loss is not a hair trigger)
+    loss_rise: float = 1.5        # alert when a logging interval's median loss exceeds this x the best one so far (0: off)
+    nonfinite_storm: int = 3      # non-finite-gradient steps within one logging interval that escalate to the policy
+    lr_factor: float = 0.5        # rollback multiplies every group's lr by this
+    max_rollbacks: int = 3        # give up (stop) when one more rollback would exceed this
+    top_k: int = 5                # tensors with the largest grad norm named in each alert
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"guard policy must be one of {' | '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("grad_z", "loss_z", "skip_z"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"guard {name} must be a positive number, got {value}")
+        if not 0.0 < self.loss_alpha < 1.0:
+            raise ValueError(f"guard loss_alpha must be in (0, 1), got {self.loss_alpha}")
+        if self.loss_warmup < 1:
+            raise ValueError(f"guard loss_warmup must be >= 1, got {self.loss_warmup}")
+        if self.grad_ratio < 0:
+            raise ValueError(f"guard grad_ratio must be >= 0, got {self.grad_ratio}")
+        if self.loss_rise and not self.loss_rise > 1.0:
+            raise ValueError(f"guard loss_rise must be > 1 (or 0 to disable), got {self.loss_rise}")
+        if self.loss_rel_floor < 0:
+            raise ValueError(f"guard loss_rel_floor must be >= 0, got {self.loss_rel_floor}")
+        if self.nonfinite_storm < 1:
+            raise ValueError(f"guard nonfinite_storm must be >= 1, got {self.nonfinite_storm}")
+        if not 0.0 < self.lr_factor <= 1.0:
+            raise ValueError(f"guard lr_factor must be in (0, 1], got {self.lr_factor}")
+        if self.max_rollbacks < 0:
+            raise ValueError(f"guard max_rollbacks must be >= 0, got {self.max_rollbacks}")
+        if self.top_k < 0:
+            raise ValueError(f"guard top_k must be >= 0, got {self.top_k}")
+
+    def optimizer_kwargs(self, zscore_threshold: float = 2.5) -> dict:
+        """What FusedAdamW needs for this policy: under `skip` and `rollback` the optimizer itself skips the
+        spikes on the device (a rollback is then kept for what got through)."""
+        if self.policy in ("skip", "rollback"):
+            return {"spike_skip_threshold": max(self.skip_z, zscore_threshold)}
+        return {}
+
+
+class LossStats:
+    """Running mean and variance of the loss, and its z-score: the optimizer's grad-norm rules, on the host.
+
+    The first `warmup` finite values give a plain mean and (population) variance; after that both are EMAs
+    with decay `alpha`. A value whose z-score exceeds `threshold` is folded in at mean + threshold * std, so
+    one spike does not inflate the statistics it is judged by. Non-finite values are not folded in.
+    """
+
+    def __init__(self, alpha: float = 0.97, threshold: float = 6.0, warmup: int = 20, rel_floor: float = 0.01):
+        self.alpha, self.threshold, self.warmup, self.rel_floor = alpha, threshold, warmup, rel_floor
+        self.count = 0
+        self.mean = 0.0
+        self.var = 0.0
+        self._sum = 0.0
+        self._sumsq = 0.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 0.0))
+
+    def zscore(self, value: float) -> float:
+        """z-score of `value` against the statistics so far (0 during warm-up, inf for a non-finite value)."""
+        if not math.isfinite(value):
+            return math.inf
+        if self.count < self.warmup:
+            return 0.0
+        scale = max(self.std, self.rel_floor * abs(self.mean), _LOSS_STD_EPS)
+        return (value - self.mean) / scale
+
+    def update(self, value: float) -> float:
+        """Fold one value in; returns its z-score against the statistics before it."""
+        z = self.zscore(value)
+        if not math.isfinite(value):
+            return z
+        if z > self.threshold:
+            value = self.mean + self.threshold * max(self.std, self.rel_floor * abs(self.mean), _LOSS_STD_EPS)
+        if self.count < self.warmup:
+            self._sum += value
+            self._sumsq += value * value
+            n = self.count + 1
+            self.mean = self._sum / n
+            self.var = max(self._sumsq / n - self.mean**2, 0.0)
+        else:
+            self.mean = self.alpha * self.mean + (1 - self.alpha) * value
+            self.var = self.alpha * self.var + (1 - self.alpha) * (value - self.mean) ** 2
+        self.count += 1
+        return z
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "var": self.var, "sum": self._sum, "sumsq": self._sumsq}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.var = int(state["count"]), float(state["mean"]), float(state["var"])
+        self._sum, self._sumsq = float(state["sum"]), float(state["sumsq"])
+
+
+@dataclass
+class Alert:
+    step: int                  # the optimizer step where it happened (trainer count, skipped steps included)
+    kind: str                  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS
+    value: float               # the z-score, or the count of non-finite steps, or the loss itself
+    threshold: float
+    action: str                # ACTION_*
+    detected_at: int           # the logging step at which the guard read it
+    grad_norm: Optional[float] = None
+    loss: Optional[float] = None
+    top_tensors: list = field(default_factory=list)  # [{"name", "grad_norm"}], largest first
+
+    def to_json(self) -> str:
+        return json.dumps({k: _json_number(v) for k, v in asdict(self).items()})
+
+    def describe(self) -> str:
+        if self.kind == GRAD_SPIKE:
+            what = f"grad-norm spike z={self.value:.1f} > {self.threshold:g}"
+        elif self.kind == NONFINITE_GRADS:
+            what = f"{int(self.value)} step(s) with non-finite gradients (storm at {int(self.threshold)})"
+        elif self.kind == LOSS_SPIKE:
+            what = f"loss spike z={self.value:.1f} > {self.threshold:g}"
+        elif self.kind == NONFINITE_LOSS:
+            what = "non-finite loss"
+        elif self.kind == LOSS_RISE:
+            what = f"loss rose to {self.value:.2f}x its best logging-interval median (alert above {self.threshold:g}x)"
+        else:
+            what = (f"the data changed: the restored model's loss is {self.value:.2f}x the best so far; "
+                    "the loss statistics start over")
+        extra = []
+        if self.grad_norm is not None:
+            extra.append(f"grad norm {self.grad_norm:.4g}")
+        if self.loss is not None:
+            extra.append(f"loss {self.loss:.4g}")
+        tops = ", ".join(f"{t['name']} ({_fmt_norm(t['grad_norm'])})" for t in self.top_tensors[:3])
+        text = f"guard: step {self.step}: {what}" + (f" ({', '.join(extra)})" if extra else "")
+        text += f" -> {self.action}"
+        return text + (f" | largest grads: {tops}" if tops else "")
+
+
+@dataclass
+class Decision:
+    action: str = "continue"   # "continue" | "stop" | "rollback"
+    alerts: list = field(default_factory=list)
+    message: str = ""
+    cut_lr: bool = False       # for a rollback: whether the lr is multiplied by lr_factor
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _fmt_norm(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _json_number(value: Any) -> Any:
+    """inf/NaN as strings (strict JSON has neither); lists and dicts recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_json_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_number(v) for k, v in value.items()}
+    return value
+
+
+class Guard:
+    """Spike checks at logging steps and the policy's answer. See the module docstring.
+
+    Use: `guard.bind(optimizer)` once; `guard.observe_step(step, optimizer)` after each optimizer step (device
+    work only); `decision = guard.check(step, optimizer, rows)` at logging steps, where rows are the per-step
+    metrics read since the last check (at least "step" and "loss"). After a rollback restored the optimizer,
+    call `guard.apply_rollback(optimizer)`.
+    """
+
+    def __init__(self, config: GuardConfig | None = None, **kwargs: Any):
+        self.config = config if config is not None else GuardConfig(**kwargs)
+        c = self.config
+        self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
+        self.best_interval_loss: Optional[float] = None
+        self.after_rollback = False
+        self.grace_until = -1      # after a data shift: spike alerts only warn up to this step
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.alerts_total = 0
+        self.base_lrs: list[float] = []
+        self._seen_skipped = 0      # optimizer counters at the last check
+        self._seen_spike_skips = 0
+        self._worst_key: Optional[torch.Tensor] = None   # device: worst z-score (inf for non-finite) since the last check
+        self._worst_step: Optional[torch.Tensor] = None
+        self._worst_norm: Optional[torch.Tensor] = None
+        self._worst_tensors: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------------------------------ binding
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Remember the configured lrs (rollbacks scale them) and the counters to compare against (one read)."""
+        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._rebaseline(optimizer)
+
+    def _rebaseline(self, optimizer) -> None:
+        counters = torch.stack([optimizer.skipped_steps, optimizer.spike_skips]).tolist()
+        self._seen_skipped, self._seen_spike_skips = int(counters[0]), int(counters[1])
+        optimizer.reset_max_zscore()
+        self._reset_window(optimizer)
+
+    def _reset_window(self, optimizer) -> None:
+        device = optimizer.grad_norm.device
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        self._worst_key = torch.full((), -math.inf, device=device)
+        self._worst_step = torch.full((), -1, dtype=torch.int64, device=device)
+        self._worst_norm = torch.zeros((), device=device)
+        self._worst_tensors = torch.zeros(n, device=device)
+
+    # ------------------------------------------------------------------------------------------ per step
+    @torch.no_grad()
+    def observe_step(self, step: int, optimizer) -> None:
+        """Keep, on the device, the step and per-tensor grad norms of the worst step since the last check
+        (a non-finite step counts as the worst), so an alert can name the tensors of the step that spiked."""
+        if self._worst_key is None:
+            self._reset_window(optimizer)
+        norm = optimizer.grad_norm
+        key = torch.where(torch.isfinite(norm), optimizer.last_zscore, math.inf)
+        worse = key > self._worst_key
+        self._worst_key = torch.maximum(key, self._worst_key)
+        self._worst_step.masked_fill_(worse, step)
+        self._worst_norm = torch.where(worse, norm, self._worst_norm)
+        if self.config.top_k:
+            self._worst_tensors = torch.where(worse, optimizer.per_tensor_grad_norms(), self._worst_tensors)
+
+    # ------------------------------------------------------------------------------------------ at logging steps
+    @torch.no_grad()
+    def check(self, step: int, optimizer, rows: list[dict]) -> Decision:
+        """Read the interval's counters (one device read), update the loss statistics, decide."""
+        c = self.config
+        if self._worst_key is None:
+            self._reset_window(optimizer)
+        scalars = torch.stack([
+            optimizer.max_zscore.float(), optimizer.max_zscore_norm.float(), optimizer.skipped_steps.float(),
+            optimizer.spike_skips.float(), self._worst_step.float(), self._worst_norm.float(),
+            optimizer.grad_norm.float(), optimizer.grad_norm_mean.float(),
+        ])  # fmt: skip
+        values = torch.cat([scalars, self._worst_tensors.float()]).tolist()  # the one device read
+        max_z, max_z_norm, skipped, spike_skips, worst_step, worst_norm, last_norm, norm_mean = values[:8]
+        tensor_norms = values[8:]
+        new_skipped = int(skipped) - self._seen_skipped
+        new_spike_skips = int(spike_skips) - self._seen_spike_skips
+        self._seen_skipped, self._seen_spike_skips = int(skipped), int(spike_skips)
+        optimizer.reset_max_zscore()
+        self._reset_window(optimizer)
+
+        observed = worst_step >= 0
+        where = int(worst_step) if observed else step
+        top = self._top_tensors(tensor_norms, getattr(optimizer, "param_names", None)) if observed else []
+        # the optimizer already neutralised isolated non-finite steps (skipped) and, when spike skipping is on,
+        # the spikes it skipped: those are recorded, and escalate only as a storm of non-finite steps
+        storm = new_skipped >= c.nonfinite_storm
+        alerts: list[Alert] = []
+        if new_skipped > 0:
+            alerts.append(Alert(where, NONFINITE_GRADS, float(new_skipped), float(c.nonfinite_storm),
+                                "" if storm else ACTION_SKIPPED, step,
+                                grad_norm=worst_norm if observed else last_norm, top_tensors=top))
+        # heavy tails: small-batch fine-tuning has normal steps at z ~ 10 but only ~3x the mean norm
+        if max_z > c.grad_z and (not c.grad_ratio or max_z_norm >= c.grad_ratio * norm_mean):
+            alerts.append(Alert(where if observed and math.isfinite(worst_norm) else step, GRAD_SPIKE, max_z, c.grad_z,
+                                ACTION_SKIPPED if new_spike_skips > 0 else "", step, grad_norm=max_z_norm,
+                                top_tensors=top))
+        if self.after_rollback and rows:
+            alerts += self._check_data_shift(rows[0], step)
+        for row in rows:
+            loss = float(row["loss"])
+            z = self.loss_stats.update(loss)
+            # a bad loss on a step whose update the optimizer skipped did no harm (rows may say so per step)
+            skipped_row = row.get("skipped")
+            if not math.isfinite(loss):
+                handled = bool(skipped_row) if skipped_row is not None else new_skipped > 0 and not storm
+                alerts.append(Alert(int(row["step"]), NONFINITE_LOSS, loss, math.inf,
+                                    ACTION_SKIPPED if handled else "", step, loss=loss, top_tensors=top))
+            elif z > c.loss_z:
+                alerts.append(Alert(int(row["step"]), LOSS_SPIKE, z, c.loss_z, ACTION_SKIPPED if skipped_row else "",
+                                    step, loss=loss, top_tensors=top))
+        alerts += self._check_rise(rows, step, top)
+        return self._decide(alerts, in_grace=step <= self.grace_until)
+
+    def _check_rise(self, rows: list[dict], step: int, top: list) -> list[Alert]:
+        """The interval's median loss (finite, applied steps: one spike does not move it) against the best
+        interval median so far."""
+        kept = [float(r["loss"]) for r in rows if math.isfinite(float(r["loss"])) and not r.get("skipped")]
+        if not kept:
+            return []
+        mean = _median(kept)
+        best = self.best_interval_loss
+        if best is None:
+            # the very first interval: its first steps show the starting model (the lr is still warming up),
+            # the reference a too-high lr must not get to move before the first check
+            best = min(mean, _median(kept[: max(1, len(kept) // 2)]))
+        self.best_interval_loss = min(best, mean)
+        if self.config.loss_rise and best > 0 and mean > self.config.loss_rise * best:
+            return [Alert(int(rows[-1]["step"]), LOSS_RISE, mean / best, self.config.loss_rise, "", step, loss=mean,
+                          top_tensors=top)]
+        return []
+
+    def _check_data_shift(self, first: dict, step: int) -> list[Alert]:
+        """After a rollback the first loss comes from the restored, good weights: if it is already bad, the data
+        changed (not the model), and rolling back again would not help: start the loss statistics over."""
+        self.after_rollback = False
+        loss, best = float(first["loss"]), self.best_interval_loss
+        if not math.isfinite(loss) or best is None or best <= 0:
+            return []
+        bad_z = self.loss_stats.zscore(loss) > self.config.loss_z
+        bad_rise = bool(self.config.loss_rise) and loss > self.config.loss_rise * best
+        if not (bad_z or bad_rise):
+            return []
+        c = self.config
+        self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
+        self.best_interval_loss = None
+        # the optimizer's grad-norm statistics need a while to follow the new data: until the loss statistics
+        # are warm again, spikes are recorded but do not roll back again
+        self.grace_until = step + c.loss_warmup
+        return [Alert(int(first["step"]), DATA_SHIFT, loss / best, c.loss_rise, ACTION_REBASELINE, step, loss=loss)]
+
+    def _top_tensors(self, norms: list[float], names: list[str] | None) -> list[dict]:
+        k = self.config.top_k
+        if not k or not norms:
+            return []
+        # non-finite norms first (the tensors that overflowed), then the largest
+        order = sorted(range(len(norms)), key=lambda i: (math.isfinite(norms[i]), -norms[i] if math.isfinite(norms[i]) else 0))
+        return [{"name": names[i] if names and i < len(names) else f"param[{i}]", "grad_norm": norms[i]} for i in order[:k]]
+
+    def _decide(self, alerts: list[Alert], in_grace: bool = False) -> Decision:
+        """The policy's answer. Alerts the optimizer already handled (action "skipped") never escalate."""
+        c = self.config
+        if not alerts:
+            return Decision()
+        self.alerts_total += len(alerts)
+        open_alerts = [a for a in alerts if a.action not in (ACTION_SKIPPED, ACTION_REBASELINE)]
+        if in_grace:
+            for alert in open_alerts:
+                if alert.kind in _LR_KINDS:
+                    alert.action = ACTION_WARN
+            open_alerts = [a for a in open_alerts if a.kind not in _LR_KINDS]
+        action, message = "continue", ""
+        if open_alerts and c.policy in ("stop", "rollback"):
+            if c.policy == "rollback" and self.rollbacks < c.max_rollbacks:
+                action = ACTION_ROLLBACK
+            else:
+                action = ACTION_STOP
+        for alert in open_alerts:
+            if action == ACTION_ROLLBACK:
+                alert.action = ACTION_ROLLBACK
+            elif action == ACTION_STOP:
+                alert.action = ACTION_GIVE_UP if c.policy == "rollback" else ACTION_STOP
+            else:
+                alert.action = ACTION_WARN
+        first = open_alerts[0] if open_alerts else alerts[0]
+        if action == ACTION_STOP:
+            if c.policy == "rollback":
+                message = (f"guard: gave up at step {first.detected_at} after {self.rollbacks} rollback(s) "
+                           f"(max_rollbacks={c.max_rollbacks}): training keeps spiking ({first.kind}); lower the lr "
+                           "or inspect the data around the steps in alerts.jsonl, then continue with --resume latest")
+            else:
+                message = (f"guard: stopped at step {first.detected_at} ({first.kind}); a checkpoint was saved: "
+                           "look at alerts.jsonl and curves.png, then continue with --resume latest")
+        cut_lr = action == ACTION_ROLLBACK and any(a.kind in _LR_KINDS for a in open_alerts)
+        return Decision(action, alerts, message, cut_lr)
+
+    # ------------------------------------------------------------------------------------------ rollback
+    def apply_rollback(self, optimizer, cut_lr: bool = True) -> None:
+        """After the trainer restored a checkpoint: count the rollback, scale the lr and re-read the restored
+        optimizer's counters. The loss statistics are kept, not restored: they have absorbed the spike at a
+        clipped value, so a lasting change of the data (a new plateau) stops alerting after a few checks
+        instead of rolling back again and again."""
+        self.rollbacks += 1
+        if cut_lr:
+            self.lr_scale *= self.config.lr_factor
+        self.after_rollback = True
+        self.apply_lr(optimizer)
+        self._rebaseline(optimizer)
+
+    def apply_lr(self, optimizer) -> None:
+        """Every group's lr = its configured lr x lr_scale (a restored checkpoint may carry an older lr)."""
+        if not self.base_lrs:
+            return
+        for group, base in zip(optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * self.lr_scale
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"loss_stats": self.loss_stats.state_dict(), "best_interval_loss": self.best_interval_loss,
+                "grace_until": self.grace_until, "rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
+                "alerts_total": self.alerts_total,
+                "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_stats.load_state_dict(state["loss_stats"])
+        self.best_interval_loss = state.get("best_interval_loss")
+        self.grace_until = int(state.get("grace_until", -1))
+        self.rollbacks = int(state["rollbacks"])
+        self.lr_scale = float(state["lr_scale"])
+        self.alerts_total = int(state.get("alerts_total", 0))
+        if state.get("base_lrs"):
+            self.base_lrs = [float(x) for x in state["base_lrs"]]
+
+
+class AlertLog:
+    """output_dir/alerts.jsonl, one JSON object per alert. A resumed run first drops the alerts written after
+    the checkpoint it resumes from (they belong to the steps it is about to replay)."""
+
+    def __init__(self, output_dir: str, start_step: int = 0):
+        self.path = os.path.join(output_dir, ALERTS_FILE)
+        if os.path.isfile(self.path):
+            kept = [line for line in read_alerts(self.path, raw=True) if json.loads(line)["detected_at"] <= start_step]
+            with open(self.path, "w") as f:
+                f.writelines(line + "\n" for line in kept)
+
+    def write(self, alerts: list[Alert]) -> None:
+        if not alerts:
+            return
+        with open(self.path, "a") as f:
+            for alert in alerts:
+                f.write(alert.to_json() + "\n")
+
+
+def read_alerts(path: str, raw: bool = False) -> list:
+    if os.path.isdir(path):
+        path = os.path.join(path, ALERTS_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines if raw else [json.loads(line) for line in lines]

@@ -1,0 +1,446 @@
+"""`fused-stable stress`: reproducible failure scenarios, each trained twice on the embedded tiny Llama.
+
+Recipes:
+- `usual`: torch.optim.AdamW + torch.nn.utils.clip_grad_norm_(1.0) + transformers-style warm-up/cosine
+  LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most fine-tuning scripts do.
+- `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
+  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps; a rollback
+  restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean check, halves the lr and
+  keeps the data position (the window that spiked is not replayed).
+
+Both recipes see the same model init, the same data order and the same injected fault, keyed by the data
+position (micro-batch index), so a rolled-back run does not meet the bad batch again. Scenarios:
+clean, lr_too_high, poisoned_batch, fp16_overflow_storm, nan_injection, distribution_shift (see SCENARIOS and
+docs/guard.md for exactly what each one does).
+
+A run "diverged" when its final loss (mean of the last 10 steps) is not finite or is above twice the clean
+run's of the same recipe; a run the guard stopped is reported as "stopped". Outputs: a table on stdout,
+`stress.json` and `stress.png` (loss curves, usual vs guarded, one panel per scenario) in --output-dir.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+RECIPES = ("usual", "guarded")
+FINAL_WINDOW = 10  # steps averaged into the "final loss"
+
+
+# ---------------------------------------------------------------------------------------------- settings
+@dataclass
+class StressConfig:
+    steps: int = 120           # optimizer steps per run (one micro-batch each)
+    batch_size: int = 8
+    max_length: int = 96
+    lr: float = 1e-3           # a sane peak lr for fine-tuning the pre-trained tiny model
+    pretrain_steps: int = 200  # the base: the embedded tiny Llama first trained on the task (shared by every run)
+    pretrain_lr: float = 3e-3
+    warmup_steps: int = 10
+    log_every: int = 5         # the guard reads the device every log_every steps
+    snapshot_every: int = 20   # the guarded recipe keeps a rollback snapshot taken at a clean check this often
+    max_rollbacks: int = 5
+    seed: int = 0
+    threads: int = 1
+    examples: int = 2000
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    lr_multiplier: float = 1.0
+    fp16: bool = False
+    # data-position keyed faults
+    poison_at: Optional[int] = None          # this micro-batch has garbage labels and a x poison_weight loss
+    poison_weight: float = 1e4
+    nan_at: Optional[int] = None             # this micro-batch's loss becomes NaN
+    storm: Optional[tuple[int, int]] = None  # [start, end): losses x 2**storm_exponent before scaling (fp16 overflow)
+    storm_exponent: int = 40
+    shift_at: Optional[int] = None           # from this micro-batch on, batches come from the shifted task
+
+
+def scenarios(cfg: StressConfig) -> dict[str, Scenario]:
+    mid = cfg.steps // 2
+    return {s.name: s for s in [
+        Scenario("clean", "no fault: the reference for 'diverged'"),
+        Scenario("lr_too_high", "peak lr 50x too high", lr_multiplier=50.0),
+        Scenario("poisoned_batch", f"micro-batch {mid}: random labels, loss weight x1e4 (a huge gradient)",
+                 poison_at=mid),
+        Scenario("fp16_overflow_storm", f"fp16 grads + GradScaler; micro-batches {mid - 10}..{mid + 9} overflow fp16 "
+                 "(loss x2^40)", fp16=True, storm=(mid - 10, mid + 10)),
+        Scenario("nan_injection", f"micro-batch {mid}: loss is NaN", nan_at=mid),
+        Scenario("distribution_shift", f"from micro-batch {mid}: a different prompt format, all upper case",
+                 shift_at=mid),
+    ]}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+@dataclass
+class Workload:
+    tokenizer: object
+    items: list
+    shifted_items: list
+    init_state: dict
+
+
+def build_workload(cfg: StressConfig) -> Workload:
+    """The trainer's tokenizer, built-in task and embedded tiny Llama (full fine-tuning: every weight trains)."""
+    from fused_stable.train import data
+    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.tokenizer import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    examples = data.builtin_examples(cfg.examples, seed=cfg.seed)
+    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
+    shifted = [data.Example([(_shift_text(text, trained), trained) for text, trained in ex.segments]) for ex in examples]
+    shifted_items = data.tokenize_examples(shifted, tokenizer, cfg.max_length)
+    model = build_tiny_model(tokenizer)
+    _pretrain(model, data.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
+    return Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def _pretrain(model, batches, cfg: StressConfig) -> None:
+    """A base worth fine-tuning: the random tiny model trained on the task with a plain, sane recipe, so the
+    scenarios start from a model whose loss can visibly get worse (and 2x its clean final loss means ruin)."""
+    torch.manual_seed(cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(StressConfig(steps=cfg.pretrain_steps, warmup_steps=10)))
+    for k in range(cfg.pretrain_steps):
+        _loss(model, batches.batch(k)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _shift_text(text: str, trained: bool) -> str:
+    """The shifted task: the same questions in a terse prompt format, everything upper case."""
+    if not trained:
+        text = text.replace("### Instruction:\n", "Q: ").replace("\n\n### Input:\n", " | ").replace("\n\n### Response:\n", "\nA: ")
+    return text.upper()
+
+
+def _batch_source(work: Workload, cfg: StressConfig, scenario: Scenario):
+    from fused_stable.train import data
+
+    pad = work.tokenizer.pad_token_id
+    normal = data.BatchOrder(work.items, cfg.batch_size, cfg.seed, pad)
+    shifted = data.BatchOrder(work.shifted_items, cfg.batch_size, cfg.seed, pad)
+    vocab = len(work.tokenizer)
+
+    def batch(k: int):
+        b = (shifted if scenario.shift_at is not None and k >= scenario.shift_at else normal).batch(k)
+        if scenario.poison_at == k:
+            gen = torch.Generator().manual_seed(cfg.seed + k)
+            random_labels = torch.randint(3, vocab, b.labels.shape, generator=gen)
+            b.labels = torch.where(b.attention_mask.bool(), random_labels, b.labels)
+            b.num_label_tokens = int((b.labels[:, 1:] != data.IGNORE_INDEX).sum())
+        return b
+
+    return batch
+
+
+def _loss(model, b) -> torch.Tensor:
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), b.labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum") / max(1, b.num_label_tokens)
+
+
+def _lr_lambda(cfg: StressConfig) -> Callable[[int], float]:
+    """transformers' get_cosine_schedule_with_warmup lambda (what schedules.warmup_cosine evaluates on the device)."""
+    def f(n: int) -> float:
+        if n < cfg.warmup_steps:
+            return n / max(1, cfg.warmup_steps)
+        progress = (n - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+    return f
+
+
+# ---------------------------------------------------------------------------------------------- one run
+@dataclass
+class RunResult:
+    scenario: str
+    recipe: str
+    losses: list = field(default_factory=list)   # per optimizer step (a rolled-back run restarts its step count)
+    final_loss: float = math.nan
+    status: str = "ok"                            # ok | diverged | stopped
+    skipped_steps: int = 0
+    rolled_back: int = 0
+    alerts: int = 0
+    wall_s: float = 0.0
+    message: str = ""
+
+
+def _fp16_grad_hooks(model) -> list:
+    """fp16 gradients, emulated: every parameter gradient is rounded through float16 as it is produced, so a
+    scaled gradient above 65504 becomes inf and one below 6e-8 becomes 0, as in an fp16 backward."""
+    return [p.register_hook(lambda g: g.to(torch.float16).to(g.dtype)) for p in model.parameters()]
+
+
+def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) -> RunResult:
+    from transformers import LlamaForCausalLM
+
+    from fused_stable import FusedAdamW, GradScaler, schedules
+    from fused_stable.guard import Guard, GuardConfig
+    from fused_stable.train.model import tiny_llama_config
+
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(tiny_llama_config(len(work.tokenizer)))
+    model.load_state_dict(work.init_state)
+    model.config.use_cache = False
+    model.train()
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    hooks = _fp16_grad_hooks(model) if scenario.fp16 else []
+    lr = cfg.lr * scenario.lr_multiplier
+    batch = _batch_source(work, cfg, scenario)
+    result = RunResult(scenario.name, recipe)
+    guard = None
+    if recipe == "usual":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+        scaler = torch.amp.GradScaler("cpu") if scenario.fp16 else None
+    else:
+        guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks))
+        opt = FusedAdamW(params, lr=lr, weight_decay=0.01, max_grad_norm=1.0, clip="zscore",
+                         lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
+                         **guard.config.optimizer_kwargs())  # fmt: skip
+        opt.param_names = names
+        guard.bind(opt)
+        scaler = GradScaler("cpu") if scenario.fp16 else None
+        sched = None
+    snapshot = _snapshot(model, opt, scaler, 0) if guard else None
+
+    step, k = 0, 0               # optimizer steps (rolled back with the model), micro-batches consumed (never)
+    pending: list[torch.Tensor] = []
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    while step < cfg.steps:
+        b = batch(k)
+        loss = _loss(model, b)
+        train_loss = loss
+        if scenario.poison_at == k:
+            train_loss = loss * scenario.poison_weight
+        if scenario.nan_at == k:
+            train_loss = loss * math.nan
+        if scenario.storm is not None and scenario.storm[0] <= k < scenario.storm[1]:
+            train_loss = loss * 2.0**scenario.storm_exponent
+        if recipe == "usual":
+            scale_before = scaler.get_scale() if scaler else None
+            (scaler.scale(train_loss) if scaler else train_loss).backward()
+            if scaler:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+                result.skipped_steps += scaler.get_scale() < scale_before  # torch backs off exactly on skipped steps
+            else:
+                opt.step()
+            sched.step()
+        else:
+            (scaler.scale(train_loss) if scaler else train_loss).backward()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        k += 1
+        seen = loss.detach() if scenario.nan_at != k - 1 else loss.detach() * math.nan
+        skipped = opt.last_step_skipped.float() if guard else torch.zeros(())
+        pending.append(torch.stack([seen, skipped]))
+        if guard:
+            guard.observe_step(step, opt)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            losses = torch.stack(pending).tolist()
+            pending.clear()
+            new_rows = [{"step": step - len(losses) + 1 + i, "loss": v, "skipped": bool(skip)}
+                        for i, (v, skip) in enumerate(losses)]
+            rows += new_rows
+            if guard:
+                decision = guard.check(step, opt, new_rows)
+                result.alerts += len(decision.alerts)
+                if decision.action == "rollback":
+                    _restore(snapshot, model, opt, scaler)
+                    step = snapshot["step"]
+                    rows = [r for r in rows if r["step"] <= step]
+                    guard.apply_rollback(opt, cut_lr=decision.cut_lr)
+                    continue
+                if decision.action == "stop":
+                    result.status, result.message = "stopped", decision.message
+                    break
+                if step % cfg.snapshot_every == 0 and not decision.alerts:
+                    snapshot = _snapshot(model, opt, scaler, step)
+    result.wall_s = time.perf_counter() - t0
+    for h in hooks:
+        h.remove()
+    result.losses = [r["loss"] for r in rows]
+    tail = result.losses[-FINAL_WINDOW:]
+    result.final_loss = sum(tail) / len(tail) if tail else math.nan
+    if guard:
+        counters = torch.stack([opt.skipped_steps, opt.spike_skips]).tolist()
+        result.skipped_steps = int(sum(counters)) + 0
+        result.rolled_back = guard.rollbacks
+    return result
+
+
+def _snapshot(model, opt, scaler, step: int) -> dict:
+    """An in-memory checkpoint, serialised like one on disk (no live tensors shared with the run)."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "scaler": scaler.state_dict() if scaler else None}, buffer)
+    return {"bytes": buffer.getvalue(), "step": step}
+
+
+def _restore(snapshot: dict, model, opt, scaler) -> None:
+    saved = torch.load(io.BytesIO(snapshot["bytes"]), weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    if scaler is not None:
+        scaler.load_state_dict(saved["scaler"])
+
+
+# ---------------------------------------------------------------------------------------------- the suite
+def judge(results: list[RunResult]) -> None:
+    """Mark each run diverged (non-finite or > 2x its recipe's clean final loss) unless the guard stopped it."""
+    clean = {r.recipe: r.final_loss for r in results if r.scenario == "clean"}
+    for r in results:
+        if r.status == "stopped":
+            continue
+        reference = clean.get(r.recipe)
+        bad = not math.isfinite(r.final_loss) or (reference is not None and r.final_loss > 2.0 * reference)
+        r.status = "diverged" if bad else "ok"
+
+
+def format_table(results: list[RunResult]) -> str:
+    header = "| scenario | recipe | outcome | final loss | skipped steps | rollbacks | alerts | wall time |"
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        alerts = str(r.alerts) if r.recipe == "guarded" else "-"
+        rollbacks = str(r.rolled_back) if r.recipe == "guarded" else "-"
+        lines.append(f"| {r.scenario} | {r.recipe} | {r.status} | {r.final_loss:.3f} | {r.skipped_steps} | "
+                     f"{rollbacks} | {alerts} | {r.wall_s:.1f}s |")
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.scenario for r in results))
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for r in results:
+            if r.scenario != name:
+                continue
+            ys = [v if math.isfinite(v) else float("nan") for v in r.losses]
+            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=f"{r.recipe}: {r.status}",
+                    color="tab:red" if r.recipe == "usual" else "tab:blue")
+        ax.set_title(name, fontsize=10)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("train loss (log)")
+    fig.suptitle("fused-stable stress: usual recipe (torch AdamW + clip 1.0) vs guarded (FusedAdamW + guard)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], None] = print) -> list[RunResult]:
+    available = scenarios(cfg)
+    work = build_workload(cfg)
+    if "clean" not in names:
+        names = ["clean"] + names  # the reference for "diverged"
+    results = []
+    for name in names:
+        for recipe in RECIPES:
+            r = run_one(work, cfg, available[name], recipe)
+            progress(f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}  skipped {r.skipped_steps}  "
+                     f"rollbacks {r.rolled_back}  {r.wall_s:.1f}s" + (f"  [{r.message}]" if r.message else ""))
+            results.append(r)
+    judge(results)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = StressConfig()
+    p = argparse.ArgumentParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(d))} (default: all)")
+    p.add_argument("--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)")
+    for name in ("steps", "batch_size", "max_length", "lr", "log_every", "max_rollbacks", "seed", "threads"):
+        value = getattr(d, name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = StressConfig(steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, lr=args.lr,
+                       log_every=args.log_every, max_rollbacks=args.max_rollbacks, seed=args.seed, threads=args.threads)
+    known = scenarios(cfg)
+    names = list(known) if args.scenarios == "all" else [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"fused-stable stress: unknown scenario {unknown[0]!r}; choose from {', '.join(known)}", file=sys.stderr)
+        return 2
+    if cfg.steps < 2 * cfg.log_every or cfg.steps < 20 or min(cfg.batch_size, cfg.log_every, cfg.threads) < 1 or cfg.lr <= 0:
+        print("fused-stable stress: need --steps >= 20 and >= 2 x --log-every, and positive --batch-size, "
+              "--log-every, --threads, --lr", file=sys.stderr)
+        return 2
+    if cfg.max_length < 96:
+        print("fused-stable stress: --max-length must be at least 96 (the built-in prompts are 71-92 tokens)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(cfg.threads)
+    os.makedirs(args.output_dir, exist_ok=True)
+    print(f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} on the embedded tiny Llama (full fine-tuning), "
+          f"{cfg.steps} steps each, {cfg.threads} thread(s)", flush=True)
+    t0 = time.perf_counter()
+    results = run_suite(cfg, names, progress=lambda line: print(line, flush=True))
+    table = format_table(results)
+    print()
+    print(table)
+    json_path = os.path.join(args.output_dir, "stress.json")
+    png_path = os.path.join(args.output_dir, "stress.png")
+    with open(json_path, "w") as f:
+        json.dump({
+            "config": asdict(cfg), "scenarios": {n: asdict(s) for n, s in known.items() if n in {r.scenario for r in results}},
+            "results": [{k: (v if not (isinstance(v, float) and not math.isfinite(v)) else str(v))
+                         for k, v in asdict(r).items() if k != "losses"} | {"losses": [x if math.isfinite(x) else str(x) for x in r.losses]}
+                        for r in results],
+            "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+                            "threads": cfg.threads},
+            "total_wall_s": time.perf_counter() - t0,
+        }, f, indent=1)  # fmt: skip
+    plot(results, png_path)
+    print(f"\nwrote {json_path} and {png_path} in {time.perf_counter() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
