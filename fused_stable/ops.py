@@ -167,9 +167,8 @@ def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sums
         if dtype == torch.float32:
             params = [batch.params[i] for i in indices]
             grads = [batch.grads[i] for i in indices]
-        else:  # the moments are fp32: update an fp32 copy (or the master) and round back
-            params = [batch.masters[i] if batch.masters[i] is not None else batch.params[i].float() for i in indices]
-            grads = [batch.grads[i].float() for i in indices]
+        else:  # the moments are fp32: update fp32 working copies (or the masters) and round back
+            params, grads = _fp32_working_copies(cache, batch, indices)
         torch._fused_adamw_(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -177,6 +176,27 @@ def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sums
         )  # fmt: skip
         if dtype != torch.float32:
             torch._foreach_copy_([batch.params[i] for i in indices], params)
+
+
+def _fp32_working_copies(cache: StepCache, batch: StepBatch, indices: list[int]):
+    """fp32 params and grads for `_fused_adamw_` (which wants one dtype) over low-precision params.
+
+    Persistent buffers, filled with `_foreach_copy_` each step: fresh `.float()` copies cost an allocation
+    and page faults per step (several times the update itself on CPU). Masters, when kept, are the params.
+    """
+    low_params = [batch.params[i] for i in indices]
+    key = ("fp32", tuple(p.data_ptr() for p in low_params))
+    if key not in cache.extra:
+        cache.extra[key] = (
+            [batch.masters[i] if batch.masters[i] is not None else torch.empty_like(batch.params[i], dtype=torch.float32) for i in indices],
+            [torch.empty_like(batch.params[i], dtype=torch.float32) for i in indices],
+        )
+    params, grads = cache.extra[key]
+    copies = [(p32, p) for p32, p, i in zip(params, low_params, indices) if batch.masters[i] is None]
+    if copies:
+        torch._foreach_copy_([c[0] for c in copies], [c[1] for c in copies])
+    torch._foreach_copy_(grads, [batch.grads[i] for i in indices])
+    return params, grads
 
 
 def decide(
