@@ -59,6 +59,10 @@ def test_smoke_plan_table_json_and_markdown(tmp_path, capsys):
         assert r["pct_copy_bw"] == pytest.approx(100 * r["gbps"] / r["copy_bw_gbps"])
         assert r["launches_per_step"] is None and r["syncs_per_step"] is None   # CUDA-only figures
         assert r["peak_mem_bytes"] >= r["resident_bytes"] > 0
+        # measured from the allocator: at least the two fp32 moments, and not far above them
+        assert 8 * r["n_params"] <= r["optimizer_bytes"] <= 8.2 * r["n_params"]
+    bf16 = _row(result, "dense-bf16", "torch_fused")
+    assert 4 * bf16["n_params"] <= bf16["optimizer_bytes"] <= 4.2 * bf16["n_params"]   # torch: bf16 moments
 
     lora = _row(result, "lora-fp32", "fused_stable")
     assert lora["n_tensors"] == 56 and lora["status"] == "ok"

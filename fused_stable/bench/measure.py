@@ -179,6 +179,30 @@ def count_launches_and_syncs(step: Callable[[], None], device: torch.device, ste
             "top_kernels": [{"name": k[:120], "per_step": v / steps} for k, v in top]}
 
 
+def _cpu_memory_events(fn: Callable[[], object]):
+    """Run `fn` under the profiler's allocator tracking: (its result, the [memory] events in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    return result, events
+
+
+def net_allocation(fn: Callable[[], object], device: torch.device):
+    """(fn's result, bytes it left allocated): what an optimizer keeps once built and stepped (moments, master
+    weights, working copies, caches), wherever it stores them."""
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        synchronize(device)
+        return result, torch.cuda.memory_allocated(device) - before
+    result, events = _cpu_memory_events(fn)
+    return result, sum(e.nbytes() for e in events)
+
+
 def step_extra_memory(step: Callable[[], None], device: torch.device) -> int:
     """Bytes a step allocates beyond what is resident before it (its transient peak)."""
     synchronize(device)
@@ -190,12 +214,7 @@ def step_extra_memory(step: Callable[[], None], device: torch.device) -> int:
         synchronize(device)
         return max(0, torch.cuda.max_memory_allocated(device) - before)
     # CPU: the profiler's allocator events, replayed in order; the running sum's maximum is the transient peak.
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
+    _, events = _cpu_memory_events(step)
     running = peak = 0
     for e in events:
         running += e.nbytes()

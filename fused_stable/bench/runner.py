@@ -63,11 +63,21 @@ def _prepare(spec: ParamSetSpec, contender: Contender, opts: Options, device: to
     if contender.isolated:
         n_sets = 1   # a compiled step is specialised to its tensors: every extra input set would compile again
     sets = [materialize(spec, device, seed=opts.seed + i) for i in range(max(1, n_sets))]
-    t0 = time.perf_counter()
-    built = [contender.build(params, device) for params in sets]
-    built[0].step()      # first step: lazy state allocation, and compilation for torch.compile
-    measure.synchronize(device)
-    row["first_step_s"] = time.perf_counter() - t0
+
+    def build_and_step():
+        t0 = time.perf_counter()
+        first = contender.build(sets[0], device)
+        first.step()      # first step: lazy state allocation, and compilation for torch.compile
+        measure.synchronize(device)
+        row["first_step_s"] = time.perf_counter() - t0
+        return first
+
+    if contender.isolated:   # no allocator tracking around a compilation
+        first, owned = build_and_step(), None
+    else:
+        first, owned = measure.net_allocation(build_and_step, device)
+    row["optimizer_bytes"] = owned
+    built = [first] + [contender.build(params, device) for params in sets[1:]]
     for b in built[1:]:
         b.step()
     row["input_sets"] = len(sets)
@@ -86,8 +96,11 @@ def _finish(spec: ParamSetSpec, prep: _Prepared, timing: dict, opts: Options, co
     row["gbps"] = nbytes / timing["median_s"] / 1e9
     row["copy_bw_gbps"] = copy_bw / 1e9 if copy_bw else None
     row["pct_copy_bw"] = 100.0 * nbytes / timing["median_s"] / copy_bw if copy_bw else None
-    resident = (tensor_bytes(params) + tensor_bytes([p.grad for p in params])
-                + measure.state_bytes(built.optimizer, params))
+    # What the optimizer keeps allocated (measured when it was built and first stepped), else its state tensors
+    owned = row.get("optimizer_bytes")
+    if owned is None or owned < 0:
+        owned = measure.state_bytes(built.optimizer, params)
+    resident = tensor_bytes(params) + tensor_bytes([p.grad for p in params]) + owned
     extra = measure.step_extra_memory(built.step, device)
     row["resident_bytes"] = resident
     row["step_extra_bytes"] = extra
