@@ -180,8 +180,9 @@ class RunResult:
     losses: list = field(default_factory=list)   # per optimizer step (a rolled-back run restarts its step count)
     final_loss: float = math.nan
     status: str = "ok"                            # ok | diverged | stopped
-    skipped_steps: int = 0
-    rolled_back: int = 0
+    skipped_steps: int = 0                        # updates not applied (non-finite grads, spikes, scaler overflow)
+    rolled_back: int = 0                          # rollbacks
+    rolled_back_steps: int = 0                    # optimizer steps undone by them
     alerts: int = 0
     wall_s: float = 0.0
     message: str = ""
@@ -276,10 +277,12 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
                         for i, (v, skip) in enumerate(losses)]
             rows += new_rows
             if guard:
+                result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
                 decision = guard.check(step, opt, new_rows)
                 result.alerts += len(decision.alerts)
                 if decision.action == "rollback":
                     _restore(snapshot, model, opt, scaler)
+                    result.rolled_back_steps += step - snapshot["step"]
                     step = snapshot["step"]
                     rows = [r for r in rows if r["step"] <= step]
                     guard.apply_rollback(opt, cut_lr=decision.cut_lr)
@@ -296,8 +299,6 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
     tail = result.losses[-FINAL_WINDOW:]
     result.final_loss = sum(tail) / len(tail) if tail else math.nan
     if guard:
-        counters = torch.stack([opt.skipped_steps, opt.spike_skips]).tolist()
-        result.skipped_steps = int(sum(counters)) + 0
         result.rolled_back = guard.rollbacks
     return result
 
@@ -331,11 +332,11 @@ def judge(results: list[RunResult]) -> None:
 
 
 def format_table(results: list[RunResult]) -> str:
-    header = "| scenario | recipe | outcome | final loss | skipped steps | rollbacks | alerts | wall time |"
+    header = "| scenario | recipe | outcome | final loss | skipped steps | rollbacks (steps undone) | alerts | wall time |"
     lines = [header, "|---|---|---|---|---|---|---|---|"]
     for r in results:
         alerts = str(r.alerts) if r.recipe == "guarded" else "-"
-        rollbacks = str(r.rolled_back) if r.recipe == "guarded" else "-"
+        rollbacks = f"{r.rolled_back} ({r.rolled_back_steps})" if r.recipe == "guarded" else "-"
         lines.append(f"| {r.scenario} | {r.recipe} | {r.status} | {r.final_loss:.3f} | {r.skipped_steps} | "
                      f"{rollbacks} | {alerts} | {r.wall_s:.1f}s |")
     return "\n".join(lines)
@@ -393,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(d))} (default: all)")
     p.add_argument("--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)")
-    for name in ("steps", "batch_size", "max_length", "lr", "log_every", "max_rollbacks", "seed", "threads"):
+    for name in ("steps", "pretrain_steps", "batch_size", "max_length", "lr", "log_every", "max_rollbacks", "seed",
+                 "threads"):
         value = getattr(d, name)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
     return p
@@ -401,17 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    cfg = StressConfig(steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, lr=args.lr,
-                       log_every=args.log_every, max_rollbacks=args.max_rollbacks, seed=args.seed, threads=args.threads)
+    cfg = StressConfig(steps=args.steps, pretrain_steps=args.pretrain_steps, batch_size=args.batch_size,
+                       max_length=args.max_length, lr=args.lr, log_every=args.log_every,
+                       max_rollbacks=args.max_rollbacks, seed=args.seed, threads=args.threads)
     known = scenarios(cfg)
     names = list(known) if args.scenarios == "all" else [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
         print(f"fused-stable stress: unknown scenario {unknown[0]!r}; choose from {', '.join(known)}", file=sys.stderr)
         return 2
-    if cfg.steps < 2 * cfg.log_every or cfg.steps < 20 or min(cfg.batch_size, cfg.log_every, cfg.threads) < 1 or cfg.lr <= 0:
-        print("fused-stable stress: need --steps >= 20 and >= 2 x --log-every, and positive --batch-size, "
-              "--log-every, --threads, --lr", file=sys.stderr)
+    if (cfg.steps < 2 * cfg.log_every or cfg.steps < 20 or min(cfg.batch_size, cfg.log_every, cfg.threads) < 1
+            or cfg.lr <= 0 or cfg.pretrain_steps < 0 or cfg.max_rollbacks < 0):
+        print("fused-stable stress: need --steps >= 20 and >= 2 x --log-every, positive --batch-size, --log-every, "
+              "--threads and --lr, and non-negative --pretrain-steps and --max-rollbacks", file=sys.stderr)
         return 2
     if cfg.max_length < 96:
         print("fused-stable stress: --max-length must be at least 96 (the built-in prompts are 71-92 tokens)", file=sys.stderr)

@@ -1,0 +1,76 @@
+"""The stress suite on a short budget: the scenarios are reproducible, the faults are real (an fp16 overflow
+really gives inf gradients, a NaN batch really kills the usual recipe), and the command writes its outputs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from fused_stable import stress
+
+SHORT = dict(steps=60, pretrain_steps=20, log_every=5, snapshot_every=10, examples=400)  # faults at step 30: after the 25-step warm-up of the norm statistics
+
+
+@pytest.fixture(scope="module")
+def short():
+    torch.set_num_threads(1)
+    cfg = stress.StressConfig(**SHORT)
+    return cfg, stress.build_workload(cfg)
+
+
+def test_runs_are_reproducible(short):
+    cfg, work = short
+    scenario = stress.scenarios(cfg)["poisoned_batch"]
+    first = stress.run_one(work, cfg, scenario, "guarded")
+    second = stress.run_one(work, cfg, scenario, "guarded")
+    assert first.losses == second.losses and len(first.losses) == cfg.steps
+    assert first.skipped_steps == second.skipped_steps == 1  # the poisoned batch: a spike skipped on the device
+
+
+def test_nan_batch_kills_the_usual_recipe_not_the_guarded_one(short):
+    cfg, work = short
+    results = [stress.run_one(work, cfg, stress.scenarios(cfg)[name], recipe)
+               for name in ("clean", "nan_injection") for recipe in stress.RECIPES]
+    stress.judge(results)
+    by = {(r.scenario, r.recipe): r for r in results}
+    assert by["nan_injection", "usual"].status == "diverged" and math.isnan(by["nan_injection", "usual"].final_loss)
+    guarded = by["nan_injection", "guarded"]
+    assert guarded.status == "ok" and guarded.skipped_steps == 1 and guarded.rolled_back == 0
+    # one skipped step: the guarded run ends where its clean run does, within noise
+    assert guarded.final_loss == pytest.approx(by["clean", "guarded"].final_loss, rel=0.1)
+    # same recipe family, no fault: the fused step matches torch's clip + AdamW closely
+    assert by["clean", "guarded"].losses[:10] == pytest.approx(by["clean", "usual"].losses[:10], rel=1e-3)
+
+
+def test_fp16_emulation_overflows_like_fp16():
+    model = torch.nn.Linear(4, 4)
+    hooks = stress._fp16_grad_hooks(model)
+    (model(torch.ones(1, 4)).sum() * 2.0**20).backward()  # grads of 2**20 > 65504: inf in fp16
+    assert all(torch.isinf(p.grad).all() for p in model.parameters())
+    model.zero_grad()
+    (model(torch.ones(1, 4)).sum() * 2.0**-30).backward()  # 2**-30 < 6e-8: flushed to 0 in fp16
+    assert all((p.grad == 0).all() for p in model.parameters())
+    for h in hooks:
+        h.remove()
+
+
+def test_command_writes_table_json_and_png(tmp_path, capsys):
+    code = stress.main(["--scenarios", "lr_too_high", "--steps", "20", "--pretrain-steps", "10",
+                        "--log-every", "5", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| lr_too_high | guarded |" in out and "| clean | usual |" in out
+    data = json.loads((tmp_path / "stress.json").read_text())
+    assert {(r["scenario"], r["recipe"]) for r in data["results"]} == {
+        (s, r) for s in ("clean", "lr_too_high") for r in stress.RECIPES}
+    for r in data["results"]:
+        assert r["status"] in ("ok", "diverged", "stopped") and len(r["losses"]) >= 1 and r["wall_s"] > 0
+    assert os.path.getsize(tmp_path / "stress.png") > 10_000
+
+
+def test_bad_scenario_is_one_line(capsys):
+    assert stress.main(["--scenarios", "meteor"]) == 2
+    assert "unknown scenario 'meteor'" in capsys.readouterr().err
