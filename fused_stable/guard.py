@@ -260,6 +260,10 @@ class Guard:
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self._rebaseline(optimizer)
 
+    def resync(self, optimizer) -> None:
+        """After the optimizer's state was loaded (resume): compare the counters against their loaded values."""
+        self._rebaseline(optimizer)
+
     def _rebaseline(self, optimizer) -> None:
         counters = torch.stack([optimizer.skipped_steps, optimizer.spike_skips]).tolist()
         self._seen_skipped, self._seen_spike_skips = int(counters[0]), int(counters[1])

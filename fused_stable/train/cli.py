@@ -119,6 +119,10 @@ class RunSetup:
             trainer.restore(self.resume_path)
         trainer.reporter = Reporter(cfg.output_dir, trainer.total_steps, trainer.state.step,
                                     tensorboard=cfg.tensorboard, max_grad_norm=cfg.max_grad_norm)
+        if trainer.guard is not None:
+            from fused_stable.guard import AlertLog
+
+            trainer.alert_log = AlertLog(cfg.output_dir, trainer.state.step)
 
 
 def setup_run(argv: list[str]) -> RunSetup:
@@ -129,7 +133,8 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.train import data
-    from fused_stable.train.config import run_dict
+    from fused_stable.guard import Guard
+    from fused_stable.train.config import guard_config, run_dict
     from fused_stable.train.loop import Trainer
     from fused_stable.train.model import apply_tuner, check_model_path, load_base_model, load_tokenizer, param_groups
     from fused_stable.train.runtime import resolve_runtime
@@ -160,17 +165,22 @@ def setup_run(argv: list[str]) -> RunSetup:
         "linear": lambda: schedules.warmup_linear(total_steps, warmup_steps),
         "constant": lambda: schedules.constant(warmup_steps),
     }[cfg.scheduler]()
-    # clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call
+    guard = Guard(guard_config(cfg))
+    # clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call; under
+    # guard=skip|rollback the same step also skips grad-norm spikes
     optimizer = FusedAdamW(
         groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm or None, lr_schedule=schedule,
+        max_grad_norm=cfg.max_grad_norm or None, lr_schedule=schedule, clip=cfg.clip,
+        **guard.config.optimizer_kwargs(),
     )  # fmt: skip
     optimizer.param_names = groups.names
+    guard.bind(optimizer)
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
     trainer = Trainer(
         model=model, optimizer=optimizer, scaler=scaler, batches=batches, runtime=runtime, reporter=None,
         output_dir=cfg.output_dir, config=run_dict(cfg), total_steps=total_steps, grad_accum=cfg.grad_accum,
         logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+        guard=guard,
     )  # fmt: skip
     return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items))
 
@@ -198,6 +208,10 @@ def run(argv: list[str]) -> int:
     finally:
         trainer.reporter.close()
         plot_curves(cfg.output_dir, cfg.max_grad_norm)
+    if trainer.stopped_by == "guard":
+        print(f"fused-stable sft: {trainer.stop_message}\n  resume: fused-stable sft --output_dir {cfg.output_dir} "
+              "--resume latest", file=sys.stderr, flush=True)
+        return 3
     if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
         trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
     target = save_final(model, setup.tokenizer, cfg, cfg.output_dir)

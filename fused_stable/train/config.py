@@ -40,6 +40,7 @@ class TrainConfig:
     lr: float = _key(2e-4, "peak learning rate", "optim")
     weight_decay: float = _key(0.01, "decoupled weight decay (AdamW)", "optim")
     max_grad_norm: typing.Optional[float] = _key(1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim")
+    clip: str = _key("fixed", "fixed (max_grad_norm only) | zscore (also clip grad-norm spikes to mean + 2.5 std of the running norm statistics, ZClip-style)", "optim")
     warmup_ratio: float = _key(0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim")
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     precision: str = _key("auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim")
@@ -57,6 +58,16 @@ class TrainConfig:
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
     resume: typing.Optional[str] = _key(None, "'latest' or a checkpoint directory to continue from", "run")
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
+    # stability guard (fused_stable.guard): checked at logging steps from device-side counters
+    guard: str = _key("warn", "what to do on an alert: warn (record it) | skip (the optimizer also skips grad-norm spikes) | stop (checkpoint, exit code 3) | rollback (restore the last good checkpoint, lower the lr, skip the data window)", "guard")
+    guard_grad_z: float = _key(6.0, "alert when the grad norm's z-score (against its running statistics) exceeds this...", "guard")
+    guard_grad_ratio: float = _key(5.0, "...and the norm is at least this many times its running mean (0 = z-score alone)", "guard")
+    guard_skip_z: float = _key(20.0, "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this", "guard")
+    guard_loss_z: float = _key(6.0, "alert when a step's loss z-score (against its running statistics) exceeds this", "guard")
+    guard_loss_rise: float = _key(1.5, "alert when a logging interval's median loss exceeds this x the best so far (0 = off)", "guard")
+    guard_nonfinite_storm: int = _key(3, "non-finite-gradient steps in one logging interval that escalate to the policy (fewer are skipped and recorded)", "guard")
+    guard_lr_factor: float = _key(0.5, "guard=rollback: multiply the lr by this on each rollback for a spike", "guard")
+    guard_max_rollbacks: int = _key(3, "guard=rollback: give up (stop, exit code 3) when this many rollbacks did not help", "guard")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,6 +78,8 @@ CHOICES = {
     "tuner": ("lora", "dora", "full"),
     "scheduler": ("cosine", "linear", "constant"),
     "precision": ("auto", "bf16", "fp16", "fp32"),
+    "clip": ("fixed", "zscore"),
+    "guard": ("warn", "skip", "stop", "rollback"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
@@ -226,6 +239,21 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("target_modules must name at least one module, or be all-linear")
     if cfg.device != "auto" and not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
         raise UserError(f"device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    try:
+        guard_config(cfg)
+    except ValueError as exc:
+        raise UserError(str(exc).replace("guard ", "guard_", 1) if "policy" not in str(exc) else str(exc)) from None
+
+
+def guard_config(cfg: TrainConfig):
+    """The stability guard's settings from the guard_* keys (ValueError on a bad value)."""
+    from fused_stable.guard import GuardConfig
+
+    return GuardConfig(
+        policy=cfg.guard, grad_z=cfg.guard_grad_z, grad_ratio=cfg.guard_grad_ratio, skip_z=cfg.guard_skip_z,
+        loss_z=cfg.guard_loss_z, loss_rise=cfg.guard_loss_rise, nonfinite_storm=cfg.guard_nonfinite_storm,
+        lr_factor=cfg.guard_lr_factor, max_rollbacks=cfg.guard_max_rollbacks,
+    )  # fmt: skip
 
 
 def run_dict(cfg: TrainConfig) -> dict:
@@ -246,7 +274,7 @@ def help_text() -> str:
         "Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value).",
         "",
     ]
-    titles = {"model": "model and data:", "optim": "optimisation:", "run": "run:"}
+    titles = {"model": "model and data:", "optim": "optimisation:", "run": "run:", "guard": "stability guard (docs/guard.md):"}
     for group, title in titles.items():
         lines.append(title)
         for f in dataclasses.fields(TrainConfig):
@@ -255,5 +283,6 @@ def help_text() -> str:
             default = "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
             lines.append(f"  --{f.name:<24} {f.metadata['help']} (default: {default})")
         lines.append("")
-    lines.append("Outputs in output_dir: metrics.jsonl, curves.png, run.yaml, tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
+    lines.append("Outputs in output_dir: metrics.jsonl, alerts.jsonl, curves.png, run.yaml, tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
+    lines.append("Exit codes: 0 done, 2 bad input, 3 stopped by the guard (look at alerts.jsonl, then --resume latest).")
     return "\n".join(lines)

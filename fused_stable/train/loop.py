@@ -3,8 +3,8 @@ autocast forward -> loss / tokens in the window -> (scale) -> backward; then one
 schedule and AdamW inside FusedAdamW) -> scaler update -> zero_grad.
 
 Nothing reads the device between logging steps: the window loss, grad norm, lr and skip flag of every step
-are stacked on the device and read once per `logging_steps`. At each logging step the callbacks (the
-stability guard's seam) see (step, optimizer, metrics) and may answer "stop" or "rollback".
+are stacked on the device and read once per `logging_steps`. At each logging step the stability guard
+(fused_stable.guard) and the callbacks see the interval and may answer "stop" or "rollback".
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from fused_stable.guard import AlertLog, Decision, Guard
 from fused_stable.train import checkpoint
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
 from fused_stable.train.model import trainable_state
@@ -51,8 +52,11 @@ class Trainer:
     save_steps: int
     save_total_limit: int = 0
     callbacks: list[Callback] = field(default_factory=list)
+    guard: Optional[Guard] = None
+    alert_log: Optional[AlertLog] = None
     state: TrainState = field(default_factory=TrainState)
-    stopped_by: Optional[str] = None
+    stopped_by: Optional[str] = None   # "guard" | "callback"
+    stop_message: str = ""
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> TrainState:
@@ -62,6 +66,8 @@ class Trainer:
         pending_meta: list[tuple[int, float, int]] = []   # (step, host time, tokens) for the same steps
         t_start = time.perf_counter()
         t_last_log, tokens_since_log = t_start, 0
+        if self.guard is not None and self.guard.config.policy == "rollback" and not checkpoint.latest_checkpoint(self.output_dir):
+            self.save()  # a rollback needs a good state to go back to, from the first step on
         while self.state.step < self.total_steps:
             window = [self.batches.batch(self.state.micro_batches + i) for i in range(self.grad_accum)]
             # the loss is the mean over every label token of the window, so each micro-batch's summed loss is
@@ -97,8 +103,10 @@ class Trainer:
                 opt.skipped_steps.float() + opt.spike_skips.float(),
             ]))  # fmt: skip
             pending_meta.append((self.state.step, time.perf_counter(), window_tokens))
+            if self.guard is not None:
+                self.guard.observe_step(self.state.step, opt)  # device-only: keeps the worst step of the interval
 
-            if self.state.step % self.logging_steps == 0 or self.state.step == self.total_steps:
+            if self._logging_step():
                 values = torch.stack(pending).tolist()      # the one device read of this interval
                 now = time.perf_counter()
                 tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
@@ -115,13 +123,19 @@ class Trainer:
                 t_last_log, tokens_since_log = now, 0
                 if self.reporter is not None:
                     self.reporter.log(rows)
+                decision = self._run_guard(rows)
                 action = self._run_callbacks(rows[-1])
-                if action == "stop":
+                if "stop" in (decision.action, action):
                     self.save()
-                    self.stopped_by = "callback"
+                    self.stopped_by = "guard" if decision.action == "stop" else "callback"
+                    self.stop_message = decision.message
                     break
-                if action == "rollback":
+                if "rollback" in (decision.action, action):
                     self.rollback()
+                    if self.guard is not None:
+                        self.guard.apply_rollback(opt, cut_lr=decision.cut_lr)
+                    if self.reporter is not None:
+                        self.reporter.rewind(self.state.step)
                     continue
             if self.save_steps and self.state.step % self.save_steps == 0:
                 self.save()
@@ -129,6 +143,24 @@ class Trainer:
         return self.state
 
     # --------------------------------------------------------------------------------------------- seams
+    def _logging_step(self) -> bool:
+        step = self.state.step
+        if step % self.logging_steps == 0 or step == self.total_steps:
+            return True
+        # a checkpoint is what a rollback returns to: the guard looks at the steps before it is written
+        return self.guard is not None and bool(self.save_steps) and step % self.save_steps == 0
+
+    def _run_guard(self, rows: list[dict]) -> Decision:
+        if self.guard is None:
+            return Decision()
+        decision = self.guard.check(self.state.step, self.optimizer, rows)
+        if decision.alerts and self.runtime.is_main:
+            if self.alert_log is not None:
+                self.alert_log.write(decision.alerts)
+            if self.reporter is not None:
+                self.reporter.alerts(decision.alerts)
+        return decision
+
     def _run_callbacks(self, metrics: dict) -> Optional[str]:
         action = None
         for callback in self.callbacks:
@@ -142,9 +174,12 @@ class Trainer:
     def save(self) -> Optional[str]:
         if not self.runtime.is_main:
             return None
+        trainer_state = asdict(self.state)
+        if self.guard is not None:
+            trainer_state["guard"] = self.guard.state_dict()
         return checkpoint.save_checkpoint(
             self.output_dir, self.state.step, model_state=trainable_state(self.model), optimizer=self.optimizer,
-            scaler=self.scaler, trainer_state=asdict(self.state), config=self.config, keep=self.save_total_limit,
+            scaler=self.scaler, trainer_state=trainer_state, config=self.config, keep=self.save_total_limit,
         )  # fmt: skip
 
     def restore(self, path: str, restore_data_position: bool = True) -> None:
@@ -153,9 +188,12 @@ class Trainer:
         before = self.state
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
         if not restore_data_position:
-            # a rollback: the data, tokens and time already spent stay spent
+            # a rollback: the data, tokens and time already spent stay spent (the guard keeps its own count)
             self.state.micro_batches, self.state.tokens = before.micro_batches, before.tokens
             self.state.elapsed_s = before.elapsed_s
+        elif self.guard is not None and "guard" in saved:
+            self.guard.load_state_dict(saved["guard"])
+            self.guard.resync(self.optimizer)
 
     def rollback(self) -> None:
         """Back to the newest complete checkpoint, keeping the data position: the window that caused the

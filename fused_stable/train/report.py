@@ -74,6 +74,25 @@ class Reporter:
         if not self.console.is_terminal:  # logs and CI: a plain line per logging step instead of a live bar
             print(f"step {last['step']}/{self.total_steps} | {_fmt(last)} | {last['elapsed_s']:.1f}s", flush=True)
 
+    def alerts(self, alerts: list) -> None:
+        """Stability-guard alerts (fused_stable.guard.Alert): a console line each and TensorBoard events."""
+        for alert in alerts:
+            self.message(alert.describe())
+            if self.tb is not None:
+                if math.isfinite(alert.value):
+                    self.tb.add_scalar(f"guard/{alert.kind}", alert.value, alert.step)
+                self.tb.add_text("guard/alerts", alert.describe(), alert.step)
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to `step`: metrics.jsonl keeps the trajectory the model actually has (rows up to
+        `step`); what happened after it stays on record in alerts.jsonl."""
+        self._metrics.close()
+        kept = [r for r in read_jsonl(self.metrics_path) if r["step"] <= step]
+        with open(self.metrics_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        self._metrics = open(self.metrics_path, "a")
+        self.progress.update(self.task, completed=step)
+
     def message(self, text: str) -> None:
         self.progress.console.print(text) if self.console.is_terminal else print(text, flush=True)
 
