@@ -86,8 +86,11 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 
 def save_checkpoint(output_dir: str, step: int, *, model_state: dict[str, torch.Tensor], optimizer,
-                    scaler=None, trainer_state: dict, config: dict, keep: int = 0) -> str:
-    """Write checkpoints/step-<step>/ atomically and return its path; keep only the newest `keep` (0 = all)."""
+                    scaler=None, trainer_state: dict, config: dict, keep: int = 0,
+                    optimizer_state: dict | None = None, rng: dict | None = None) -> str:
+    """Write checkpoints/step-<step>/ atomically and return its path; keep only the newest `keep` (0 = all).
+    `optimizer_state` / `rng`: already gathered (torchrun: full FSDP2 state, every rank's RNG); by default
+    `optimizer.state_dict()` and this process's RNG states."""
     root = os.path.join(output_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step-{step}")
@@ -98,10 +101,11 @@ def save_checkpoint(output_dir: str, step: int, *, model_state: dict[str, torch.
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
         save_file(tensors, os.path.join(tmp, "weights.safetensors"))
         _fsync_path(os.path.join(tmp, "weights.safetensors"))
-        _torch_save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        _torch_save(optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                    os.path.join(tmp, "optimizer.pt"))
         if scaler is not None:
             _torch_save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
-        _torch_save(rng_state(), os.path.join(tmp, "rng.pt"))
+        _torch_save(rng_state() if rng is None else rng, os.path.join(tmp, "rng.pt"))
         _write_bytes(os.path.join(tmp, "trainer_state.json"),
                      json.dumps({**trainer_state, "step": step}, indent=2).encode())
         _write_bytes(os.path.join(tmp, "config.yaml"), yaml.safe_dump(config, sort_keys=False).encode())

@@ -37,15 +37,24 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from fused_stable.train.config import help_text
 
-        print(help_text())
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: once, from rank 0
+            print(help_text())
         return 0
+    from fused_stable.train import parallel
+
     try:
-        return run(argv)
-    except UserError as exc:
+        with parallel.process_group():  # under torchrun: join the other ranks; nothing in a single process
+            try:
+                return run(argv)
+            except UserError as exc:
+                parallel.report_error(f"fused-stable sft: error: {exc}")  # rank 0 prints; every rank exits 2
+                return 2
+    except UserError as exc:  # torchrun's environment is incomplete: there is no process group to join
         print(f"fused-stable sft: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("fused-stable sft: interrupted (resume with --resume latest)", file=sys.stderr)
+        if parallel.launch_rank() == 0:
+            print("fused-stable sft: interrupted (resume with --resume latest)", file=sys.stderr)
         return 130
 
 
@@ -111,15 +120,19 @@ class RunSetup:
         from fused_stable.train.config import dump_yaml
         from fused_stable.train.report import Reporter
 
-        cfg, trainer = self.cfg, self.trainer
-        _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=self.resume_path is not None)
-        with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
-            f.write(dump_yaml(cfg))
+        from fused_stable.train.parallel import QuietReporter
+
+        cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
+        if main_rank:  # under torchrun only rank 0 writes output_dir
+            _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=self.resume_path is not None)
+            with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
+                f.write(dump_yaml(cfg))
         if self.resume_path is not None:
             trainer.restore(self.resume_path)
         trainer.reporter = Reporter(cfg.output_dir, trainer.total_steps, trainer.state.step,
-                                    tensorboard=cfg.tensorboard, max_grad_norm=cfg.max_grad_norm)
-        if trainer.guard is not None:
+                                    tensorboard=cfg.tensorboard, max_grad_norm=cfg.max_grad_norm,
+                                    ) if main_rank else QuietReporter()  # fmt: skip
+        if trainer.guard is not None and main_rank:
             from fused_stable.guard import AlertLog
 
             trainer.alert_log = AlertLog(cfg.output_dir, trainer.state.step)
@@ -132,7 +145,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     import torch
 
     from fused_stable import FusedAdamW, GradScaler, schedules
-    from fused_stable.train import data
+    from fused_stable.train import data, parallel
     from fused_stable.guard import Guard
     from fused_stable.train.config import guard_config, run_dict
     from fused_stable.train.loop import Trainer
@@ -141,6 +154,8 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
+    parallel.check_supported(cfg, runtime.precision)
+    parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
     check_model_path(cfg.model)
     if cfg.dataset == "builtin":
         examples = data.builtin_examples(cfg.builtin_examples, seed=cfg.seed)
@@ -156,8 +171,10 @@ def setup_run(argv: list[str]) -> RunSetup:
     torch.manual_seed(cfg.seed)
     model = load_base_model(cfg, tokenizer, runtime.device, runtime.compute_dtype)
     model = apply_tuner(model, cfg)
-    groups = param_groups(model, cfg)
-    batches = data.BatchOrder(items, cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
+    model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
+    groups = param_groups(parallel.unwrap(model), cfg)
+    # torchrun: each rank batches its own shard of the rows
+    batches = data.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
     warmup_steps = int(cfg.warmup_ratio * total_steps)
     schedule = {
@@ -186,12 +203,14 @@ def setup_run(argv: list[str]) -> RunSetup:
 
 
 def run(argv: list[str]) -> int:
-    from fused_stable.train.model import save_final
+    from fused_stable.train import parallel
     from fused_stable.train.report import plot_curves
 
-    setup = setup_run(argv)
+    # torchrun: a bad input seen by any rank stops every rank, before anything is written
+    setup = parallel.agree(setup_run, argv)
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
-    setup.start()
+    main_rank = setup.runtime.is_main
+    parallel.agree(setup.start)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in model.parameters())
     trainer.reporter.message(
@@ -207,14 +226,18 @@ def run(argv: list[str]) -> int:
         state = trainer.fit()
     finally:
         trainer.reporter.close()
-        plot_curves(cfg.output_dir, cfg.max_grad_norm)
+        if main_rank:
+            plot_curves(cfg.output_dir, cfg.max_grad_norm)
     if trainer.stopped_by == "guard":
-        print(f"fused-stable sft: {trainer.stop_message}\n  resume: fused-stable sft --output_dir {cfg.output_dir} "
-              "--resume latest", file=sys.stderr, flush=True)
+        if main_rank:
+            print(f"fused-stable sft: {trainer.stop_message}\n  resume: fused-stable sft --output_dir {cfg.output_dir} "
+                  "--resume latest", file=sys.stderr, flush=True)
         return 3
     if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
         trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
-    target = save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+    target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+    if not main_rank:
+        return 0
     rows = [r for r in _read_metrics(cfg.output_dir)]
     summary = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} | " if rows else ""
     print(f"done: steps {start_step}->{state.step} in {time.perf_counter() - t0:.1f}s | {summary}"

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from fused_stable.guard import AlertLog, Decision, Guard
-from fused_stable.train import checkpoint
+from fused_stable.train import checkpoint, parallel
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
-from fused_stable.train.model import trainable_state
 from fused_stable.train.report import Reporter
 from fused_stable.train.runtime import Runtime
 
@@ -75,6 +74,7 @@ class Trainer:
             label_tokens = max(1, sum(b.num_label_tokens for b in window))
             window_loss = torch.zeros((), device=device)
             for batch in window:
+                parallel.set_grad_sync(model, batch is window[-1])  # torchrun: reduce grads once per window
                 input_ids = batch.input_ids.to(device, non_blocking=True)
                 attention_mask = batch.attention_mask.to(device, non_blocking=True)
                 labels = batch.labels.to(device, non_blocking=True)
@@ -107,7 +107,9 @@ class Trainer:
                 self.guard.observe_step(self.state.step, opt)  # device-only: keeps the worst step of the interval
 
             if self._logging_step():
-                values = torch.stack(pending).tolist()      # the one device read of this interval
+                # torchrun: the loss averaged and the tokens summed over the ranks (one all-reduce)
+                stacked, tokens_since_log = parallel.reduce_for_logging(torch.stack(pending), tokens_since_log)
+                values = stacked.tolist()      # the one device read of this interval
                 now = time.perf_counter()
                 tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
                 rows = [
@@ -172,19 +174,24 @@ class Trainer:
         return action
 
     def save(self) -> Optional[str]:
-        if not self.runtime.is_main:
-            return None
-        trainer_state = asdict(self.state)
-        if self.guard is not None:
-            trainer_state["guard"] = self.guard.state_dict()
-        return checkpoint.save_checkpoint(
-            self.output_dir, self.state.step, model_state=trainable_state(self.model), optimizer=self.optimizer,
-            scaler=self.scaler, trainer_state=trainer_state, config=self.config, keep=self.save_total_limit,
-        )  # fmt: skip
+        # torchrun: every rank takes part in gathering the state (FSDP2 shards, each rank's RNG); rank 0 writes
+        model_state, optimizer_state, rng = parallel.checkpoint_state(self.model, self.optimizer)
+        path = None
+        if self.runtime.is_main:
+            trainer_state = {**asdict(self.state), "world_size": self.runtime.world_size}
+            if self.guard is not None:
+                trainer_state["guard"] = self.guard.state_dict()
+            path = checkpoint.save_checkpoint(
+                self.output_dir, self.state.step, model_state=model_state, optimizer=self.optimizer,
+                scaler=self.scaler, trainer_state=trainer_state, config=self.config, keep=self.save_total_limit,
+                optimizer_state=optimizer_state, rng=rng,
+            )  # fmt: skip
+        parallel.barrier()  # no rank goes on (or rolls back) before the checkpoint is complete
+        return path
 
     def restore(self, path: str, restore_data_position: bool = True) -> None:
         """Load a checkpoint into the live model, optimizer, scaler and RNGs (resume, or a rollback)."""
-        saved = checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scaler=self.scaler)
+        saved = parallel.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scaler=self.scaler)
         before = self.state
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
         if not restore_data_position:

@@ -187,9 +187,10 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
             params[name].copy_(value)
 
 
-def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str) -> str:
-    """peft `save_pretrained` of the adapter (or the whole model for tuner=full), with the tokenizer."""
+def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=None) -> str:
+    """peft `save_pretrained` of the adapter (or the whole model for tuner=full), with the tokenizer.
+    `state_dict`: the full tensors to save instead of the model's own (gathered from FSDP2 shards)."""
     target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
-    model.save_pretrained(target)
+    model.save_pretrained(target, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(target)
     return target

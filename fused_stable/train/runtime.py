@@ -1,7 +1,7 @@
 """Where the run executes: device, rank and precision, decided in this one place.
 
-Single process today; a torchrun/DDP/FSDP2 mode plugs in here (rank, world size, which process writes files)
-without touching the loop.
+Under torchrun (see `fused_stable.train.parallel`) each process is one rank of the process group: it trains
+on its own device (cuda:LOCAL_RANK, or the CPU under gloo), and only rank 0 writes files.
 """
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ class Runtime:
 
 
 def resolve_runtime(device: str, precision: str) -> Runtime:
-    if device == "auto":
+    from fused_stable.train import parallel
+
+    if parallel.active():
+        dev = parallel.rank_device(device)
+    elif device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         dev = torch.device(device)
@@ -47,4 +51,4 @@ def resolve_runtime(device: str, precision: str) -> Runtime:
     if precision == "auto":
         # bf16 where the hardware has it; on CPU fp32 is faster than emulated bf16 for small models
         precision = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return Runtime(device=dev, precision=precision)
+    return Runtime(device=dev, precision=precision, rank=parallel.rank(), world_size=parallel.world_size())

@@ -1,0 +1,308 @@
+"""The trainer under `torchrun --nproc-per-node N`: one process per rank, DDP for adapter tuners, FSDP2
+(`fully_shard`) for `tuner=full`, every rank training on its own shard of the rows.
+
+Everything rank-dependent that the loop and the CLI need lives here, as functions that do nothing special
+in a single process (no process group, or a group of one), so the single-process path is unchanged:
+
+- the process group comes from torchrun's environment and is left in a `finally` (`process_group`);
+- every check on user input runs on every rank; `agree` makes a `UserError` on any rank an error on all of
+  them (before anything is written), so the ranks exit together and rank 0 prints the one line;
+- only rank 0 writes output_dir; collectives that gather sharded state (FSDP2's full model and optimizer
+  state) run on every rank, and every rank waits for rank 0's checkpoint before going on, so a rollback on
+  any rank finds the same newest checkpoint;
+- the logged loss is the mean over ranks and the throughput counts every rank's tokens, one all-reduce per
+  logging step (no extra host read).
+
+Not supported, refused with a clear error: resuming a checkpoint with a different number of processes
+(the data shards and per-rank RNG streams depend on it), `device=cuda:N` under torchrun (each rank takes
+cuda:LOCAL_RANK), `device=cpu` when the process group is NCCL, and fp16 loss scaling under FSDP2.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fused_stable.integrations import distributed as fsd
+from fused_stable.train.errors import UserError
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------------------ process group
+def active() -> bool:
+    """True inside a process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def launch_rank() -> int:
+    """The rank torchrun gave this process, also before (or without) the process group: who prints errors."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def process_group():
+    """Join the process group torchrun describes (nothing without WORLD_SIZE > 1) and always leave it."""
+    try:
+        fsd.init_distributed_from_env()
+    except (ValueError, RuntimeError) as exc:
+        raise UserError(str(exc)) from None
+    try:
+        yield
+    finally:
+        fsd.destroy_distributed()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def agree(fn: Callable[..., T], *args) -> T:
+    """Run `fn` on every rank; if it raised `UserError` on any rank, raise it on every rank (the message of
+    the lowest failing rank). Without this, a rank that passed its checks would go on into a collective
+    and wait forever for one that had exited."""
+    if not active():
+        return fn(*args)
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except UserError as exc:
+        error = str(exc)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise UserError(failed[0])
+    return result
+
+
+def report_error(line: str) -> None:
+    """Print `line` on rank 0 only; then wait for every rank, so that torchrun (which stops the other workers
+    as soon as one exits) cannot end rank 0 before it has printed. Only for errors every rank raises."""
+    if launch_rank() == 0:
+        import sys
+
+        print(line, file=sys.stderr, flush=True)
+    barrier()
+
+
+# ------------------------------------------------------------------------------------------ placement
+def rank_device(device: str) -> torch.device:
+    """This rank's device under torchrun: cuda:LOCAL_RANK under NCCL, the CPU under gloo."""
+    backend = str(dist.get_backend())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if device == "cpu":
+            raise UserError(
+                "device=cpu under torchrun on a machine with CUDA: the process group uses NCCL (GPU tensors); "
+                "use device=auto or cuda, or hide the GPUs with CUDA_VISIBLE_DEVICES= to train on CPU with gloo"
+            )
+        if device not in ("auto", "cuda"):
+            raise UserError(f"device={device} under torchrun: each rank uses cuda:LOCAL_RANK; use device=auto or cuda")
+        return torch.device("cuda", local_rank)
+    if device not in ("auto", "cpu"):
+        raise UserError(f"device={device} under torchrun, but the process group is {backend} (CPU): use device=auto or cpu")
+    return torch.device("cpu")
+
+
+def check_supported(cfg, precision: str) -> None:
+    """Refuse, before anything is built, what the multi-process trainer does not do."""
+    if not active():
+        return
+    if cfg.tuner == "full" and precision == "fp16":
+        raise UserError(
+            "precision=fp16 with tuner=full under torchrun (FSDP2) is not supported: "
+            "use precision=bf16 or fp32 (no loss scaling needed)"
+        )
+
+
+def check_resume(path: Optional[str]) -> None:
+    """A checkpoint resumes only with the number of processes that wrote it: each rank's data shard and RNG
+    stream depend on it, so another count could not continue the same run."""
+    if path is None:
+        return
+    with open(os.path.join(path, "trainer_state.json")) as f:  # written by checkpoint.save_checkpoint
+        saved = int(json.load(f).get("world_size", 1))
+    if saved != world_size():
+        launch = "a single process" if saved == 1 else f"torchrun --nproc-per-node {saved}"
+        raise UserError(
+            f"{path!r} was written by a run of {saved} process(es), this one has {world_size()}: "
+            f"resume it with {launch} (the data shards and RNG streams depend on the process count)"
+        )
+
+
+def shard(items: list[T]) -> list[T]:
+    """This rank's rows: every world_size-th row from its rank, the same count on every rank."""
+    if not active():
+        return items
+    try:
+        return fsd.shard_data(items)
+    except ValueError as exc:
+        raise UserError(f"too little data for {world_size()} processes: {exc}") from None
+
+
+def wrap(model, tuner: str):
+    """DDP around an adapter model, FSDP2 `fully_shard` of every block and the root for tuner=full.
+    Build the optimizer after this: under FSDP2 the parameters are replaced by DTensor shards."""
+    return fsd.wrap_model(model, tuner) if active() else model
+
+
+def unwrap(model):
+    """The user's module (its parameter names, `save_pretrained`) inside a DDP wrapper."""
+    return fsd.unwrap_model(model)
+
+
+def is_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def set_grad_sync(model, sync: bool) -> None:
+    """Gradient accumulation: reduce the gradients across ranks only on the window's last micro-batch (the
+    local sum of the earlier ones rides along), not once per micro-batch. Set before the forward."""
+    if not active():
+        return
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(sync)
+    elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.require_backward_grad_sync = sync  # what `DDP.no_sync()` toggles, without re-indenting the loop
+
+
+# ------------------------------------------------------------------------------------------ logging
+def reduce_for_logging(values: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+    """`values` (one row per step, the loss in column 0) with the loss averaged over ranks, and `tokens`
+    summed over ranks: one all-reduce per logging step. The other columns (grad norm, lr, skip flags) are the
+    same on every rank already (DDP all-reduces the grads, FSDP2's norm is global), so every rank's
+    callbacks see the same numbers and take the same decision."""
+    if not active():
+        return values, tokens
+    buf = torch.cat([values[:, 0].double(), torch.tensor([float(tokens)], dtype=torch.float64, device=values.device)])
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    out = values.clone()
+    out[:, 0] = (buf[:-1] / dist.get_world_size()).to(out.dtype)
+    return out, int(buf[-1].item())
+
+
+class QuietReporter:
+    """Stands in for `report.Reporter` on ranks other than 0: they write no metrics and print nothing."""
+
+    def log(self, rows: list[dict]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def alerts(self, alerts: list) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+_OPT_EXTRA = "fused_stable"  # FusedAdamW's counters (skips, z-score statistics): dropped by torch's DCP helpers
+
+
+def checkpoint_state(model, optimizer) -> tuple[dict, Optional[dict], Optional[dict]]:
+    """(trainable weights, optimizer state, RNG states) to save; a collective under FSDP2, so every rank
+    calls it. The trainable weights carry the user's names (no DDP `module.` prefix) and, under FSDP2, are
+    gathered into full tensors on rank 0; the optimizer state likewise (None = `optimizer.state_dict()`).
+    The RNG states are every rank's (None in a single process = this process's)."""
+    from fused_stable.train.checkpoint import rng_state
+    from fused_stable.train.model import trainable_state
+
+    if not active():
+        return trainable_state(model), None, None
+    rngs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng_state())
+    rng = {**rngs[0], "ranks": rngs}  # top level: rank 0's, as a single-process checkpoint has it
+    if not is_fsdp(model):
+        return trainable_state(unwrap(model)), None, rng
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    full = fsd.full_model_state_dict(model)  # rank 0: every tensor; other ranks: empty
+    model_state = {k: v for k, v in full.items() if k in trainable}
+    optim_state = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    extra = optimizer.state_dict().get(_OPT_EXTRA)
+    if extra is not None:  # global counters: the same on every rank
+        optim_state[_OPT_EXTRA] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in extra.items()}
+    return model_state, optim_state, rng
+
+
+def load_checkpoint(path: str, *, model, optimizer, scaler) -> dict:
+    """Every rank loads the checkpoint rank 0 wrote: weights, optimizer, scaler and its own RNG stream.
+    Returns the trainer state, as `checkpoint.load_checkpoint` does."""
+    from fused_stable.train import checkpoint
+
+    if not active():
+        return checkpoint.load_checkpoint(path, model=model, optimizer=optimizer, scaler=scaler)
+    fsdp = is_fsdp(model)
+    saved = checkpoint.load_checkpoint(
+        path, model=None if fsdp else unwrap(model), optimizer=None if fsdp else optimizer, scaler=scaler,
+        restore_rng=False,
+    )  # fmt: skip
+    if fsdp:
+        _load_sharded(path, model, optimizer)
+    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)  # python/numpy states: not weights-only
+    ranks = rng.get("ranks")
+    checkpoint.set_rng_state(ranks[rank()] if ranks else rng)
+    return saved
+
+
+def _load_sharded(path: str, model, optimizer) -> None:
+    """FSDP2: every rank reads the full tensors and keeps its shards of them."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    weights = load_file(os.path.join(path, "weights.safetensors"))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, unknown = sorted(trainable - weights.keys()), sorted(weights.keys() - trainable)
+    if missing or unknown:
+        raise UserError(
+            f"the checkpoint does not match this model ({len(missing)} trainable tensors missing, "
+            f"{len(unknown)} unknown, e.g. {(missing + unknown)[0]!r}): resume with the run's own config"
+        )
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    optim_state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+    extra = optim_state.pop(_OPT_EXTRA, None)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+    if extra is not None:
+        # the DCP loader drops FusedAdamW's counters (and recovers the applied steps from the per-param step
+        # counts); put them back exactly through FusedAdamW's own loader
+        optimizer.load_state_dict({**optimizer.state_dict(), _OPT_EXTRA: extra})
+
+
+def save_final(model, tokenizer, cfg, output_dir: str) -> str:
+    """The adapter (or, for tuner=full, the whole model gathered from its shards) saved by rank 0."""
+    from fused_stable.train.model import save_final as save_one
+
+    if not active():
+        return save_one(model, tokenizer, cfg, output_dir)
+    state = fsd.full_model_state_dict(model) if is_fsdp(model) else None  # collective: every rank
+    target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
+    if rank() == 0:
+        target = save_one(unwrap(model), tokenizer, cfg, output_dir, state_dict=state)
+    barrier()
+    return target
