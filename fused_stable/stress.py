@@ -357,16 +357,20 @@ def plot(results: list[RunResult], path: str) -> None:
             if r.scenario != name:
                 continue
             ys = [v if math.isfinite(v) else float("nan") for v in r.losses]
-            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=f"{r.recipe}: {r.status}",
-                    color="tab:red" if r.recipe == "usual" else "tab:blue")
+            color = "tab:red" if r.recipe == "usual" else "tab:blue"
+            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=f"{r.recipe}: {r.status}", color=color)
+            bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
+            if bad is not None and not math.isfinite(r.final_loss):  # NaN draws nothing: mark where the curve ends
+                ax.axvline(bad + 1, color=color, ls="--", lw=1)
+                ax.annotate(f"{r.recipe}: loss non-finite from step {bad + 1}", (bad + 1, 0.95), xycoords=("data", "axes fraction"),
+                            fontsize=8, color=color, ha="center")
         ax.set_title(name, fontsize=10)
-        ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    axes[0][0].set_ylabel("train loss (log)")
+    axes[0][0].set_ylabel("train loss (per token)")
     fig.suptitle("fused-stable stress: usual recipe (torch AdamW + clip 1.0) vs guarded (FusedAdamW + guard)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

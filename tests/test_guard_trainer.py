@@ -62,8 +62,8 @@ def test_no_false_alarms_over_a_normal_200_step_run(monkeypatch, capsys, tmp_pat
 
 def test_warn_records_the_spike_with_its_tensors(monkeypatch, capsys, tmp_path):
     out = tmp_path / "warn"
-    code, stdout, err = run_cli(monkeypatch, capsys, [*FAST, "--max_steps", 40, "--output_dir", out],
-                                fault_batches=[FAULT_BATCH])
+    code, stdout, err = run_cli(monkeypatch, capsys, [*FAST, "--max_steps", 40, "--tensorboard", "true",
+                                                      "--output_dir", out], fault_batches=[FAULT_BATCH])
     assert code == 0, err
     alerts = read_alerts(str(out))
     spike = [a for a in alerts if a["kind"] == "grad_spike"]
@@ -74,6 +74,10 @@ def test_warn_records_the_spike_with_its_tensors(monkeypatch, capsys, tmp_path):
     assert f"guard: step {FAULT_STEP}: grad-norm spike" in stdout
     assert os.path.isfile(out / "curves.png")
     assert not metrics(out)[FAULT_STEP - 1]["skipped"]  # warn: the step was applied (clipped)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("guard/grad_spike")] == [FAULT_STEP]
 
 
 def test_skip_policy_skips_the_spiking_step(monkeypatch, capsys, tmp_path):
