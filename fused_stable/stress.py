@@ -398,10 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(d))} (default: all)")
     p.add_argument("--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)")
-    for name in ("steps", "pretrain_steps", "batch_size", "max_length", "lr", "log_every", "max_rollbacks", "seed",
-                 "threads"):
+    helps = {
+        "steps": "optimizer steps per run, one micro-batch each; faults sit at the middle",
+        "pretrain_steps": "steps of plain training that make the shared base model (0: the random tiny Llama)",
+        "batch_size": "sequences per step",
+        "max_length": "token limit per sequence (the built-in prompts need 96)",
+        "lr": "the sane peak lr of both recipes (lr_too_high multiplies it by 50)",
+        "log_every": "the guarded recipe's guard reads the device every N steps",
+        "max_rollbacks": "the guarded recipe gives up (stops) after this many rollbacks",
+        "seed": "data order and the base model's training",
+        "threads": "torch CPU threads (1 is fastest and steadiest on a shared 2-core machine)",
+    }
+    for name, text in helps.items():
         value = getattr(d, name)
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"(default: {value})")
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"{text} (default: {value})")
     return p
 
 

@@ -65,8 +65,8 @@ class Trainer:
         pending_meta: list[tuple[int, float, int]] = []   # (step, host time, tokens) for the same steps
         t_start = time.perf_counter()
         t_last_log, tokens_since_log = t_start, 0
-        rollback_ready = self.guard is None or self.guard.config.policy != "rollback"
-        if not rollback_ready and not checkpoint.latest_checkpoint(self.output_dir):
+        needs_rollback_target = self.guard is not None and self.guard.config.policy == "rollback"
+        if needs_rollback_target and not checkpoint.latest_checkpoint(self.output_dir):
             self.save()  # a rollback needs a good state to go back to, from the first step on
         while self.state.step < self.total_steps:
             window = [self.batches.batch(self.state.micro_batches + i) for i in range(self.grad_accum)]
