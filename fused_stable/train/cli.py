@@ -154,7 +154,6 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
-    parallel.check_supported(cfg, runtime.precision)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
     check_model_path(cfg.model)
     if cfg.dataset == "builtin":

@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 from fused_stable.train.config import TrainConfig
@@ -90,7 +91,11 @@ def load_base_model(cfg: TrainConfig, tokenizer, device: torch.device, compute_d
     if cfg.model == "tiny":
         # bitsandbytes quantises while loading: give it the tiny model as a local directory to load
         scratch = tempfile.mkdtemp(prefix="fused_stable_tiny_")
-        build_tiny_model(tokenizer).save_pretrained(scratch)
+        tiny = build_tiny_model(tokenizer)
+        # written by hand, not with save_pretrained: under torchrun transformers writes only on rank 0, and
+        # every rank loads its own scratch copy
+        tiny.config.save_pretrained(scratch)
+        save_file(tiny.state_dict(), os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
         source = scratch
     try:
         kwargs = dict(local_files_only=True, dtype=base_dtype)

@@ -15,7 +15,7 @@ in a single process (no process group, or a group of one), so the single-process
 
 Not supported, refused with a clear error: resuming a checkpoint with a different number of processes
 (the data shards and per-rank RNG streams depend on it), `device=cuda:N` under torchrun (each rank takes
-cuda:LOCAL_RANK), `device=cpu` when the process group is NCCL, and fp16 loss scaling under FSDP2.
+cuda:LOCAL_RANK), and `device=cpu` when the process group is NCCL.
 """
 from __future__ import annotations
 
@@ -118,17 +118,6 @@ def rank_device(device: str) -> torch.device:
     if device not in ("auto", "cpu"):
         raise UserError(f"device={device} under torchrun, but the process group is {backend} (CPU): use device=auto or cpu")
     return torch.device("cpu")
-
-
-def check_supported(cfg, precision: str) -> None:
-    """Refuse, before anything is built, what the multi-process trainer does not do."""
-    if not active():
-        return
-    if cfg.tuner == "full" and precision == "fp16":
-        raise UserError(
-            "precision=fp16 with tuner=full under torchrun (FSDP2) is not supported: "
-            "use precision=bf16 or fp32 (no loss scaling needed)"
-        )
 
 
 def check_resume(path: Optional[str]) -> None:

@@ -1,0 +1,191 @@
+"""`fused-stable sft` under `torchrun --standalone --nproc-per-node 2` on CPU (gloo): LoRA under DDP and full
+fine-tuning under FSDP2, each rank on its own shard of the rows, rank 0 alone writing output_dir, the logged
+loss the mean over the ranks, checkpoints resumable under torchrun bit for bit, and bad input refused with
+one line from rank 0."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from fused_stable.integrations.distributed import shard_data
+from fused_stable.train.data import IGNORE_INDEX, BatchOrder
+from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
+
+# 4 steps of 2 micro-batches of 4 rows per rank, a checkpoint every 2 steps, all kept
+RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0"]
+ERROR_PREFIX = "fused-stable sft: error:"
+
+
+def torchrun(*argv, program=("-m", "fused_stable"), timeout=300):
+    """`torchrun --standalone --nproc-per-node 2 PROGRAM sft ARGV` in a fresh process tree (its own free
+    rendezvous port); one OpenMP thread per rank on this 2-core machine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           *program, "sft", *map(str, argv)]
+    return subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _window_loss(model, window):
+    total = 0.0
+    for b in window:
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+        total += float(F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), b.labels[:, 1:].reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum"))
+    return total / sum(b.num_label_tokens for b in window)
+
+
+@torch.no_grad()
+def first_step_rank_losses(tmp_path, *argv):
+    """The loss each rank sees at step 1 (before any update), computed in this process the way the loop does
+    (summed over the window's answer tokens / their count) on that rank's shard: every 2nd row from its rank."""
+    setup = setup_run(*argv, "--output_dir", tmp_path / "reference")
+    model, cfg, batches = setup.model, setup.cfg, setup.trainer.batches
+    model.eval()  # LoRA B starts at zero, so its dropout cannot change step 1's loss anyway
+    losses = []
+    for rank in range(2):
+        order = BatchOrder(shard_data(batches.items, rank, 2), cfg.batch_size, cfg.seed, batches.pad_id)
+        losses.append(_window_loss(model, [order.batch(i) for i in range(cfg.grad_accum)]))
+    return losses
+
+
+def _check_rank0_outputs(out, steps, saved):
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # one writer: no duplicated rows
+    for name in ("run.yaml", "curves.png", saved):
+        assert os.path.exists(out / name), name
+    ckpts = sorted(os.listdir(out / "checkpoints"))
+    assert ckpts == [f"step-{s}" for s in range(2, steps + 1, 2)]  # nothing half-written left behind
+    for name in ckpts:
+        assert os.path.isfile(out / "checkpoints" / name / "COMPLETE")
+        state = json.loads((out / "checkpoints" / name / "trainer_state.json").read_text())
+        assert state["world_size"] == 2
+    return rows
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "straight"
+    proc = _ok(torchrun(*RUN, "--output_dir", out))
+    return out, proc
+
+
+def test_lora_ddp_two_ranks_rank0_outputs_and_mean_loss(ddp_run, tmp_path):
+    out, proc = ddp_run
+    # rank 0 alone prints and writes: one banner, one summary, one set of files
+    assert proc.stdout.count("fused-stable sft: model=tiny tuner=lora") == 1
+    assert proc.stdout.count("done: steps 0->4") == 1
+    rows = _check_rank0_outputs(out, 4, "adapter")
+    assert os.path.isfile(out / "adapter" / "adapter_config.json")
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    # the same adapter as the last checkpoint (the DDP wrapper's `module.` prefix stripped)
+    ckpt = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
+    assert all(k.startswith("base_model.model.") and "lora_" in k for k in ckpt)
+    assert sum(v.numel() for v in ckpt.values()) == sum(v.numel() for v in adapter.values())
+
+    # each rank trained on its own half of the rows and the logged loss is the mean of the two
+    per_rank = first_step_rank_losses(tmp_path, *RUN)
+    assert abs(per_rank[0] - per_rank[1]) > 1e-3
+    assert rows[0]["loss"] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
+    # every rank's RNG stream is saved (their dropout masks differ, so the streams do too)
+    rng = torch.load(out / "checkpoints" / "step-2" / "rng.pt", weights_only=False)
+    assert len(rng["ranks"]) == 2 and not torch.equal(rng["ranks"][0]["torch"], rng["ranks"][1]["torch"])
+
+
+def test_ddp_resume_matches_the_uninterrupted_run(ddp_run, tmp_path):
+    straight, _ = ddp_run
+    # the run as a kill after the step-2 checkpoint leaves it (a half-written step-4 is ignored)
+    broken = tmp_path / "broken"
+    shutil.copytree(straight, broken)
+    shutil.rmtree(broken / "adapter")
+    os.rename(broken / "checkpoints" / "step-4", broken / "checkpoints" / ".tmp-step-4-123")
+    proc = _ok(torchrun("--output_dir", broken, "--resume", "latest"))
+    assert "resumed from" in proc.stdout and proc.stdout.count("done: steps 2->4") == 1
+
+    a, b = read_metrics(straight), read_metrics(broken)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exact floats
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    wa = load_file(straight / "checkpoints" / "step-4" / "weights.safetensors")
+    wb = load_file(broken / "checkpoints" / "step-4" / "weights.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa = torch.load(straight / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    ob = torch.load(broken / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    for key, state in oa["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, ob["state"][key][k]), (key, k)
+
+
+def test_resume_with_another_process_count_is_refused(ddp_run, sft, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(ddp_run[0], copy)
+    code, _, err = sft("--output_dir", copy, "--resume", "latest")  # a single process
+    assert code == 2
+    assert err.count("\n") == 1 and "run of 2 process(es)" in err and "--nproc-per-node 2" in err
+
+
+@pytest.mark.slow  # two FSDP2 launches: ~25 s on a quiet 2-core machine
+def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    args = [*RUN, "--tuner", "full", "--lr", "1e-3"]
+    proc = _ok(torchrun(*args, "--output_dir", out))
+    assert proc.stdout.count("done: steps 0->4") == 1
+    rows = _check_rank0_outputs(out, 4, "model")
+    per_rank = first_step_rank_losses(tmp_path, *args)
+    assert rows[0]["loss"] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+    # checkpoint and final model hold the whole (unsharded) model, gathered from the two shards
+    weights = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True)
+    params = dict(model.named_parameters())
+    assert weights.keys() == params.keys()
+    for name, value in weights.items():
+        assert torch.equal(params[name].detach(), value), name
+    optim = torch.load(out / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    assert optim["state"]["lm_head.weight"]["exp_avg"].shape == params["lm_head.weight"].shape
+    assert int(optim["fused_stable"]["istate"][0]) == 4  # FusedAdamW's counters ride along
+
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    shutil.rmtree(broken / "checkpoints" / "step-4")
+    shutil.rmtree(broken / "model")
+    _ok(torchrun("--output_dir", broken, "--resume", "latest"))
+    assert [r["loss"] for r in read_metrics(broken)] == [r["loss"] for r in rows]
+    resumed = load_file(broken / "checkpoints" / "step-4" / "weights.safetensors")
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    resumed_optim = torch.load(broken / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    assert torch.equal(resumed_optim["fused_stable"]["fstate"], optim["fused_stable"]["fstate"])
+
+
+def test_bad_input_one_line_from_rank0_exit_2(tmp_path):
+    # the `fused-stable` console script under torchrun; the output_dir already holds a run
+    script = os.path.join(os.path.dirname(sys.executable), "fused-stable")
+    assert os.path.isfile(script), "the package's console script is not installed next to this python"
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "run.yaml").write_text("lr: 0.1\n")
+    proc = torchrun(*TINY, "--output_dir", out, program=(script,))
+    assert proc.returncode != 0
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if ERROR_PREFIX in line]
+    assert len(ours) == 1 and "already holds a run" in ours[0], proc.stderr[-3000:]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank")]  # no worker traceback
+    # torchrun's own summary: the workers exited with code 2 (one may instead show the SIGTERM torchrun sends
+    # the rest of the group as soon as the first one has exited)
+    codes = {line.split(":")[1].split()[0] for line in proc.stderr.splitlines() if line.strip().startswith("exitcode")}
+    assert "2" in codes and codes <= {"2", "-15"}, codes
+    assert os.listdir(out) == ["run.yaml"] and (out / "run.yaml").read_text() == "lr: 0.1\n"
