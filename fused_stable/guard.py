@@ -332,7 +332,10 @@ class Guard:
                                 ACTION_SKIPPED if new_spike_skips > 0 else "", step, grad_norm=max_z_norm,
                                 top_tensors=top))
         if self.after_rollback and rows:
-            alerts += self._check_data_shift(rows[0], step)
+            shift = self._check_data_shift(rows[0], step)
+            if shift:  # the optimizer's norm statistics describe the old data too: warm them up again
+                optimizer.reset_grad_norm_stats()
+            alerts += shift
         for row in rows:
             loss = float(row["loss"])
             z = self.loss_stats.update(loss)

@@ -220,6 +220,14 @@ class FusedAdamW(Optimizer):
             raise ValueError(f"param_names has {len(names)} names but the optimizer has {count} parameters")
         self._param_names = names
 
+    def reset_grad_norm_stats(self) -> None:
+        """Forget the running grad-norm statistics and warm them up again from the next step (device writes
+        only). For a deliberate change of regime (a new data mix, a rollback to an earlier state), after which
+        the old statistics would flag every step as a spike."""
+        for index in (layout.F_NORM_MEAN, layout.F_NORM_VAR, layout.F_WARMUP_SUM, layout.F_WARMUP_SUMSQ):
+            self._fstate[index] = 0.0
+        self._istate[layout.I_STATS_COUNT] = 0
+
     def per_tensor_grad_norms(self) -> torch.Tensor:
         """L2 norm of each parameter's gradient in the last step, in param_groups order (0 where no grad).
 

@@ -133,3 +133,21 @@ def test_spike_bookkeeping_and_state_round_trip(backend):
     opt2.load_state_dict(torch.load(buffer, weights_only=True))
     for name in ("grad_norm_mean", "grad_norm_std", "spike_count", "last_spike_step", "applied_steps", "max_zscore"):
         assert torch.equal(getattr(opt, name), getattr(opt2, name)), name
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_reset_grad_norm_stats_rewarms_detection(backend):
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = FusedAdamW([p], lr=1e-3, clip="zscore", zscore_warmup=4, backend=backend)
+    for step in range(6):
+        p.grad = torch.full((10,), 1.0 if step % 2 else 1.2)
+        opt.step()
+    p.grad = torch.full((10,), 10.0)  # a new regime: a spike against the old statistics
+    opt.step()
+    assert opt.spike_count.item() == 1
+    opt.reset_grad_norm_stats()
+    for _ in range(6):  # the new regime is the new normal once the statistics warm up again
+        p.grad = torch.full((10,), 10.0)
+        opt.step()
+    assert opt.spike_count.item() == 1
+    assert opt.grad_norm_mean.item() == pytest.approx(10.0 * math.sqrt(10), rel=1e-5)
