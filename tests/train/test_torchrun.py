@@ -1,8 +1,9 @@
 """`fused-stable sft` under `torchrun --standalone --nproc-per-node 2` on CPU (gloo): LoRA under DDP and full
 fine-tuning under FSDP2, each rank on its own shard of the rows, rank 0 alone writing output_dir, the logged
-loss the mean over the ranks, checkpoints resumable under torchrun bit for bit, and bad input refused with
-one line from rank 0."""
+loss the mean over the ranks, checkpoints resumable under torchrun bit for bit, the guard's rollback taking
+every rank back together, and bad input refused with one line from rank 0."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from fused_stable.guard import read_alerts
 from fused_stable.integrations.distributed import shard_data
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
 from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
@@ -22,11 +24,11 @@ RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0"]
 ERROR_PREFIX = "fused-stable sft: error:"
 
 
-def torchrun(*argv, program=("-m", "fused_stable"), timeout=300):
+def torchrun(*argv, program=("-m", "fused_stable"), env=None, timeout=300):
     """`torchrun --standalone --nproc-per-node 2 PROGRAM sft ARGV` in a fresh process tree (its own free
     rendezvous port); one OpenMP thread per rank on this 2-core machine."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            *program, "sft", *map(str, argv)]
     return subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
@@ -170,6 +172,25 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     assert all(torch.equal(resumed[k], weights[k]) for k in weights)
     resumed_optim = torch.load(broken / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
     assert torch.equal(resumed_optim["fused_stable"]["fstate"], optim["fused_stable"]["fstate"])
+
+
+@pytest.mark.slow  # ~15 s
+def test_guard_rollback_takes_every_rank_back_together(tmp_path):
+    # non-finite logits on 3 micro-batches in a row, on both ranks: a storm the guard answers with a rollback
+    # to the step-10 checkpoint; if the ranks disagreed (decision or checkpoint) the run would hang or diverge
+    out = tmp_path / "fault"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
+    proc = _ok(torchrun("--builtin_examples", 64, "--batch_size", 2, "--grad_accum", 1, "--max_length", 96,
+                        "--tensorboard", "false", "--logging_steps", 5, "--save_steps", 10, "--max_steps", 20,
+                        "--guard", "rollback", "--output_dir", out, program=(script,),
+                        env={"FAULT_BATCHES": "12,13,14"}))  # fmt: skip
+    assert proc.stdout.count("done: steps 0->20") == 1
+    rollbacks = [a for a in read_alerts(str(out)) if a["action"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["detected_at"] == 15  # written once, by rank 0
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 21))  # rewound to step 10, then 11..20 again
+    state = json.loads((out / "checkpoints" / "step-20" / "trainer_state.json").read_text())
+    assert state["rollbacks"] == 1 and state["micro_batches"] == 25  # the faulty window is not replayed
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(out)[10:])
 
 
 def test_bad_input_one_line_from_rank0_exit_2(tmp_path):
