@@ -163,13 +163,11 @@ def is_fsdp(model) -> bool:
 
 
 def set_grad_sync(model, sync: bool) -> None:
-    """Gradient accumulation: reduce the gradients across ranks only on the window's last micro-batch (the
-    local sum of the earlier ones rides along), not once per micro-batch. Set before the forward."""
-    if not active():
-        return
-    if is_fsdp(model):
-        model.set_requires_gradient_sync(sync)
-    elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    """Gradient accumulation under DDP: all-reduce only on the window's last micro-batch (the local sum of the
+    earlier ones rides along) instead of once per micro-batch. Set before the forward. FSDP2 keeps reducing
+    (reduce-scatter) every micro-batch: skipping it would hold unsharded gradients of the whole model on every
+    rank, the memory FSDP2 is there to save."""
+    if active() and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model.require_backward_grad_sync = sync  # what `DDP.no_sync()` toggles, without re-indenting the loop
 
 

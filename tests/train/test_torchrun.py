@@ -40,26 +40,32 @@ def _ok(proc):
 
 
 def _window_loss(model, window):
+    """The loop's loss: summed over the window's answer tokens / their count."""
     total = 0.0
     for b in window:
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-        total += float(F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), b.labels[:, 1:].reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum"))
+        total = total + F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), b.labels[:, 1:].reshape(-1),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
     return total / sum(b.num_label_tokens for b in window)
 
 
-@torch.no_grad()
-def first_step_rank_losses(tmp_path, *argv):
-    """The loss each rank sees at step 1 (before any update), computed in this process the way the loop does
-    (summed over the window's answer tokens / their count) on that rank's shard: every 2nd row from its rank."""
+def first_step_reference(tmp_path, *argv):
+    """Step 1 (before any update) of a 2-rank run, computed in this one process: each rank's loss on its shard
+    (every 2nd row from its rank) and the norm of the rank-averaged gradient, which is what DDP and FSDP2
+    give the optimizer. The model is in eval mode: right for full fine-tuning (the tiny Llama has no dropout)
+    and for LoRA's step-1 loss (B starts at zero, so the adapters' dropout cannot change it)."""
     setup = setup_run(*argv, "--output_dir", tmp_path / "reference")
     model, cfg, batches = setup.model, setup.cfg, setup.trainer.batches
-    model.eval()  # LoRA B starts at zero, so its dropout cannot change step 1's loss anyway
-    losses = []
+    model.eval()
+    losses, grads = [], []
     for rank in range(2):
         order = BatchOrder(shard_data(batches.items, rank, 2), cfg.batch_size, cfg.seed, batches.pad_id)
-        losses.append(_window_loss(model, [order.batch(i) for i in range(cfg.grad_accum)]))
-    return losses
+        loss = _window_loss(model, [order.batch(i) for i in range(cfg.grad_accum)])
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads.append(torch.autograd.grad(loss, params))
+        losses.append(float(loss.detach()))
+    mean_grads = [(a + b) / 2 for a, b in zip(*grads)]
+    return losses, float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean_grads])))
 
 
 def _check_rank0_outputs(out, steps, saved):
@@ -98,7 +104,7 @@ def test_lora_ddp_two_ranks_rank0_outputs_and_mean_loss(ddp_run, tmp_path):
     assert sum(v.numel() for v in ckpt.values()) == sum(v.numel() for v in adapter.values())
 
     # each rank trained on its own half of the rows and the logged loss is the mean of the two
-    per_rank = first_step_rank_losses(tmp_path, *RUN)
+    per_rank, _ = first_step_reference(tmp_path, *RUN)
     assert abs(per_rank[0] - per_rank[1]) > 1e-3
     assert rows[0]["loss"] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
     # every rank's RNG stream is saved (their dropout masks differ, so the streams do too)
@@ -138,7 +144,7 @@ def test_resume_with_another_process_count_is_refused(ddp_run, sft, tmp_path):
     assert err.count("\n") == 1 and "run of 2 process(es)" in err and "--nproc-per-node 2" in err
 
 
-@pytest.mark.slow  # two FSDP2 launches: ~25 s on a quiet 2-core machine
+@pytest.mark.slow  # two FSDP2 launches: ~18 s on a quiet 2-core machine, ~30 s on a loaded one
 def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -147,8 +153,10 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     proc = _ok(torchrun(*args, "--output_dir", out))
     assert proc.stdout.count("done: steps 0->4") == 1
     rows = _check_rank0_outputs(out, 4, "model")
-    per_rank = first_step_rank_losses(tmp_path, *args)
+    # each rank on its own rows; the loss is the mean over ranks, the grad norm the global one over the shards
+    per_rank, grad_norm = first_step_reference(tmp_path, *args)
     assert rows[0]["loss"] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
+    assert rows[0]["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
     assert rows[-1]["loss"] < rows[0]["loss"]
 
     # checkpoint and final model hold the whole (unsharded) model, gathered from the two shards
@@ -174,7 +182,6 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     assert torch.equal(resumed_optim["fused_stable"]["fstate"], optim["fused_stable"]["fstate"])
 
 
-@pytest.mark.slow  # ~15 s
 def test_guard_rollback_takes_every_rank_back_together(tmp_path):
     # non-finite logits on 3 micro-batches in a row, on both ranks: a storm the guard answers with a rollback
     # to the step-10 checkpoint; if the ranks disagreed (decision or checkpoint) the run would hang or diverge
