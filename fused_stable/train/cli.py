@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
                 parallel.report_error(f"fused-stable sft: error: {exc}")  # rank 0 prints; every rank exits 2
                 return 2
     except UserError as exc:  # torchrun's environment is incomplete: there is no process group to join
-        print(f"fused-stable sft: error: {exc}", file=sys.stderr)
+        if parallel.launch_rank() == 0:
+            print(f"fused-stable sft: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if parallel.launch_rank() == 0:

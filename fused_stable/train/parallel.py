@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -95,8 +96,6 @@ def report_error(line: str) -> None:
     """Print `line` on rank 0 only; then wait for every rank, so that torchrun (which stops the other workers
     as soon as one exits) cannot end rank 0 before it has printed. Only for errors every rank raises."""
     if launch_rank() == 0:
-        import sys
-
         print(line, file=sys.stderr, flush=True)
     barrier()
 

@@ -217,3 +217,13 @@ def test_bad_input_one_line_from_rank0_exit_2(tmp_path):
     codes = {line.split(":")[1].split()[0] for line in proc.stderr.splitlines() if line.strip().startswith("exitcode")}
     assert "2" in codes and codes <= {"2", "-15"}, codes
     assert os.listdir(out) == ["run.yaml"] and (out / "run.yaml").read_text() == "lr: 0.1\n"
+
+
+def test_incomplete_torchrun_environment_is_one_line(sft, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    code, _, err = sft(*TINY, "--output_dir", tmp_path / "run")
+    assert code == 2 and err.count("\n") == 1 and "MASTER_ADDR" in err and "torchrun" in err
+    assert not (tmp_path / "run").exists()
