@@ -75,7 +75,7 @@ class Trainer:
             label_tokens = max(1, sum(b.num_label_tokens for b in window))
             window_loss = torch.zeros((), device=device)
             for batch in window:
-                parallel.set_grad_sync(model, batch is window[-1])  # torchrun: reduce grads once per window
+                parallel.set_grad_sync(model, batch is window[-1])  # torchrun/DDP: all-reduce once per window
                 input_ids = batch.input_ids.to(device, non_blocking=True)
                 attention_mask = batch.attention_mask.to(device, non_blocking=True)
                 labels = batch.labels.to(device, non_blocking=True)
