@@ -432,12 +432,36 @@ class FusedAdamW(Optimizer):
         self._cache = ops.StepCache()
         self._state_version += 1
 
+    # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
+    # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
+    _PICKLED = ("rules", "master_weights", "capturable", "device", "backend", "_fstate", "_istate", "_param_names")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._PICKLED if hasattr(self, name)})
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", True)
+        if not hasattr(self, "rules"):  # pickled by an older version or by a plain Optimizer
+            self.rules, self.master_weights, self.capturable = StepRules(), False, False
+        if not hasattr(self, "device"):
+            self.device = self._params_device()
+            self.backend = ops.resolve_backend(None, self.device)
+        if not hasattr(self, "_fstate"):
+            self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
+            self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
+            self._istate[layout.I_LAST_SPIKE_STEP] = -1
+            self.reset_max_zscore()
+        self._param_names = getattr(self, "_param_names", None)
+        self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
+        self._cache = ops.StepCache()
+        self._state_version = 0
+        self._global_sumsq = self._sharded_norm_reducer()
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:

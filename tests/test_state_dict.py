@@ -140,3 +140,21 @@ def test_mismatched_state_dict_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="amsgrad"):
         ams = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True)
         opt.load_state_dict(ams.state_dict())
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_deepcopy_of_the_optimizer_keeps_settings_and_counters(backend):
+    import copy
+
+    params = fresh_params()
+    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, clip="zscore", backend=backend)
+    train(opt, params, range(2), None)
+    params[0].grad = torch.full(SHAPES[0], float("inf"))
+    opt.step()
+    twin_params, twin = copy.deepcopy((params, opt))  # together, so the twin's state keys are its own params
+    assert twin.rules == opt.rules and twin.backend == opt.backend
+    assert torch.equal(twin._istate, opt._istate) and twin.skipped_steps.item() == 1
+    train(opt, params, range(2, 4), None)
+    train(twin, twin_params, range(2, 4), None)
+    for a, b in zip(params, twin_params):
+        assert torch.equal(a, b)
