@@ -473,6 +473,11 @@ def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float)
 def _check_layouts(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
     """The kernels walk memory linearly: param, grad and states must be dense with identical strides."""
     for p, g in zip(params, grads):
+        if g.dtype != p.dtype or g.shape != p.shape:
+            raise ValueError(
+                f"a gradient of dtype {g.dtype} and shape {tuple(g.shape)} belongs to a parameter of dtype {p.dtype} "
+                f"and shape {tuple(p.shape)}: a .grad must match its parameter"
+            )
         if not _is_dense(p):
             raise ValueError(
                 f"fused_stable kernels need dense parameters; got a parameter of shape {tuple(p.shape)} with "

@@ -119,3 +119,21 @@ def test_transposed_dense_param_matches_torch():
         assert ours.grad.stride() == ours.stride()
         opt.step(), ref.step()
     assert_close(ours, theirs, 1e-5, 1e-6, "transposed param")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check")
+def test_a_grad_that_does_not_match_its_param_is_refused():
+    from helpers import interpret_available
+
+    if not interpret_available():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    p = param(6)
+    opt = FusedAdamW([p], lr=0.1, backend="interpret")
+    before = p.detach().clone()
+    p.grad = torch.ones(6)
+    opt.step()
+    p.grad_dtype = None  # torch refuses a grad of another dtype unless told to allow it, as here
+    p.grad = torch.ones(6, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must match its parameter"):
+        opt.step()
+    assert not torch.equal(p, before) and float(opt.state[p]["step"]) == 1.0
