@@ -14,7 +14,8 @@ Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of 
 clips gently by design): by default at z >= 6 for the grad norm and for the loss.
 
 Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip spiking steps on the device
-(`spike_skip_threshold` = the alert threshold) and records them; `stop` asks the trainer to checkpoint and
+(`spike_skip_threshold` = `skip_z`, 20 by default, above the alert threshold: normal small-batch steps reach
+z 9-12) and records them; `stop` asks the trainer to checkpoint and
 exit; `rollback` asks it to restore the last good checkpoint, multiplies the lr by `lr_factor` and skips the
 data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks.
 """
