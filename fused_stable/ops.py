@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import layout
+from .kernels.tables import build_chunk_map, upload_int64  # plain torch: importing it does not import triton
 from .layout import StepRules
 
 BACKENDS = ("triton", "interpret", "torch")
@@ -134,8 +135,8 @@ def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sums
     if cache.extra.get("key") != key:
         cache.extra.update(
             key=key,
-            positions=_device_indices(batch.positions, device),
-            order=_device_indices([i for indices in by_dtype.values() for i in indices], device),
+            positions=upload_int64(batch.positions, device),
+            order=upload_int64([i for indices in by_dtype.values() for i in indices], device),
         )
     norms = [
         torch.stack(torch._foreach_norm([batch.grads[i] for i in indices], 2, dtype=torch.float32))
@@ -168,7 +169,7 @@ def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sums
             params = [batch.params[i] for i in indices]
             grads = [batch.grads[i] for i in indices]
         else:  # the moments are fp32: update fp32 working copies (or the masters) and round back
-            params, grads = _fp32_working_copies(cache, batch, indices)
+            params, grads = _fp32_working_copies(cache, batch, group, indices)
         torch._fused_adamw_(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -178,20 +179,22 @@ def _torch_step(batch, buffers, rules, cache, grad_scale, found_inf, global_sums
             torch._foreach_copy_([batch.params[i] for i in indices], params)
 
 
-def _fp32_working_copies(cache: StepCache, batch: StepBatch, indices: list[int]):
+def _fp32_working_copies(cache: StepCache, batch: StepBatch, group: int, indices: list[int]):
     """fp32 params and grads for `_fused_adamw_` (which wants one dtype) over low-precision params.
 
     Persistent buffers, filled with `_foreach_copy_` each step: fresh `.float()` copies cost an allocation
     and page faults per step (several times the update itself on CPU). Masters, when kept, are the params.
+    One set per (group, dtype), rebuilt when the params taking part change, so memory stays bounded.
     """
     low_params = [batch.params[i] for i in indices]
-    key = ("fp32", tuple(p.data_ptr() for p in low_params))
-    if key not in cache.extra:
-        cache.extra[key] = (
+    slot, ptrs = ("fp32", group, low_params[0].dtype), tuple(p.data_ptr() for p in low_params)
+    if cache.extra.get(slot, (None,))[0] != ptrs:
+        cache.extra[slot] = (
+            ptrs,
             [batch.masters[i] if batch.masters[i] is not None else torch.empty_like(batch.params[i], dtype=torch.float32) for i in indices],
             [torch.empty_like(batch.params[i], dtype=torch.float32) for i in indices],
         )
-    params, grads = cache.extra[key]
+    _, params, grads = cache.extra[slot]
     copies = [(p32, p) for p32, p, i in zip(params, low_params, indices) if batch.masters[i] is None]
     if copies:
         torch._foreach_copy_([c[0] for c in copies], [c[1] for c in copies])
@@ -285,12 +288,6 @@ def decide(
     return grad_mul, new_f[layout.F_SKIP], lr_factor
 
 
-def _device_indices(values: list[int], device: torch.device) -> torch.Tensor:
-    from .kernels.tables import upload_int64
-
-    return upload_int64(values, device)
-
-
 def _indices_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     out: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
@@ -339,7 +336,6 @@ class _TritonPlan:
 def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
     from .kernels.adamw import TABLE_COLUMNS
     from .kernels.norm import is_aligned
-    from .kernels.tables import build_chunk_map, upload_int64
 
     launches, kernel_order, counts, owners = [], [], [], []
     offset = 0
@@ -389,13 +385,11 @@ def _build_plan(batch: StepBatch, device: torch.device) -> _TritonPlan:
 def _triton_step(batch, buffers, rules, cache, state_version, grad_scale, found_inf, global_sumsq) -> None:
     from .kernels.adamw import launch_adamw, launch_finalize
     from .kernels.norm import is_aligned, launch_sumsq
-    from .kernels.tables import upload_int64
 
     device = buffers.fstate.device
     # params and state are cached by address; `state_version` changes whenever the optimizer replaces state
     plan_key = (state_version, tuple(p.data_ptr() for p in batch.params), tuple(batch.groups))
-    if plan_key != cache.plan_key:
-        _check_layouts(batch.params, batch.grads)
+    if plan_key != cache.plan_key:  # a new plan's launches have no grad addresses yet: checked below
         cache.plan, cache.plan_key = _build_plan(batch, device), plan_key
     plan: _TritonPlan = cache.plan
 
@@ -504,7 +498,6 @@ def _is_dense(t: torch.Tensor) -> bool:
 def total_norm_and_scale_(grads: list[torch.Tensor], max_norm: float, backend: str) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s L2 case with the fused kernels: returns the total norm (fp32)."""
     from .kernels.norm import launch_scale_, launch_sumsq
-    from .kernels.tables import build_chunk_map, upload_int64
 
     device = grads[0].device
     by_dtype = _indices_by_dtype(grads)

@@ -104,7 +104,7 @@ class FusedAdamW(Optimizer):
         )
         self.master_weights = bool(master_weights)
         self.capturable = bool(capturable)
-        self._check_params()
+        self._check_params(self.param_groups)
         self.device = self._params_device()
         self.backend = ops.resolve_backend(backend, self.device)
         self._global_sumsq = self._sharded_norm_reducer()
@@ -326,17 +326,22 @@ class FusedAdamW(Optimizer):
             )
         if param_group.get("amsgrad") or param_group.get("maximize"):
             raise ValueError("FusedAdamW implements AdamW without amsgrad or maximize")
+        constructed = hasattr(self, "_hparams")
+        if constructed:  # a group added later: check it against the others before anything changes
+            self._check_params(self.param_groups + [{**param_group, "params": params}])
         super().add_param_group(param_group)
-        if hasattr(self, "_hparams"):  # a group added after construction
-            self._check_params()
+        if constructed:
             self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
             self._cache.hparams_key = ()
             self._global_sumsq = self._sharded_norm_reducer()
             self._state_version += 1
 
-    def _check_params(self) -> None:
+    def _check_params(self, groups: list[dict[str, Any]]) -> None:
+        """Refuses what the fused step cannot update; called before a group is added, so nothing changes."""
+        from .integrations import distributed
+
         devices = set()
-        for group in self.param_groups:
+        for group in groups:
             for p in group["params"]:
                 if p.is_complex():
                     raise TypeError(
@@ -345,26 +350,31 @@ class FusedAdamW(Optimizer):
                 if not p.is_floating_point() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                     raise TypeError(f"FusedAdamW supports float32, bfloat16 and float16 parameters, got {p.dtype}")
                 devices.add(_local(p).device)
+            distributed.validate_params(list(group["params"]))  # FSDP1 flat params, mixed meshes
         if len(devices) > 1:
             raise ValueError(
                 f"all parameters of one FusedAdamW must be on one device, got {sorted(map(str, devices))}: "
                 "create one optimizer per device"
             )
+        device = devices.pop() if devices else None
+        for group in groups:
+            lr = group.get("lr", self.defaults["lr"])
+            # a tensor lr is copied into the step's tables on the device: from another device that copy would sync
+            if isinstance(lr, torch.Tensor) and device is not None and lr.device != device:
+                raise ValueError(
+                    f"a tensor lr must live on the parameters' device ({device}), got one on {lr.device}: "
+                    f"create it with torch.tensor(value, device={str(device)!r})"
+                )
 
     def _params_device(self) -> torch.device:
         return _local(self.param_groups[0]["params"][0]).device
 
     def _sharded_norm_reducer(self) -> ops.GlobalSumsq | None:
-        """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one.
-
-        Every group is checked (FSDP1 flat params and mixed meshes are refused), DTensor or not.
-        """
-        from .integrations import distributed
-
-        for group in self.param_groups:
-            distributed.validate_params(list(group["params"]))
+        """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one."""
         if not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
             return None
+        from .integrations import distributed
+
         return distributed.global_sumsq
 
     # ------------------------------------------------------------------------------------------

@@ -137,3 +137,20 @@ def test_a_grad_that_does_not_match_its_param_is_refused():
     with pytest.raises(ValueError, match="must match its parameter"):
         opt.step()
     assert not torch.equal(p, before) and float(opt.state[p]["step"]) == 1.0
+
+
+def test_a_bad_param_group_added_later_is_refused_and_nothing_changes():
+    p = param()
+    opt = FusedAdamW([p], lr=0.1, backend="torch")
+    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="one device"):
+        opt.add_param_group({"params": [meta]})
+    with pytest.raises(TypeError, match="complex"):
+        opt.add_param_group({"params": [complex_param]})
+    assert len(opt.param_groups) == 1
+    q = param(5)
+    opt.add_param_group({"params": [q], "lr": 0.01})
+    p.grad, q.grad = torch.ones(4), torch.ones(5)
+    opt.step()
+    assert len(opt.param_groups) == 2 and opt.applied_steps.item() == 1
