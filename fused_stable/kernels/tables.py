@@ -34,7 +34,6 @@ class ChunkMap:
 
     chunk_tensor: torch.Tensor  # int64 [num_chunks]: index of the tensor a chunk belongs to
     chunk_start: torch.Tensor  # int64 [num_chunks]: first element of the chunk within its tensor
-    tensor_chunk_begin: list[int]  # per tensor: index of its first chunk
     tensor_num_chunks: list[int]  # per tensor: how many chunks it has (0 for an empty tensor)
 
     @property
@@ -45,10 +44,8 @@ class ChunkMap:
 def build_chunk_map(numels: list[int], device: torch.device, chunk_size: int = CHUNK_SIZE) -> ChunkMap:
     chunk_tensor: list[int] = []
     chunk_start: list[int] = []
-    begins: list[int] = []
     counts: list[int] = []
     for index, numel in enumerate(numels):
-        begins.append(len(chunk_tensor))
         starts = range(0, numel, chunk_size)
         counts.append(len(starts))
         chunk_tensor.extend([index] * len(starts))
@@ -56,6 +53,5 @@ def build_chunk_map(numels: list[int], device: torch.device, chunk_size: int = C
     return ChunkMap(
         chunk_tensor=upload_int64(chunk_tensor, device),
         chunk_start=upload_int64(chunk_start, device),
-        tensor_chunk_begin=begins,
         tensor_num_chunks=counts,
     )
