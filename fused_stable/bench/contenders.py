@@ -72,22 +72,22 @@ def build_fused_stable(params, device):
     return Built(opt.step, opt, backend=_fused_stable_backend(opt))
 
 
-def build_torch_fused(params, device):
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+def _build_torch_clip_adamw(params, implementation: str) -> Built:
+    """torch's recipe: clip_grad_norm_(foreach) then AdamW with `implementation` ("fused" or "foreach")."""
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **{implementation: True})
 
     def step():
         _clip(params)
         opt.step()
-    return Built(step, opt, backend="torch fused")
+    return Built(step, opt, backend=f"torch {implementation}")
+
+
+def build_torch_fused(params, device):
+    return _build_torch_clip_adamw(params, "fused")
 
 
 def build_torch_foreach(params, device):
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
-
-    def step():
-        _clip(params)
-        opt.step()
-    return Built(step, opt, backend="torch foreach")
+    return _build_torch_clip_adamw(params, "foreach")
 
 
 def build_torch_compile(params, device):
