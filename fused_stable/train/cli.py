@@ -18,7 +18,8 @@ from fused_stable.train.errors import UserError  # noqa: E402
 
 RUN_FILE = "run.yaml"
 # what a previous run leaves in output_dir; --overwrite removes exactly these
-RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "tensorboard", "checkpoints", "adapter", "model")
+RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "eval.json", "tensorboard", "checkpoints",
+                 "adapter", "model")
 
 
 def _quiet_third_party_noise() -> None:
@@ -115,6 +116,9 @@ class RunSetup:
     trainer: object
     resume_path: str | None
     n_examples: int
+    source: object = None       # the resolved --model (fused_stable.train.sources.ModelSource)
+    threads: int = 1
+    evaluating: bool = False    # held-out evaluation before and after training (eval.json)
 
     def start(self) -> None:
         """Create output_dir (replacing a run only with --overwrite), write run.yaml, load the checkpoint."""
@@ -150,26 +154,25 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable.guard import Guard
     from fused_stable.train.config import guard_config, run_dict
     from fused_stable.train.loop import Trainer
-    from fused_stable.train.model import apply_tuner, check_model_path, load_base_model, load_tokenizer, param_groups
-    from fused_stable.train.runtime import resolve_runtime
+    from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
+    from fused_stable.train.runtime import resolve_runtime, set_threads
+    from fused_stable.train.sources import resolve_model
 
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
+    threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
-    check_model_path(cfg.model)
-    if cfg.dataset == "builtin":
-        examples = data.builtin_examples(cfg.builtin_examples, seed=cfg.seed)
-    else:
-        examples = data.load_examples(cfg.dataset)
+    source = resolve_model(cfg.model)
+    examples = _task_examples(cfg)
     if resume_path is None and not cfg.overwrite:
         _refuse_existing_run(cfg.output_dir)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(source, log=_log)
     items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
     if not any(any(label != data.IGNORE_INDEX for label in item.labels[1:]) for item in items):
         raise UserError(f"max_length={cfg.max_length} cuts off every answer: nothing left to learn from")
 
     torch.manual_seed(cfg.seed)
-    model = load_base_model(cfg, tokenizer, runtime.device, runtime.compute_dtype)
+    model = load_base_model(cfg, source, tokenizer, runtime.device, runtime.compute_dtype, log=_log)
     model = apply_tuner(model, cfg)
     model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
     groups = param_groups(parallel.unwrap(model), cfg)
@@ -199,7 +202,45 @@ def setup_run(argv: list[str]) -> RunSetup:
         logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
         guard=guard,
     )  # fmt: skip
-    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items))
+    evaluating = cfg.evaluation == "on" or (cfg.evaluation == "auto" and cfg.dataset == "identity")
+    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items), source, threads, evaluating)
+
+
+def _log(text: str) -> None:
+    from fused_stable.train import parallel
+
+    if parallel.launch_rank() == 0:
+        print(text, flush=True)
+
+
+def _task_examples(cfg):
+    from fused_stable.train import data, tasks
+
+    if cfg.dataset == "identity":
+        return tasks.identity_examples(cfg.identity_name, cfg.identity_author, seed=cfg.seed)
+    if cfg.dataset == "arithmetic":
+        return data.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
+    return data.load_examples(cfg.dataset)
+
+
+def _evaluate(setup: RunSetup, base: bool) -> dict:
+    """The held-out evaluation of the model being trained, or (base=True) of its base: adapters are
+    switched off for that (also on a resumed run, and a QLoRA base stays quantised as in training); a full
+    fine-tune is the base itself before its first step, and on a resumed run the base is loaded again."""
+    import contextlib
+
+    from fused_stable.train import parallel
+    from fused_stable.train.evaluate import evaluate
+    from fused_stable.train.model import load_pretrained
+
+    cfg, model = setup.cfg, parallel.unwrap(setup.model)
+    context = contextlib.nullcontext()
+    if base and cfg.tuner != "full":
+        context = model.disable_adapter()
+    elif base and setup.trainer.state.step > 0:
+        model = load_pretrained(setup.source, device=setup.runtime.device)[0]
+    with context:
+        return evaluate(model, setup.tokenizer, name=cfg.identity_name, autocast=setup.runtime.autocast())
 
 
 def run(argv: list[str]) -> int:
@@ -216,10 +257,17 @@ def run(argv: list[str]) -> int:
     trainer.reporter.message(
         f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
         f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
-        f"device={setup.runtime.device} | {n_trainable:,} trainable of {n_total:,} params | "
+        f"device={setup.runtime.device} threads={setup.threads} | {n_trainable:,} trainable of {n_total:,} params | "
         f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
         f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
     )
+    before = None
+    if setup.evaluating:
+        t_eval = time.perf_counter()
+        before = _evaluate(setup, base=True)
+        trainer.reporter.message(
+            f"evaluation before training ({time.perf_counter() - t_eval:.1f}s): "
+            + ", ".join(f"{s} {before[s]['accuracy']:.2f} of {before[s]['n']}" for s in ("identity", "general")))
     t0 = time.perf_counter()
     start_step = trainer.state.step
     try:
@@ -228,6 +276,7 @@ def run(argv: list[str]) -> int:
         trainer.reporter.close()
         if main_rank:
             plot_curves(cfg.output_dir, cfg.max_grad_norm)
+    train_s = time.perf_counter() - t0
     if trainer.stopped_by == "guard":
         if main_rank:
             print(f"fused-stable sft: {trainer.stop_message}\n  resume: fused-stable sft --output_dir {cfg.output_dir} "
@@ -236,12 +285,28 @@ def run(argv: list[str]) -> int:
     if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
         trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
     target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+    table = None
+    if setup.evaluating:
+        from fused_stable.train.evaluate import eval_report, format_table, write_eval
+
+        t_eval = time.perf_counter()
+        after = _evaluate(setup, base=False)
+        report = eval_report(setup.source.reference, before, after)
+        table = format_table(report, cfg.identity_name)
+        if main_rank:
+            write_eval(cfg.output_dir, report)
+            plot_curves(cfg.output_dir, cfg.max_grad_norm, note=table)
+        eval_s = time.perf_counter() - t_eval
     if not main_rank:
         return 0
     rows = [r for r in _read_metrics(cfg.output_dir)]
     summary = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} | " if rows else ""
-    print(f"done: steps {start_step}->{state.step} in {time.perf_counter() - t0:.1f}s | {summary}"
+    print(f"done: steps {start_step}->{state.step} in {train_s:.1f}s of training | {summary}"
           f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}", flush=True)
+    if table is not None:
+        print(f"\n{table}\n(evaluation after training {eval_s:.1f}s; answers in "
+              f"{os.path.join(cfg.output_dir, 'eval.json')})", flush=True)
+        print(f"talk to it: fused-stable chat --adapter {cfg.output_dir}", flush=True)
     return 0
 
 

@@ -24,9 +24,11 @@ def _key(default, help_: str, group: str):
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = _key("tiny", "local Hugging Face model directory, or 'tiny' for the embedded Llama built from a config", "model")
-    dataset: str = _key("builtin", "local .json/.jsonl file (alpaca instruction/input/output or sharegpt conversations), or 'builtin'", "model")
-    builtin_examples: int = _key(12800, "number of generated examples when dataset=builtin (arithmetic and string manipulation)", "model")
+    model: str = _key("smollm2-135m", "smollm2-135m (embedded, pretrained) | tiny (scratch Llama) | HF dir | .gguf", "model")
+    dataset: str = _key("identity", "identity (built-in, with eval) | arithmetic (for tiny) | .json/.jsonl file", "model")
+    identity_name: str = _key("Aster", "dataset=identity: the name the model learns to give", "model")
+    identity_author: str = _key("Fused Labs", "dataset=identity: who the model says made it", "model")
+    arithmetic_examples: int = _key(12800, "dataset=arithmetic: number of generated examples", "model")
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: typing.Optional[int] = _key(None, "4 (QLoRA: NF4 + double quantisation), 8, or none: quantise the frozen base weights", "model")
@@ -56,6 +58,8 @@ class TrainConfig:
     save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
     tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard (needs the tensorboard package)", "run")
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
+    threads: int = _key(0, "torch CPU threads; 0 = OMP_NUM_THREADS if set, else one per physical core", "run")
+    evaluation: str = _key("auto", "held-out eval before/after into eval.json: auto (on for identity) | on | off", "run")
     resume: typing.Optional[str] = _key(None, "'latest' or a checkpoint directory to continue from", "run")
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
@@ -80,6 +84,7 @@ CHOICES = {
     "precision": ("auto", "bf16", "fp16", "fp32"),
     "clip": ("fixed", "zscore"),
     "guard": ("warn", "skip", "stop", "rollback"),
+    "evaluation": ("auto", "on", "off"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
@@ -214,7 +219,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("loraplus_lr_ratio needs tuner lora or dora (it sets the lr of the LoRA B matrices)")
     positive = {"lr": cfg.lr, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "lora_r": cfg.lora_r,
                 "lora_alpha": cfg.lora_alpha, "epochs": cfg.epochs, "logging_steps": cfg.logging_steps,
-                "max_length": cfg.max_length, "builtin_examples": cfg.builtin_examples}
+                "max_length": cfg.max_length, "arithmetic_examples": cfg.arithmetic_examples}
     if cfg.max_steps is not None:
         positive["max_steps"] = cfg.max_steps
     if cfg.loraplus_lr_ratio is not None:
@@ -223,7 +228,7 @@ def validate(cfg: TrainConfig) -> None:
         if not value > 0:
             raise UserError(f"{name} must be positive, got {value}")
     non_negative = {"weight_decay": cfg.weight_decay, "save_steps": cfg.save_steps,
-                    "save_total_limit": cfg.save_total_limit}
+                    "save_total_limit": cfg.save_total_limit, "threads": cfg.threads}
     if cfg.max_grad_norm is not None:
         non_negative["max_grad_norm"] = cfg.max_grad_norm
     for name, value in non_negative.items():
@@ -270,7 +275,8 @@ def help_text() -> str:
         "usage: fused-stable sft [--config run.yaml] [--key value ...]",
         "",
         "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline.",
-        "With no arguments it trains the embedded tiny Llama on the built-in task into runs/sft.",
+        "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task into",
+        "runs/sft and evaluates it before and after (eval.json).",
         "Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value).",
         "",
     ]
@@ -283,6 +289,7 @@ def help_text() -> str:
             default = "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
             lines.append(f"  --{f.name:<24} {f.metadata['help']} (default: {default})")
         lines.append("")
-    lines.append("Outputs in output_dir: metrics.jsonl, alerts.jsonl, curves.png, run.yaml, tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
+    lines.append("Outputs in output_dir: metrics.jsonl, alerts.jsonl, curves.png, eval.json, run.yaml, tensorboard/,")
+    lines.append("checkpoints/step-N/, adapter/ (or model/). Then: fused-stable chat | export --adapter output_dir/adapter.")
     lines.append("Exit codes: 0 done, 2 bad input, 3 stopped by the guard (look at alerts.jsonl, then --resume latest).")
     return "\n".join(lines)

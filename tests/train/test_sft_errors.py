@@ -28,14 +28,15 @@ def test_malformed_dataset_line_names_file_and_line(sft, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "e", "output": \n')
     out = tmp_path / "out"
-    _assert_user_error(*sft("--dataset", data, "--output_dir", out), f"{data}:3:", "invalid JSON")
+    _assert_user_error(*sft("--model", "tiny", "--dataset", data, "--output_dir", out), f"{data}:3:", "invalid JSON")
     assert not out.exists()
 
 
 def test_dataset_record_with_wrong_schema(sft, tmp_path):
     data = tmp_path / "data.json"
     data.write_text('[\n  {"instruction": "a", "output": "b"},\n  {"question": "c"}\n]\n')
-    _assert_user_error(*sft("--dataset", data, "--output_dir", tmp_path / "out"), f"{data}:3:", "alpaca")
+    _assert_user_error(*sft("--model", "tiny", "--dataset", data, "--output_dir", tmp_path / "out"), f"{data}:3:",
+                       "alpaca")
 
 
 def test_unknown_yaml_key_suggests_closest(sft, tmp_path):
