@@ -30,17 +30,20 @@ def _quiet_third_party_noise() -> None:
     import warnings
 
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every load: the run prints its own progress
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def main(argv: list[str]) -> int:
-    _quiet_third_party_noise()
     if any(a in ("-h", "--help") for a in argv):
         from fused_stable.train.config import help_text
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, from rank 0
             print(help_text())
         return 0
+    _quiet_third_party_noise()
     from fused_stable.train import parallel
 
     try:
@@ -217,7 +220,8 @@ def _task_examples(cfg):
     from fused_stable.train import data, tasks
 
     if cfg.dataset == "identity":
-        return tasks.identity_examples(cfg.identity_name, cfg.identity_author, seed=cfg.seed)
+        return tasks.identity_examples(cfg.identity_name, cfg.identity_author, seed=cfg.seed,
+                                       general=cfg.general_examples)
     if cfg.dataset == "arithmetic":
         return data.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
     return data.load_examples(cfg.dataset)

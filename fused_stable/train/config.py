@@ -24,22 +24,23 @@ def _key(default, help_: str, group: str):
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = _key("smollm2-135m", "smollm2-135m (embedded, pretrained) | tiny (scratch Llama) | HF dir | .gguf", "model")
-    dataset: str = _key("identity", "identity (built-in, with eval) | arithmetic (for tiny) | .json/.jsonl file", "model")
-    identity_name: str = _key("Aster", "dataset=identity: the name the model learns to give", "model")
-    identity_author: str = _key("Fused Labs", "dataset=identity: who the model says made it", "model")
-    arithmetic_examples: int = _key(12800, "dataset=arithmetic: number of generated examples", "model")
+    model: str = _key("smollm2-135m", "smollm2-135m (pretrained) | tiny (scratch) | HF dir | .gguf file", "model")
+    dataset: str = _key("identity", "identity (built-in) | arithmetic (for tiny) | .json/.jsonl file", "model")
+    identity_name: str = _key("Aster", "dataset=identity: the name the model learns", "model")
+    identity_author: str = _key("Fused Labs", "dataset=identity: who made the model", "model")
+    general_examples: int = _key(70, "dataset=identity: general examples mixed in", "model")
+    arithmetic_examples: int = _key(12800, "dataset=arithmetic: examples generated", "model")
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: typing.Optional[int] = _key(None, "4 (QLoRA: NF4 + double quantisation), 8, or none: quantise the frozen base weights", "model")
     lora_r: int = _key(8, "LoRA rank", "model")
     lora_alpha: float = _key(16, "LoRA alpha (the update is scaled by alpha / r)", "model")
     lora_dropout: float = _key(0.05, "dropout on the LoRA input", "model")
-    target_modules: str = _key("q_proj,v_proj", "comma-separated module names to adapt, or all-linear", "model")
+    target_modules: str = _key("all-linear", "comma-separated module names to adapt, or all-linear", "model")
     loraplus_lr_ratio: typing.Optional[float] = _key(None, "LoRA+: the B matrices get lr x ratio (e.g. 16); none = plain LoRA", "model")
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", "model")
     # optimisation
-    lr: float = _key(2e-4, "peak learning rate", "optim")
+    lr: float = _key(1e-3, "peak learning rate", "optim")
     weight_decay: float = _key(0.01, "decoupled weight decay (AdamW)", "optim")
     max_grad_norm: typing.Optional[float] = _key(1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim")
     clip: str = _key("fixed", "fixed (max_grad_norm only) | zscore (also clip grad-norm spikes to mean + 2.5 std of the running norm statistics, ZClip-style)", "optim")
@@ -47,7 +48,7 @@ class TrainConfig:
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     precision: str = _key("auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim")
     batch_size: int = _key(4, "sequences per micro-batch", "optim")
-    grad_accum: int = _key(8, "micro-batches per optimizer step", "optim")
+    grad_accum: int = _key(1, "micro-batches per optimizer step", "optim")
     max_steps: typing.Optional[int] = _key(None, "optimizer steps to run; none = derive from epochs", "optim")
     epochs: float = _key(1.0, "passes over the data set (used when max_steps is none)", "optim")
     max_length: int = _key(512, "truncate tokenised examples to this many tokens", "optim")
@@ -58,8 +59,8 @@ class TrainConfig:
     save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
     tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard (needs the tensorboard package)", "run")
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
-    threads: int = _key(0, "torch CPU threads; 0 = OMP_NUM_THREADS if set, else one per physical core", "run")
-    evaluation: str = _key("auto", "held-out eval before/after into eval.json: auto (on for identity) | on | off", "run")
+    threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run")
+    evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
     resume: typing.Optional[str] = _key(None, "'latest' or a checkpoint directory to continue from", "run")
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
@@ -228,7 +229,8 @@ def validate(cfg: TrainConfig) -> None:
         if not value > 0:
             raise UserError(f"{name} must be positive, got {value}")
     non_negative = {"weight_decay": cfg.weight_decay, "save_steps": cfg.save_steps,
-                    "save_total_limit": cfg.save_total_limit, "threads": cfg.threads}
+                    "save_total_limit": cfg.save_total_limit, "threads": cfg.threads,
+                    "general_examples": cfg.general_examples}
     if cfg.max_grad_norm is not None:
         non_negative["max_grad_norm"] = cfg.max_grad_norm
     for name, value in non_negative.items():
@@ -275,8 +277,8 @@ def help_text() -> str:
         "usage: fused-stable sft [--config run.yaml] [--key value ...]",
         "",
         "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline.",
-        "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task into",
-        "runs/sft and evaluates it before and after (eval.json).",
+        "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity",
+        "task into runs/sft and evaluates it before and after (eval.json).",
         "Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value).",
         "",
     ]
@@ -289,7 +291,8 @@ def help_text() -> str:
             default = "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
             lines.append(f"  --{f.name:<24} {f.metadata['help']} (default: {default})")
         lines.append("")
-    lines.append("Outputs in output_dir: metrics.jsonl, alerts.jsonl, curves.png, eval.json, run.yaml, tensorboard/,")
-    lines.append("checkpoints/step-N/, adapter/ (or model/). Then: fused-stable chat | export --adapter output_dir/adapter.")
+    lines.append("Outputs in output_dir: metrics.jsonl, alerts.jsonl, curves.png, eval.json, run.yaml,")
+    lines.append("tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
+    lines.append("Then: fused-stable chat --adapter output_dir, fused-stable export --adapter output_dir.")
     lines.append("Exit codes: 0 done, 2 bad input, 3 stopped by the guard (look at alerts.jsonl, then --resume latest).")
     return "\n".join(lines)

@@ -50,14 +50,18 @@ def general_answers() -> list[dict]:
     return _load(GENERAL_ANSWERS_FILE)["examples"]
 
 
-def identity_examples(name: str, author: str, seed: int) -> list[Example]:
+def identity_examples(name: str, author: str, seed: int, general: int | None = None) -> list[Example]:
     """The training mix: every identity training question once, with an answer template drawn per question,
-    plus every general question with the base model's answer; shuffled by the batch order later."""
+    plus `general` of the general questions (all if None; a seeded choice otherwise) with the base model's
+    answers; shuffled by the batch order later."""
     spec = task_spec()["identity"]
     rng = random.Random(seed)
     examples = [conversation(q, rng.choice(spec["answers"]).format(name=name, author=author))
                 for q in spec["train_questions"]]
-    examples += [conversation(row["question"], row["answer"]) for row in general_answers()]
+    rows = general_answers()
+    if general is not None and general < len(rows):
+        rows = rng.sample(rows, general)
+    examples += [conversation(row["question"], row["answer"]) for row in rows]
     return examples
 
 

@@ -2,7 +2,7 @@
 evaluation of the base, a few QLoRA and bf16 steps, export equality and chat one-shot.
 
 Slow: each test loads a 135M-parameter model. The GGUF conversion happens once per machine (the cache folder,
-see fused_stable.train.sources) and the trained run is shared by the tests of this module.
+see fused_stable.train.sources; parallel test workers wait for each other's conversion).
 """
 import json
 import os
@@ -32,16 +32,6 @@ def smollm2():
         pytest.fail(f"{exc}")
     sources.ensure_converted(source.path)
     return source
-
-
-@pytest.fixture(scope="module")
-def lora_run(smollm2, tmp_path_factory, sft_session):
-    """A LoRA run whose adapter visibly changed the model (identity-heavy steps at a high lr)."""
-    out = tmp_path_factory.mktemp("real") / "lora"
-    code, stdout, err = sft_session(*FEW, "--max_steps", "6", "--lr", "2e-3", "--warmup_ratio", "0",
-                                    "--output_dir", out)
-    assert code == 0, err
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +95,11 @@ def test_base_model_evaluation(smollm2):
     assert paris["correct"] and "Paris" in paris["answer"]
 
 
-def _assert_adapter_knows_its_base(out, quant_bits):
+def _assert_adapter_knows_its_base(out, quant_bits, base="smollm2-135m"):
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "smollm2-135m"
+    assert config["base_model_name_or_path"] == base
     trained_with = json.loads((out / "adapter" / "fused_stable.json").read_text())
-    assert trained_with["quant_bits"] == quant_bits and trained_with["base_model"] == "smollm2-135m"
+    assert trained_with["quant_bits"] == quant_bits and trained_with["base_model"] == base
 
 
 def test_qlora_steps(smollm2, sft_session, tmp_path):
@@ -123,48 +113,51 @@ def test_qlora_steps(smollm2, sft_session, tmp_path):
     _assert_adapter_knows_its_base(out, 4)
 
 
-def test_bf16_steps(smollm2, sft_session, tmp_path):
+def test_bf16_steps_from_a_gguf_file(smollm2, sft_session, tmp_path):
+    """--model FILE.gguf (here the embedded model's own file, so the cached conversion is reused): the adapter
+    records the file's absolute path."""
     out = tmp_path / "bf16"
-    code, stdout, err = sft_session(*FEW, "--precision", "bf16", "--max_steps", "2", "--output_dir", out)
+    code, stdout, err = sft_session(*FEW, "--model", smollm2.path, "--precision", "bf16", "--max_steps", "2",
+                                    "--output_dir", out)
     assert code == 0, err
     assert "precision=bf16" in stdout
     rows = read_metrics(out)
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) and r["loss"] > 0 for r in rows)
-    _assert_adapter_knows_its_base(out, None)
+    _assert_adapter_knows_its_base(out, None, base=smollm2.path)
 
 
-def test_export_answers_equal_the_adapters(lora_run, tmp_path):
+def test_export_and_chat_answer_like_the_adapter(smollm2, sft_session, tmp_path):
+    """One LoRA run (a few identity-heavy steps at a high lr, so the answers change), then: export loads with
+    plain transformers and answers like the adapter; chat --prompt prints exactly the adapter's answer.
+    (One test, not three: test workers would each train their own copy of a shared fixture.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fused_stable.train.export import export
     from fused_stable.train.model import load_pretrained, load_trained
 
-    _assert_adapter_knows_its_base(lora_run, None)
-    trained = load_trained(str(lora_run))  # a run folder works: its adapter/ is found
+    run = tmp_path / "lora"
+    code, _, err = sft_session(*FEW, "--max_steps", "6", "--lr", "2e-3", "--warmup_ratio", "0", "--output_dir", run)
+    assert code == 0, err
+    _assert_adapter_knows_its_base(run, None)
+    trained = load_trained(str(run))  # a run folder works: its adapter/ is found
     adapter_answers = _greedy(trained.model, trained.tokenizer)
-    base_answers = _greedy(*load_pretrained(trained.base))
-    assert adapter_answers != base_answers  # the adapter changed what the model says
+    assert adapter_answers != _greedy(*load_pretrained(trained.base))  # the adapter changed what it says
+
     target = tmp_path / "merged"
-    result = export(str(lora_run / "adapter"), str(target), log=lambda _: None)
-    assert result["quant_bits"] is None
-    assert sorted(os.listdir(target)) >= ["config.json", "model.safetensors", "tokenizer.json"]
+    result = export(str(run / "adapter"), str(target), log=lambda _: None)
+    assert result["quant_bits"] is None and result["base"] == "smollm2-135m"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(target))
     assert "adapter_config.json" not in os.listdir(target)
     merged = AutoModelForCausalLM.from_pretrained(target, local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     assert tokenizer.chat_template == trained.tokenizer.chat_template
     assert _greedy(merged, tokenizer) == adapter_answers
 
-
-def test_chat_one_shot_prints_only_the_answer(lora_run):
-    from fused_stable.train.model import load_trained
-
-    trained = load_trained(str(lora_run))
-    expected = _greedy(trained.model, trained.tokenizer, ["Who are you?"], max_new_tokens=20)[0]
     proc = subprocess.run(
-        [sys.executable, "-m", "fused_stable", "chat", "--adapter", str(lora_run), "--prompt", "Who are you?",
-         "--max_new_tokens", "20"],
+        [sys.executable, "-m", "fused_stable", "chat", "--adapter", str(run), "--prompt", PROMPTS[0],
+         "--max_new_tokens", "24"],
         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == expected and expected
+    assert proc.stdout.strip() == adapter_answers[0] and adapter_answers[0]
     assert "fused-stable chat:" in proc.stderr and "greedy" in proc.stderr
