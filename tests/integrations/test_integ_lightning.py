@@ -369,6 +369,38 @@ def test_lightning_clipping_without_max_grad_norm(tmp_path):
     assert_same_params(module, ref, 1e-5, 1e-6)
 
 
+def test_overridden_configure_gradient_clipping_is_warned(tmp_path):
+    class OwnClipping(LlamaModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            pass  # a user hook that could clip: FusedAdamW must be the only one that does
+
+    with pytest.warns(UserWarning, match="overrides configure_gradient_clipping"):
+        fit(OwnClipping(fused_adamw), tmp_path, max_steps=1, callbacks=[FusedStableCallback()])
+
+
+def test_host_scheduler_from_configure_optimizers(tmp_path):
+    """A torch LR scheduler returned by configure_optimizers drives FusedAdamW's lr as it drives torch AdamW's
+    (the callback logs it); like any host scheduler, Lightning also advances it on a step FusedAdamW skips."""
+    def with_scheduler(make):
+        def build(model):
+            opt = make(model.parameters())
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, schedule().factor), "interval": "step"}}
+        return build
+
+    ref = LlamaModule(with_scheduler(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY)))
+    fit(ref, tmp_path / "ref", gradient_clip_val=CLIP)
+    fused = with_scheduler(lambda ps: FusedAdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP))
+    module = LlamaModule(fused)
+    _, metrics = fit(module, tmp_path / "fused", callbacks=[FusedStableCallback()])
+    assert logged(metrics, "learning_rate") == pytest.approx(ref.hook_lrs, rel=1e-6, abs=1e-12)
+    assert_same_params(module, ref, 1e-5, 1e-6)
+
+    skipping = LlamaModule(fused, poison_step=3)
+    _, metrics = fit(skipping, tmp_path / "skip", callbacks=[FusedStableCallback()])
+    lrs = logged(metrics, "learning_rate")
+    assert lrs[3] == pytest.approx(LR * schedule().factor(3), rel=1e-6)  # advanced past the skipped step
+
+
 def test_without_the_callback_lightning_refuses_clipping_under_mixed_precision(tmp_path):
     """What Lightning itself does (so the callback's earlier refusal only improves the message)."""
     module = LlamaModule(fused_adamw)

@@ -48,14 +48,17 @@ def lora() -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
 
 
-def sft_args(out, **overrides) -> SFTConfig:
-    """Epoch-based (max_steps=-1): the schedule's length comes from the dataloader."""
+def sft_args(out, trl_defaults: bool = False, **overrides) -> SFTConfig:
+    """Epoch-based (max_steps=-1): the schedule's length comes from the dataloader. fp32 and no gradient
+    checkpointing unless ``trl_defaults`` (SFTConfig turns both on by default)."""
     kw = dict(
         output_dir=str(out), num_train_epochs=1, per_device_train_batch_size=BATCH, learning_rate=LR,
         lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.1, max_grad_norm=CLIP, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, seed=0, bf16=False, gradient_checkpointing=False,
-        max_length=32, optim="adamw_torch", disable_tqdm=True, dataloader_num_workers=0,
+        save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=32, optim="adamw_torch",
+        disable_tqdm=True, dataloader_num_workers=0,
     )
+    if not trl_defaults:
+        kw.update(bf16=False, gradient_checkpointing=False)
     kw.update(overrides)
     return SFTConfig(**kw)
 
@@ -162,3 +165,24 @@ def test_mixin_adds_one_callback_first(tmp_path, tokenizer):
     trainer = FusedSFTTrainer(model=own_peft_model(tokenizer), args=sft_args(tmp_path), train_dataset=dataset(),
                               processing_class=tokenizer, callbacks=[given])
     assert [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FusedStableCallback)] == [given]
+
+
+
+def test_sft_config_defaults_bf16_and_gradient_checkpointing(tmp_path, tokenizer):
+    """SFTConfig's own defaults (bf16 autocast and gradient checkpointing on): the peft_config + mixin route
+    against torch AdamW. The LoRA weights stay fp32 and both runs autocast the same way, so they match as in
+    fp32."""
+    ref = SFTTrainer(model=base_model(tokenizer), args=sft_args(tmp_path / "ref", trl_defaults=True),
+                     train_dataset=dataset(), processing_class=tokenizer, peft_config=lora())
+    assert ref.args.bf16 and ref.args.gradient_checkpointing
+    ref.train()
+    trainer = build_peft_config_mixin(tokenizer, sft_args(tmp_path / "fused", trl_defaults=True))
+    trainer.train()
+    logs, ref_logs = train_logs(trainer), train_logs(ref)
+    assert len(logs) == len(ref_logs) == STEPS
+    for mine, theirs in zip(logs, ref_logs):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    final, ref_final = adapters(trainer.model), adapters(ref.model)
+    for name, value in final.items():
+        torch.testing.assert_close(value, ref_final[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
