@@ -186,3 +186,25 @@ def test_sft_config_defaults_bf16_and_gradient_checkpointing(tmp_path, tokenizer
     final, ref_final = adapters(trainer.model), adapters(ref.model)
     for name, value in final.items():
         torch.testing.assert_close(value, ref_final[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_resume_from_checkpoint_is_exact(tmp_path, tokenizer):
+    """The Trainer's own checkpoints with the mixin: resuming from step 3 gives the uninterrupted run's adapters,
+    optimizer counters and logs (the device-side schedule continues from the saved applied-step count)."""
+    args = dict(save_strategy="steps", save_steps=3)
+    full = build_peft_config_mixin(tokenizer, sft_args(tmp_path / "full", **args))
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").exists()
+
+    resumed = build_peft_config_mixin(tokenizer, sft_args(tmp_path / "resumed", **args))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    final, full_final = adapters(resumed.model), adapters(full.model)
+    for name, value in final.items():
+        assert torch.equal(value, full_final[name]), name
+    opt, full_opt = find_fused_optimizer(resumed.optimizer), find_fused_optimizer(full.optimizer)
+    assert int(opt.applied_steps) == int(full_opt.applied_steps) == STEPS
+    logs = {h["step"]: h for h in train_logs(resumed)}
+    for ref in train_logs(full)[3:]:
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert logs[ref["step"]][key] == ref[key], (ref["step"], key)
