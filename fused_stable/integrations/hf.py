@@ -269,7 +269,8 @@ class FusedStableTrainerMixin:
                 num_training_steps=self._fused_training_steps,
                 **self.fused_optimizer_kwargs,
             )
-        return super().create_optimizer(model)
+        # transformers < 5 has create_optimizer(self), without the model argument
+        return super().create_optimizer() if model is None else super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None and self._fused_scheduler is not None:

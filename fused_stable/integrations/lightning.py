@@ -28,7 +28,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "fused_stable.integrations.lightning needs the `lightning` package (pip install lightning); "
+        "the older `pytorch_lightning` import name is not supported"
+    ) from error
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
