@@ -19,6 +19,7 @@ from . import layout, ops
 from .layout import StepBuffers, StepRules
 from .plan import ParamStates, StepPlan, Version, check_grads, check_state, is_dtensor
 from .plan import local as _local
+from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .schedules import Schedule
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
@@ -311,6 +312,7 @@ class FusedAdamW(Optimizer):
     def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
         """The plan for the params that have a grad now, with their (lazily created) state. Validates every grad
         and state before anything changes; afterwards a step only checks that nothing it encodes moved."""
+        check_not_capturing(self.device, "a new step plan (the first step, or params, state or grads that changed)")
         if type(self.state) is not ParamStates:  # replaced wholesale (e.g. by torch's __setstate__)
             self.state = ParamStates(self._version, self.state)
         group_params = [group["params"] for group in self.param_groups]

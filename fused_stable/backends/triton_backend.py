@@ -20,7 +20,7 @@ import operator
 import torch
 
 from .. import layout
-from ..kernels.tables import build_chunk_map, check_not_capturing, upload, upload_int64
+from ..kernels.tables import CHUNK_SIZE, build_chunk_map, check_not_capturing, upload, upload_int64
 from ..layout import StepBuffers, StepRules
 from ..plan import StepPlan
 
@@ -35,9 +35,21 @@ def device_guard(device: torch.device):
 class TritonTables:
     """The device side of one plan for the Triton kernels (see the module doc)."""
 
-    def __init__(self, plan: StepPlan, buffers: StepBuffers, rules: StepRules, device: torch.device) -> None:
-        from ..kernels.adamw import TABLE_COLUMNS, prepare_adamw, prepare_finalize
-        from ..kernels.norm import prepare_sumsq
+    def __init__(
+        self,
+        plan: StepPlan,
+        buffers: StepBuffers,
+        rules: StepRules,
+        device: torch.device,
+        *,
+        sumsq_config=None,
+        adamw_config=None,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> None:
+        """Launch configurations and chunk size default to the kernels' own; benchmarks/gpu_probe.py builds the
+        same tables with the alternatives it times."""
+        from ..kernels.adamw import ADAMW_CONFIG, TABLE_COLUMNS, prepare_adamw, prepare_finalize
+        from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
 
         self.buffers, self.rules, self.device = buffers, rules, device
         launch_groups: dict[tuple, list[int]] = {}  # (param dtype, has master) -> plan indices
@@ -49,10 +61,11 @@ class TritonTables:
         self.to_kernel_order = None if self.kernel_order == list(range(n)) else operator.itemgetter(*self.kernel_order)
         self.grad_addrs = torch.zeros(max(n, 1), dtype=torch.int64, device=device)
         self.grads_version = -1
+        self.uploaded_grad_ptrs: list[int] | None = None
 
         chunk_maps, counts, owners, offset, first = [], [], [], 0, 0
         for indices in launch_groups.values():
-            chunks = build_chunk_map([plan.numels[i] for i in indices], device)
+            chunks = build_chunk_map([plan.numels[i] for i in indices], device, chunk_size)
             chunk_maps.append((chunks, offset, first))
             counts += chunks.tensor_num_chunks
             for local, count in enumerate(chunks.tensor_num_chunks):
@@ -77,11 +90,13 @@ class TritonTables:
                 ]  # fmt: skip
             grad_addrs = self.grad_addrs[first : first + len(indices)]
             numels = upload_int64([plan.numels[i] for i in indices], device)
-            norm = prepare_sumsq(grad_addrs, numels, chunks, self.partials, partial_offset, dtype)
+            norm = prepare_sumsq(
+                grad_addrs, numels, chunks, self.partials, partial_offset, dtype, sumsq_config or SUMSQ_CONFIG
+            )
             update = prepare_adamw(
                 table=upload_int64(rows, device, "an update table").view(len(indices), TABLE_COLUMNS),
                 grad_addrs=grad_addrs, chunks=chunks, hparams=buffers.hparams, fstate=buffers.fstate,
-                param_dtype=dtype, has_master=has_master,
+                param_dtype=dtype, has_master=has_master, config=adamw_config or ADAMW_CONFIG,
             )  # fmt: skip
             if norm is not None:
                 self.norms.append(norm)
@@ -102,9 +117,12 @@ class TritonTables:
         self.tensor_lrs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hparams slot, the group's lr tensor)
 
     def refresh_grads(self, plan: StepPlan) -> None:
-        """Writes the new grad addresses into the address array the prepared launches read."""
-        ptrs = plan.grad_ptrs if self.to_kernel_order is None else list(self.to_kernel_order(plan.grad_ptrs))
-        upload(ptrs, torch.int64, self.device, "new gradient addresses", out=self.grad_addrs[: len(ptrs)])
+        """Writes new grad addresses into the address array the prepared launches read (when they differ from
+        what it holds: grads can come back to an earlier storage, e.g. after a step refused during a capture)."""
+        if plan.grad_ptrs != self.uploaded_grad_ptrs:
+            ptrs = plan.grad_ptrs if self.to_kernel_order is None else list(self.to_kernel_order(plan.grad_ptrs))
+            upload(ptrs, torch.int64, self.device, "new gradient addresses", out=self.grad_addrs[: len(ptrs)])
+            self.uploaded_grad_ptrs = plan.grad_ptrs
         self.grads_version = plan.grads_version
 
     def refresh_hparams(self, hparams: list[tuple]) -> None:
@@ -134,7 +152,6 @@ def fused_step(
     global_sumsq,
 ) -> None:
     """Norm pass, decision kernel and AdamW for every tensor of `plan`, on the parameters' device."""
-    kernels = _kernels or _import_kernels()
     device = buffers.fstate.device
     tables: TritonTables | None = plan.backend_cache
     if tables is None or tables.buffers is not buffers or tables.rules is not rules:
@@ -148,12 +165,15 @@ def fused_step(
         found_inf = found_inf.float()
     if device.type == "cuda" and torch.cuda.current_device() != device.index:
         with torch.cuda.device(device.index):  # Triton launches on the current device: make it the params' one
-            _launch(kernels, tables, device, grad_scale, found_inf, global_sumsq)
+            launch_step(tables, grad_scale, found_inf, global_sumsq)
     else:
-        _launch(kernels, tables, device, grad_scale, found_inf, global_sumsq)
+        launch_step(tables, grad_scale, found_inf, global_sumsq)
 
 
-def _launch(kernels, tables: TritonTables, device, grad_scale, found_inf, global_sumsq) -> None:
+def launch_step(tables: TritonTables, grad_scale=None, found_inf=None, global_sumsq=None) -> None:
+    """The launches of one step over `tables`, on the current device's current stream."""
+    kernels = _kernels or _import_kernels()
+    device = tables.device
     stream = kernels.current_stream(device.index or 0)
     for norm in tables.norms:
         kernels.run_sumsq(norm, grad_scale, stream)

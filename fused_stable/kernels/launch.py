@@ -90,12 +90,17 @@ class PreparedLaunch:
         """
         direct = self._compiled.get(variant) if stream is not None else None
         if direct is not None:
-            launcher, function, metadata = direct
+            launcher, function, metadata, _ = direct
             launcher(self.grid, 1, 1, stream, function, metadata, None, None, None, *args)
             return
         compiled = self.fn[(self.grid,)](*args, **self.options)
         if compiled is not None and stream is not None:  # the interpreter returns None
-            self._compiled[variant] = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._compiled[variant] = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+
+    def compiled(self, variant: Hashable = None):
+        """The CompiledKernel this launch goes to directly (None before its first call or under the interpreter)."""
+        direct = self._compiled.get(variant)
+        return direct[3] if direct is not None else None
 
 
 def current_stream(device_index: int) -> int | None:

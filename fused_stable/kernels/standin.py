@@ -76,7 +76,11 @@ class StandInDriver(DriverBase):
                 self.name = metadata.name
 
             def __call__(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, exit, *args):
+                if enter is not None:  # as the CUDA launcher does: the hooks see every launch
+                    enter(launch_metadata)
                 log.record(self.name, grid_x * grid_y * grid_z)
+                if exit is not None:
+                    exit(launch_metadata)
 
         self.launcher_cls = Launcher
 

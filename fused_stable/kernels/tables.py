@@ -28,9 +28,13 @@ CAPTURE_ERROR = (
 )
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def check_not_capturing(device: torch.device, what: str) -> None:
     """Raises a clear error instead of letting a host -> device copy be recorded into a CUDA graph."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         raise RuntimeError(CAPTURE_ERROR.format(what=what))
 
 
