@@ -174,7 +174,14 @@ def measure(trees: dict[str, Path], sets, scenarios, steps: int, rounds: int) ->
             "wall_us": statistics.median(wall), "wall_us_range": [min(wall), max(wall)],
             "launches_per_step": runs[0]["launches_per_step"], "rounds": len(runs),
         })  # fmt: skip
+    ratios = {}
+    for (label, name, scenario), runs in per_round.items():
+        base = per_round.get(("baseline", name, scenario))
+        if label == "this" and base:  # each round measured both in one process, taking turns: pair them
+            per = [b["cpu_us"] / t["cpu_us"] for b, t in zip(base, runs)]
+            ratios[f"{name}/{scenario}"] = {"median": statistics.median(per), "range": [min(per), max(per)]}
     return {
+        "ratios_baseline_over_this": ratios,
         "method": "stand-in Triton driver (fused_stable.kernels.standin), CPU tensors, 1 torch thread; per round a "
         f"fresh process, 10 warm-up steps, then {steps} timed steps per checkout taking turns every 20 steps; "
         f"median per round, then the median over {rounds} rounds",
@@ -193,12 +200,9 @@ def table(result: dict) -> str:
             f"({row['cpu_us_range'][0]:.0f}-{row['cpu_us_range'][1]:.0f}) | {row['wall_us']:.0f} "
             f"({row['wall_us_range'][0]:.0f}-{row['wall_us_range'][1]:.0f}) | {row['launches_per_step']:g} |"
         )
-    if len(result["trees"]) == 2:
-        this = {(r["set"], r["scenario"]): r for r in result["rows"] if r["tree"] == "this"}
-        for row in result["rows"]:
-            if row["tree"] != "this" and (row["set"], row["scenario"]) in this:
-                ratio = row["cpu_us"] / this[(row["set"], row["scenario"])]["cpu_us"]
-                lines.append(f"\n{row['set']} / {row['scenario']}: baseline CPU time / this = {ratio:.1f}x")
+    for key, ratio in result.get("ratios_baseline_over_this", {}).items():
+        lines.append(f"\n{key}: baseline CPU time / this = {ratio['median']:.1f}x (rounds {ratio['range'][0]:.1f}-"
+                     f"{ratio['range'][1]:.1f}x)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -352,6 +352,7 @@ class FusedAdamW(Optimizer):
             param_ptrs=[p.data_ptr() for p in local_params],
             dtypes=[p.dtype for p in local_params],
             strides=[p.stride() for p in local_params],
+            contiguous=all(p.is_contiguous() for p in local_params),
             sharded=any(is_dtensor(p) for p in params),
             dense_layouts=ops.needs_dense_layouts(self.backend),
             storages=[p.untyped_storage() for p in local_params],

@@ -3,14 +3,16 @@
 FusedAdamW (optim.py) builds a `StepPlan` from its param groups and state and keeps it; a backend
 (fused_stable/backends) keeps its own device side of the plan (tables, prepared launches) in
 `plan.backend_cache`. The plan is rebuilt only when something it encodes changes:
-  - the param set: a group added or its params list edited, or another set of params having a grad;
-  - a state tensor: created, loaded, or replaced in `opt.state` (the optimizer's state mapping reports every
-    such change, see `ParamStates`, so no step has to look);
-  - a parameter's storage or element count (`p.data = ...`, including `p.data = p.data[:n]` at the same
-    address), seen through its address and its gradient's element count.
-A step therefore only gathers the grads and checks, with one C-level pass each, that the grads' and params'
-storage is what the plan and the backend's tables were built for (`current_grads`). Host work per step is a
-handful of `map`s over the params, not a rebuild of per-param lists.
+  - the param set: a group added, a group's params list replaced or edited, another set of params with grads;
+  - a state tensor: created, loaded, replaced or removed in `opt.state` (the optimizer's state mapping reports
+    every such change, see `ParamStates`, so no step has to look);
+  - a param's size or dtype (`p.data = p.data[:n]`, even at the same address), seen through its grad: torch
+    keeps a grad's shape and dtype equal to its param's;
+  - a param's storage, checked whenever grad storage changes (see docs/design.md for the one case a step
+    does not look at, and why the old storage stays alive meanwhile).
+A step therefore only gathers the grads and checks, with one C-level pass each, that their storage (address
+and size) is what the plan and the backend's tables were built for (`current_grads`): a few `map`s over the
+params, not a rebuild of per-param lists.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ _dtype_of = operator.attrgetter("dtype")
 _nbytes_of = operator.attrgetter("nbytes")
 _data_ptr = torch.Tensor.data_ptr
 _stride_of = torch.Tensor.stride
+_is_contiguous = torch.Tensor.is_contiguous
 _is = operator.is_
 
 
@@ -175,6 +178,7 @@ class StepPlan:
     param_ptrs: list[int]
     dtypes: list[torch.dtype]  # the params'
     strides: list[tuple[int, ...]]  # the params'
+    contiguous: bool  # every param is contiguous (then a grad matches its layout when it is contiguous too)
     sharded: bool  # DTensor params: grads are read through to_local() every step
     dense_layouts: bool  # the backend walks memory linearly: grads must be dense with the params' strides
     storages: list  # the params' storages when built: kept alive, so no launch can touch freed memory
@@ -245,6 +249,11 @@ class StepPlan:
             return None
         return local
 
+    def _layouts_match(self, grads: list[torch.Tensor]) -> bool:
+        if self.contiguous:  # the usual case, and cheaper to ask than the strides
+            return all(map(_is_contiguous, grads))
+        return list(map(_stride_of, grads)) == self.strides
+
     def accept_grads(self, grads: list[torch.Tensor], ptrs: list[int]) -> bool:
         """New grad storage: checks it against the params (clear errors) and records it, so the backend
         refreshes its address table; False when something else changed too (the plan is rebuilt)."""
@@ -253,9 +262,7 @@ class StepPlan:
             return False
         if list(map(_nbytes_of, grads)) != self.nbytes:
             return False
-        if list(map(_dtype_of, grads)) != self.dtypes or (
-            self.dense_layouts and list(map(_stride_of, grads)) != self.strides
-        ):
+        if list(map(_dtype_of, grads)) != self.dtypes or (self.dense_layouts and not self._layouts_match(grads)):
             check_grads(self.local_params, grads, self.dense_layouts)  # raises, unless only 1-element strides differ
         self.grad_ptrs = ptrs
         self.grads_version += 1

@@ -28,9 +28,11 @@ class TorchLists:
         for index, (group, param) in enumerate(zip(plan.groups, plan.local_params)):
             by_dtype.setdefault(param.dtype, []).append(index)
             by_group_dtype.setdefault((group, param.dtype), []).append(index)
-        self.norm_indices = list(by_dtype.values())
-        order = [i for indices in self.norm_indices for i in indices]
-        self.order = upload_int64(order, device) if len(self.norm_indices) > 1 else None
+        everything = list(range(len(plan.local_params)))
+        # None stands for "all of them, in order": the usual single dtype and group needs no per-step gathering
+        self.norm_indices = [None if indices == everything else indices for indices in by_dtype.values()]
+        order = [i for indices in by_dtype.values() for i in indices]
+        self.order = upload_int64(order, device) if len(by_dtype) > 1 else None
         self.positions = upload_int64(plan.positions, device)
         self.per_tensor_sumsq: torch.Tensor | None = None
         self.steps = plan.steps
@@ -47,8 +49,8 @@ class TorchLists:
                 grads32 = [torch.empty_like(p, dtype=torch.float32) for p in params]
                 working = (copies, grads32, [c for c, _ in refill], [p for _, p in refill])
             self.updates.append((
-                group, indices, params, [plan.exp_avgs[i] for i in indices], [plan.exp_avg_sqs[i] for i in indices],
-                [plan.steps[i] for i in indices], working,
+                group, None if indices == everything else indices, params, [plan.exp_avgs[i] for i in indices],
+                [plan.exp_avg_sqs[i] for i in indices], [plan.steps[i] for i in indices], working,
             ))  # fmt: skip
 
 
@@ -67,8 +69,8 @@ def fused_step(
     if lists is None:
         lists = plan.backend_cache = TorchLists(plan, device)
     norms = [
-        torch.stack(torch._foreach_norm([grads[i] for i in indices], 2, dtype=torch.float32))
-        for indices in lists.norm_indices
+        torch.stack(torch._foreach_norm(grads if i is None else [grads[k] for k in i], 2, dtype=torch.float32))
+        for i in lists.norm_indices
     ]
     if lists.order is None:
         norms = norms[0]
@@ -87,7 +89,7 @@ def fused_step(
     grad_divisor = grad_mul.reciprocal()
     for group, indices, params, exp_avgs, exp_avg_sqs, steps, working in lists.updates:
         lr, beta1, beta2, eps, weight_decay = hparams[group]
-        group_grads = [grads[i] for i in indices]
+        group_grads = grads if indices is None else [grads[i] for i in indices]
         if working is not None:  # the moments are fp32: update fp32 working copies (or the masters), round back
             copies, grads32, refill_copies, refill_params = working
             if refill_copies:
