@@ -153,6 +153,11 @@ def _worker(trees: dict[str, Path], sets, scenarios, steps) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _revision(tree: Path) -> str | None:
+    proc = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
 def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
@@ -209,6 +214,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="another checkout to measure in alternating rounds")
+    parser.add_argument("--baseline-name", default="", help="what the baseline is (e.g. a commit), for the record")
     parser.add_argument("--sets", default=",".join(SETS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--steps", type=int, default=400)
@@ -226,6 +232,7 @@ def main(argv=None) -> int:
     if args.baseline:
         trees["baseline"] = args.baseline.resolve()
     result = measure(trees, sets, scenarios, args.steps, args.rounds)
+    result["revisions"] = {"this": _revision(ROOT), "baseline": args.baseline_name or None}
     print(result["method"])
     print(f"load average {result['load_average'][0]:.2f} at the start, {result['load_average'][1]:.2f} at the end")
     print(table(result))
