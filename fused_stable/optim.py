@@ -358,6 +358,8 @@ class FusedAdamW(Optimizer):
             storages=[p.untyped_storage() for p in local_params],
             grad_ptrs=[g.data_ptr() for g in local_grads],
         )
+        if not plan.sharded:
+            plan.same_grads.seen(local_grads)
         self._plan = plan
         return plan, local_grads
 

@@ -8,17 +8,18 @@ FusedAdamW (optim.py) builds a `StepPlan` from its param groups and state and ke
     every such change, see `ParamStates`, so no step has to look);
   - a param's size or dtype (`p.data = p.data[:n]`, even at the same address), seen through its grad: torch
     keeps a grad's shape and dtype equal to its param's;
-  - a param's storage, checked whenever grad storage changes (see docs/design.md for the one case a step
-    does not look at, and why the old storage stays alive meanwhile).
-A step therefore only gathers the grads and checks, with one C-level pass each, that their storage (address
-and size) is what the plan and the backend's tables were built for (`current_grads`): a few `map`s over the
-params, not a rebuild of per-param lists.
+  - a param's storage, checked whenever grad storage changes (docs/design.md, "What a step does not look at",
+    says which two changes wait for that, and why no launch reaches freed memory meanwhile).
+A step therefore only gathers the grads and checks that they are the very tensors of the last step (`SameGrads`,
+one pass of id()) or else that their storage (address and size) is what the plan and the backend's tables were
+built for (`current_grads`): two to four C-level `map`s over the params, not a rebuild of per-param lists.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from itertools import chain
+import weakref
+from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ _nbytes_of = operator.attrgetter("nbytes")
 _data_ptr = torch.Tensor.data_ptr
 _stride_of = torch.Tensor.stride
 _is_contiguous = torch.Tensor.is_contiguous
+_storage_of = torch.Tensor.untyped_storage
 _is = operator.is_
 
 
@@ -156,6 +158,65 @@ class ParamStates(dict):
         return (dict, ({param: dict(state) for param, state in self.items()},))
 
 
+class SameGrads:
+    """Whether this step's grads are the very tensors accepted before, from one pass of id() over them.
+
+    Equal ids alone prove nothing (a new tensor can take a dead one's id), so the accepted grads are tracked by
+    weak references whose callback notes any death: equal ids and no death mean the same living tensors, whose
+    storage the address and size checks already accepted. Their storages are held meanwhile, so even a grad
+    whose storage is swapped in place (`g.data = t`, `g.set_(t)`: not looked for) never sends a launch to freed
+    memory; a death drops them. Arming costs a weak reference per grad, so it is done only while grads persist
+    between steps: a loop that makes new grads every step (zero_grad(set_to_none=True)) goes back to the address
+    check and retries arming every `RETRY` steps.
+    """
+
+    RETRY = 64
+
+    __slots__ = ("ids", "refs", "storages", "alive", "hits", "cooldown", "__weakref__")
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.refs: list | None = None
+        self.storages: list | None = None
+        self.alive = False
+        self.hits = 0
+        self.cooldown = 0
+
+    def same(self, grads: list) -> bool:
+        if not self.alive or list(map(id, grads)) != self.ids:
+            return False
+        self.hits += 1
+        return True
+
+    def seen(self, grads: list) -> None:
+        """The grads were accepted by the address check: arm for the next step, unless arming does not pay."""
+        if self.ids is not None and self.hits == 0:  # the last armed set was replaced before it was reused
+            self.cooldown = self.RETRY
+        self.ids = self.refs = self.storages = None
+        self.alive = False
+        if self.cooldown:
+            self.cooldown -= 1
+            return
+        self.refs = list(map(weakref.ref, grads, repeat(_death_notice(weakref.ref(self)))))
+        self.storages = list(map(_storage_of, grads))
+        self.ids = list(map(id, grads))
+        self.alive = True
+        self.hits = 0
+
+
+def _death_notice(tracker_ref):
+    """The weak-reference callback for one armed set (it holds the tracker weakly: no reference cycle keeps the
+    held storages alive)."""
+
+    def notice(_) -> None:
+        tracker = tracker_ref()
+        if tracker is not None:
+            tracker.alive = False
+            tracker.storages = None
+
+    return notice
+
+
 @dataclass(eq=False)
 class StepPlan:
     """The params taking part in a step (those with a grad when the plan was built), in the optimizer's flat
@@ -185,6 +246,7 @@ class StepPlan:
     grad_ptrs: list[int] | None = None  # storage of the grads last accepted
     grads_version: int = 0  # bumped whenever grad storage changes: backends refresh their address tables
     backend_cache: Any = None  # the backend's device side of this plan
+    same_grads: SameGrads = field(default_factory=lambda: SameGrads())
 
     @property
     def positions(self) -> list[int]:
@@ -211,17 +273,21 @@ class StepPlan:
             grads = self._member_grads(grads)
             if grads is None:
                 return None
+        if self.same_grads.same(grads):  # the very tensors of the last step: one pass of id()
+            return grads
         try:
             ptrs = list(map(_data_ptr, grads))
         except (TypeError, RuntimeError):  # a missing grad (None), or one without storage (sparse)
             return None
         if ptrs != self.grad_ptrs:
-            return grads if self.accept_grads(grads, ptrs) else None
+            if not self.accept_grads(grads, ptrs):
+                return None
         # same addresses: same storage only if the sizes are too. Torch keeps a grad's shape and dtype equal to its
         # param's, so this also sees a param resized or recast in place (`p.data = p.data[:n]`): new grads at an
         # address that happens to be reused
-        if list(map(_nbytes_of, grads)) != self.nbytes:
+        elif list(map(_nbytes_of, grads)) != self.nbytes:
             return None
+        self.same_grads.seen(grads)
         return grads
 
     def _member_grads(self, grads: list) -> list | None:

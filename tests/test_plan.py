@@ -242,3 +242,58 @@ def test_the_device_guard_switches_only_to_another_cuda_device(monkeypatch):
     with triton_backend.device_guard(torch.device("cpu")):
         pass
     assert entered == [1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the identity shortcut of the per-step check
+
+
+def test_same_grads_are_recognised_only_while_every_one_is_alive():
+    from fused_stable.plan import SameGrads
+
+    grads = [torch.randn(10) for _ in range(3)]
+    tracker = SameGrads()
+    tracker.seen(grads)
+    assert tracker.same(grads) and tracker.same(list(grads))
+    other = list(grads)
+    other[1] = grads[1].view(10)  # a new tensor over the same storage: not the same grads
+    assert not tracker.same(other)
+    old_address = grads[2].data_ptr()
+    grads[2].set_(torch.randn(10))  # storage swapped in place (not looked for): the old storage stays alive
+    assert any(s.data_ptr() == old_address for s in tracker.storages)
+    del other
+    grads[0] = torch.randn(10)  # an armed grad dies: the ids prove nothing any more, the storages are let go
+    assert not tracker.alive and tracker.storages is None
+    assert not tracker.same(grads)
+
+
+def test_a_loop_with_new_grads_every_step_stops_arming():
+    from fused_stable.plan import SameGrads
+
+    tracker = SameGrads()
+    armed = []
+    for _ in range(SameGrads.RETRY + 3):
+        grads = [torch.randn(4) for _ in range(5)]
+        assert not tracker.same(grads)
+        tracker.seen(grads)
+        armed.append(tracker.alive)
+    # armed once, replaced before any reuse: no arming for RETRY steps, then one more try
+    assert armed[:2] == [True, False] and sum(armed) == 2 and armed[SameGrads.RETRY + 1]
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_steady_grads_take_the_identity_shortcut_and_fresh_ones_the_address_check(backend):
+    ours, theirs = pair((40,), (3, 3))
+    opt, ref = FusedAdamW(ours, lr=1e-2, max_grad_norm=1.0, backend=backend), torch.optim.AdamW(theirs, lr=1e-2)
+    grads = random_grads(ours, 1)
+    for a, g in zip(ours, grads):
+        a.grad = g
+    for _ in range(3):
+        for b, g in zip(theirs, grads):
+            b.grad = g.clone()
+        opt.step(), torch.nn.utils.clip_grad_norm_(theirs, 1.0), ref.step()
+    assert opt._plan.same_grads.hits == 2  # steps 2 and 3 recognised the very same grad tensors
+    assert_params_equal(ours, theirs, "static grads")
+    step_both(opt, ref, ours, theirs, random_grads(ours, 2))  # new grad tensors: the address check again
+    assert opt._plan.same_grads.hits == 0
+    assert_params_equal(ours, theirs, "fresh grads")
