@@ -86,5 +86,8 @@ def fused_step(
 
 
 def total_norm_and_scale_(grads: list[torch.Tensor], max_norm: float, backend: str) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s L2 case with the fused kernels: returns the total norm (fp32)."""
+    """torch.nn.utils.clip_grad_norm_'s L2 case on the kernels (`backend` "triton" or "interpret"): returns the
+    total norm (fp32)."""
+    if backend == "torch":
+        raise ValueError("total_norm_and_scale_ runs the Triton kernels; the torch backend clips with torch's own")
     return triton_backend.clip_grad_norm(grads, max_norm)

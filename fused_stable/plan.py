@@ -365,6 +365,12 @@ def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_lay
 
 def check_state(param: torch.Tensor, state: dict) -> None:
     """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not)."""
+    missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in state]
+    if missing:
+        raise ValueError(
+            f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}): load a complete AdamW state, "
+            "or clear that parameter's state (opt.state[p].clear()) to start it afresh"
+        )
     for key in ("exp_avg", "exp_avg_sq", "master_param"):
         tensor = state.get(key)
         if tensor is None:

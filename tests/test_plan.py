@@ -297,3 +297,16 @@ def test_steady_grads_take_the_identity_shortcut_and_fresh_ones_the_address_chec
     step_both(opt, ref, ours, theirs, random_grads(ours, 2))  # new grad tensors: the address check again
     assert opt._plan.same_grads.hits == 0
     assert_params_equal(ours, theirs, "fresh grads")
+
+
+def test_an_incomplete_state_is_a_clear_error():
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = FusedAdamW([p], lr=1e-2)
+    p.grad = torch.ones(5)
+    opt.step()
+    del opt.state[p]["exp_avg_sq"]
+    with pytest.raises(ValueError, match=r"lacks \['exp_avg_sq'\]"):
+        opt.step()
+    opt.state[p].clear()
+    opt.step()
+    assert float(opt.state[p]["step"]) == 1.0

@@ -25,11 +25,13 @@ from ..layout import StepBuffers, StepRules
 from ..plan import StepPlan
 
 
+def _another_device_is_current(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.current_device() != device.index
+
+
 def device_guard(device: torch.device):
     """Makes `device` current for the launches (Triton launches on the current device), only when it is not."""
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        return torch.cuda.device(device.index)
-    return contextlib.nullcontext()
+    return torch.cuda.device(device.index) if _another_device_is_current(device) else contextlib.nullcontext()
 
 
 class TritonTables:
@@ -163,10 +165,10 @@ def fused_step(
         grad_scale = grad_scale.float()
     if found_inf is not None and found_inf.dtype != torch.float32:
         found_inf = found_inf.float()
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        with torch.cuda.device(device.index):  # Triton launches on the current device: make it the params' one
+    if _another_device_is_current(device):  # Triton launches on the current device: make it the params' one
+        with torch.cuda.device(device.index):
             launch_step(tables, grad_scale, found_inf, global_sumsq)
-    else:
+    else:  # no context manager at all in the usual case: this is host time per step
         launch_step(tables, grad_scale, found_inf, global_sumsq)
 
 

@@ -49,7 +49,6 @@ _TYPES = {
     },
 }  # fmt: skip
 _KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": adamw._adamw_kernel, "finalize": adamw._finalize_kernel}
-_DEFAULTS = {"sumsq": norm.SUMSQ_CONFIG, "adamw": adamw.ADAMW_CONFIG, "finalize": adamw.FINALIZE_CONFIG}
 
 # launch configurations a GPU should decide between (benchmarks/gpu_probe.py times them side by side)
 CANDIDATES = {
