@@ -53,22 +53,25 @@ def main(argv: list[str]) -> int:
     from fused_stable.train.loop import Interrupts
 
     # SIGINT / SIGTERM: at once while nothing is written; once training, after a checkpoint (see Interrupts)
+    code = None
     with Interrupts(announce=parallel.launch_rank() == 0) as interrupts:
         try:
             with parallel.process_group():  # under torchrun: join the other ranks; nothing in a single process
                 try:
-                    return run(argv, interrupts)
+                    code = run(argv, interrupts)
                 except UserError as exc:
                     parallel.report_error(f"fused-stable sft: error: {exc}")  # rank 0 prints; every rank exits 2
-                    return 2
+                    code = 2
         except UserError as exc:  # torchrun's environment is incomplete: there is no process group to join
             if parallel.launch_rank() == 0:
                 print(f"fused-stable sft: error: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # before the run started writing: nothing to save, nothing written
-            if parallel.launch_rank() == 0:
-                print("fused-stable sft: interrupted before training started; nothing was written", file=sys.stderr)
-            return interrupts.exit_code
+            code = 2
+        except KeyboardInterrupt:
+            if code is None:  # before the run started writing (after that, `run` reports it): nothing written
+                if parallel.launch_rank() == 0:
+                    print("fused-stable sft: interrupted before training started; nothing was written", file=sys.stderr)
+                code = interrupts.exit_code
+    return code
 
 
 def continue_command(output_dir: str, world_size: int) -> str:
@@ -255,10 +258,12 @@ def run(argv: list[str], interrupts=None) -> int:
                 name = signal.Signals(interrupts.signum).name
                 print(f"fused-stable sft: interrupted by {name} after step {state.step} of {trainer.total_steps}; "
                       f"checkpoint saved: {trainer.last_checkpoint}\n  continue: {resume}", file=sys.stderr, flush=True)
+            parallel.barrier()  # torchrun ends the other ranks as soon as one exits: let rank 0 finish first
             return interrupts.exit_code
         if trainer.stopped_by == "guard":
             if main_rank:
                 print(f"fused-stable sft: {trainer.stop_message}\n  resume: {resume}", file=sys.stderr, flush=True)
+            parallel.barrier()
             return 3
         if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
             trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
