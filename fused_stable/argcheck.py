@@ -152,14 +152,25 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         argv = [flag_spelling(a) for a in (args or [])]
         known = set(self._option_names())
-        for token in argv:
+        takes_value = {s for a in self._actions if a.nargs is None for s in a.option_strings}
+        joined, i = [], 0
+        while i < len(argv):
+            token = argv[i]
             if token.startswith("--") and token != "--":
                 name = token.split("=", 1)[0]
                 if name not in known:
                     hint = suggestion(name, known, self.aliases)
                     tail = f"; did you mean {hint}?" if hint else f"; see `{self.prog} --help`"
                     raise UserError(f"unknown option {name}{tail}")
-        return super().parse_args(argv, namespace)
+                nxt = argv[i + 1] if i + 1 < len(argv) else None
+                if name == token and name in takes_value and nxt and nxt.startswith("-") and not nxt.startswith("--"):
+                    # `--lr -inf`, `--lr -1e-3`: argparse would read a value like that as an option of its own
+                    joined.append(f"{token}={nxt}")
+                    i += 2
+                    continue
+            joined.append(token)
+            i += 1
+        return super().parse_args(joined, namespace)
 
     def error(self, message: str):
         # argparse's own wording, on one line: "argument --steps: invalid integer value: 'x'"

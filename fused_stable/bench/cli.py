@@ -89,13 +89,13 @@ def _resolve_device(arg: str) -> torch.device:
     return torch.device(arg)
 
 
-def _select_sets(sets, selector: str):
+def _select_sets(sets, selector: str, flag: str = "--sets"):
     if not selector:
         return sets
     wanted = [s.strip() for s in selector.split(",") if s.strip()]
     chosen = [s for s in sets if any(s.name == w or s.name.startswith(w) for w in wanted)]
     if not chosen:
-        raise UserError(f"--sets {selector!r} matches none of: {', '.join(s.name for s in sets)}")
+        raise UserError(f"{flag} {selector!r} matches none of: {', '.join(s.name for s in sets)}")
     return chosen
 
 
@@ -122,7 +122,8 @@ def main(argv: list[str]) -> int:
             hint = f" (did you mean {close}?)" if close else ""
             raise UserError(f"--contenders: unknown {', '.join(unknown)}{hint}; choose from {', '.join(CONTENDERS)}")
         if args.compile_sets is not None:
-            _select_sets(plan_sets(plan, args.size_scale), args.compile_sets)  # a typo would skip every compile row
+            # a typo would silently skip every compile row
+            _select_sets(plan_sets(plan, args.size_scale), args.compile_sets, "--compile-sets")
         check_writable(args.out, "--out")
         if args.name:
             check_file_name(args.name, "--name")
