@@ -84,7 +84,7 @@ def continue_command(output_dir: str, world_size: int) -> str:
 def _resolve(argv: list[str]):
     """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
     checkpoints `resume latest` passed over (one line each)."""
-    from fused_stable.train import checkpoint
+    from fused_stable.train import checkpoint, outputs
     from fused_stable.train.config import STATE_KEYS, resolve_config, same_state_value
 
     cfg, explicit = resolve_config(argv)
@@ -93,7 +93,12 @@ def _resolve(argv: list[str]):
     if cfg.resume != "latest" and "output_dir" not in explicit:
         # a checkpoint path names its run: output_dir/checkpoints/step-N
         cfg.output_dir = os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume)))
-    path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
+    try:
+        path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
+    except UserError as exc:
+        if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
+            raise UserError(f"{exc}; the run never saved one: start it again with --overwrite (without --resume)") from None
+        raise
     try:
         saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))
     except UserError as exc:

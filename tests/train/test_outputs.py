@@ -95,7 +95,7 @@ def test_run_that_saved_no_checkpoint_suggests_overwrite(sft, tmp_path):
     line = _one_error_line(*sft(*RUN, "--output_dir", out)[::2])
     assert "saved no checkpoint" in line and "--overwrite" in line
     line = _one_error_line(*sft("--output_dir", out, "--resume", "latest")[::2])
-    assert "no complete checkpoint" in line
+    assert "no complete checkpoint" in line and "start it again with --overwrite" in line
 
 
 def test_damaged_manifest_is_refused_not_guessed(sft, tmp_path):
