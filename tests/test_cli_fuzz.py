@@ -22,7 +22,7 @@ import pytest
 from fused_stable import stress
 from fused_stable.bench import cli as bench_cli
 from fused_stable.train import cli as sft_cli
-from fused_stable.train.config import FIELDS, TrainConfig, resolve_config
+from fused_stable.train.config import CHOICES, FIELDS, TrainConfig, resolve_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny", "--builtin_examples", "64", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "2",
@@ -260,12 +260,22 @@ def test_sft_words_and_files(flags, needle, tmp_path, capsys, no_model_building)
     assert {name: snapshot(tmp_path / name) for name in os.listdir(tmp_path)} == before  # inputs untouched too
 
 
+@pytest.mark.parametrize("name", [n for n in FIELDS if n in CHOICES or n in BOOL_KEYS])
+def test_sft_choice_and_boolean_keys(name, tmp_path, capsys, no_model_building):
+    """Keys with a fixed set of values (new ones are covered automatically)."""
+    out = tmp_path / "out"
+    for value in ("bogus", "2", "-1", "nan"):
+        sft([*TINY, f"--{name}", value, "--output_dir", out], capsys, name)
+    assert not out.exists()
+
+
 def test_every_sft_key_is_driven():
-    """A key added to TrainConfig is covered here automatically (numbers, YAML types) or must be named in
-    WORD_CASES: no key escapes the fuzz test."""
+    """A key added to TrainConfig is covered here automatically (numbers, choices, booleans, YAML types); a
+    free-form one (a name or a path) must have its bad values in WORD_CASES: no key escapes the fuzz test."""
     named = {f.lstrip("-") for flags, _ in WORD_CASES for f in flags if f.startswith("--")}
     for name in FIELDS:
-        assert name in NUMBER_KEYS or name in named, f"--{name} has no bad-value case"
+        assert name in NUMBER_KEYS or name in CHOICES or name in BOOL_KEYS or name in named, \
+            f"--{name} has no bad-value case in WORD_CASES"
 
 
 # ------------------------------------------------------------------------------------------ stress and bench

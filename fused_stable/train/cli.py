@@ -1,5 +1,7 @@
 """`fused-stable sft`: parse the config, check every input before writing anything, build the model,
-data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2.
+data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2, with nothing
+written; an existing folder is replaced only if it is a run, and only its own entries (`outputs`); SIGINT and
+SIGTERM end with a checkpoint and the command that continues the run (exit code 130 / 143).
 """
 from __future__ import annotations
 
@@ -18,13 +20,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from fused_stable.train.errors import UserError  # noqa: E402
 
 RUN_FILE = "run.yaml"
-# what a run may leave in output_dir (with outputs.MANIFEST_FILE); a run claims the ones it will create in its
-# manifest before creating them, and --overwrite removes exactly the claimed ones
-RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "tensorboard", "checkpoints", "adapter", "model")
 
 
 def run_entries(cfg) -> list[str]:
-    """The top-level entries of output_dir that a run with this config creates."""
+    """The top-level entries of output_dir that a run with this config creates: claimed in its manifest
+    (outputs.claim) before they are created, and exactly what a later --overwrite removes."""
     names = [RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints",
              "model" if cfg.tuner == "full" else "adapter"]
     return names + (["tensorboard"] if cfg.tensorboard else [])

@@ -109,7 +109,7 @@ class Trainer:
     stopped_by: Optional[str] = None   # "guard" | "callback" | "interrupt"
     stop_message: str = ""
     last_checkpoint: Optional[str] = None  # the path of the newest checkpoint this process saved
-    _fit_started: Optional[float] = None   # perf_counter() when fit began; elapsed_s counts from here
+    _fit_started: Optional[float] = field(default=None, init=False, repr=False)  # perf_counter() at fit start
 
     def elapsed(self) -> float:
         """Training time of the whole run: before this process (from the checkpoint) plus this fit so far."""

@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 
 import pytest
 
@@ -34,15 +35,39 @@ def _one_error_line(code, err):
     return lines[0]
 
 
-def test_a_run_records_what_it_creates(sft, tmp_path):
-    out = tmp_path / "run"
-    code, _, err = sft(*RUN, "--output_dir", out)
-    assert code == 0, err
-    manifest = outputs.read_manifest(str(out))
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-step run with TensorBoard events; tests copy it before changing anything."""
+    from fused_stable.train import cli
+
+    out = tmp_path_factory.mktemp("outputs") / "run"
+    assert cli.main([str(a) for a in (*RUN, "--tensorboard", "true", "--output_dir", out)]) == 0
+    return out
+
+
+def _copy(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_a_run_records_what_it_creates(finished):
+    manifest = outputs.read_manifest(str(finished))
     assert manifest["created_by"] == "fused-stable sft"
-    assert set(manifest["entries"]) == {"run.yaml", "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints", "adapter"}
+    assert set(manifest["entries"]) == {"run.yaml", "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints",
+                                        "adapter", "tensorboard"}
     # everything in the folder is either the manifest or named in it
-    assert set(os.listdir(out)) - {outputs.MANIFEST_FILE} <= set(manifest["entries"])
+    assert set(os.listdir(finished)) - {outputs.MANIFEST_FILE} <= set(manifest["entries"])
+
+
+def test_tensorboard_is_a_dependency_and_a_run_writes_events(finished):
+    """README's first command promises TensorBoard events: `pip install -e .` installs tensorboard (a plain
+    dependency, not an extra), and a run writes the events."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.startswith("tensorboard") for d in dependencies)
+    assert [n for n in os.listdir(finished / "tensorboard") if n.startswith("events.out.tfevents")]
 
 
 def test_project_folder_is_never_called_a_run_and_never_overwritten(sft, tmp_path):
@@ -61,9 +86,8 @@ def test_project_folder_is_never_called_a_run_and_never_overwritten(sft, tmp_pat
     assert snapshot(project) == before
 
 
-def test_overwrite_refuses_when_the_run_folder_holds_foreign_files(sft, tmp_path):
-    out = tmp_path / "run"
-    assert sft(*RUN, "--output_dir", out)[0] == 0
+def test_overwrite_refuses_when_the_run_folder_holds_foreign_files(sft, finished, tmp_path):
+    out = _copy(finished, tmp_path)
     (out / "notes.txt").write_text("my notes\n")
     (out / "merged").mkdir()
     before = snapshot(out)
@@ -72,19 +96,18 @@ def test_overwrite_refuses_when_the_run_folder_holds_foreign_files(sft, tmp_path
     assert snapshot(out) == before
 
 
-def test_overwrite_removes_exactly_the_previous_run(sft, tmp_path):
-    out = tmp_path / "run"
-    assert sft(*RUN, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", "--output_dir", out)[0] == 0
-    assert sorted(os.listdir(out / "checkpoints")) == ["step-1", "step-2", "step-3"]
-    old_metrics = (out / "metrics.jsonl").read_text()
+def test_overwrite_removes_exactly_the_previous_run(sft, finished, tmp_path):
+    out = _copy(finished, tmp_path)
     # without --overwrite: refused, with both ways on
     line = _one_error_line(*sft(*RUN, "--output_dir", out)[::2])
     assert "already holds a run" in line and "--resume latest" in line and "--overwrite" in line
-    code, _, err = sft(*RUN, "--output_dir", out, "--overwrite")
+    code, _, err = sft(*RUN, "--max_steps", "1", "--save_steps", "1", "--output_dir", out, "--overwrite")
     assert code == 0, err
-    assert sorted(os.listdir(out / "checkpoints")) == ["step-2"]  # the old run's step-1 and step-3 are gone
-    assert (out / "metrics.jsonl").read_text() != old_metrics
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    # the old run's entries are gone (its step-2 checkpoint, its TensorBoard folder), the new run's are there
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-1"]
+    assert not (out / "tensorboard").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert "tensorboard" not in outputs.read_manifest(str(out))["entries"]
 
 
 def test_run_that_saved_no_checkpoint_suggests_overwrite(sft, tmp_path):
@@ -98,9 +121,8 @@ def test_run_that_saved_no_checkpoint_suggests_overwrite(sft, tmp_path):
     assert "no complete checkpoint" in line and "start it again with --overwrite" in line
 
 
-def test_damaged_manifest_is_refused_not_guessed(sft, tmp_path):
-    out = tmp_path / "run"
-    assert sft(*RUN, "--output_dir", out)[0] == 0
+def test_damaged_manifest_is_refused_not_guessed(sft, finished, tmp_path):
+    out = _copy(finished, tmp_path)
     (out / outputs.MANIFEST_FILE).write_text('{"entries": "everything"}')
     before = snapshot(out)
     line = _one_error_line(*sft(*RUN, "--output_dir", out, "--overwrite")[::2])
@@ -145,11 +167,10 @@ def test_json_line_round_trip():
     assert "nonfinite" not in back
 
 
-def test_failed_resume_writes_nothing(sft, tmp_path):
+def test_failed_resume_writes_nothing(sft, finished, tmp_path):
     """A resume that fails when the checkpoint is loaded (here: the trainable tensors of another model)
     leaves the folder exactly as it was, run.yaml included."""
-    out = tmp_path / "run"
-    assert sft(*RUN, "--output_dir", out)[0] == 0
+    out = _copy(finished, tmp_path)
     weights = out / "checkpoints" / "step-2" / "weights.safetensors"
     from safetensors.torch import load_file, save_file
 
@@ -169,17 +190,3 @@ def _rewrite_marker(ckpt):
     os.remove(ckpt / COMPLETE_MARKER)
     marker["files"] = _file_records(str(ckpt))
     (ckpt / COMPLETE_MARKER).write_text(json.dumps(marker))
-
-
-def test_tensorboard_is_a_dependency_and_a_run_writes_events(sft, tmp_path):
-    """README's first command promises TensorBoard events: `pip install -e .` installs tensorboard (a plain
-    dependency, not an extra), and a run writes the events and claims the folder."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
-        dependencies = tomllib.load(f)["project"]["dependencies"]
-    assert any(d.startswith("tensorboard") for d in dependencies)
-    out = tmp_path / "tb"
-    code, _, err = sft(*RUN, "--tensorboard", "true", "--output_dir", out)
-    assert code == 0, err
-    events = [n for n in os.listdir(out / "tensorboard") if n.startswith("events.out.tfevents")]
-    assert events and "tensorboard" in outputs.read_manifest(str(out))["entries"]
