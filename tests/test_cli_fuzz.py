@@ -401,3 +401,10 @@ def test_real_processes_one_line_exit_2_nothing_created(tmp_path):
         assert err.strip().splitlines() == [needle], argv
         assert out == ""
         assert os.listdir(cwd) == []  # not even the output folder
+
+
+@pytest.mark.parametrize("command,needle", [("sfx", "did you mean 'sft'?"), ("train", "commands: sft")])
+def test_unknown_command_is_one_line(command, needle, capsys):
+    from fused_stable.cli import main as top
+
+    _one_line(top, "fused-stable: error: ", [command, "--lr", "1"], capsys, needle)
