@@ -32,8 +32,10 @@ def flag_spelling(token: str) -> str:
     return "--" + name.replace("_", "-") + eq + value
 
 
-def suggestion(name: str, known: Iterable[str], aliases: dict[str, str] | None = None) -> Optional[str]:
-    """The known name `name` probably meant (compared with dashes and underscores alike), or None."""
+def suggestion(name: str, known: Iterable[str], aliases: dict[str, str] | None = None,
+               cutoff: float = CLOSE_MATCH) -> Optional[str]:
+    """The known name `name` probably meant (compared with dashes and underscores alike), or None. Short
+    names (commands) need a lower `cutoff`: one wrong letter of three is a ratio of 0.67."""
     def canon(s: str) -> str:
         return s.lstrip("-").replace("-", "_").lower()
 
@@ -42,7 +44,7 @@ def suggestion(name: str, known: Iterable[str], aliases: dict[str, str] | None =
     for alias, target in (aliases or {}).items():
         if canon(alias) == key and canon(target) in by_canon:
             return by_canon[canon(target)]
-    close = difflib.get_close_matches(key, list(by_canon), n=1, cutoff=CLOSE_MATCH)
+    close = difflib.get_close_matches(key, list(by_canon), n=1, cutoff=cutoff)
     return by_canon[close[0]] if close else None
 
 

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         from fused_stable.argcheck import suggestion
 
-        close = suggestion(name, SUBCOMMANDS)
+        close = suggestion(name, SUBCOMMANDS, cutoff=0.6)
         hint = f"did you mean {close!r}? " if close else ""
         print(f"fused-stable: error: unknown command {name!r}; {hint}commands: {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
