@@ -163,7 +163,7 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     cfg, resume_path, passed_over = _resolve(argv)
     # the output folder before anything heavy: writable, and new, empty or (with --overwrite) only a run's
-    outputs.check_output_dir(cfg.output_dir, overwrite=cfg.overwrite, resuming=resume_path is not None,
+    outputs.check_output_dir(cfg.output_dir, overwrite=cfg.overwrite, resume_path=resume_path,
                              has_checkpoint=checkpoint.latest_checkpoint(cfg.output_dir) is not None)
 
     import torch

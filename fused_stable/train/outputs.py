@@ -54,12 +54,17 @@ def foreign_entries(output_dir: str, manifest: dict) -> list[str]:
     return [name for name in _listing(output_dir) if name not in owned]
 
 
-def check_output_dir(output_dir: str, *, overwrite: bool, resuming: bool, has_checkpoint: bool = False) -> None:
-    """Raise UserError unless a run may start in output_dir as asked; reads only. `has_checkpoint`: whether
-    the run there saved a complete checkpoint (it changes what to suggest)."""
+def check_output_dir(output_dir: str, *, overwrite: bool, resume_path: str | None = None,
+                     has_checkpoint: bool = False) -> None:
+    """Raise UserError unless a run may start in output_dir as asked; reads only. `resume_path`: the
+    (verified) checkpoint to continue; continuing it in its own run folder is always allowed, in another
+    folder the rules of a new run apply. `has_checkpoint`: whether the run in output_dir saved a complete
+    checkpoint (it changes what to suggest)."""
     check_writable(output_dir, "output_dir")
-    if resuming:
-        return  # the checkpoint to continue has been found and verified already
+    if resume_path is not None:
+        home = os.path.dirname(os.path.dirname(os.path.abspath(resume_path)))  # output_dir/checkpoints/step-N
+        if os.path.realpath(home) == os.path.realpath(output_dir):
+            return
     entries = _listing(output_dir)
     if not entries:
         return

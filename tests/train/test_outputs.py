@@ -190,3 +190,15 @@ def _rewrite_marker(ckpt):
     os.remove(ckpt / COMPLETE_MARKER)
     marker["files"] = _file_records(str(ckpt))
     (ckpt / COMPLETE_MARKER).write_text(json.dumps(marker))
+
+
+def test_resume_into_a_foreign_folder_is_refused(sft, finished, tmp_path):
+    """Continuing a checkpoint in another output_dir follows the rules of a new run: never into a folder
+    that holds someone else's files (a metrics.jsonl there would be rewritten)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "metrics.jsonl").write_text('{"theirs": 1}\n')
+    before = snapshot(project)
+    line = _one_error_line(*sft("--resume", finished / "checkpoints" / "step-2", "--output_dir", project)[::2])
+    assert "is not a fused-stable run" in line
+    assert snapshot(project) == before
