@@ -90,7 +90,9 @@ class Reporter:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
-            except ImportError:  # tensorboard is optional: metrics.jsonl and curves.png carry the same data
+            except ImportError:  # a dependency, so a broken install: say so, metrics.jsonl has the same data
+                print("fused-stable sft: note: tensorboard is not installed, so no TensorBoard events are written "
+                      "(pip install tensorboard, or --tensorboard false)", file=sys.stderr)
                 self.tb = None
         self.console = Console(file=sys.stdout)
         self.progress = Progress(
