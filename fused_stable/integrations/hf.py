@@ -6,6 +6,13 @@ One line swaps the optimizer in::
                       optimizers=fused_trainer_optimizers(model, args),
                       callbacks=[FusedStableCallback()])
 
+or, when the trainer itself changes the model before training (``SFTTrainer(peft_config=...)`` adds the
+adapters in its constructor, so an optimizer built beforehand would miss them), a mixin that makes the Trainer
+build FusedAdamW in its own ``create_optimizer``::
+
+    class FusedSFTTrainer(FusedStableTrainerMixin, SFTTrainer): pass
+    trainer = FusedSFTTrainer(model=model, args=args, train_dataset=ds, peft_config=LoraConfig(...))
+
 Three things of the Trainer's would fight the fused step, and this module moves each into the optimizer:
 
 - clipping: the Trainer clips with ``accelerator.clip_grad_norm_`` (a norm pass plus a read-write pass over
@@ -212,11 +219,63 @@ class FusedStableCallback(TrainerCallback):
 
 
 class FusedStableTrainerMixin:
-    """Optional: mix in before the Trainer class (``class T(FusedStableTrainerMixin, SFTTrainer)``) to
-    drop transformers 5's extra norm pass. With ``max_grad_norm == 0`` transformers >= 5 still computes
-    the grad norm every step through ``accelerator.clip_grad_norm_(params, inf)`` (a norm pass and a
-    multiply-by-one pass, plus an unscale pass under fp16) just to log it; FusedAdamW already has it.
+    """Mix in before a Trainer class to have the Trainer build FusedAdamW itself::
+
+        class FusedSFTTrainer(FusedStableTrainerMixin, SFTTrainer): pass
+
+        trainer = FusedSFTTrainer(model=model, args=args, train_dataset=ds, peft_config=LoraConfig(...),
+                                  fused_optimizer_kwargs={"clip": "zscore"})
+
+    - ``create_optimizer`` builds FusedAdamW from ``args`` exactly as ``fused_trainer_optimizers`` does (lr,
+      betas, eps, the Trainer's decay split, ``max_grad_norm`` moved into the fused step, ``lr_scheduler_type`` on
+      the device), plus ``fused_optimizer_kwargs``. The Trainer calls it inside ``train()``, once the model is
+      final: after ``SFTTrainer(peft_config=...)`` has added the adapters, so FusedAdamW gets exactly the
+      trainable adapter parameters. Without ``max_steps``, the number of training steps the schedule needs is
+      the one the Trainer computes from the dataloader and ``num_train_epochs``.
+    - ``create_scheduler`` returns the constant LambdaLR that goes with the device-side schedule.
+    - A ``FusedStableCallback`` is put first in the callbacks unless one is there already.
+    - ``_get_grad_norm``: transformers >= 5 computes the grad norm every step even with ``max_grad_norm == 0``
+      (``accelerator.clip_grad_norm_(params, inf)``: a norm pass and a multiply-by-one pass, plus an unscale
+      pass under fp16) just to log it; FusedAdamW already has it, and the callback logs it.
+
+    ``optimizers=(optimizer, scheduler)`` passed to the Trainer are kept as they are (then only the last point
+    applies); ``args.optim`` is ignored; ``optimizer_cls_and_kwargs`` is refused (use ``fused_optimizer_kwargs``).
     """
+
+    def __init__(self, *args: Any, fused_optimizer_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError(
+                f"{type(self).__name__} builds FusedAdamW itself and cannot take optimizer_cls_and_kwargs: pass "
+                "FusedAdamW options as fused_optimizer_kwargs={...} instead"
+            )
+        self.fused_optimizer_kwargs = dict(fused_optimizer_kwargs or {})
+        self._fused_training_steps: int | None = None
+        self._fused_scheduler: LambdaLR | None = None
+        super().__init__(*args, **kwargs)
+        callbacks = self.callback_handler.callbacks
+        if not any(isinstance(callback, FusedStableCallback) for callback in callbacks):
+            callbacks.insert(0, FusedStableCallback())  # first, so reporting callbacks see its values
+
+    def set_initial_training_values(self, args, dataloader, *rest):
+        values = super().set_initial_training_values(args, dataloader, *rest)
+        self._fused_training_steps = values[-1]  # max_steps, from num_train_epochs when args.max_steps < 0
+        return values
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer, self._fused_scheduler = fused_trainer_optimizers(
+                self.model if model is None else model,
+                self.args,
+                num_training_steps=self._fused_training_steps,
+                **self.fused_optimizer_kwargs,
+            )
+        # transformers < 5 has create_optimizer(self), without the model argument
+        return super().create_optimizer() if model is None else super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None and self._fused_scheduler is not None:
+            self.lr_scheduler = self._fused_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None and find_fused_optimizer(getattr(self, "optimizer", None)) is not None:

@@ -18,12 +18,14 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, **config):
+    """A 2-layer Llama with hidden size 32; ``config`` overrides LlamaConfig fields (vocab_size, token ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    fields = dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(cfg)
+    fields.update(config)
+    return LlamaForCausalLM(LlamaConfig(**fields))

@@ -137,3 +137,24 @@ def test_bad_arguments_get_clear_errors(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[FusedStableCallback()])
     with pytest.raises(TypeError, match="fused_trainer_optimizers"):
         trainer.train()
+
+
+def test_mixin_builds_the_optimizer_inside_train(baseline, tmp_path):
+    """No optimizers= at all: FusedStableTrainerMixin builds FusedAdamW from the args in create_optimizer and
+    adds the callback; same trajectory as the Trainer's torch AdamW with max_grad_norm=1.0."""
+    base_model, base_logs = baseline
+    model = tiny_llama()
+    trainer_cls = type("MixedTrainer", (FusedStableTrainerMixin, Trainer), {})
+    trainer = trainer_cls(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
+    assert trainer.optimizer is None
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, FusedAdamW)
+    assert trainer.args.max_grad_norm == 0.0
+    logs = train_logs(trainer)
+    assert len(logs) == STEPS
+    for mine, ref in zip(logs, base_logs):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert mine["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-5, abs=1e-9)
+    for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
