@@ -107,8 +107,9 @@ def _resolve(argv: list[str]):
     if changed:
         diffs = ", ".join(f"{k} (checkpoint: {getattr(saved_cfg, k)}, now: {getattr(cfg, k)})" for k in changed)
         raise UserError(
-            f"cannot resume {path} with a different {diffs}: they change the shape or meaning of the saved "
-            "state; leave them out to continue the run, or start a new run in another output_dir"
+            f"cannot resume {path} with a different {diffs}: the checkpoint fixes them (its weights' shapes and "
+            "meaning, or the optimizer state that restores lr and weight_decay); leave them out to continue the "
+            "run, or start a new run in another output_dir"
         )
     # keys not given now come from the run being resumed, so `--resume latest` alone continues it
     saved = saved_cfg.to_dict()

@@ -102,9 +102,12 @@ CHOICES = {
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
-# keys that fix the shapes or the meaning of a checkpoint's saved weights and optimizer state: a resume that
-# changes one is refused (the checkpoint's saved config is the reference)
-STATE_KEYS = ("model", "tuner", "quant_bits", "lora_r", "lora_alpha", "target_modules", "loraplus_lr_ratio")
+# keys a checkpoint fixes: the shapes or meaning of its saved weights (model, tuner, quantisation, adapter
+# rank, scale and targets, LoRA+ groups), and the hyper-parameters its optimizer state carries and restores
+# (lr, with any guard rollback cut, and weight_decay: a new value would be silently ignored). A resume that
+# changes one is refused; the checkpoint's saved config is the reference.
+STATE_KEYS = ("model", "tuner", "quant_bits", "lora_r", "lora_alpha", "target_modules", "loraplus_lr_ratio",
+              "lr", "weight_decay")
 
 
 def same_state_value(name: str, saved, now) -> bool:

@@ -285,6 +285,9 @@ def test_resume_latest_with_every_checkpoint_damaged(sft, three_checkpoints, tmp
     (["--quant_bits", "4"], ["quant_bits (checkpoint: None, now: 4)"]),
     (["--lora_alpha", "32"], ["lora_alpha (checkpoint: 16.0, now: 32.0)"]),
     (["--loraplus_lr_ratio", "16"], ["loraplus_lr_ratio (checkpoint: None, now: 16.0)"]),
+    # the optimizer state restores these: a new value would be silently ignored
+    (["--lr", "1e-3", "--weight_decay", "0.1"],
+     ["lr (checkpoint: 0.0002, now: 0.001)", "weight_decay (checkpoint: 0.01, now: 0.1)"]),
 ])
 def test_resume_with_state_changing_settings_is_one_line(sft, three_checkpoints, tmp_path, flags, needles):
     run = _copy(three_checkpoints, tmp_path)
@@ -300,8 +303,8 @@ def test_resume_with_state_changing_settings_is_one_line(sft, three_checkpoints,
 def test_resume_accepts_the_same_settings_spelled_differently(three_checkpoints, tmp_path):
     run = _copy(three_checkpoints, tmp_path)
     setup = setup_run("--output_dir", run, "--resume", "latest", "--target_modules", "v_proj, q_proj",
-                      "--lora_r", "8", "--max_steps", "5", "--lr", "1e-3")
-    assert setup.resume_path.endswith("step-3") and setup.cfg.max_steps == 5 and setup.cfg.lr == 1e-3
+                      "--lora_r", "8", "--lr", "2e-4", "--max_steps", "5", "--max_grad_norm", "0.5")
+    assert setup.resume_path.endswith("step-3") and setup.cfg.max_steps == 5 and setup.cfg.max_grad_norm == 0.5
 
 
 def test_rollback_passes_over_a_damaged_checkpoint(three_checkpoints, tmp_path):
