@@ -130,7 +130,7 @@ def test_config_precedence_and_types(tmp_path):
     config.write_text("lr: 1.0e-3\nlora_r: 4\nquant_bits: 4\ntarget_modules: all-linear\n")
     cfg, explicit = resolve_config(["--config", str(config), "--lora_r", "16", "--max-grad-norm=none"])
     assert cfg.lr == 1e-3 and cfg.lora_r == 16 and cfg.quant_bits == 4 and cfg.max_grad_norm is None
-    assert cfg.target_modules == "all-linear" and cfg.grad_accum == 8 and cfg.warmup_ratio == 0.1
+    assert cfg.target_modules == "all-linear" and cfg.grad_accum == 1 and cfg.warmup_ratio == 0.1
     assert explicit == {"lr", "lora_r", "quant_bits", "target_modules", "max_grad_norm"}
     with pytest.raises(UserError, match="lora_r in --lora_r must be int"):
         resolve_config(["--lora_r", "2.5"])
