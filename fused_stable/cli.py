@@ -26,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"fused-stable: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        from fused_stable.argcheck import suggestion
+
+        close = suggestion(name, SUBCOMMANDS, cutoff=0.6)
+        hint = f"did you mean {close!r}? " if close else ""
+        print(f"fused-stable: error: unknown command {name!r}; {hint}commands: {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)

@@ -1,12 +1,14 @@
 """What one fused step decides, and where each per-step scalar lives in the optimizer's device buffers.
 
-The finalize kernel (kernels/adamw.py), the torch backend (ops.py) and the optimizer's named views
+The decision kernel (kernels/adamw.py), the torch backend (backends/torch_backend.py) and the optimizer's named views
 (optim.py) all use the names below, so the layout and the rules are written exactly once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 # float32 buffer
 F_GRAD_NORM = 0  # global L2 norm of this step's (unscaled) grads, before clipping
@@ -77,3 +79,12 @@ class StepRules:
     zscore_warmup: int = 25  # finite norms collected before the statistics (and spike detection) start
     spike_skip_threshold: float | None = None  # z-score above which the step is skipped; None = never
     schedule: Any = None  # a fused_stable.schedules.Schedule, or None for the groups' lr as is
+
+
+@dataclass(frozen=True)
+class StepBuffers:
+    """The optimizer's device buffers that a step reads and writes (laid out as above)."""
+
+    fstate: torch.Tensor  # fp32 [F_SIZE]
+    istate: torch.Tensor  # int64 [I_SIZE]
+    hparams: torch.Tensor  # fp32 [num_groups, H_SIZE]

@@ -1,9 +1,10 @@
 """FusedAdamW: global-norm clipping, inf/NaN skipping and AdamW in one fused, sync-free step.
 
-The optimizer owns param groups, per-param state and a few device scalars; the arithmetic lives in
-ops.fused_step (Triton kernels on CUDA, torch's multi-tensor ops on CPU). Semantics equal
-`torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` followed by `torch.optim.AdamW.step()`, except that
-a step whose gradients are not finite is skipped whole, and that nothing in step() reads the device.
+The optimizer owns param groups, per-param state and a few device scalars. A step goes
+optimizer -> plan (plan.py: the params, states and grads flattened once, rebuilt only when they change)
+-> backend (ops.fused_step: Triton kernels on CUDA, torch's multi-tensor ops on CPU) -> kernels. Semantics
+equal `torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` followed by `torch.optim.AdamW.step()`, except
+that a step whose gradients are not finite is skipped whole, and that nothing in step() reads the device.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import layout, ops
-from .layout import StepRules
+from .layout import StepBuffers, StepRules
+from .plan import ParamStates, StepPlan, Version, check_grads, check_state, is_dtensor
+from .plan import local as _local
+from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .schedules import Schedule
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
@@ -33,8 +38,10 @@ class FusedAdamW(Optimizer):
             updates, multiplying every group's lr (skipped steps do not advance it).
         master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
             the rounded result), so small updates are not lost to rounding.
-        capturable: every per-step value stays on the device (always true here); with it, change lr through a
-            tensor lr or `lr_schedule` so a captured CUDA graph sees the change.
+        capturable: a whole step can be captured in a CUDA graph and replayed (README, "CUDA graphs"): every
+            per-step value stays on the device (always true here); change lr through a tensor lr or
+            `lr_schedule` so a replay sees the change. Anything that would upload host data while capturing
+            (the first step, new grad storage, a changed float hyper-parameter) raises a clear error instead.
         clip: "fixed" (max_grad_norm only) or "zscore" (also clip spikes to mean + zscore_threshold * std of the
             running norm statistics, ZClip-style, after `zscore_warmup` finite steps).
         zscore_alpha, zscore_threshold, zscore_warmup: the running statistics (kept in every mode, for
@@ -92,7 +99,9 @@ class FusedAdamW(Optimizer):
             amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
             decoupled_weight_decay=True,
         )  # fmt: skip
+        self._version = Version()  # bumped by whatever invalidates a cached plan (see plan.py)
         super().__init__(params, defaults)
+        self.state = ParamStates(self._version, self.state)
         self.rules = StepRules(
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             clip_mode=_CLIP_MODES[clip],
@@ -112,9 +121,9 @@ class FusedAdamW(Optimizer):
         self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
         self._istate[layout.I_LAST_SPIKE_STEP] = -1
         self.reset_max_zscore()
-        self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
-        self._cache = ops.StepCache()
-        self._state_version = 0
+        self._buffers = self._step_buffers()
+        self._plan: StepPlan | None = None
+        self._last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -235,71 +244,124 @@ class FusedAdamW(Optimizer):
         """
         params = [p for group in self.param_groups for p in group["params"]]
         norms = torch.zeros(len(params), dtype=torch.float32, device=self.device)
-        if self._cache.per_tensor_sumsq is not None:
-            norms.index_copy_(0, self._cache.positions, self._cache.per_tensor_sumsq.sqrt())
+        tables = self._last_tables
+        if tables is not None and tables.per_tensor_sumsq is not None and tables.positions.numel() <= len(params):
+            norms.index_copy_(0, tables.positions, tables.per_tensor_sumsq.sqrt())
         return norms
 
     # ------------------------------------------------------------------------------------------
     # the step
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One fused step (see the class doc); `closure` re-evaluates the model and returns the loss."""
+        if (
+            self._optimizer_step_pre_hooks
+            or self._optimizer_step_post_hooks
+            or _global_optimizer_pre_hooks
+            or _global_optimizer_post_hooks
+            or torch._C._autograd._profiler_enabled()
+        ):
+            return self._hooked_step(closure)
+        return self._plain_step(closure)
+
+    def _patch_step_function(self) -> None:
+        # torch.optim.Optimizer wraps every step() in profile_hook_step: the step hooks inside a profiler range
+        # (record_function), whose Python costs about 10 us per step whether a profiler runs or not. step()
+        # above takes that same wrapper (`_hooked_step`) only when a hook is registered or a profiler records.
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{self.__class__.__name__}.zero_grad"
+
+    def _plain_step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batch = self._collect_batch()
-        if batch is None:
-            return loss
-        ops.fused_step(
-            self.backend,
-            batch,
-            ops.StepBuffers(self._fstate, self._istate, self._hparams),
-            self.rules,
-            self._cache,
-            state_version=self._state_version,
-            grad_scale=getattr(self, "grad_scale", None),
-            found_inf=getattr(self, "found_inf", None),
-            global_sumsq=self._global_sumsq,
-        )
+        # what @torch.no_grad() does, without its per-call context-manager objects (this is host time per step)
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self._fused_step()
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
         return loss
 
-    def _collect_batch(self) -> ops.StepBatch | None:
-        """The params that have a grad, with their (lazily created) state. Validates before changing anything."""
-        chosen: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        position = 0
-        for group_index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                grad = p.grad
-                if grad is not None:
-                    if grad.is_sparse:
-                        raise RuntimeError(
-                            "FusedAdamW does not support sparse gradients (got one for a parameter of shape "
-                            f"{tuple(p.shape)}); use torch.optim.SparseAdam for sparse embeddings"
-                        )
-                    chosen.append((group_index, position, p, grad))
-                position += 1
-        if not chosen:
-            return None
-        batch = ops.StepBatch([], [], [], [], [], [], [], [], [], [])
-        for group_index, position, p, grad in chosen:
+    _hooked_step = Optimizer.profile_hook_step(_plain_step)
+
+    def _fused_step(self) -> None:
+        plan = self._plan
+        grads = None
+        if plan is not None and plan.version == self._version.value and type(self.state) is ParamStates:
+            grads = plan.current_grads(self.param_groups)  # the per-step check: a few C-level passes
+        if grads is None:
+            plan, grads = self._build_plan()
+            if plan is None:
+                return
+        attrs = self.__dict__  # GradScaler sets these two for the duration of its step() call
+        ops.fused_step(
+            self.backend,
+            plan,
+            grads,
+            self._buffers,
+            self.rules,
+            [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups],
+            grad_scale=attrs.get("grad_scale"),
+            found_inf=attrs.get("found_inf"),
+            global_sumsq=self._global_sumsq,
+        )
+        self._last_tables = plan.backend_cache
+
+    def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
+        """The plan for the params that have a grad now, with their (lazily created) state. Validates every grad
+        and state before anything changes; afterwards a step only checks that nothing it encodes moved."""
+        check_not_capturing(self.device, "a new step plan (the first step, or params, state or grads that changed)")
+        if type(self.state) is not ParamStates:  # replaced wholesale (e.g. by torch's __setstate__)
+            self.state = ParamStates(self._version, self.state)
+        group_params = [group["params"] for group in self.param_groups]
+        all_params = [p for params in group_params for p in params]
+        groups = [index for index, params in enumerate(group_params) for _ in params]
+        grads = [p.grad for p in all_params]
+        members = [i for i, g in enumerate(grads) if g is not None]
+        if not members:
+            self._plan = None
+            return None, None
+        params = [all_params[i] for i in members]
+        local_params = [_local(p) for p in params]
+        local_grads = [_local(grads[i]) for i in members]
+        check_grads(local_params, local_grads, ops.needs_dense_layouts(self.backend))
+        states = []
+        for p in params:
             state = self.state[p]
             if not state:
                 self._init_state(p, state)
-            batch.params.append(_local(p))
-            batch.originals.append(p)
-            batch.grads.append(_local(grad))
-            batch.exp_avgs.append(_local(state["exp_avg"]))
-            batch.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
-            master = state.get("master_param")
-            batch.masters.append(_local(master) if master is not None else None)
-            batch.steps.append(state["step"])
-            batch.groups.append(group_index)
-            batch.positions.append(position)
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            batch.group_hparams.append((group["lr"], beta1, beta2, group["eps"], group["weight_decay"]))
-        return batch
+            check_state(_local(p), state)
+            states.append(state)
+        plan = StepPlan(
+            version=self._version.value,
+            group_params=group_params,
+            group_sizes=[len(params) for params in group_params],
+            all_params=all_params,
+            members=None if len(members) == len(all_params) else members,
+            params=params,
+            local_params=local_params,
+            exp_avgs=[_local(state["exp_avg"]) for state in states],
+            exp_avg_sqs=[_local(state["exp_avg_sq"]) for state in states],
+            masters=[_local(state["master_param"]) if "master_param" in state else None for state in states],
+            steps=[state["step"] for state in states],
+            groups=[groups[i] for i in members],
+            numels=[p.numel() for p in local_params],
+            nbytes=[p.nbytes for p in local_params],
+            param_ptrs=[p.data_ptr() for p in local_params],
+            dtypes=[p.dtype for p in local_params],
+            strides=[p.stride() for p in local_params],
+            contiguous=all(p.is_contiguous() for p in local_params),
+            sharded=any(is_dtensor(p) for p in params),
+            dense_layouts=ops.needs_dense_layouts(self.backend),
+            storages=[p.untyped_storage() for p in local_params],
+            grad_ptrs=[g.data_ptr() for g in local_grads],
+        )
+        if not plan.sharded:
+            plan.same_grads.seen(local_grads)
+        self._plan = plan
+        return plan, local_grads
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -307,7 +369,10 @@ class FusedAdamW(Optimizer):
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         if self.master_weights and p.dtype != torch.float32:
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
-        self._state_version += 1
+
+    def _step_buffers(self) -> StepBuffers:
+        hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
+        return StepBuffers(self._fstate, self._istate, hparams)
 
     # ------------------------------------------------------------------------------------------
     # param groups and validation
@@ -326,15 +391,14 @@ class FusedAdamW(Optimizer):
             )
         if param_group.get("amsgrad") or param_group.get("maximize"):
             raise ValueError("FusedAdamW implements AdamW without amsgrad or maximize")
-        constructed = hasattr(self, "_hparams")
+        constructed = hasattr(self, "_buffers")
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
         super().add_param_group(param_group)
         if constructed:
-            self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
-            self._cache.hparams_key = ()
+            self._buffers = self._step_buffers()
             self._global_sumsq = self._sharded_norm_reducer()
-            self._state_version += 1
+            self._version.bump()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
         """Refuses what the fused step cannot update; called before a group is added, so nothing changes."""
@@ -371,7 +435,7 @@ class FusedAdamW(Optimizer):
 
     def _sharded_norm_reducer(self) -> ops.GlobalSumsq | None:
         """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one."""
-        if not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
+        if not any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
             return None
         from .integrations import distributed
 
@@ -382,6 +446,7 @@ class FusedAdamW(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": 1}
         return state
 
@@ -439,8 +504,8 @@ class FusedAdamW(Optimizer):
             self.reset_max_zscore()
             steps = [float(s["step"]) for s in self.state.values() if "step" in s]
             self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
-        self._cache = ops.StepCache()
-        self._state_version += 1
+        self._plan = None
+        self._version.bump()
 
     # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
     # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
@@ -452,7 +517,10 @@ class FusedAdamW(Optimizer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_version" not in self.__dict__:  # unpickling: a fresh object
+            self._version = Version()
         super().__setstate__(state)
+        self.state = ParamStates(self._version, self.state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -468,9 +536,10 @@ class FusedAdamW(Optimizer):
             self._istate[layout.I_LAST_SPIKE_STEP] = -1
             self.reset_max_zscore()
         self._param_names = getattr(self, "_param_names", None)
-        self._hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
-        self._cache = ops.StepCache()
-        self._state_version = 0
+        self._buffers = self._step_buffers()
+        self._plan = None
+        self._last_tables = None
+        self._version.bump()
         self._global_sumsq = self._sharded_norm_reducer()
 
 
@@ -492,12 +561,3 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta} (must be in [0, 1))")
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (what the kernels update); any other tensor as is."""
-    return t.to_local() if _is_dtensor(t) else t

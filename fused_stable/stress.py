@@ -19,7 +19,6 @@ run's of the same recipe; a run the guard stopped is reported as "stopped". Outp
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import io
 import json
@@ -36,6 +35,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from fused_stable.argcheck import OneLineParser, check_writable, number, suggestion  # noqa: E402
+from fused_stable.train.errors import UserError  # noqa: E402
 
 RECIPES = ("usual", "guarded")
 FINAL_WINDOW = 10  # steps averaged into the "final loss"
@@ -393,9 +395,25 @@ def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], Non
     return results
 
 
-def build_parser() -> argparse.ArgumentParser:
+# where each option makes sense: (low, high) for argcheck.number; stress runs are minutes, not days
+_RANGES = {
+    "steps": dict(low=20, high=100_000, integer=True),
+    "pretrain_steps": dict(low=0, high=100_000, integer=True),
+    "batch_size": dict(low=1, high=4096, integer=True),
+    "max_length": dict(low=96, high=65536, integer=True),
+    "lr": dict(low=0, high=1, low_open=True),
+    "log_every": dict(low=1, high=100_000, integer=True),
+    "max_rollbacks": dict(low=0, high=1000, integer=True),
+    "seed": dict(low=0, high=2**32 - 1, integer=True),
+    "threads": dict(low=1, high=1024, integer=True),
+}
+
+
+def build_parser() -> OneLineParser:
     d = StressConfig()
-    p = argparse.ArgumentParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0],
+                      aliases={"--output_dir": "--output-dir", "--out": "--output-dir", "--scenario": "--scenarios",
+                               "--iters": "--steps", "--max-steps": "--steps", "--learning-rate": "--lr"})
     p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(d))} (default: all)")
     p.add_argument("--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)")
     helps = {
@@ -411,28 +429,37 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name, text in helps.items():
         value = getattr(d, name)
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"{text} (default: {value})")
+        p.add_argument(f"--{name.replace('_', '-')}", type=number(**_RANGES[name]), default=value,
+                       help=f"{text} (default: {value})")
     return p
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    """`fused-stable stress`; a bad option is one line on stderr and exit code 2, before anything is written."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UserError as exc:
+        print(f"fused-stable stress: error: {exc}", file=sys.stderr)
+        return 2
     cfg = StressConfig(steps=args.steps, pretrain_steps=args.pretrain_steps, batch_size=args.batch_size,
                        max_length=args.max_length, lr=args.lr, log_every=args.log_every,
                        max_rollbacks=args.max_rollbacks, seed=args.seed, threads=args.threads)
     known = scenarios(cfg)
     names = list(known) if args.scenarios == "all" else [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        print(f"fused-stable stress: unknown scenario {unknown[0]!r}; choose from {', '.join(known)}", file=sys.stderr)
-        return 2
-    if (cfg.steps < 2 * cfg.log_every or cfg.steps < 20 or min(cfg.batch_size, cfg.log_every, cfg.threads) < 1
-            or cfg.lr <= 0 or cfg.pretrain_steps < 0 or cfg.max_rollbacks < 0):
-        print("fused-stable stress: need --steps >= 20 and >= 2 x --log-every, positive --batch-size, --log-every, "
-              "--threads and --lr, and non-negative --pretrain-steps and --max-rollbacks", file=sys.stderr)
-        return 2
-    if cfg.max_length < 96:
-        print("fused-stable stress: --max-length must be at least 96 (the built-in prompts are 71-92 tokens)", file=sys.stderr)
+    try:
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            close = suggestion(unknown[0], known) if unknown else None
+            hint = f"did you mean {close!r}? " if close else ""
+            what = f"unknown scenario {unknown[0]!r}" if unknown else "--scenarios names no scenario"
+            raise UserError(f"{what}; {hint}choose from {', '.join(known)} or all")
+        if cfg.steps < 2 * cfg.log_every:
+            raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
+        check_writable(args.output_dir, "--output-dir")
+    except UserError as exc:
+        print(f"fused-stable stress: error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.threads)
     os.makedirs(args.output_dir, exist_ok=True)

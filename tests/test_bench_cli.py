@@ -142,3 +142,29 @@ def test_bytes_model_and_shapes():
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
     with pytest.raises(ValueError, match="unknown plan"):
         plan_sets("huge")
+
+
+def test_bench_is_quiet_unless_asked(tmp_path, capfd):
+    """The profiler behind the memory figures writes ~60 `USDT ... profiler_start/stop` lines to file
+    descriptor 2 per run: hidden by default, shown with --verbose; every other stderr line passes through."""
+    import os
+
+    from fused_stable.bench import measure
+
+    rc = cli_main(["bench", "--plan", "smoke", "--sets", "dense-fp32", "--contenders", "fused_stable,torch_fused",
+                   "--compile", "off", "--out", str(tmp_path), "--name", "q", *FAST])
+    out, err = capfd.readouterr()
+    assert rc == 0 and "dense-fp32" in out
+    assert err == ""
+
+    chatter = b"USDT:2026-11-30 16:52:22 6365:6365 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+    for quiet in (True, False):
+        measure.QUIET_PROFILER = quiet
+        try:
+            with measure._quiet_profiler():
+                os.write(2, chatter)
+                os.write(2, b"a real warning\n")
+        finally:
+            measure.QUIET_PROFILER = True
+        err = capfd.readouterr().err
+        assert ("USDT" in err) is not quiet and "a real warning" in err

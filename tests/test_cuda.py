@@ -135,3 +135,133 @@ def test_cuda_clip_grad_norm_matches_torch():
     assert_close(total_ours, total_theirs, 1e-5, 1e-6, "total norm")
     for a, b in zip(ours, theirs):
         assert_close(a.grad, b.grad, 1e-5, 1e-7, "clipped grad")
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)).cuda()
+
+
+def _recipe_step(model, opt, scaler, x, y):
+    """README's CUDA-graph recipe: grads keep their storage (zeroed in place), fp16 autocast, GradScaler."""
+    opt.zero_grad(set_to_none=False)
+    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+def test_cuda_graph_of_a_whole_step_with_grad_scaler_replays_like_eager():
+    from torch.profiler import ProfilerActivity, profile
+
+    models = [_mlp(0), _mlp(0)]
+    opts = [FusedAdamW(m.parameters(), lr=torch.tensor(1e-3, device="cuda"), max_grad_norm=1.0, capturable=True,
+                       lr_schedule=schedules.warmup_cosine(50, 5)) for m in models]  # fmt: skip
+    scalers = [fused_stable.GradScaler("cuda", init_scale=2.0**10), fused_stable.GradScaler("cuda", init_scale=2.0**10)]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(32, 64, device="cuda", generator=gen), torch.randn(32, 8, device="cuda", generator=gen))
+               for _ in range(10)]  # fmt: skip
+    static_x, static_y = torch.zeros_like(batches[0][0]), torch.zeros_like(batches[0][1])
+
+    eager_model, eager_opt, eager_scaler = models[0], opts[0], scalers[0]
+    model, opt, scaler = models[1], opts[1], scalers[1]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the eager warm-up builds state, the step's tables and the grads
+        for x, y in batches[:3]:
+            static_x.copy_(x), static_y.copy_(y)
+            _recipe_step(model, opt, scaler, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _recipe_step(model, opt, scaler, static_x, static_y)
+
+    for x, y in batches[:3]:
+        _recipe_step(eager_model, eager_opt, eager_scaler, x, y)
+    for i, (x, y) in enumerate(batches[3:]):
+        _recipe_step(eager_model, eager_opt, eager_scaler, x, y)
+        static_x.copy_(x), static_y.copy_(y)
+        if i == len(batches) - 4:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+        else:
+            graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert_close(a, b, 1e-6, 1e-7, "graph replay vs eager")
+    assert opt.applied_steps.item() == eager_opt.applied_steps.item() == len(batches)
+    assert scaler.get_scale() == eager_scaler.get_scale()
+    # replaying costs the host one graph launch: no kernel is launched from the host
+    names = [e.name for e in prof.events()]
+    assert names.count("cudaGraphLaunch") == 1, sorted(set(names))
+    assert not any(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx") for n in names)
+
+
+def test_cuda_capture_refuses_an_upload_with_a_clear_error():
+    params = cuda_params([(1025,), (7,)])
+    opt = FusedAdamW(params, lr=torch.tensor(1e-2, device="cuda"), max_grad_norm=1.0, capturable=True)
+    with pytest.raises(RuntimeError, match="one eager step"):  # first step: the plan and tables do not exist yet
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+    assert not opt.state
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            params[0].grad = torch.ones_like(params[0])  # new grad storage allocated inside the capture
+            opt.step()
+
+
+def test_cuda_step_runs_on_the_current_stream():
+    eager, streamed = cuda_params([(4097,), (33,)], seed=2), cuda_params([(4097,), (33,)], seed=2)
+    opts = [FusedAdamW(ps, lr=1e-2, max_grad_norm=1.0) for ps in (eager, streamed)]
+    side = torch.cuda.Stream()
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in eager]
+        for a, b, g in zip(eager, streamed, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        opts[0].step()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            opts[1].step()
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for a, b in zip(eager, streamed):
+        assert_close(a, b, 0, 0, "side-stream step")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_step_runs_on_the_params_device_whatever_device_is_current():
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(4)
+    init = [torch.randn(s, generator=gen) for s in [(4097,), (300, 7)]]
+    ours = [torch.nn.Parameter(t.to("cuda:1")) for t in init]
+    theirs = [torch.nn.Parameter(t.to("cuda:1")) for t in init]
+    opt, ref = FusedAdamW(ours, lr=1e-2, max_grad_norm=1.0), torch.optim.AdamW(theirs, lr=1e-2)
+    torch.cuda.set_device(0)
+    for step in range(3):
+        for a, b in zip(ours, theirs):
+            g = torch.randn(a.shape, generator=gen).to("cuda:1")
+            a.grad, b.grad = g.clone(), g.clone()
+        if step == 2:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                opt.step()
+                torch.cuda.synchronize(1)
+        else:
+            opt.step()
+        torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        ref.step()
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, 1e-5, 1e-6, "param on cuda:1")
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()]
+    assert kernels and all(e.device_index == 1 for e in kernels), [(e.name, e.device_index) for e in kernels]

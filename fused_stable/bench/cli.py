@@ -1,13 +1,16 @@
 """`fused-stable bench`: parse options, measure the copy bandwidth, run the plan, print the table, write results."""
 from __future__ import annotations
 
-import argparse
+import re
 import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from fused_stable.argcheck import OneLineParser, check_file_name, check_writable, number, suggestion
+from fused_stable.train.errors import UserError
 
 from . import measure, report
 from .contenders import CONTENDERS
@@ -25,65 +28,86 @@ PLAN_DEFAULTS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    p = OneLineParser(
         prog="fused-stable bench",
         description="Time one optimizer step (global-norm clip 1.0 + AdamW) of fused_stable against torch's "
-                    "clip + AdamW variants; print one table and write JSON + markdown.")
+                    "clip + AdamW variants; print one table and write JSON + markdown.",
+        aliases={"--output-dir": "--out", "--output_dir": "--out", "--iters": "--steps", "--set": "--sets",
+                 "--contender": "--contenders", "--num-threads": "--threads", "--scale": "--size-scale",
+                 "--profile": "--no-profile", "--quiet": "--verbose"})
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument("--plan", default="auto", choices=["auto", "cpu", "gpu", "smoke"],
                    help="parameter sizes: cpu (fits 2 cores in a few minutes), gpu (1M to 1B+ params), "
                         "smoke (tiny); auto picks gpu on CUDA, else cpu")
-    p.add_argument("--size-scale", type=float, default=1.0,
+    p.add_argument("--size-scale", type=number(0, 1e3, low_open=True), default=1.0,
                    help="multiply every set's size by this (e.g. run the gpu plan's logic on CPU with 1e-3)")
     p.add_argument("--sets", default="", help="comma-separated set names or prefixes to run (default: all)")
     p.add_argument("--contenders", default="", help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
-    p.add_argument("--warmup", type=int, help="warm-up steps per row")
-    p.add_argument("--steps", type=int, help="minimum timed steps per row")
-    p.add_argument("--max-steps", type=int, help="maximum timed steps per row")
-    p.add_argument("--min-time", type=float, help="seconds of timed steps to aim for per row")
-    p.add_argument("--input-sets", type=int, default=3,
+    p.add_argument("--warmup", type=number(0, 100_000, integer=True), help="warm-up steps per row")
+    p.add_argument("--steps", type=number(1, 1_000_000, integer=True), help="minimum timed steps per row")
+    p.add_argument("--max-steps", type=number(1, 1_000_000, integer=True), help="maximum timed steps per row")
+    p.add_argument("--min-time", type=number(0, 3600), help="seconds of timed steps to aim for per row")
+    p.add_argument("--input-sets", type=number(1, 64, integer=True), default=3,
                    help="independent copies of a set (< 256 MiB) rotated between steps so caches don't flatter")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile contender: auto = on the plan's compile sets, on = every dense/LoRA set")
     p.add_argument("--compile-sets", help="comma-separated sets that get the torch.compile contender")
-    p.add_argument("--compile-timeout", type=float, help="time box (s) of one torch.compile row, compile included")
-    p.add_argument("--copy-mib", type=float, default=0.0,
+    p.add_argument("--compile-timeout", type=number(0, 86_400, low_open=True),
+                   help="time box (s) of one torch.compile row, compile included")
+    p.add_argument("--copy-mib", type=number(0, 1 << 20), default=0.0,
                    help="size of the copy-bandwidth reference (default: 256 on the cpu plan, 2048 on gpu, "
                         "scaled down with --size-scale)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=number(0, 1024, integer=True), default=0,
+                   help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiler pass (launches, syncs)")
-    p.add_argument("--deadline", type=float, default=0.0,
+    p.add_argument("--verbose", action="store_true",
+                   help="let the profiler's own log lines through (hidden by default)")
+    p.add_argument("--deadline", type=number(0, 7 * 86_400), default=0.0,
                    help="seconds after which remaining rows are skipped (0: none); results are still written")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(0, 2**32 - 1, integer=True), default=0)
     p.add_argument("--out", default="bench-results", help="output directory for the JSON and markdown")
     p.add_argument("--name", default="", help="file stem (default: bench-<device>-<UTC date-time>)")
     return p
 
 
+_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
+
+
 def _resolve_device(arg: str) -> torch.device:
+    match = _DEVICE.fullmatch(arg)
+    if not match:
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {arg!r}")
     if arg == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(arg)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {arg}: CUDA is not available on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {arg}: only cpu and cuda are supported")
-    return device
+    if arg.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {arg}: CUDA is not available on this machine")
+        if match.group(1) is not None and int(match.group(1)) >= count:
+            raise UserError(f"--device {arg}: this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
+    return torch.device(arg)
 
 
-def _select_sets(sets, selector: str):
+def _select_sets(sets, selector: str, flag: str = "--sets"):
     if not selector:
         return sets
     wanted = [s.strip() for s in selector.split(",") if s.strip()]
     chosen = [s for s in sets if any(s.name == w or s.name.startswith(w) for w in wanted)]
     if not chosen:
-        raise ValueError(f"--sets {selector!r} matches none of: {', '.join(s.name for s in sets)}")
+        raise UserError(f"{flag} {selector!r} matches none of: {', '.join(s.name for s in sets)}")
     return chosen
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    """`fused-stable bench`; a bad option is one line on stderr and exit code 2, before anything is written."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UserError as e:
+        print(f"fused-stable bench: error: {e}", file=sys.stderr)
+        return 2
     from rich.console import Console
 
     console = Console(width=max(200, Console().width))
@@ -94,12 +118,19 @@ def main(argv: list[str]) -> int:
         contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())
         unknown = [c for c in contenders if c not in CONTENDERS]
         if unknown:
-            raise ValueError(f"--contenders: unknown {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
-        if args.threads < 0 or args.input_sets < 1:
-            raise ValueError("--threads must be >= 0 and --input-sets >= 1")
-    except ValueError as e:
-        print(f"fused-stable bench: {e}", file=sys.stderr)
+            close = suggestion(unknown[0], CONTENDERS)
+            hint = f" (did you mean {close}?)" if close else ""
+            raise UserError(f"--contenders: unknown {', '.join(unknown)}{hint}; choose from {', '.join(CONTENDERS)}")
+        if args.compile_sets is not None:
+            # a typo would silently skip every compile row
+            _select_sets(plan_sets(plan, args.size_scale), args.compile_sets, "--compile-sets")
+        check_writable(args.out, "--out")
+        if args.name:
+            check_file_name(args.name, "--name")
+    except UserError as e:
+        print(f"fused-stable bench: error: {e}", file=sys.stderr)
         return 2
+    measure.QUIET_PROFILER = not args.verbose
 
     d = PLAN_DEFAULTS[plan]
     if args.compile == "off":

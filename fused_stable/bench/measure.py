@@ -7,9 +7,14 @@ and each rotates over several independent input sets when one set is small enoug
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 import warnings
 from typing import Callable
@@ -19,6 +24,14 @@ import torch
 from .paramsets import tensor_bytes
 
 MiB = 2**20
+# The profiler (kineto) writes "USDT:... profiler_start/stop" lines straight to file descriptor 2 each time it
+# starts and stops (some 60 per bench run), and c10 notes that memory allocated before profiling is not
+# tracked (true, and irrelevant to a step's transient peak). Hidden unless `fused-stable bench --verbose`.
+QUIET_PROFILER = True
+_PROFILER_CHATTER = re.compile(
+    r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d \S+ \d+:\d+ \S+\.cpp:\d+\] "
+    r"|^\[W\d{4} [\d:.]+ (?:\d+ )?\S+\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"
+)
 SMALL_SET_BYTES = 256 * MiB      # below this resident size a step could be served from a cache: rotate inputs
 L2_FLUSH_BYTES = 256 * MiB
 
@@ -148,7 +161,7 @@ def count_launches_and_syncs(step: Callable[[], None], device: torch.device, ste
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         synchronize(device)
@@ -179,11 +192,36 @@ def count_launches_and_syncs(step: Callable[[], None], device: torch.device, ste
             "top_kernels": [{"name": k[:120], "per_step": v / steps} for k, v in top]}
 
 
+@contextlib.contextmanager
+def _quiet_profiler():
+    """Hold back what is written to file descriptor 2 inside the block (the profiler writes from C++, below
+    sys.stderr), then pass on every line except the profiler's own start/stop chatter."""
+    if not QUIET_PROFILER:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_CHATTER.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def _cpu_memory_events(fn: Callable[[], object]):
     """Run `fn` under the profiler's allocator tracking: (its result, the [memory] events in time order)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())

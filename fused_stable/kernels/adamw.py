@@ -8,6 +8,19 @@ A step is three kinds of launch, in stream order, with no host read anywhere:
      returns at once when the step is skipped.
 Keeping every decision in one single-program kernel is what makes the step race-free (no program reads a
 counter another program is writing) and safe to capture in a CUDA graph; it costs one tiny launch.
+
+The buffer layout (fused_stable/layout.py) reaches the kernels as constexpr arguments with defaults, not as
+module-level `tl.constexpr` globals, which Triton's dispatcher re-checks on every launch; constexpr values are
+part of Triton's cache key, so a change in layout.py recompiles.
+
+Rounding, against torch (fp contraction off in both kernels, IEEE `div_rn` / `sqrt_rn`): torch's AdamW
+(for-loop and foreach paths) and the torch backend's decision ops evaluate one op at a time, each rounded to
+fp32, with IEEE division and square root; Triton's defaults would contract `a * b + c` into one FMA and use
+approximate division and square root (`div.full`, `sqrt.approx`). With contraction off and the `_rn`
+functions the compiled kernels round exactly as the expressions are written, which is also what Triton's
+interpreter does, so the CPU tests see the GPU's arithmetic (only `exp` and `cos`, in the bias correction and
+the cosine schedule, stay approximate on the GPU). torch's own fused CUDA AdamW is compiled with contraction
+on and differs from its foreach path in the last bit too.
 """
 from __future__ import annotations
 
@@ -16,58 +29,22 @@ import triton
 import triton.language as tl
 
 from .. import layout
-from .norm import BLOCK_SIZE, TRITON_DTYPES, block_pointer, load_pointer, to_storage
-from .tables import CHUNK_SIZE, ChunkMap
+from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
+from .norm import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
+from .tables import ChunkMap
 
-# buffer indices as compile-time constants (triton reads globals only as constexpr)
-_F_GRAD_NORM = tl.constexpr(layout.F_GRAD_NORM)
-_F_GRAD_MUL = tl.constexpr(layout.F_GRAD_MUL)
-_F_SKIP = tl.constexpr(layout.F_SKIP)
-_F_FOUND_INF = tl.constexpr(layout.F_FOUND_INF)
-_F_LR_FACTOR = tl.constexpr(layout.F_LR_FACTOR)
-_F_LAST_LR = tl.constexpr(layout.F_LAST_LR)
-_F_NORM_MEAN = tl.constexpr(layout.F_NORM_MEAN)
-_F_NORM_VAR = tl.constexpr(layout.F_NORM_VAR)
-_F_LAST_ZSCORE = tl.constexpr(layout.F_LAST_ZSCORE)
-_F_LAST_SPIKE_NORM = tl.constexpr(layout.F_LAST_SPIKE_NORM)
-_F_WARMUP_SUM = tl.constexpr(layout.F_WARMUP_SUM)
-_F_WARMUP_SUMSQ = tl.constexpr(layout.F_WARMUP_SUMSQ)
-_F_MAX_ZSCORE = tl.constexpr(layout.F_MAX_ZSCORE)
-_F_MAX_ZSCORE_NORM = tl.constexpr(layout.F_MAX_ZSCORE_NORM)
-_I_MAX_ZSCORE_STEP = tl.constexpr(layout.I_MAX_ZSCORE_STEP)
-_I_APPLIED_STEPS = tl.constexpr(layout.I_APPLIED_STEPS)
-_I_SKIPPED_STEPS = tl.constexpr(layout.I_SKIPPED_STEPS)
-_I_SPIKE_SKIPS = tl.constexpr(layout.I_SPIKE_SKIPS)
-_I_SPIKE_COUNT = tl.constexpr(layout.I_SPIKE_COUNT)
-_I_LAST_SPIKE_STEP = tl.constexpr(layout.I_LAST_SPIKE_STEP)
-_I_LAST_STEP_SKIPPED = tl.constexpr(layout.I_LAST_STEP_SKIPPED)
-_I_STATS_COUNT = tl.constexpr(layout.I_STATS_COUNT)
-_H_SIZE = tl.constexpr(layout.H_SIZE)
-_H_LR = tl.constexpr(layout.H_LR)
-_H_BETA1 = tl.constexpr(layout.H_BETA1)
-_H_BETA2 = tl.constexpr(layout.H_BETA2)
-_H_EPS = tl.constexpr(layout.H_EPS)
-_H_WEIGHT_DECAY = tl.constexpr(layout.H_WEIGHT_DECAY)
-_H_ONE_MINUS_BETA1 = tl.constexpr(layout.H_ONE_MINUS_BETA1)
-_H_ONE_MINUS_BETA2 = tl.constexpr(layout.H_ONE_MINUS_BETA2)
-_H_LOG_BETA1 = tl.constexpr(layout.H_LOG_BETA1)
-_H_LOG_BETA2 = tl.constexpr(layout.H_LOG_BETA2)
-_SCHEDULE_NONE = tl.constexpr(layout.SCHEDULE_NONE)
-_SCHEDULE_CONSTANT = tl.constexpr(layout.SCHEDULE_CONSTANT)
-_SCHEDULE_LINEAR = tl.constexpr(layout.SCHEDULE_LINEAR)
-_CLIP_ZSCORE = tl.constexpr(layout.CLIP_ZSCORE)
-_ZSCORE_STD_EPS = tl.constexpr(layout.ZSCORE_STD_EPS)
-_CLIP_EPS = tl.constexpr(layout.CLIP_EPS)
+# 8 warps x 32 threads x 4 elements = BLOCK: fp32 accesses are 128-bit and 16-bit param / grad accesses 64-bit,
+# and both dtypes get the same register layout. With 8 elements per thread the 16-bit accesses would be
+# 128-bit but the fp32 ones would not follow, and Triton would move every block through shared memory
+# (bar.sync) to convert between the two layouts (tests/test_kernels_codegen.py checks this).
+ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
+FINALIZE_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)  # block: chunks / tensors per loop step
 
-# update-table columns (int64 [num_tensors, TABLE_COLUMNS])
+# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); the last column is free for a later state address
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP = range(7)
 TABLE_COLUMNS = 8
-_COL_PARAM, _COL_EXP_AVG, _COL_EXP_AVG_SQ, _COL_MASTER, _COL_STEP, _COL_NUMEL, _COL_GROUP = (
-    tl.constexpr(c) for c in range(7)
-)
-_TABLE_COLUMNS = tl.constexpr(TABLE_COLUMNS)
 
-BLOCK_TENSORS = 1024  # lanes of the decision kernel's loops over chunks and tensors
+BLOCK_TENSORS = FINALIZE_CONFIG.block  # lanes of the decision kernel's loops over chunks and tensors
 
 
 @triton.jit
@@ -76,7 +53,10 @@ def _segmented_add(a_value, a_start, b_value, b_start):
     return tl.where(b_start != 0, b_value, a_value + b_value), a_start | b_start
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_chunks", "num_tensors", "zscore_warmup"],
+    do_not_specialize_on_alignment=["scale_ptr", "found_inf_ptr", "external_sumsq_ptr"],
+)
 def _finalize_kernel(
     partials,  # fp32 [num_chunks] from the norm pass
     chunk_owner,  # int64 [num_chunks]: the tensor each chunk belongs to (ascending)
@@ -105,6 +85,36 @@ def _finalize_kernel(
     CLIP_MODE: tl.constexpr,
     SCHEDULE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    # the buffer layout (layout.py), as constexpr arguments with defaults: see the module doc
+    F_GRAD_NORM: tl.constexpr = layout.F_GRAD_NORM,
+    F_GRAD_MUL: tl.constexpr = layout.F_GRAD_MUL,
+    F_SKIP: tl.constexpr = layout.F_SKIP,
+    F_FOUND_INF: tl.constexpr = layout.F_FOUND_INF,
+    F_LR_FACTOR: tl.constexpr = layout.F_LR_FACTOR,
+    F_LAST_LR: tl.constexpr = layout.F_LAST_LR,
+    F_NORM_MEAN: tl.constexpr = layout.F_NORM_MEAN,
+    F_NORM_VAR: tl.constexpr = layout.F_NORM_VAR,
+    F_LAST_ZSCORE: tl.constexpr = layout.F_LAST_ZSCORE,
+    F_LAST_SPIKE_NORM: tl.constexpr = layout.F_LAST_SPIKE_NORM,
+    F_WARMUP_SUM: tl.constexpr = layout.F_WARMUP_SUM,
+    F_WARMUP_SUMSQ: tl.constexpr = layout.F_WARMUP_SUMSQ,
+    F_MAX_ZSCORE: tl.constexpr = layout.F_MAX_ZSCORE,
+    F_MAX_ZSCORE_NORM: tl.constexpr = layout.F_MAX_ZSCORE_NORM,
+    I_APPLIED_STEPS: tl.constexpr = layout.I_APPLIED_STEPS,
+    I_SKIPPED_STEPS: tl.constexpr = layout.I_SKIPPED_STEPS,
+    I_SPIKE_SKIPS: tl.constexpr = layout.I_SPIKE_SKIPS,
+    I_SPIKE_COUNT: tl.constexpr = layout.I_SPIKE_COUNT,
+    I_LAST_SPIKE_STEP: tl.constexpr = layout.I_LAST_SPIKE_STEP,
+    I_LAST_STEP_SKIPPED: tl.constexpr = layout.I_LAST_STEP_SKIPPED,
+    I_STATS_COUNT: tl.constexpr = layout.I_STATS_COUNT,
+    I_MAX_ZSCORE_STEP: tl.constexpr = layout.I_MAX_ZSCORE_STEP,
+    H_LR: tl.constexpr = layout.H_LR,
+    SCHEDULE_NONE: tl.constexpr = layout.SCHEDULE_NONE,
+    SCHEDULE_CONSTANT: tl.constexpr = layout.SCHEDULE_CONSTANT,
+    SCHEDULE_LINEAR: tl.constexpr = layout.SCHEDULE_LINEAR,
+    CLIP_ZSCORE: tl.constexpr = layout.CLIP_ZSCORE,
+    ZSCORE_STD_EPS: tl.constexpr = layout.ZSCORE_STD_EPS,
+    CLIP_EPS: tl.constexpr = layout.CLIP_EPS,
 ):
     # 1. per-tensor and global sums of squares, in a fixed order (deterministic). Chunks of one tensor are
     # adjacent, so a segmented scan over blocks of chunks gives every tensor's sum with coalesced loads, in
@@ -135,18 +145,18 @@ def _finalize_kernel(
     sumsq = tl.sum(total, axis=0)
     if HAS_EXTERNAL_SUMSQ:
         sumsq = tl.load(external_sumsq_ptr)
-    norm = tl.sqrt(sumsq)
+    norm = tl.sqrt_rn(sumsq)
     nonfinite = ~(norm < float("inf"))  # the comparison is false for inf and for nan
     if HAS_FOUND_INF:
         nonfinite = nonfinite | (tl.load(found_inf_ptr) != 0.0)
 
     # 2. running statistics of the norm and the spike test (ZClip-style)
-    mean = tl.load(fstate + _F_NORM_MEAN)
-    var = tl.load(fstate + _F_NORM_VAR)
-    stats_count = tl.load(istate + _I_STATS_COUNT)
-    std = tl.sqrt(tl.maximum(var, 0.0))
+    mean = tl.load(fstate + F_NORM_MEAN)
+    var = tl.load(fstate + F_NORM_VAR)
+    stats_count = tl.load(istate + I_STATS_COUNT)
+    std = tl.sqrt_rn(tl.maximum(var, 0.0))
     stats_ready = stats_count >= zscore_warmup
-    zscore = tl.where(stats_ready & ~nonfinite, (norm - mean) / (std + _ZSCORE_STD_EPS), 0.0)
+    zscore = tl.where(stats_ready & ~nonfinite, tl.div_rn(norm - mean, std + ZSCORE_STD_EPS), 0.0)
     is_spike = stats_ready & ~nonfinite & (zscore > zscore_threshold)
     spike_ceiling = mean + zscore_threshold * std
     spike_skip = is_spike & (spike_skip_threshold > 0.0) & (zscore > spike_skip_threshold)
@@ -154,71 +164,71 @@ def _finalize_kernel(
 
     # clip coefficient, as torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + eps))
     ceiling = tl.where(max_grad_norm > 0.0, max_grad_norm, float("inf"))
-    if CLIP_MODE == _CLIP_ZSCORE:
+    if CLIP_MODE == CLIP_ZSCORE:
         ceiling = tl.where(is_spike, tl.minimum(ceiling, spike_ceiling), ceiling)
-    coef = tl.minimum(ceiling / (norm + _CLIP_EPS), 1.0)
+    coef = tl.minimum(tl.div_rn(ceiling, norm + CLIP_EPS), 1.0)
     grad_mul = coef
     if HAS_SCALE:
-        grad_mul = coef * (1.0 / tl.load(scale_ptr))
+        grad_mul = coef * tl.div_rn(1.0, tl.load(scale_ptr))
 
     # statistics absorb finite norms, a spike only up to its ceiling so one spike cannot blow them up
     value = tl.where(is_spike, spike_ceiling, norm)
-    old_sum = tl.load(fstate + _F_WARMUP_SUM)
-    old_sumsq = tl.load(fstate + _F_WARMUP_SUMSQ)
+    old_sum = tl.load(fstate + F_WARMUP_SUM)
+    old_sumsq = tl.load(fstate + F_WARMUP_SUMSQ)
     warm_sum = old_sum + value
     warm_sumsq = old_sumsq + value * value
     new_count = stats_count + 1
-    warm_mean = warm_sum / new_count.to(tl.float32)
-    warm_var = tl.maximum(warm_sumsq / new_count.to(tl.float32) - warm_mean * warm_mean, 0.0)
+    warm_mean = tl.div_rn(warm_sum, new_count.to(tl.float32))
+    warm_var = tl.maximum(tl.div_rn(warm_sumsq, new_count.to(tl.float32)) - warm_mean * warm_mean, 0.0)
     ema_mean = zscore_alpha * mean + (1.0 - zscore_alpha) * value
     ema_var = zscore_alpha * var + (1.0 - zscore_alpha) * (value - ema_mean) * (value - ema_mean)
     update_stats = ~nonfinite
     in_warmup = stats_count < zscore_warmup
-    tl.store(fstate + _F_WARMUP_SUM, tl.where(update_stats & in_warmup, warm_sum, old_sum))
-    tl.store(fstate + _F_WARMUP_SUMSQ, tl.where(update_stats & in_warmup, warm_sumsq, old_sumsq))
-    tl.store(fstate + _F_NORM_MEAN, tl.where(update_stats, tl.where(in_warmup, warm_mean, ema_mean), mean))
-    tl.store(fstate + _F_NORM_VAR, tl.where(update_stats, tl.where(in_warmup, warm_var, ema_var), var))
-    tl.store(istate + _I_STATS_COUNT, tl.where(update_stats, new_count, stats_count))
+    tl.store(fstate + F_WARMUP_SUM, tl.where(update_stats & in_warmup, warm_sum, old_sum))
+    tl.store(fstate + F_WARMUP_SUMSQ, tl.where(update_stats & in_warmup, warm_sumsq, old_sumsq))
+    tl.store(fstate + F_NORM_MEAN, tl.where(update_stats, tl.where(in_warmup, warm_mean, ema_mean), mean))
+    tl.store(fstate + F_NORM_VAR, tl.where(update_stats, tl.where(in_warmup, warm_var, ema_var), var))
+    tl.store(istate + I_STATS_COUNT, tl.where(update_stats, new_count, stats_count))
 
     # 3. the lr schedule, at the count of updates applied before this one
-    applied_before = tl.load(istate + _I_APPLIED_STEPS)
+    applied_before = tl.load(istate + I_APPLIED_STEPS)
     n = applied_before.to(tl.float32)
     factor = 1.0
-    if SCHEDULE != _SCHEDULE_NONE:
-        warm = n / tl.maximum(schedule_warmup, 1.0)
+    if SCHEDULE != SCHEDULE_NONE:
+        warm = tl.div_rn(n, tl.maximum(schedule_warmup, 1.0))
         span = tl.maximum(schedule_total - schedule_warmup, 1.0)
-        if SCHEDULE == _SCHEDULE_CONSTANT:
+        if SCHEDULE == SCHEDULE_CONSTANT:
             shape = 1.0
-        elif SCHEDULE == _SCHEDULE_LINEAR:
-            shape = tl.maximum((schedule_total - n) / span, 0.0)
+        elif SCHEDULE == SCHEDULE_LINEAR:
+            shape = tl.maximum(tl.div_rn(schedule_total - n, span), 0.0)
         else:
-            progress = tl.minimum(tl.maximum((n - schedule_warmup) / span, 0.0), 1.0)
+            progress = tl.minimum(tl.maximum(tl.div_rn(n - schedule_warmup, span), 0.0), 1.0)
             shape = 0.5 * (1.0 + tl.cos(progress * 3.141592653589793))
         decay = schedule_min_ratio + (1.0 - schedule_min_ratio) * shape
-        if SCHEDULE == _SCHEDULE_CONSTANT:
+        if SCHEDULE == SCHEDULE_CONSTANT:
             decay = 1.0
         factor = tl.where(n < schedule_warmup, warm, decay)
 
     # 4. counters and the scalars the update kernel reads
     applied = tl.where(skip, 0, 1).to(tl.int64)
-    tl.store(istate + _I_APPLIED_STEPS, applied_before + applied)
-    tl.store(istate + _I_SKIPPED_STEPS, tl.load(istate + _I_SKIPPED_STEPS) + nonfinite.to(tl.int64))
-    tl.store(istate + _I_SPIKE_SKIPS, tl.load(istate + _I_SPIKE_SKIPS) + (spike_skip & ~nonfinite).to(tl.int64))
-    tl.store(istate + _I_SPIKE_COUNT, tl.load(istate + _I_SPIKE_COUNT) + is_spike.to(tl.int64))
-    tl.store(istate + _I_LAST_SPIKE_STEP, tl.where(is_spike, applied_before, tl.load(istate + _I_LAST_SPIKE_STEP)))
-    tl.store(istate + _I_LAST_STEP_SKIPPED, skip.to(tl.int64))
-    tl.store(fstate + _F_LAST_SPIKE_NORM, tl.where(is_spike, norm, tl.load(fstate + _F_LAST_SPIKE_NORM)))
-    tl.store(fstate + _F_GRAD_NORM, norm)
-    tl.store(fstate + _F_GRAD_MUL, grad_mul)
-    tl.store(fstate + _F_SKIP, skip.to(tl.float32))
-    tl.store(fstate + _F_FOUND_INF, nonfinite.to(tl.float32))
-    tl.store(fstate + _F_LR_FACTOR, factor)
-    tl.store(fstate + _F_LAST_LR, tl.load(hparams + _H_LR) * factor)
-    tl.store(fstate + _F_LAST_ZSCORE, zscore)
-    new_max = stats_ready & ~nonfinite & (zscore > tl.load(fstate + _F_MAX_ZSCORE))
-    tl.store(fstate + _F_MAX_ZSCORE, tl.where(new_max, zscore, tl.load(fstate + _F_MAX_ZSCORE)))
-    tl.store(fstate + _F_MAX_ZSCORE_NORM, tl.where(new_max, norm, tl.load(fstate + _F_MAX_ZSCORE_NORM)))
-    tl.store(istate + _I_MAX_ZSCORE_STEP, tl.where(new_max, applied_before, tl.load(istate + _I_MAX_ZSCORE_STEP)))
+    tl.store(istate + I_APPLIED_STEPS, applied_before + applied)
+    tl.store(istate + I_SKIPPED_STEPS, tl.load(istate + I_SKIPPED_STEPS) + nonfinite.to(tl.int64))
+    tl.store(istate + I_SPIKE_SKIPS, tl.load(istate + I_SPIKE_SKIPS) + (spike_skip & ~nonfinite).to(tl.int64))
+    tl.store(istate + I_SPIKE_COUNT, tl.load(istate + I_SPIKE_COUNT) + is_spike.to(tl.int64))
+    tl.store(istate + I_LAST_SPIKE_STEP, tl.where(is_spike, applied_before, tl.load(istate + I_LAST_SPIKE_STEP)))
+    tl.store(istate + I_LAST_STEP_SKIPPED, skip.to(tl.int64))
+    tl.store(fstate + F_LAST_SPIKE_NORM, tl.where(is_spike, norm, tl.load(fstate + F_LAST_SPIKE_NORM)))
+    tl.store(fstate + F_GRAD_NORM, norm)
+    tl.store(fstate + F_GRAD_MUL, grad_mul)
+    tl.store(fstate + F_SKIP, skip.to(tl.float32))
+    tl.store(fstate + F_FOUND_INF, nonfinite.to(tl.float32))
+    tl.store(fstate + F_LR_FACTOR, factor)
+    tl.store(fstate + F_LAST_LR, tl.load(hparams + H_LR) * factor)
+    tl.store(fstate + F_LAST_ZSCORE, zscore)
+    new_max = stats_ready & ~nonfinite & (zscore > tl.load(fstate + F_MAX_ZSCORE))
+    tl.store(fstate + F_MAX_ZSCORE, tl.where(new_max, zscore, tl.load(fstate + F_MAX_ZSCORE)))
+    tl.store(fstate + F_MAX_ZSCORE_NORM, tl.where(new_max, norm, tl.load(fstate + F_MAX_ZSCORE_NORM)))
+    tl.store(istate + I_MAX_ZSCORE_STEP, tl.where(new_max, applied_before, tl.load(istate + I_MAX_ZSCORE_STEP)))
 
     # 5. per-param step counters: bias correction advances only on applied steps
     increment = applied.to(tl.float32)
@@ -233,30 +243,21 @@ def _finalize_kernel(
 @triton.jit
 def _expm1(x):
     """exp(x) - 1 without the cancellation near 0 (a Taylor series there); x = -inf gives -1."""
-    series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x / 5040))))))
+    tail = 1.0 / 720 + tl.div_rn(x, 5040.0)
+    series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * tail)))))
     return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)
 
 
 @triton.jit
 def _adamw_block(
-    block_start, offsets, end, param, grad, exp_avg, exp_avg_sq, master,
+    param, grad, exp_avg, exp_avg_sq, master, mask,
     grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
 ):  # fmt: skip
-    """AdamW on one block of one tensor; unmasked (vectorisable) unless MASKED (the tail)."""
-    if MASKED:
-        mask = offsets < end - block_start
-        other = 0.0
-    else:
-        mask = None
-        other = None
-    param = block_pointer(param, block_start, ALIGNED) + offsets
-    grad = block_pointer(grad, block_start, ALIGNED) + offsets
-    exp_avg = block_pointer(exp_avg, block_start, ALIGNED) + offsets
-    exp_avg_sq = block_pointer(exp_avg_sq, block_start, ALIGNED) + offsets
+    """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None."""
+    other = None if mask is None else 0.0
     g = tl.load(grad, mask=mask, other=other).to(tl.float32) * grad_mul
     if HAS_MASTER:
-        master = block_pointer(master, block_start, ALIGNED) + offsets
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
@@ -266,8 +267,8 @@ def _adamw_block(
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * (g * g)
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
     tl.store(exp_avg, m, mask=mask)
     tl.store(exp_avg_sq, v, mask=mask)
     if HAS_MASTER:
@@ -285,54 +286,93 @@ def _adamw_kernel(
     fstate,  # fp32: decisions of the finalize kernel
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
-    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    # the table and buffer layouts, as constexpr arguments with defaults: see the module doc
+    TABLE_COLUMNS: tl.constexpr = TABLE_COLUMNS,
+    COL_PARAM: tl.constexpr = COL_PARAM,
+    COL_EXP_AVG: tl.constexpr = COL_EXP_AVG,
+    COL_EXP_AVG_SQ: tl.constexpr = COL_EXP_AVG_SQ,
+    COL_MASTER: tl.constexpr = COL_MASTER,
+    COL_STEP: tl.constexpr = COL_STEP,
+    COL_NUMEL: tl.constexpr = COL_NUMEL,
+    COL_GROUP: tl.constexpr = COL_GROUP,
+    F_SKIP: tl.constexpr = layout.F_SKIP,
+    F_GRAD_MUL: tl.constexpr = layout.F_GRAD_MUL,
+    F_LR_FACTOR: tl.constexpr = layout.F_LR_FACTOR,
+    H_SIZE: tl.constexpr = layout.H_SIZE,
+    H_LR: tl.constexpr = layout.H_LR,
+    H_BETA2: tl.constexpr = layout.H_BETA2,
+    H_EPS: tl.constexpr = layout.H_EPS,
+    H_WEIGHT_DECAY: tl.constexpr = layout.H_WEIGHT_DECAY,
+    H_ONE_MINUS_BETA1: tl.constexpr = layout.H_ONE_MINUS_BETA1,
+    H_ONE_MINUS_BETA2: tl.constexpr = layout.H_ONE_MINUS_BETA2,
+    H_LOG_BETA1: tl.constexpr = layout.H_LOG_BETA1,
+    H_LOG_BETA2: tl.constexpr = layout.H_LOG_BETA2,
 ):
-    if tl.load(fstate + _F_SKIP) == 0.0:
+    if tl.load(fstate + F_SKIP) == 0.0:
         pid = tl.program_id(0).to(tl.int64)
         tensor = tl.load(chunk_tensor + pid)
         start = tl.load(chunk_start + pid)
-        row = table + tensor * _TABLE_COLUMNS
-        end = tl.minimum(start + CHUNK, tl.load(row + _COL_NUMEL))
-        param = load_pointer(row + _COL_PARAM, PARAM_DTYPE)
-        exp_avg = load_pointer(row + _COL_EXP_AVG, tl.float32)
-        exp_avg_sq = load_pointer(row + _COL_EXP_AVG_SQ, tl.float32)
-        grad = load_pointer(grad_addrs + tensor, PARAM_DTYPE)
-        master = load_pointer(row + _COL_MASTER, tl.float32)
-        step = tl.load(tl.load(row + _COL_STEP).to(tl.pointer_type(tl.float32)))
+        row = table + tensor * TABLE_COLUMNS
+        end = tl.minimum(start + CHUNK, tl.load(row + COL_NUMEL))
+        param_address = load_address(row + COL_PARAM)
+        grad_address = load_address(grad_addrs + tensor)
+        exp_avg_address = load_address(row + COL_EXP_AVG)
+        exp_avg_sq_address = load_address(row + COL_EXP_AVG_SQ)
+        master_address = load_address(row + COL_MASTER)  # 0 without master weights
+        param = as_pointer(param_address, PARAM_DTYPE)
+        grad = as_pointer(grad_address, PARAM_DTYPE)
+        exp_avg = as_pointer(exp_avg_address, tl.float32)
+        exp_avg_sq = as_pointer(exp_avg_sq_address, tl.float32)
+        master = as_pointer(master_address, tl.float32)
+        step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
 
-        hp = hparams + tl.load(row + _COL_GROUP) * _H_SIZE
-        lr = tl.load(hp + _H_LR) * tl.load(fstate + _F_LR_FACTOR)
-        beta2 = tl.load(hp + _H_BETA2)
-        one_minus_beta1 = tl.load(hp + _H_ONE_MINUS_BETA1)
-        one_minus_beta2 = tl.load(hp + _H_ONE_MINUS_BETA2)
-        eps = tl.load(hp + _H_EPS)
-        decay = 1.0 - lr * tl.load(hp + _H_WEIGHT_DECAY)
-        grad_mul = tl.load(fstate + _F_GRAD_MUL)
+        hp = hparams + tl.load(row + COL_GROUP) * H_SIZE
+        lr = tl.load(hp + H_LR) * tl.load(fstate + F_LR_FACTOR)
+        beta2 = tl.load(hp + H_BETA2)
+        one_minus_beta1 = tl.load(hp + H_ONE_MINUS_BETA1)
+        one_minus_beta2 = tl.load(hp + H_ONE_MINUS_BETA2)
+        eps = tl.load(hp + H_EPS)
+        decay = 1.0 - lr * tl.load(hp + H_WEIGHT_DECAY)
+        grad_mul = tl.load(fstate + F_GRAD_MUL)
         # 1 - beta ** step = -expm1(step * log(beta)), accurate in fp32 even for beta2 = 0.999 at step 1
-        bias_correction1 = -_expm1(step * tl.load(hp + _H_LOG_BETA1))
-        bias_correction2_sqrt = tl.sqrt(-_expm1(step * tl.load(hp + _H_LOG_BETA2)))
-        step_size = lr / bias_correction1
+        bias_correction1 = -_expm1(step * tl.load(hp + H_LOG_BETA1))
+        bias_correction2_sqrt = tl.sqrt_rn(-_expm1(step * tl.load(hp + H_LOG_BETA2)))
+        step_size = tl.div_rn(lr, bias_correction1)
 
         offsets = tl.arange(0, BLOCK).to(tl.int64)
-        # full blocks without a mask (vectorisable), then one masked tail
+        # full blocks without a mask, with 16-byte alignment hints when every address of this tensor allows
+        # them (decided per tensor, so one unaligned view does not slow the others); then one masked tail
         full_end = start + (end - start) // BLOCK * BLOCK
-        for block_start in range(start, full_end, BLOCK):
-            _adamw_block(
-                block_start, offsets, end, param, grad, exp_avg, exp_avg_sq, master,
-                grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                PARAM_DTYPE, HAS_MASTER, False, ALIGNED,
-            )  # fmt: skip
+        aligned = is_aligned(param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address)
+        if aligned:
+            for block_start in range(start, full_end, BLOCK):
+                _adamw_block(
+                    aligned_block(param, block_start) + offsets, aligned_block(grad, block_start) + offsets,
+                    aligned_block(exp_avg, block_start) + offsets, aligned_block(exp_avg_sq, block_start) + offsets,
+                    aligned_block(master, block_start) + offsets, None,
+                    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+                    PARAM_DTYPE, HAS_MASTER,
+                )  # fmt: skip
+        else:
+            for block_start in range(start, full_end, BLOCK):
+                idx = block_start + offsets
+                _adamw_block(
+                    param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, None,
+                    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+                    PARAM_DTYPE, HAS_MASTER,
+                )  # fmt: skip
         if full_end < end:
+            idx = full_end + offsets
             _adamw_block(
-                full_end, offsets, end, param, grad, exp_avg, exp_avg_sq, master,
+                param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, idx < end,
                 grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                PARAM_DTYPE, HAS_MASTER, True, False,
+                PARAM_DTYPE, HAS_MASTER,
             )  # fmt: skip
 
 
-def launch_finalize(
+def prepare_finalize(
     *,
     partials: torch.Tensor,
     chunk_owner: torch.Tensor,
@@ -343,45 +383,70 @@ def launch_finalize(
     istate: torch.Tensor,
     hparams: torch.Tensor,
     rules: layout.StepRules,
+    block_tensors: int | None = None,
+) -> tuple[PreparedLaunch, ArgTemplate]:
+    """One program that turns the norm pass's partial sums into this step's decisions (see module doc).
+
+    The loss scale, GradScaler's found-inf flag and an externally reduced sum of squares are filled in per
+    call (`run_finalize`)."""
+    schedule = rules.schedule
+    block = block_tensors or BLOCK_TENSORS
+    args = ArgTemplate(
+        _finalize_kernel,
+        partials=partials,
+        chunk_owner=chunk_owner,
+        num_chunks=chunk_owner.numel(),
+        tensor_num_chunks=tensor_num_chunks,
+        num_tensors=per_tensor_sumsq.numel(),
+        per_tensor_sumsq=per_tensor_sumsq,
+        step_addrs=step_addrs,
+        fstate=fstate,
+        istate=istate,
+        hparams=hparams,
+        scale_ptr=fstate,  # any fp32 device tensor: its pointer is never read while the flag is off
+        found_inf_ptr=fstate,
+        external_sumsq_ptr=fstate,
+        max_grad_norm=float(rules.max_grad_norm or 0.0),
+        zscore_alpha=float(rules.zscore_alpha),
+        zscore_threshold=float(rules.zscore_threshold),
+        zscore_warmup=int(rules.zscore_warmup),
+        spike_skip_threshold=float(rules.spike_skip_threshold or 0.0),
+        schedule_total=float(schedule.total_steps if schedule else 0),
+        schedule_warmup=float(schedule.warmup_steps if schedule else 0),
+        schedule_min_ratio=float(schedule.min_lr_ratio if schedule else 0.0),
+        HAS_SCALE=False,
+        HAS_FOUND_INF=False,
+        HAS_EXTERNAL_SUMSQ=False,
+        CLIP_MODE=rules.clip_mode,
+        SCHEDULE=schedule.kind if schedule else layout.SCHEDULE_NONE,
+        BLOCK_T=block,
+    )
+    return PreparedLaunch(_finalize_kernel, 1, FINALIZE_CONFIG), args
+
+
+def run_finalize(
+    prepared: tuple[PreparedLaunch, ArgTemplate],
+    stream,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     external_sumsq: torch.Tensor | None = None,
 ) -> None:
-    """One program that turns the norm pass's partial sums into this step's decisions (see module doc)."""
-    schedule = rules.schedule
-    dummy = fstate  # any fp32 device tensor: its pointer is never read when the flag is off
-    _finalize_kernel[(1,)](
-        partials,
-        chunk_owner,
-        chunk_owner.numel(),
-        tensor_num_chunks,
-        per_tensor_sumsq.numel(),
-        per_tensor_sumsq,
-        step_addrs,
-        fstate,
-        istate,
-        hparams,
-        grad_scale if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
-        external_sumsq if external_sumsq is not None else dummy,
-        float(rules.max_grad_norm or 0.0),
-        float(rules.zscore_alpha),
-        float(rules.zscore_threshold),
-        int(rules.zscore_warmup),
-        float(rules.spike_skip_threshold or 0.0),
-        float(schedule.total_steps if schedule else 0),
-        float(schedule.warmup_steps if schedule else 0),
-        float(schedule.min_lr_ratio if schedule else 0.0),
-        HAS_SCALE=grad_scale is not None,
-        HAS_FOUND_INF=found_inf is not None,
-        HAS_EXTERNAL_SUMSQ=external_sumsq is not None,
-        CLIP_MODE=rules.clip_mode,
-        SCHEDULE=schedule.kind if schedule else layout.SCHEDULE_NONE,
-        BLOCK_T=BLOCK_TENSORS,
-    )
+    launch, args = prepared
+    if grad_scale is None and found_inf is None and external_sumsq is None:
+        launch(args.base, stream, (False, False, False))
+        return
+    dynamic = {}
+    if grad_scale is not None:
+        dynamic.update(scale_ptr=grad_scale, HAS_SCALE=True)
+    if found_inf is not None:
+        dynamic.update(found_inf_ptr=found_inf, HAS_FOUND_INF=True)
+    if external_sumsq is not None:
+        dynamic.update(external_sumsq_ptr=external_sumsq, HAS_EXTERNAL_SUMSQ=True)
+    variant = (grad_scale is not None, found_inf is not None, external_sumsq is not None)
+    launch(args.fill(**dynamic), stream, variant)
 
 
-def launch_adamw(
+def prepare_adamw(
     *,
     table: torch.Tensor,
     grad_addrs: torch.Tensor,
@@ -390,26 +455,22 @@ def launch_adamw(
     fstate: torch.Tensor,
     param_dtype: torch.dtype,
     has_master: bool,
-    aligned: bool = False,
-) -> None:
-    """AdamW over every tensor of one param dtype, with the finalize kernel's clip / skip / lr factor.
-
-    `aligned`: every param, grad, state and master address is a multiple of 16 bytes (vector accesses).
-    """
+    config: LaunchConfig = ADAMW_CONFIG,
+) -> tuple[PreparedLaunch, ArgTemplate] | None:
+    """AdamW over every tensor of one param dtype, with the finalize kernel's clip / skip / lr factor; None when
+    there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses, per tensor."""
     if param_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 params, got {param_dtype}")
     if chunks.num_chunks == 0:
-        return
-    _adamw_kernel[(chunks.num_chunks,)](
-        table,
-        grad_addrs,
-        chunks.chunk_tensor,
-        chunks.chunk_start,
-        hparams,
-        fstate,
-        PARAM_DTYPE=TRITON_DTYPES[param_dtype],
-        HAS_MASTER=has_master,
-        ALIGNED=aligned,
-        CHUNK=CHUNK_SIZE,
-        BLOCK=BLOCK_SIZE,
-    )
+        return None
+    args = ArgTemplate(
+        _adamw_kernel, table=table, grad_addrs=grad_addrs, chunk_tensor=chunks.chunk_tensor,
+        chunk_start=chunks.chunk_start, hparams=hparams, fstate=fstate, PARAM_DTYPE=TRITON_DTYPES[param_dtype],
+        HAS_MASTER=has_master, CHUNK=chunks.chunk_size, BLOCK=config.block,
+    )  # fmt: skip
+    return PreparedLaunch(_adamw_kernel, chunks.num_chunks, config), args
+
+
+def run_adamw(prepared: tuple[PreparedLaunch, ArgTemplate], stream) -> None:
+    launch, args = prepared
+    launch(args.base, stream)

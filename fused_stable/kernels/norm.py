@@ -3,8 +3,17 @@
 One launch per gradient dtype covers any number of tensors: each program reads one chunk of one tensor
 (its address comes from an int64 table) and writes one fp32 partial sum of squares. Non-finite values
 need no flag of their own: inf or nan in any element makes its partial, and so the global sum, non-finite,
-which the finalize kernel tests. Accumulation is fp32 for every storage dtype, so fp16 values whose
+which the decision kernel tests. Accumulation is fp32 for every storage dtype, so fp16 values whose
 squares overflow fp16 (1e4 and up) still give the right, finite norm.
+
+Alignment is decided per tensor, in the kernel: a tensor whose address is a multiple of 16 bytes walks its
+full blocks with 128-bit loads, any other tensor of the same launch with scalar ones, so one unaligned view
+does not slow the whole dtype down.
+
+fp contraction: the norm pass accumulates `acc + g * g`; with fusion on this is one fused multiply-add per
+element (rounded once), as in torch's CUDA `_foreach_norm` / `linalg.vector_norm` kernels, which nvcc compiles
+with contraction on. (Triton's interpreter rounds the product and the sum separately; the CPU tests compare
+norms with a tolerance, never bit for bit.) The scale kernel is one multiply per element: nothing to fuse.
 """
 from __future__ import annotations
 
@@ -12,9 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
 from .tables import CHUNK_SIZE, ChunkMap
 
-BLOCK_SIZE = 1024
+# 8 warps x 32 threads x 8 elements: each thread keeps two 128-bit fp32 loads (one for 16-bit grads) in flight
+# per iteration. Candidates for a GPU to decide between: benchmarks/gpu_probe.py.
+SUMSQ_CONFIG = LaunchConfig(block=2048, num_warps=8, fp_fusion=True)
+SCALE_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -37,24 +50,31 @@ def to_storage(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def load_pointer(address_ptr, DTYPE: tl.constexpr):
-    """A tensor's address from an int64 table, as a typed pointer."""
-    return tl.load(address_ptr).to(tl.pointer_type(DTYPE))
+def load_address(address_ptr):
+    """A tensor's address from an int64 table (as an integer: alignment is tested on it before the cast)."""
+    return tl.load(address_ptr)
 
 
 @triton.jit
-def block_pointer(base, block_start, ALIGNED: tl.constexpr):
-    """base + block_start, marked 16-byte aligned when ALIGNED.
+def as_pointer(address, DTYPE: tl.constexpr):
+    return address.to(tl.pointer_type(DTYPE))
 
-    ALIGNED is checked on the host (every address of the launch is a multiple of 16 bytes, and blocks start
-    at multiples of BLOCK elements). Addresses loaded from a table carry no alignment the compiler can see;
-    the hint on each block's base pointer (a hint on the table value or the loop index does not propagate)
-    is what turns full-block accesses into 128-bit vector loads and stores.
+
+@triton.jit
+def is_aligned(address):
+    """Whether an address is a multiple of 16 bytes: then every block (BLOCK elements from it) is too."""
+    return (address & 15) == 0
+
+
+@triton.jit
+def aligned_block(base, block_start):
+    """base + block_start, marked 16-byte aligned (for tensors `is_aligned` said yes to).
+
+    Addresses loaded from a table carry no alignment the compiler can see; the hint on each block's base pointer
+    (a hint on the table value or the loop index does not propagate) is what turns full-block accesses into
+    128-bit vector loads and stores.
     """
-    pointer = base + block_start
-    if ALIGNED:
-        pointer = tl.multiple_of(pointer, 16)
-    return pointer
+    return tl.multiple_of(base + block_start, 16)
 
 
 @triton.jit
@@ -66,7 +86,7 @@ def program_chunk(chunk_tensor, chunk_start, numels, CHUNK: tl.constexpr):
     return pid, tensor, start, tl.minimum(start + CHUNK, tl.load(numels + tensor))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partial_offset"], do_not_specialize_on_alignment=["scale_ptr"])
 def _sumsq_kernel(
     grad_addrs,  # int64 [num_tensors]
     numels,  # int64 [num_tensors]
@@ -77,23 +97,28 @@ def _sumsq_kernel(
     scale_ptr,  # fp32 [] loss scale to divide by (read only when HAS_SCALE)
     GRAD_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid, tensor, start, end = program_chunk(chunk_tensor, chunk_start, numels, CHUNK)
-    grad = load_pointer(grad_addrs + tensor, GRAD_DTYPE)
+    address = load_address(grad_addrs + tensor)
+    grad = as_pointer(address, GRAD_DTYPE)
     inv_scale = 1.0
     if HAS_SCALE:
-        inv_scale = 1.0 / tl.load(scale_ptr)
+        inv_scale = tl.div_rn(1.0, tl.load(scale_ptr))
     offsets = tl.arange(0, BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    # full blocks without a mask (vectorisable), then one masked tail
+    # full blocks without a mask (vectorised when the tensor is aligned), then one masked tail;
+    # unscale in registers before squaring: scaled fp32 grads could overflow when squared
     full_end = start + (end - start) // BLOCK * BLOCK
-    for block_start in range(start, full_end, BLOCK):
-        # unscale in registers before squaring: scaled fp32 grads could overflow when squared
-        g = tl.load(block_pointer(grad, block_start, ALIGNED) + offsets).to(tl.float32) * inv_scale
-        acc += g * g
+    if is_aligned(address):
+        for block_start in range(start, full_end, BLOCK):
+            g = tl.load(aligned_block(grad, block_start) + offsets).to(tl.float32) * inv_scale
+            acc += g * g
+    else:
+        for block_start in range(start, full_end, BLOCK):
+            g = tl.load(grad + block_start + offsets).to(tl.float32) * inv_scale
+            acc += g * g
     if full_end < end:
         idx = full_end + offsets
         g = tl.load(grad + idx, mask=idx < end, other=0.0).to(tl.float32) * inv_scale
@@ -101,45 +126,40 @@ def _sumsq_kernel(
     tl.store(partials + partial_offset + pid, tl.sum(acc, axis=0))
 
 
-def is_aligned(tensors) -> bool:
-    """Whether every tensor starts on a 16-byte boundary (fresh allocations do; views may not)."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
-def launch_sumsq(
+def prepare_sumsq(
     grad_addrs: torch.Tensor,
     numels: torch.Tensor,
     chunks: ChunkMap,
     partials: torch.Tensor,
     partial_offset: int,
     grad_dtype: torch.dtype,
-    grad_scale: torch.Tensor | None = None,
-    aligned: bool = False,
-) -> None:
-    """Writes one fp32 sum of squares per chunk into partials[partial_offset:partial_offset + num_chunks].
-
-    `aligned`: every grad address is a multiple of 16 bytes (see `is_aligned`); enables vector loads.
+    config: LaunchConfig = SUMSQ_CONFIG,
+) -> tuple[PreparedLaunch, ArgTemplate] | None:
+    """The norm pass over one grad dtype: one fp32 sum of squares per chunk into
+    partials[partial_offset:partial_offset + num_chunks]. Returns the launch and its arguments, whose
+    `scale_ptr` / `HAS_SCALE` slots are filled per call (see `run_sumsq`); None when there is nothing to read.
     """
     if grad_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 grads, got {grad_dtype}")
     if partials.dtype != torch.float32 or partials.numel() < partial_offset + chunks.num_chunks:
         raise ValueError("partials must be a float32 buffer with room for every chunk")
     if chunks.num_chunks == 0:
-        return
-    _sumsq_kernel[(chunks.num_chunks,)](
-        grad_addrs,
-        numels,
-        chunks.chunk_tensor,
-        chunks.chunk_start,
-        partials,
-        partial_offset,
-        grad_scale if grad_scale is not None else partials,
-        GRAD_DTYPE=TRITON_DTYPES[grad_dtype],
-        HAS_SCALE=grad_scale is not None,
-        ALIGNED=aligned,
-        CHUNK=CHUNK_SIZE,
-        BLOCK=BLOCK_SIZE,
-    )
+        return None
+    args = ArgTemplate(
+        _sumsq_kernel, grad_addrs=grad_addrs, numels=numels, chunk_tensor=chunks.chunk_tensor,
+        chunk_start=chunks.chunk_start, partials=partials, partial_offset=partial_offset, scale_ptr=partials,
+        GRAD_DTYPE=TRITON_DTYPES[grad_dtype], HAS_SCALE=False, CHUNK=chunks.chunk_size, BLOCK=config.block,
+    )  # fmt: skip
+    return PreparedLaunch(_sumsq_kernel, chunks.num_chunks, config), args
+
+
+def run_sumsq(prepared: tuple[PreparedLaunch, ArgTemplate], grad_scale: torch.Tensor | None, stream) -> None:
+    """One norm-pass launch; `grad_scale` (fp32, 0-dim) divides the grads before squaring when given."""
+    launch, args = prepared
+    if grad_scale is None:
+        launch(args.base, stream, variant=False)
+    else:
+        launch(args.fill(scale_ptr=grad_scale, HAS_SCALE=True), stream, variant=True)
 
 
 @triton.jit
@@ -154,7 +174,7 @@ def _scale_kernel(
     BLOCK: tl.constexpr,
 ):
     _, tensor, start, end = program_chunk(chunk_tensor, chunk_start, numels, CHUNK)
-    data = load_pointer(addrs + tensor, DTYPE)
+    data = as_pointer(load_address(addrs + tensor), DTYPE)
     factor = tl.load(factor_ptr)
     offsets = tl.arange(0, BLOCK).to(tl.int64)
     for block_start in range(start, end, BLOCK):
@@ -167,16 +187,10 @@ def _scale_kernel(
 def launch_scale_(
     addrs: torch.Tensor, numels: torch.Tensor, chunks: ChunkMap, dtype: torch.dtype, factor: torch.Tensor
 ) -> None:
-    """Multiplies every tensor in place by the 0-dim fp32 device tensor `factor`."""
+    """Multiplies every tensor in place by the 0-dim fp32 device tensor `factor` (one-off: clip_grad_norm_)."""
     if chunks.num_chunks == 0:
         return
     _scale_kernel[(chunks.num_chunks,)](
-        addrs,
-        numels,
-        chunks.chunk_tensor,
-        chunks.chunk_start,
-        factor,
-        DTYPE=TRITON_DTYPES[dtype],
-        CHUNK=CHUNK_SIZE,
-        BLOCK=BLOCK_SIZE,
-    )
+        addrs, numels, chunks.chunk_tensor, chunks.chunk_start, factor,
+        DTYPE=TRITON_DTYPES[dtype], CHUNK=chunks.chunk_size, BLOCK=SCALE_CONFIG.block, **SCALE_CONFIG.options(),
+    )  # fmt: skip

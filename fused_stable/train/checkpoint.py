@@ -1,20 +1,27 @@
-"""Atomic, resumable checkpoints: `output_dir/checkpoints/step-N/`.
+"""Atomic, verified, resumable checkpoints: `output_dir/checkpoints/step-N/`.
 
 A checkpoint is written into a temporary directory, every file fsynced, renamed into place, and only then
-marked complete (a `COMPLETE` file, fsynced with its directory). A run killed at any point leaves either
-no `step-N` or one without the marker, which `latest_checkpoint` ignores, so the previous one stays the
-latest. The functions take the live objects, so a rollback can call them in-process.
+marked complete: the `COMPLETE` marker (fsynced with its directory) records each file's size and SHA-256.
+A run killed at any point leaves either no `step-N` or one without the marker, which `latest_checkpoint`
+ignores, so the previous one stays the latest; the rename and the marker are written with SIGINT/SIGTERM
+held back, so an interrupt cannot cut the commit in half. `verify_checkpoint` checks every file against the
+marker before a resume or a rollback loads it: `resume latest` passes over damaged checkpoints (and says
+so), an explicit checkpoint that is damaged is one line naming the file. The functions take the live
+objects, so a rollback can call them in-process.
 
 Contents: trainable weights (safetensors), optimizer (its state_dict carries the device-side schedule and
 counters), loss scaler, RNG states (python, numpy, torch CPU and CUDA), data position and the config.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import time
 
 import numpy as np
@@ -25,7 +32,13 @@ from safetensors.torch import load_file, save_file
 from fused_stable.train.errors import UserError
 
 COMPLETE_MARKER = "COMPLETE"
+MARKER_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_HASH_CHUNK = 4 << 20
+
+
+class DamagedCheckpoint(UserError):
+    """A checkpoint whose marker is missing or broken, or a file that differs from what the marker recorded."""
 
 
 def _fsync_path(path: str) -> None:
@@ -65,8 +78,48 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints as (step, path), oldest first."""
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_HASH_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_records(folder: str) -> dict[str, dict]:
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+            for name in sorted(os.listdir(folder))}
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Check every file against the COMPLETE marker; return the marker, or raise DamagedCheckpoint naming
+    the first damaged file (missing, wrong size, wrong checksum) or the marker itself."""
+    marker = os.path.join(path, COMPLETE_MARKER)
+    if not os.path.isfile(marker):
+        raise DamagedCheckpoint(f"{path} is incomplete (no {COMPLETE_MARKER} marker: its save never finished)")
+    try:
+        with open(marker, encoding="utf-8") as f:
+            record = json.load(f)
+        files = record["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no file records")
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DamagedCheckpoint(f"{marker} is damaged (not the file list this version writes)") from None
+    for name, want in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise DamagedCheckpoint(f"{file} is missing")
+        size = os.path.getsize(file)
+        if size != want.get("bytes"):
+            raise DamagedCheckpoint(f"{file} is damaged ({size} bytes, the checkpoint recorded {want.get('bytes')})")
+        if _sha256(file) != want.get("sha256"):
+            raise DamagedCheckpoint(f"{file} is damaged (its SHA-256 differs from the one recorded)")
+    return record
+
+
+def list_checkpoints(output_dir: str, include_incomplete: bool = False) -> list[tuple[int, str]]:
+    """Checkpoints as (step, path), oldest first: those with a COMPLETE marker (all `step-N` with
+    `include_incomplete`). The marker's presence only; `verify_checkpoint` checks the contents."""
     root = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
@@ -74,7 +127,7 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     for name in os.listdir(root):
         match = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if match and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        if match and os.path.isdir(path) and (include_incomplete or os.path.isfile(os.path.join(path, COMPLETE_MARKER))):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -85,12 +138,49 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def latest_verified_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
+    """(the newest checkpoint that verifies, or None; why each newer one was passed over, one line each)."""
+    passed_over = []
+    for _, path in reversed(list_checkpoints(output_dir, include_incomplete=True)):
+        try:
+            verify_checkpoint(path)
+            return path, passed_over
+        except DamagedCheckpoint as exc:
+            passed_over.append(str(exc))
+    return None, passed_over
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM wait until the block is done (the commit of a checkpoint must not be cut in two);
+    a signal that arrived meanwhile is delivered right after."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):  # not POSIX, or not possible here: commit unguarded
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _remove_dir(path: str, root: str, tag: str) -> None:
+    """Remove a checkpoint directory: renamed away first (atomic), so that a kill mid-removal leaves a
+    hidden leftover, never a half-deleted `step-N` that still looks complete."""
+    doomed = os.path.join(root, f".{tag}-{os.path.basename(path)}-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def save_checkpoint(output_dir: str, step: int, *, model_state: dict[str, torch.Tensor], optimizer,
                     scaler=None, trainer_state: dict, config: dict, keep: int = 0,
                     optimizer_state: dict | None = None, rng: dict | None = None) -> str:
     """Write checkpoints/step-<step>/ atomically and return its path; keep only the newest `keep` (0 = all).
     `optimizer_state` / `rng`: already gathered (torchrun: full FSDP2 state, every rank's RNG); by default
-    `optimizer.state_dict()` and this process's RNG states."""
+    `optimizer.state_dict()` and this process's RNG states. An exception (or KeyboardInterrupt) before the
+    commit removes the temporary directory and leaves every earlier checkpoint as it was."""
     root = os.path.join(output_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step-{step}")
@@ -110,61 +200,97 @@ def save_checkpoint(output_dir: str, step: int, *, model_state: dict[str, torch.
                      json.dumps({**trainer_state, "step": step}, indent=2).encode())
         _write_bytes(os.path.join(tmp, "config.yaml"), yaml.safe_dump(config, sort_keys=False).encode())
         _fsync_path(tmp)
+        marker = {"format": MARKER_FORMAT, "step": step, "time": time.time(), "files": _file_records(tmp)}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # a checkpoint of the same step (a rollback replaying it) is replaced: move it aside first so that the
-    # rename below is atomic; older complete checkpoints stay valid throughout
-    stale = None
-    if os.path.exists(final):
-        stale = os.path.join(root, f".old-step-{step}-{os.getpid()}")
-        os.rename(final, stale)
-    os.rename(tmp, final)
-    _fsync_path(root)
-    _write_bytes(os.path.join(final, COMPLETE_MARKER), f"{time.time()}\n".encode())
-    _fsync_path(final)
+    with _signals_held():
+        # a checkpoint of the same step (a rollback replaying it) is replaced: move it aside first so that
+        # the rename below is atomic; older complete checkpoints stay valid throughout
+        stale = None
+        if os.path.exists(final):
+            stale = os.path.join(root, f".old-step-{step}-{os.getpid()}")
+            os.rename(final, stale)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        _write_bytes(os.path.join(final, COMPLETE_MARKER), json.dumps(marker, indent=1).encode())
+        _fsync_path(final)
     if stale:
         shutil.rmtree(stale, ignore_errors=True)
     if keep > 0:
         for _, old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_dir(old, root, "pruned")
     return final
 
 
+@contextlib.contextmanager
+def _loading(path: str, name: str):
+    """A file that verified but still cannot be loaded into this run (written by another version, or for
+    another model): one line naming it, not a traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch, safetensors and pickle raise many types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"{os.path.join(path, name)} cannot be loaded into this run ({first})") from None
+
+
 def load_checkpoint(path: str, *, model=None, optimizer=None, scaler=None, restore_rng: bool = True) -> dict:
-    """Restore what was saved into the given live objects; returns the trainer state (step, data position...)."""
+    """Restore what was saved into the given live objects; returns the trainer state (step, data position...).
+    The caller verifies the checkpoint first (`verify_checkpoint`); what still fails to load is a UserError."""
     if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        raise UserError(f"{path!r} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+        raise DamagedCheckpoint(f"{path} is incomplete (no {COMPLETE_MARKER} marker: its save never finished)")
     if model is not None:
         from fused_stable.train.model import load_trainable_state
 
-        load_trainable_state(model, load_file(os.path.join(path, "weights.safetensors")))
+        with _loading(path, "weights.safetensors"):
+            load_trainable_state(model, load_file(os.path.join(path, "weights.safetensors")))
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
+        with _loading(path, "optimizer.pt"):
+            optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
     scaler_path = os.path.join(path, "scaler.pt")
     if scaler is not None and os.path.isfile(scaler_path):
-        scaler.load_state_dict(torch.load(scaler_path, weights_only=True))
+        with _loading(path, "scaler.pt"):
+            scaler.load_state_dict(torch.load(scaler_path, weights_only=True))
     if restore_rng:
-        # python's and numpy's states hold plain tuples/arrays: not loadable with weights_only
-        set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+        with _loading(path, "rng.pt"):
+            # python's and numpy's states hold plain tuples/arrays: not loadable with weights_only
+            set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str) -> dict:
+    with _loading(path, "trainer_state.json"), open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    if not isinstance(state, dict):
+        raise UserError(f"{os.path.join(path, 'trainer_state.json')} is damaged (not a JSON object)")
+    return state
 
 
 def checkpoint_config(path: str) -> dict:
-    with open(os.path.join(path, "config.yaml")) as f:
-        return yaml.safe_load(f)
+    """The run config saved with the checkpoint."""
+    with _loading(path, "config.yaml"), open(os.path.join(path, "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    if not isinstance(config, dict):
+        raise UserError(f"{os.path.join(path, 'config.yaml')} is damaged (not a mapping of key: value)")
+    return config
 
 
-def resolve_resume(output_dir: str, resume: str) -> str:
-    """'latest' -> the newest complete checkpoint in output_dir; otherwise a checkpoint directory."""
+def resolve_resume(output_dir: str, resume: str) -> tuple[str, list[str]]:
+    """'latest' -> the newest checkpoint in output_dir that verifies, and why each newer one was passed over;
+    otherwise the given checkpoint directory, which must verify (DamagedCheckpoint names the damaged file)."""
     if resume == "latest":
-        path = latest_checkpoint(output_dir)
+        path, passed_over = latest_verified_checkpoint(output_dir)
         if path is None:
-            raise UserError(f"resume=latest: no complete checkpoint in {os.path.join(output_dir, 'checkpoints')!r}")
-        return path
+            where = os.path.join(output_dir, "checkpoints")
+            why = f" ({len(passed_over)} damaged or incomplete: {passed_over[0]})" if passed_over else ""
+            raise UserError(f"resume=latest: no complete checkpoint in {where!r}{why}")
+        return path, passed_over
     if not os.path.isdir(resume):
         raise UserError(f"resume: checkpoint directory {resume!r} not found")
-    if not os.path.isfile(os.path.join(resume, COMPLETE_MARKER)):
-        raise UserError(f"resume: {resume!r} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
-    return resume
+    try:
+        verify_checkpoint(resume)
+    except DamagedCheckpoint as exc:
+        raise DamagedCheckpoint(f"resume: {exc}") from None
+    return resume, []

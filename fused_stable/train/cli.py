@@ -1,14 +1,17 @@
 """`fused-stable sft`: parse the config, check every input before writing anything, build the model,
-data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2.
+data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2, with nothing
+written; an existing folder is replaced only if it is a run, and only its own entries (`outputs`); SIGINT and
+SIGTERM end with a checkpoint and the command that continues the run (exit code 130 / 143).
 """
 from __future__ import annotations
 
 import math
 import os
-import shutil
+import shlex
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # offline by construction: nothing below may try a model hub (set before transformers is imported)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,8 +20,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from fused_stable.train.errors import UserError  # noqa: E402
 
 RUN_FILE = "run.yaml"
-# what a previous run leaves in output_dir; --overwrite removes exactly these
-RUN_ARTIFACTS = (RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "tensorboard", "checkpoints", "adapter", "model")
+
+
+def run_entries(cfg) -> list[str]:
+    """The top-level entries of output_dir that a run with this config creates: claimed in its manifest
+    (outputs.claim) before they are created, and exactly what a later --overwrite removes."""
+    names = [RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints",
+             "model" if cfg.tuner == "full" else "adapter"]
+    return names + (["tensorboard"] if cfg.tensorboard else [])
 
 
 def _quiet_third_party_noise() -> None:
@@ -41,68 +50,73 @@ def main(argv: list[str]) -> int:
             print(help_text())
         return 0
     from fused_stable.train import parallel
+    from fused_stable.train.loop import Interrupts
 
-    try:
-        with parallel.process_group():  # under torchrun: join the other ranks; nothing in a single process
-            try:
-                return run(argv)
-            except UserError as exc:
-                parallel.report_error(f"fused-stable sft: error: {exc}")  # rank 0 prints; every rank exits 2
-                return 2
-    except UserError as exc:  # torchrun's environment is incomplete: there is no process group to join
-        if parallel.launch_rank() == 0:
-            print(f"fused-stable sft: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if parallel.launch_rank() == 0:
-            print("fused-stable sft: interrupted (resume with --resume latest)", file=sys.stderr)
-        return 130
-
-
-def _existing_artifacts(output_dir: str) -> list[str]:
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UserError(f"output_dir {output_dir!r} exists and is not a directory")
-    return [name for name in RUN_ARTIFACTS if os.path.exists(os.path.join(output_dir, name))]
-
-
-def _refuse_existing_run(output_dir: str) -> None:
-    existing = _existing_artifacts(output_dir)
-    if existing:
-        raise UserError(
-            f"output_dir {output_dir!r} already holds a run ({', '.join(existing)}); "
-            "pass --resume latest to continue it or --overwrite to replace it"
-        )
+    # SIGINT / SIGTERM: at once while nothing is written; once training, after a checkpoint (see Interrupts)
+    code = None
+    with Interrupts(announce=parallel.launch_rank() == 0) as interrupts:
+        try:
+            with parallel.process_group():  # under torchrun: join the other ranks; nothing in a single process
+                try:
+                    code = run(argv, interrupts)
+                except UserError as exc:
+                    parallel.report_error(f"fused-stable sft: error: {exc}")  # rank 0 prints; every rank exits 2
+                    code = 2
+        except UserError as exc:  # torchrun's environment is incomplete: there is no process group to join
+            if parallel.launch_rank() == 0:
+                print(f"fused-stable sft: error: {exc}", file=sys.stderr)
+            code = 2
+        except KeyboardInterrupt:
+            if code is None:  # before the run started writing (after that, `run` reports it): nothing written
+                if parallel.launch_rank() == 0:
+                    print("fused-stable sft: interrupted before training started; nothing was written", file=sys.stderr)
+                code = interrupts.exit_code
+    return code
 
 
-def _prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
-    existing = _existing_artifacts(output_dir)
-    if existing and not resuming and not overwrite:
-        _refuse_existing_run(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
-    if existing and overwrite and not resuming:
-        for name in existing:
-            path = os.path.join(output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+def continue_command(output_dir: str, world_size: int) -> str:
+    """The exact command that continues the run in output_dir."""
+    launcher = (f"torchrun --standalone --nproc-per-node {world_size} -m fused_stable sft" if world_size > 1
+                else "fused-stable sft")
+    return f"{launcher} --output_dir {shlex.quote(output_dir)} --resume latest"
 
 
 def _resolve(argv: list[str]):
-    """The config, and the checkpoint to resume from (None for a fresh run)."""
-    from fused_stable.train import checkpoint
-    from fused_stable.train.config import resolve_config
+    """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
+    checkpoints `resume latest` passed over (one line each)."""
+    from fused_stable.train import checkpoint, outputs
+    from fused_stable.train.config import STATE_KEYS, resolve_config, same_state_value
 
     cfg, explicit = resolve_config(argv)
     if cfg.resume is None:
-        return cfg, None
+        return cfg, None, []
     if cfg.resume != "latest" and "output_dir" not in explicit:
         # a checkpoint path names its run: output_dir/checkpoints/step-N
         cfg.output_dir = os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume)))
-    path = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
+    try:
+        path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
+    except UserError as exc:
+        if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
+            raise UserError(f"{exc}; the run never saved one: start it again with --overwrite (without --resume)") from None
+        raise
+    try:
+        saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))
+    except UserError as exc:
+        raise UserError(f"{os.path.join(path, 'config.yaml')}: {exc}") from None
+    changed = [k for k in STATE_KEYS if k in explicit and not same_state_value(k, getattr(saved_cfg, k), getattr(cfg, k))]
+    if changed:
+        diffs = ", ".join(f"{k} (checkpoint: {getattr(saved_cfg, k)}, now: {getattr(cfg, k)})" for k in changed)
+        raise UserError(
+            f"cannot resume {path} with a different {diffs}: the checkpoint fixes them (its weights' shapes and "
+            "meaning, or the optimizer state that restores lr and weight_decay); leave them out to continue the "
+            "run, or start a new run in another output_dir"
+        )
     # keys not given now come from the run being resumed, so `--resume latest` alone continues it
-    saved = checkpoint.checkpoint_config(path)
+    saved = saved_cfg.to_dict()
     saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
     saved["overwrite"] = cfg.overwrite
     cfg, _ = resolve_config([], base=saved)
-    return cfg, path
+    return cfg, path, passed_over
 
 
 @dataclass
@@ -115,21 +129,26 @@ class RunSetup:
     trainer: object
     resume_path: str | None
     n_examples: int
+    passed_over: list = field(default_factory=list)  # damaged checkpoints `resume latest` skipped (messages)
 
     def start(self) -> None:
-        """Create output_dir (replacing a run only with --overwrite), write run.yaml, load the checkpoint."""
+        """Load the checkpoint to resume, then (rank 0) replace the previous run if --overwrite, claim the
+        run's entries in its manifest and write run.yaml. The checkpoint is loaded first, so a start that
+        fails leaves output_dir exactly as it was."""
+        from fused_stable.train import outputs
         from fused_stable.train.config import dump_yaml
+        from fused_stable.train.parallel import QuietReporter
         from fused_stable.train.report import Reporter
 
-        from fused_stable.train.parallel import QuietReporter
-
         cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
-        if main_rank:  # under torchrun only rank 0 writes output_dir
-            _prepare_output_dir(cfg.output_dir, cfg.overwrite, resuming=self.resume_path is not None)
-            with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
-                f.write(dump_yaml(cfg))
         if self.resume_path is not None:
             trainer.restore(self.resume_path)
+        if main_rank:  # under torchrun only rank 0 writes output_dir
+            if self.resume_path is None and cfg.overwrite:
+                outputs.remove_previous_run(cfg.output_dir)  # only what its manifest names (checked in setup_run)
+            outputs.claim(cfg.output_dir, run_entries(cfg))
+            with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
+                f.write(dump_yaml(cfg))
         trainer.reporter = Reporter(cfg.output_dir, trainer.total_steps, trainer.state.step,
                                     tensorboard=cfg.tensorboard, max_grad_norm=cfg.max_grad_norm,
                                     ) if main_rank else QuietReporter()  # fmt: skip
@@ -141,7 +160,12 @@ class RunSetup:
 
 def setup_run(argv: list[str]) -> RunSetup:
     """Parse and check the config, data and model, and build the trainer; raises UserError on bad input."""
-    cfg, resume_path = _resolve(argv)
+    from fused_stable.train import checkpoint, outputs
+
+    cfg, resume_path, passed_over = _resolve(argv)
+    # the output folder before anything heavy: writable, and new, empty or (with --overwrite) only a run's
+    outputs.check_output_dir(cfg.output_dir, overwrite=cfg.overwrite, resume_path=resume_path,
+                             has_checkpoint=checkpoint.latest_checkpoint(cfg.output_dir) is not None)
 
     import torch
 
@@ -161,8 +185,6 @@ def setup_run(argv: list[str]) -> RunSetup:
         examples = data.builtin_examples(cfg.builtin_examples, seed=cfg.seed)
     else:
         examples = data.load_examples(cfg.dataset)
-    if resume_path is None and not cfg.overwrite:
-        _refuse_existing_run(cfg.output_dir)
     tokenizer = load_tokenizer(cfg)
     items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
     if not any(any(label != data.IGNORE_INDEX for label in item.labels[1:]) for item in items):
@@ -199,53 +221,80 @@ def setup_run(argv: list[str]) -> RunSetup:
         logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
         guard=guard,
     )  # fmt: skip
-    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items))
+    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items), passed_over)
 
 
-def run(argv: list[str]) -> int:
+def run(argv: list[str], interrupts=None) -> int:
     from fused_stable.train import parallel
-    from fused_stable.train.report import plot_curves
+    from fused_stable.train.loop import Interrupts
+    from fused_stable.train.report import plot_curves, read_metrics
 
+    interrupts = interrupts if interrupts is not None else Interrupts(announce=False)
     # torchrun: a bad input seen by any rank stops every rank, before anything is written
     setup = parallel.agree(setup_run, argv)
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
     main_rank = setup.runtime.is_main
-    parallel.agree(setup.start)
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_total = sum(p.numel() for p in model.parameters())
-    trainer.reporter.message(
-        f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
-        f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
-        f"device={setup.runtime.device} | {n_trainable:,} trainable of {n_total:,} params | "
-        f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
-        f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
-    )
-    t0 = time.perf_counter()
-    start_step = trainer.state.step
+    trainer.interrupts = interrupts
+    interrupts.deferring = True  # from here on files are written: an interrupt ends with a checkpoint
     try:
-        state = trainer.fit()
-    finally:
-        trainer.reporter.close()
+        parallel.agree(setup.start)
+        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n_total = sum(p.numel() for p in model.parameters())
         if main_rank:
-            plot_curves(cfg.output_dir, cfg.max_grad_norm)
-    if trainer.stopped_by == "guard":
+            for reason in setup.passed_over:
+                print(f"fused-stable sft: resume latest passed over a damaged checkpoint: {reason}", file=sys.stderr)
+        trainer.reporter.message(
+            f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
+            f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
+            f"device={setup.runtime.device} | {n_trainable:,} trainable of {n_total:,} params | "
+            f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
+            f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
+        )
+        t0 = time.perf_counter()
+        start_step = trainer.state.step
+        try:
+            state = trainer.fit()
+        finally:
+            trainer.reporter.close()
+            if main_rank:
+                plot_curves(cfg.output_dir, cfg.max_grad_norm)
+        resume = continue_command(cfg.output_dir, setup.runtime.world_size)
+        if trainer.stopped_by == "interrupt":
+            if main_rank:
+                name = signal.Signals(interrupts.signum).name
+                print(f"fused-stable sft: interrupted by {name} after step {state.step} of {trainer.total_steps}; "
+                      f"checkpoint saved: {trainer.last_checkpoint}\n  continue: {resume}", file=sys.stderr, flush=True)
+            parallel.barrier()  # torchrun ends the other ranks as soon as one exits: let rank 0 finish first
+            return interrupts.exit_code
+        if trainer.stopped_by == "guard":
+            if main_rank:
+                print(f"fused-stable sft: {trainer.stop_message}\n  resume: {resume}", file=sys.stderr, flush=True)
+            parallel.barrier()
+            return 3
+        if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
+            trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
+        target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+    except KeyboardInterrupt:  # a second signal: the save (or the step) under way was abandoned
         if main_rank:
-            print(f"fused-stable sft: {trainer.stop_message}\n  resume: fused-stable sft --output_dir {cfg.output_dir} "
-                  "--resume latest", file=sys.stderr, flush=True)
-        return 3
-    if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
-        trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
-    target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+            _report_abandoned(cfg.output_dir, setup.runtime.world_size)
+        return interrupts.exit_code
     if not main_rank:
         return 0
-    rows = [r for r in _read_metrics(cfg.output_dir)]
+    rows = read_metrics(cfg.output_dir)
     summary = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} | " if rows else ""
     print(f"done: steps {start_step}->{state.step} in {time.perf_counter() - t0:.1f}s | {summary}"
           f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}", flush=True)
     return 0
 
 
-def _read_metrics(output_dir: str) -> list[dict]:
-    from fused_stable.train.report import METRICS_FILE, read_jsonl
+def _report_abandoned(output_dir: str, world_size: int) -> None:
+    """After a second interrupt: what is on disk now (read back, not assumed)."""
+    from fused_stable.train import checkpoint
 
-    return read_jsonl(os.path.join(output_dir, METRICS_FILE))
+    newest, _ = checkpoint.latest_verified_checkpoint(output_dir)
+    if newest is None:
+        print("fused-stable sft: interrupted again: stopped at once; the run has no complete checkpoint "
+              "(start it again with --overwrite)", file=sys.stderr, flush=True)
+    else:
+        print(f"fused-stable sft: interrupted again: stopped at once; the newest complete checkpoint is "
+              f"{newest}\n  continue: {continue_command(output_dir, world_size)}", file=sys.stderr, flush=True)

@@ -5,9 +5,15 @@ schedule and AdamW inside FusedAdamW) -> scaler update -> zero_grad.
 Nothing reads the device between logging steps: the window loss, grad norm, lr and skip flag of every step
 are stacked on the device and read once per `logging_steps`. At each logging step the stability guard
 (fused_stable.guard) and the callbacks see the interval and may answer "stop" or "rollback".
+
+An interrupt (SIGINT or SIGTERM, see `Interrupts`) ends the step under way, logs it, saves a checkpoint and
+stops the loop (`stopped_by == "interrupt"`); under torchrun every rank stops after the same step.
 """
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -23,6 +29,51 @@ from fused_stable.train.runtime import Runtime
 
 # (step, optimizer, metrics of the latest step) -> None | "stop" | "rollback"
 Callback = Callable[[int, torch.optim.Optimizer, dict], Optional[str]]
+
+
+class Interrupts:
+    """SIGINT / SIGTERM for the duration of a `with` block.
+
+    While `deferring` (set once the run starts writing), the first signal is only recorded: the loop
+    finishes the optimizer step under way, saves a checkpoint and stops. Before that (nothing written yet),
+    and for any second signal, it raises KeyboardInterrupt at once: a second Ctrl-C during the save
+    abandons it (its temporary directory is removed; earlier checkpoints stay as they were).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, announce: bool = True):
+        self.signum = 0              # the first signal received (or agreed on under torchrun); 0: none
+        self.deferring = False
+        self.announce = announce     # print a line when the first signal arrives (rank 0 only)
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + (self.signum or signal.SIGINT)
+
+    def _handle(self, signum, frame) -> None:
+        first = not self.signum
+        if first:
+            self.signum = signum
+        if first and self.deferring:
+            if self.announce:
+                print(f"fused-stable sft: {signal.Signals(signum).name} received: finishing this step, then saving a "
+                      "checkpoint (Ctrl-C again abandons the save)", file=sys.stderr, flush=True)
+            return
+        raise KeyboardInterrupt
 
 
 @dataclass
@@ -53,18 +104,26 @@ class Trainer:
     callbacks: list[Callback] = field(default_factory=list)
     guard: Optional[Guard] = None
     alert_log: Optional[AlertLog] = None
+    interrupts: Optional[Interrupts] = None
     state: TrainState = field(default_factory=TrainState)
-    stopped_by: Optional[str] = None   # "guard" | "callback"
+    stopped_by: Optional[str] = None   # "guard" | "callback" | "interrupt"
     stop_message: str = ""
+    last_checkpoint: Optional[str] = None  # the path of the newest checkpoint this process saved
+    _fit_started: Optional[float] = field(default=None, init=False, repr=False)  # perf_counter() at fit start
+
+    def elapsed(self) -> float:
+        """Training time of the whole run: before this process (from the checkpoint) plus this fit so far."""
+        running = time.perf_counter() - self._fit_started if self._fit_started is not None else 0.0
+        return self.state.elapsed_s + running
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> TrainState:
         model, opt, scaler, device = self.model, self.optimizer, self.scaler, self.runtime.device
         model.train()
         pending: list[torch.Tensor] = []          # per-step device values, read at the next logging step
-        pending_meta: list[tuple[int, float, int]] = []   # (step, host time, tokens) for the same steps
-        t_start = time.perf_counter()
-        t_last_log, tokens_since_log = t_start, 0
+        pending_meta: list[tuple[int, float, int]] = []   # (step, elapsed_s, tokens) for the same steps
+        self._fit_started = time.perf_counter()
+        t_last_log, tokens_since_log = self._fit_started, 0
         needs_rollback_target = self.guard is not None and self.guard.config.policy == "rollback"
         if needs_rollback_target and not checkpoint.latest_checkpoint(self.output_dir):
             self.save()  # a rollback needs a good state to go back to, from the first step on
@@ -103,11 +162,15 @@ class Trainer:
                 window_loss, opt.grad_norm.float(), opt.last_lr.float(), opt.last_step_skipped.float(),
                 opt.skipped_steps.float() + opt.spike_skips.float(),
             ]))  # fmt: skip
-            pending_meta.append((self.state.step, time.perf_counter(), window_tokens))
+            pending_meta.append((self.state.step, self.elapsed(), window_tokens))
             if self.guard is not None:
                 self.guard.observe_step(self.state.step, opt)  # device-only: keeps the worst step of the interval
+            # torchrun: a signal on any rank stops every rank after this same step (a CPU all-reduce)
+            signum = parallel.agree_signal(self.interrupts.signum if self.interrupts is not None else 0)
+            if signum and self.interrupts is not None:
+                self.interrupts.signum = self.interrupts.signum or signum
 
-            if self._logging_step():
+            if self._logging_step() or signum:  # an interrupt logs the steps since the last log first
                 # torchrun: the loss averaged and the tokens summed over the ranks (one all-reduce)
                 stacked, tokens_since_log = parallel.reduce_for_logging(torch.stack(pending), tokens_since_log)
                 values = stacked.tolist()      # the one device read of this interval
@@ -115,9 +178,8 @@ class Trainer:
                 tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
                 rows = [
                     {"step": step, "loss": v[0], "grad_norm": v[1], "lr": v[2], "skipped": bool(v[3]),
-                     "skipped_total": int(v[4]), "tokens_per_s": tokens_per_s,
-                     "elapsed_s": self.state.elapsed_s + t - t_start}
-                    for v, (step, t, _) in zip(values, pending_meta)
+                     "skipped_total": int(v[4]), "tokens_per_s": tokens_per_s, "elapsed_s": elapsed}
+                    for v, (step, elapsed, _) in zip(values, pending_meta)
                 ]  # fmt: skip
                 if scaler is not None:
                     rows[-1]["loss_scale"] = scaler.get_scale()
@@ -139,10 +201,15 @@ class Trainer:
                         self.guard.apply_rollback(opt, cut_lr=decision.cut_lr)
                     if self.reporter is not None:
                         self.reporter.rewind(self.state.step)
-                    continue
-            if self.save_steps and self.state.step % self.save_steps == 0:
+                    if not signum:
+                        continue
+            if self.save_steps and self.state.step % self.save_steps == 0 or signum:
                 self.save()
-        self.state.elapsed_s += time.perf_counter() - t_start
+            if signum:
+                self.stopped_by = "interrupt"
+                break
+        self.state.elapsed_s = self.elapsed()
+        self._fit_started = None
         return self.state
 
     # --------------------------------------------------------------------------------------------- seams
@@ -179,7 +246,7 @@ class Trainer:
         model_state, optimizer_state, rng = parallel.checkpoint_state(self.model, self.optimizer)
         path = None
         if self.runtime.is_main:
-            trainer_state = {**asdict(self.state), "world_size": self.runtime.world_size}
+            trainer_state = {**asdict(self.state), "elapsed_s": self.elapsed(), "world_size": self.runtime.world_size}
             if self.guard is not None:
                 trainer_state["guard"] = self.guard.state_dict()
             path = checkpoint.save_checkpoint(
@@ -188,6 +255,7 @@ class Trainer:
                 optimizer_state=optimizer_state, rng=rng,
             )  # fmt: skip
         parallel.barrier()  # no rank goes on (or rolls back) before the checkpoint is complete
+        self.last_checkpoint = path or self.last_checkpoint
         return path
 
     def restore(self, path: str, restore_data_position: bool = True) -> None:
@@ -205,8 +273,12 @@ class Trainer:
 
     def rollback(self) -> None:
         """Back to the newest complete checkpoint, keeping the data position: the window that caused the
-        trouble is not replayed. With no checkpoint yet there is nothing to roll back to: stop instead."""
-        path = checkpoint.latest_checkpoint(self.output_dir)
+        trouble is not replayed. A damaged checkpoint is passed over (and said so) for the newest that verifies;
+        with none there is nothing to roll back to."""
+        path, passed_over = checkpoint.latest_verified_checkpoint(self.output_dir)
+        if self.reporter is not None:
+            for reason in passed_over:
+                self.reporter.message(f"rollback: passed over a damaged checkpoint: {reason}")
         if path is None:
             raise RuntimeError("rollback requested but no complete checkpoint exists yet")
         rollbacks = self.state.rollbacks + 1

@@ -11,7 +11,9 @@ in a single process (no process group, or a group of one), so the single-process
   state) run on every rank, and every rank waits for rank 0's checkpoint before going on, so a rollback on
   any rank finds the same newest checkpoint;
 - the logged loss is the mean over ranks and the throughput counts every rank's tokens, one all-reduce per
-  logging step (no extra host read).
+  logging step (no extra host read);
+- an interrupt (SIGINT / SIGTERM) seen by any rank stops every rank after the same step (`agree_signal`:
+  a tiny all-reduce on the CPU per step, never a device read).
 
 Not supported, refused with a clear error: resuming a checkpoint with a different number of processes
 (the data shards and per-rank RNG streams depend on it), `device=cuda:N` under torchrun (each rank takes
@@ -32,6 +34,7 @@ from fused_stable.integrations import distributed as fsd
 from fused_stable.train.errors import UserError
 
 T = TypeVar("T")
+_cpu_group = None  # a gloo group for host-side agreement when the main group is NCCL
 
 
 # ------------------------------------------------------------------------------------------ process group
@@ -58,13 +61,17 @@ def world_size() -> int:
 @contextlib.contextmanager
 def process_group():
     """Join the process group torchrun describes (nothing without WORLD_SIZE > 1) and always leave it."""
+    global _cpu_group
     try:
         fsd.init_distributed_from_env()
     except (ValueError, RuntimeError) as exc:
         raise UserError(str(exc)) from None
     try:
+        if active() and str(dist.get_backend()) != "gloo":
+            _cpu_group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
         yield
     finally:
+        _cpu_group = None
         fsd.destroy_distributed()
 
 
@@ -90,6 +97,17 @@ def agree(fn: Callable[..., T], *args) -> T:
     if failed:
         raise UserError(failed[0])
     return result
+
+
+def agree_signal(signum: int) -> int:
+    """The interrupt every rank acts on: this rank's signal number (0: none) combined over the ranks, the
+    largest winning (SIGTERM over SIGINT). Called once per optimizer step on every rank, so all of them stop
+    after the same step. Host-side (a CPU all-reduce over gloo): no device read between logging steps."""
+    if not active():
+        return signum
+    flag = torch.tensor([signum], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_cpu_group)
+    return int(flag.item())
 
 
 def report_error(line: str) -> None:

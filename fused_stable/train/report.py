@@ -2,6 +2,9 @@
 optional TensorBoard events, and curves.png (loss, grad norm vs the clip threshold, lr, skipped steps).
 
 The loop hands rows over only at logging steps, after one device read for the whole interval.
+metrics.jsonl is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite value is written as null, and
+the row's `nonfinite` object says which key held what (`{"loss": "nan", "grad_norm": "inf"}`);
+`read_metrics` gives the floats back.
 """
 from __future__ import annotations
 
@@ -30,6 +33,45 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def to_json_line(row: dict) -> str:
+    """One strict-JSON line: non-finite floats become null, named (with their value) under `nonfinite`."""
+    nonfinite = {k: str(v) for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+    if nonfinite:
+        row = {**{k: (None if k in nonfinite else v) for k, v in row.items()}, "nonfinite": nonfinite}
+    return json.dumps(row, allow_nan=False)
+
+
+def from_json_row(row: dict) -> dict:
+    """The inverse of `to_json_line`: the non-finite floats back in place of their nulls."""
+    nonfinite = row.pop("nonfinite", None) or {}
+    for key, text in nonfinite.items():
+        row[key] = float(text)
+    return row
+
+
+def _readable_rows(path: str) -> list[dict]:
+    """The rows of a metrics file a resumed run continues; a line a kill cut in half (the last one, written
+    after the checkpoint) is dropped with a note instead of stopping the resume."""
+    if not os.path.isfile(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                print(f"fused-stable sft: note: dropped unreadable line {number} of {path}", file=sys.stderr)
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    """metrics.jsonl as written by `Reporter`, with non-finite values as floats again."""
+    return [from_json_row(r) for r in read_jsonl(os.path.join(output_dir, METRICS_FILE))]
+
+
 class Reporter:
     def __init__(self, output_dir: str, total_steps: int, start_step: int, *, tensorboard: bool,
                  max_grad_norm: float | None):
@@ -38,9 +80,9 @@ class Reporter:
         self.max_grad_norm = max_grad_norm
         self.metrics_path = os.path.join(output_dir, METRICS_FILE)
         # a resumed run continues the file: drop rows written after the checkpoint by the interrupted run
-        kept = [r for r in read_jsonl(self.metrics_path) if r["step"] <= start_step]
+        kept = [r for r in _readable_rows(self.metrics_path) if r.get("step", 0) <= start_step]
         with open(self.metrics_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.writelines(to_json_line(from_json_row(r)) + "\n" for r in kept)
         self._metrics = open(self.metrics_path, "a")
         self.tb = None
         if tensorboard:
@@ -48,7 +90,9 @@ class Reporter:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
-            except ImportError:  # tensorboard is optional: metrics.jsonl and curves.png carry the same data
+            except ImportError:  # a dependency, so a broken install: say so, metrics.jsonl has the same data
+                print("fused-stable sft: note: tensorboard is not installed, so no TensorBoard events are written "
+                      "(pip install tensorboard, or --tensorboard false)", file=sys.stderr)
                 self.tb = None
         self.console = Console(file=sys.stdout)
         self.progress = Progress(
@@ -62,7 +106,7 @@ class Reporter:
     def log(self, rows: list[dict]) -> None:
         """One JSON line per optimizer step, TensorBoard scalars, and the progress display."""
         for row in rows:
-            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.write(to_json_line(row) + "\n")
             if self.tb is not None:
                 for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                     if math.isfinite(row[key]):
@@ -89,7 +133,7 @@ class Reporter:
         self._metrics.close()
         kept = [r for r in read_jsonl(self.metrics_path) if r["step"] <= step]
         with open(self.metrics_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.writelines(to_json_line(from_json_row(r)) + "\n" for r in kept)
         self._metrics = open(self.metrics_path, "a")
         self.progress.update(self.task, completed=step)
 
@@ -105,7 +149,7 @@ class Reporter:
 
 def plot_curves(output_dir: str, max_grad_norm: float | None) -> str | None:
     """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one)."""
-    rows = read_jsonl(os.path.join(output_dir, METRICS_FILE))
+    rows = read_metrics(output_dir)
     if not rows:
         return None
     import matplotlib

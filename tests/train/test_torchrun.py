@@ -201,7 +201,7 @@ def test_guard_rollback_takes_every_rank_back_together(tmp_path):
 
 
 def test_bad_input_one_line_from_rank0_exit_2(tmp_path):
-    # the `fused-stable` console script under torchrun; the output_dir already holds a run
+    # the `fused-stable` console script under torchrun; the output_dir holds another tool's file
     script = os.path.join(os.path.dirname(sys.executable), "fused-stable")
     assert os.path.isfile(script), "the package's console script is not installed next to this python"
     out = tmp_path / "taken"
@@ -210,7 +210,7 @@ def test_bad_input_one_line_from_rank0_exit_2(tmp_path):
     proc = torchrun(*TINY, "--output_dir", out, program=(script,))
     assert proc.returncode != 0
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if ERROR_PREFIX in line]
-    assert len(ours) == 1 and "already holds a run" in ours[0], proc.stderr[-3000:]
+    assert len(ours) == 1 and "is not a fused-stable run" in ours[0], proc.stderr[-3000:]
     assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank")]  # no worker traceback
     # torchrun's own summary: the workers exited with code 2 (one may instead show the SIGTERM torchrun sends
     # the rest of the group as soon as the first one has exited)

@@ -1,0 +1,193 @@
+"""The fused step with torch's own multi-tensor ops (backend "torch", the default for CPU tensors).
+
+`torch._foreach_norm` (fp32 accumulation) for the norm, a handful of 0-dim tensor ops that mirror the decision
+kernel (`decide`), `torch._foreach_add_` on the step counters and `torch._fused_adamw_` with a device
+`grad_scale` (= loss scale / clip coefficient) and `found_inf` (= skip). No host reads, and no
+`_foreach_mul_` clip pass: 32 bytes per fp32 parameter instead of torch's 40.
+
+`TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype and per-(group, dtype)
+lists `_fused_adamw_` takes, the index tensors that put per-tensor norms back in parameter order, and fp32
+working copies for low-precision params (whose moments are fp32).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+from ..kernels.tables import upload_int64
+from ..layout import StepBuffers, StepRules
+from ..plan import StepPlan
+
+
+class TorchLists:
+    """Per-plan lists for the torch backend (see the module doc)."""
+
+    def __init__(self, plan: StepPlan, device: torch.device) -> None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_group_dtype: dict[tuple[int, torch.dtype], list[int]] = {}
+        for index, (group, param) in enumerate(zip(plan.groups, plan.local_params)):
+            by_dtype.setdefault(param.dtype, []).append(index)
+            by_group_dtype.setdefault((group, param.dtype), []).append(index)
+        everything = list(range(len(plan.local_params)))
+        # None stands for "all of them, in order": the usual single dtype and group needs no per-step gathering
+        self.norm_indices = [None if indices == everything else indices for indices in by_dtype.values()]
+        order = [i for indices in by_dtype.values() for i in indices]
+        self.order = upload_int64(order, device) if len(by_dtype) > 1 else None
+        self.positions = upload_int64(plan.positions, device)
+        self.per_tensor_sumsq: torch.Tensor | None = None
+        self.steps = plan.steps
+        self.updates = []  # (group, indices, params, exp_avgs, exp_avg_sqs, steps, low-precision working copies)
+        for (group, dtype), indices in by_group_dtype.items():
+            params = [plan.local_params[i] for i in indices]
+            working = None
+            if dtype != torch.float32:  # _fused_adamw_ wants one dtype: fp32 copies (or the masters) for the update
+                # persistent buffers, filled with _foreach_copy_ each step: fresh .float() copies cost an
+                # allocation and page faults per step (several times the update itself on CPU)
+                masters = [plan.masters[i] for i in indices]
+                copies = [m if m is not None else torch.empty_like(p, dtype=torch.float32) for m, p in zip(masters, params)]
+                refill = [(c, p) for c, p, m in zip(copies, params, masters) if m is None]
+                grads32 = [torch.empty_like(p, dtype=torch.float32) for p in params]
+                working = (copies, grads32, [c for c, _ in refill], [p for _, p in refill])
+            self.updates.append((
+                group, None if indices == everything else indices, params, [plan.exp_avgs[i] for i in indices],
+                [plan.exp_avg_sqs[i] for i in indices], [plan.steps[i] for i in indices], working,
+            ))  # fmt: skip
+
+
+def fused_step(
+    plan: StepPlan,
+    grads: list[torch.Tensor],
+    buffers: StepBuffers,
+    rules: StepRules,
+    hparams: list[tuple],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    global_sumsq,
+) -> None:
+    device = buffers.fstate.device
+    lists: TorchLists | None = plan.backend_cache
+    if lists is None:
+        lists = plan.backend_cache = TorchLists(plan, device)
+    norms = [
+        torch.stack(torch._foreach_norm(grads if i is None else [grads[k] for k in i], 2, dtype=torch.float32))
+        for i in lists.norm_indices
+    ]
+    if lists.order is None:
+        norms = norms[0]
+    else:
+        norms = torch.empty_like(lists.order, dtype=torch.float32).index_copy_(0, lists.order, torch.cat(norms))
+    if grad_scale is not None:
+        norms = norms * grad_scale.reciprocal()
+    per_tensor_sumsq = norms * norms
+    sumsq = global_sumsq(per_tensor_sumsq, plan.params) if global_sumsq else per_tensor_sumsq.sum()
+    lists.per_tensor_sumsq = per_tensor_sumsq
+
+    grad_mul, skip, lr_factor = decide(sumsq, buffers.fstate, buffers.istate, rules, hparams[0][0], grad_scale, found_inf)
+
+    torch._foreach_add_(lists.steps, 1.0 - skip)
+    # _fused_adamw_ divides the grads by `grad_scale` and leaves everything untouched when found_inf is 1
+    grad_divisor = grad_mul.reciprocal()
+    for group, indices, params, exp_avgs, exp_avg_sqs, steps, working in lists.updates:
+        lr, beta1, beta2, eps, weight_decay = hparams[group]
+        group_grads = grads if indices is None else [grads[i] for i in indices]
+        if working is not None:  # the moments are fp32: update fp32 working copies (or the masters), round back
+            copies, grads32, refill_copies, refill_params = working
+            if refill_copies:
+                torch._foreach_copy_(refill_copies, refill_params)
+            torch._foreach_copy_(grads32, group_grads)
+            update_params, group_grads = copies, grads32
+        else:
+            update_params = params
+        torch._fused_adamw_(
+            update_params, group_grads, exp_avgs, exp_avg_sqs, [], steps,
+            lr=lr_factor * lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+            amsgrad=False, maximize=False, grad_scale=grad_divisor, found_inf=skip,
+        )  # fmt: skip
+        if working is not None:
+            torch._foreach_copy_(params, update_params)
+
+
+def decide(
+    sumsq: torch.Tensor,
+    fstate: torch.Tensor,
+    istate: torch.Tensor,
+    rules: StepRules,
+    lr0: float | torch.Tensor,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decision kernel's rules with torch ops on 0-dim tensors (see kernels/adamw.py for the why).
+
+    Updates `fstate` / `istate` in place and returns (grad multiplier, skip flag as fp32, lr factor).
+    """
+    f = fstate.unbind()
+    i = istate.unbind()
+    norm = sumsq.sqrt()
+    nonfinite = ~torch.isfinite(norm)
+    if found_inf is not None:
+        nonfinite = nonfinite | (found_inf != 0)
+    finite = ~nonfinite
+    mean, var, count = f[layout.F_NORM_MEAN], f[layout.F_NORM_VAR], i[layout.I_STATS_COUNT]
+    std = var.clamp(min=0.0).sqrt()
+    ready = count >= rules.zscore_warmup
+    zscore = torch.where(ready & finite, (norm - mean) / (std + layout.ZSCORE_STD_EPS), 0.0)
+    is_spike = ready & finite & (zscore > rules.zscore_threshold)
+    spike_ceiling = mean + rules.zscore_threshold * std
+    if rules.spike_skip_threshold:
+        spike_skip = is_spike & (zscore > rules.spike_skip_threshold)
+    else:
+        spike_skip = torch.zeros_like(is_spike)
+    skip = nonfinite | spike_skip
+
+    ceiling = torch.full_like(norm, rules.max_grad_norm or float("inf"))
+    if rules.clip_mode == layout.CLIP_ZSCORE:
+        ceiling = torch.where(is_spike, torch.minimum(ceiling, spike_ceiling), ceiling)
+    coef = (ceiling / (norm + layout.CLIP_EPS)).clamp(max=1.0)
+    grad_mul = coef * grad_scale.reciprocal() if grad_scale is not None else coef
+
+    value = torch.where(is_spike, spike_ceiling, norm)
+    in_warmup = count < rules.zscore_warmup
+    warm_sum = f[layout.F_WARMUP_SUM] + value
+    warm_sumsq = f[layout.F_WARMUP_SUMSQ] + value * value
+    new_count = count + 1
+    warm_mean = warm_sum / new_count
+    warm_var = (warm_sumsq / new_count - warm_mean * warm_mean).clamp(min=0.0)
+    alpha = rules.zscore_alpha
+    ema_mean = alpha * mean + (1.0 - alpha) * value
+    ema_var = alpha * var + (1.0 - alpha) * (value - ema_mean) * (value - ema_mean)
+
+    applied_before = i[layout.I_APPLIED_STEPS]
+    if rules.schedule is not None:
+        lr_factor = rules.schedule.factor_tensor(applied_before)
+    else:
+        lr_factor = torch.ones_like(norm)
+
+    new_f = list(f)
+    new_f[layout.F_GRAD_NORM] = norm
+    new_f[layout.F_GRAD_MUL] = grad_mul
+    new_f[layout.F_SKIP] = skip.float()
+    new_f[layout.F_FOUND_INF] = nonfinite.float()
+    new_f[layout.F_LR_FACTOR] = lr_factor
+    new_f[layout.F_LAST_LR] = lr_factor * lr0
+    new_f[layout.F_LAST_ZSCORE] = zscore
+    new_max = ready & finite & (zscore > f[layout.F_MAX_ZSCORE])
+    new_f[layout.F_MAX_ZSCORE] = torch.where(new_max, zscore, f[layout.F_MAX_ZSCORE])
+    new_f[layout.F_MAX_ZSCORE_NORM] = torch.where(new_max, norm, f[layout.F_MAX_ZSCORE_NORM])
+    new_f[layout.F_LAST_SPIKE_NORM] = torch.where(is_spike, norm, f[layout.F_LAST_SPIKE_NORM])
+    new_f[layout.F_WARMUP_SUM] = torch.where(finite & in_warmup, warm_sum, f[layout.F_WARMUP_SUM])
+    new_f[layout.F_WARMUP_SUMSQ] = torch.where(finite & in_warmup, warm_sumsq, f[layout.F_WARMUP_SUMSQ])
+    new_f[layout.F_NORM_MEAN] = torch.where(finite, torch.where(in_warmup, warm_mean, ema_mean), mean)
+    new_f[layout.F_NORM_VAR] = torch.where(finite, torch.where(in_warmup, warm_var, ema_var), var)
+    fstate.copy_(torch.stack([x.to(torch.float32) for x in new_f]))
+
+    new_i = list(i)
+    new_i[layout.I_APPLIED_STEPS] = applied_before + (~skip).long()
+    new_i[layout.I_SKIPPED_STEPS] = i[layout.I_SKIPPED_STEPS] + nonfinite.long()
+    new_i[layout.I_SPIKE_SKIPS] = i[layout.I_SPIKE_SKIPS] + (spike_skip & finite).long()
+    new_i[layout.I_SPIKE_COUNT] = i[layout.I_SPIKE_COUNT] + is_spike.long()
+    new_i[layout.I_LAST_SPIKE_STEP] = torch.where(is_spike, applied_before, i[layout.I_LAST_SPIKE_STEP])
+    new_i[layout.I_LAST_STEP_SKIPPED] = skip.long()
+    new_i[layout.I_STATS_COUNT] = torch.where(finite, new_count, count)
+    new_i[layout.I_MAX_ZSCORE_STEP] = torch.where(new_max, applied_before, i[layout.I_MAX_ZSCORE_STEP])
+    istate.copy_(torch.stack(new_i))
+    return grad_mul, new_f[layout.F_SKIP], lr_factor

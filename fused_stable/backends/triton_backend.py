@@ -1,0 +1,260 @@
+"""The fused step on the Triton kernels (backends "triton" and "interpret"): a plan's device tables, one step's launches.
+
+`TritonTables` is the device side of a StepPlan, built once per plan: the update table (param, moment, master
+and step addresses, sizes, groups) and chunk maps per param dtype, the norm pass's partials, the decision
+kernel's per-tensor tables, a grad-address array that is rewritten in place when grad storage changes, and
+one `PreparedLaunch` per kernel launch (kernels/launch.py). A step then costs, on the host: a check of the
+hyper-parameters, the launches through the compiled kernels' own launchers, and a device guard.
+
+Launches run on the parameters' device whatever device is current (a guard switches only when needed) and on
+that device's current stream. Everything that would copy host data to the device (a new plan, new grad
+addresses, changed float hyper-parameters) goes through kernels.tables.upload, which refuses to run while a
+CUDA graph is being captured.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+
+import torch
+
+from .. import layout
+from ..kernels.tables import CHUNK_SIZE, build_chunk_map, check_not_capturing, upload, upload_int64
+from ..layout import StepBuffers, StepRules
+from ..plan import StepPlan
+
+
+def _another_device_is_current(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.current_device() != device.index
+
+
+def device_guard(device: torch.device):
+    """Makes `device` current for the launches (Triton launches on the current device), only when it is not."""
+    return torch.cuda.device(device.index) if _another_device_is_current(device) else contextlib.nullcontext()
+
+
+class TritonTables:
+    """The device side of one plan for the Triton kernels (see the module doc)."""
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        buffers: StepBuffers,
+        rules: StepRules,
+        device: torch.device,
+        *,
+        sumsq_config=None,
+        adamw_config=None,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> None:
+        """Launch configurations and chunk size default to the kernels' own; benchmarks/gpu_probe.py builds the
+        same tables with the alternatives it times."""
+        from ..kernels.adamw import ADAMW_CONFIG, TABLE_COLUMNS, prepare_adamw, prepare_finalize
+        from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
+
+        self.buffers, self.rules, self.device = buffers, rules, device
+        launch_groups: dict[tuple, list[int]] = {}  # (param dtype, has master) -> plan indices
+        for index, (param, master) in enumerate(zip(plan.local_params, plan.masters)):
+            launch_groups.setdefault((param.dtype, master is not None), []).append(index)
+        self.kernel_order = [i for indices in launch_groups.values() for i in indices]
+        n = len(self.kernel_order)
+        # plan order -> kernel order, in C (None: the same order, one launch group as usual)
+        self.to_kernel_order = None if self.kernel_order == list(range(n)) else operator.itemgetter(*self.kernel_order)
+        self.grad_addrs = torch.zeros(max(n, 1), dtype=torch.int64, device=device)
+        self.grads_version = -1
+        self.uploaded_grad_ptrs: list[int] | None = None
+
+        chunk_maps, counts, owners, offset, first = [], [], [], 0, 0
+        for indices in launch_groups.values():
+            chunks = build_chunk_map([plan.numels[i] for i in indices], device, chunk_size)
+            chunk_maps.append((chunks, offset, first))
+            counts += chunks.tensor_num_chunks
+            for local, count in enumerate(chunks.tensor_num_chunks):
+                owners += [first + local] * count
+            offset += chunks.num_chunks
+            first += len(indices)
+        self.partials = torch.zeros(max(offset, 1), dtype=torch.float32, device=device)
+        self.per_tensor_sumsq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.chunk_owner = upload_int64(owners, device)
+        self.positions = upload_int64([plan.positions[i] for i in self.kernel_order], device)
+        self.originals = [plan.params[i] for i in self.kernel_order]
+
+        self.norms, self.updates = [], []
+        for ((dtype, has_master), indices), (chunks, partial_offset, first) in zip(launch_groups.items(), chunk_maps):
+            rows = []
+            for i in indices:
+                master = plan.masters[i]
+                rows += [
+                    plan.local_params[i].data_ptr(), plan.exp_avgs[i].data_ptr(), plan.exp_avg_sqs[i].data_ptr(),
+                    master.data_ptr() if master is not None else 0, plan.steps[i].data_ptr(),
+                    plan.numels[i], plan.groups[i], 0,
+                ]  # fmt: skip
+            grad_addrs = self.grad_addrs[first : first + len(indices)]
+            numels = upload_int64([plan.numels[i] for i in indices], device)
+            norm = prepare_sumsq(
+                grad_addrs, numels, chunks, self.partials, partial_offset, dtype, sumsq_config or SUMSQ_CONFIG
+            )
+            update = prepare_adamw(
+                table=upload_int64(rows, device, "an update table").view(len(indices), TABLE_COLUMNS),
+                grad_addrs=grad_addrs, chunks=chunks, hparams=buffers.hparams, fstate=buffers.fstate,
+                param_dtype=dtype, has_master=has_master, config=adamw_config or ADAMW_CONFIG,
+            )  # fmt: skip
+            if norm is not None:
+                self.norms.append(norm)
+            if update is not None:
+                self.updates.append(update)
+        self.finalize = prepare_finalize(
+            partials=self.partials,
+            chunk_owner=self.chunk_owner,
+            tensor_num_chunks=upload_int64(counts, device),
+            per_tensor_sumsq=self.per_tensor_sumsq,
+            step_addrs=upload_int64([plan.steps[i].data_ptr() for i in self.kernel_order], device),
+            fstate=buffers.fstate,
+            istate=buffers.istate,
+            hparams=buffers.hparams,
+            rules=rules,
+        )
+        self.hparams_key: tuple | None = None
+        self.tensor_lrs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hparams slot, the group's lr tensor)
+
+    def refresh_grads(self, plan: StepPlan) -> None:
+        """Writes new grad addresses into the address array the prepared launches read (when they differ from
+        what it holds: grads can come back to an earlier storage, e.g. after a step refused during a capture)."""
+        if plan.grad_ptrs != self.uploaded_grad_ptrs:
+            ptrs = plan.grad_ptrs if self.to_kernel_order is None else list(self.to_kernel_order(plan.grad_ptrs))
+            upload(ptrs, torch.int64, self.device, "new gradient addresses", out=self.grad_addrs[: len(ptrs)])
+            self.uploaded_grad_ptrs = plan.grad_ptrs
+        self.grads_version = plan.grads_version
+
+    def refresh_hparams(self, hparams: list[tuple]) -> None:
+        """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync)."""
+        key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
+        if key != self.hparams_key:
+            upload([_hparam_row(*row) for row in hparams], torch.float32, self.device, "changed hyper-parameters",
+                   out=self.buffers.hparams)  # fmt: skip
+            self.hparams_key = key
+            self.tensor_lrs = [
+                (self.buffers.hparams[g, layout.H_LR], row[0])
+                for g, row in enumerate(hparams)
+                if isinstance(row[0], torch.Tensor)
+            ]
+        for slot, lr in self.tensor_lrs:
+            slot.copy_(lr)
+
+
+def fused_step(
+    plan: StepPlan,
+    grads: list[torch.Tensor],
+    buffers: StepBuffers,
+    rules: StepRules,
+    hparams: list[tuple],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    global_sumsq,
+) -> None:
+    """Norm pass, decision kernel and AdamW for every tensor of `plan`, on the parameters' device."""
+    device = buffers.fstate.device
+    tables: TritonTables | None = plan.backend_cache
+    if tables is None or tables.buffers is not buffers or tables.rules is not rules:
+        tables = plan.backend_cache = TritonTables(plan, buffers, rules, device)
+    if tables.grads_version != plan.grads_version:
+        tables.refresh_grads(plan)
+    tables.refresh_hparams(hparams)
+    if grad_scale is not None and grad_scale.dtype != torch.float32:
+        grad_scale = grad_scale.float()
+    if found_inf is not None and found_inf.dtype != torch.float32:
+        found_inf = found_inf.float()
+    if _another_device_is_current(device):  # Triton launches on the current device: make it the params' one
+        with torch.cuda.device(device.index):
+            launch_step(tables, grad_scale, found_inf, global_sumsq)
+    else:  # no context manager at all in the usual case: this is host time per step
+        launch_step(tables, grad_scale, found_inf, global_sumsq)
+
+
+def launch_step(tables: TritonTables, grad_scale=None, found_inf=None, global_sumsq=None) -> None:
+    """The launches of one step over `tables`, on the current device's current stream."""
+    kernels = _kernels or _import_kernels()
+    device = tables.device
+    stream = kernels.current_stream(device.index or 0)
+    for norm in tables.norms:
+        kernels.run_sumsq(norm, grad_scale, stream)
+    external_sumsq = None
+    if global_sumsq is not None:
+        local = torch.zeros_like(tables.per_tensor_sumsq).index_add_(
+            0, tables.chunk_owner, tables.partials[: tables.chunk_owner.numel()]
+        )
+        external_sumsq = global_sumsq(local, tables.originals).reshape(()).float()
+    kernels.run_finalize(tables.finalize, stream, grad_scale, found_inf, external_sumsq)
+    for update in tables.updates:
+        kernels.run_adamw(update, stream)
+
+
+_kernels = None
+
+
+def _import_kernels():
+    """The kernel modules, imported on first use: importing triton must wait until a kernel really runs (the
+    interpreter is chosen when triton is first imported)."""
+    global _kernels
+    from types import SimpleNamespace
+
+    from ..kernels import adamw, launch, norm
+
+    _kernels = SimpleNamespace(
+        current_stream=launch.current_stream, run_sumsq=norm.run_sumsq, run_finalize=adamw.run_finalize,
+        run_adamw=adamw.run_adamw,
+    )  # fmt: skip
+    return _kernels
+
+
+def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
+    row = [0.0] * layout.H_SIZE
+    row[layout.H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
+    row[layout.H_BETA1], row[layout.H_BETA2] = beta1, beta2
+    row[layout.H_EPS], row[layout.H_WEIGHT_DECAY] = eps, weight_decay
+    # derived on the host in float64: in fp32 on the device they lose ~1e-5 relative for beta2 = 0.999
+    row[layout.H_ONE_MINUS_BETA1], row[layout.H_ONE_MINUS_BETA2] = 1.0 - beta1, 1.0 - beta2
+    row[layout.H_LOG_BETA1] = math.log(beta1) if beta1 > 0 else float("-inf")
+    row[layout.H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# clip_grad_norm_: multi-tensor norm and in-place scale
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s L2 case with the fused kernels: returns the total norm (fp32).
+
+    One-off tables per call (a clip over a varying set of grads has nothing to cache against), so it cannot run
+    inside a CUDA-graph capture: the upload refuses with a clear error."""
+    from ..kernels.launch import current_stream
+    from ..kernels.norm import launch_scale_, prepare_sumsq, run_sumsq
+    from ..plan import check_grads
+
+    device = grads[0].device
+    check_not_capturing(device, "clip_grad_norm_'s tables")
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    maps, offset = [], 0
+    for dtype, tensors in by_dtype.items():
+        check_grads(tensors, tensors, dense_layouts=True)
+        chunks = build_chunk_map([t.numel() for t in tensors], device)
+        addrs = upload_int64([t.data_ptr() for t in tensors], device, "clip_grad_norm_'s tables")
+        numels = upload_int64([t.numel() for t in tensors], device, "clip_grad_norm_'s tables")
+        maps.append((dtype, chunks, addrs, numels, offset))
+        offset += chunks.num_chunks
+    partials = torch.zeros(max(offset, 1), dtype=torch.float32, device=device)
+    with device_guard(device):
+        stream = current_stream(device.index or 0)
+        for dtype, chunks, addrs, numels, part_offset in maps:
+            prepared = prepare_sumsq(addrs, numels, chunks, partials, part_offset, dtype)
+            if prepared is not None:
+                run_sumsq(prepared, None, stream)
+        total_norm = partials.sum().sqrt()
+        coef = (max_norm / (total_norm + layout.CLIP_EPS)).clamp(max=1.0)
+        for dtype, chunks, addrs, numels, _ in maps:
+            launch_scale_(addrs, numels, chunks, dtype, coef)
+    return total_norm

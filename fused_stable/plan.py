@@ -1,0 +1,407 @@
+"""The step plan: what the optimizer's param groups and state amount to for one fused step, flattened once.
+
+FusedAdamW (optim.py) builds a `StepPlan` from its param groups and state and keeps it; a backend
+(fused_stable/backends) keeps its own device side of the plan (tables, prepared launches) in
+`plan.backend_cache`. The plan is rebuilt only when something it encodes changes:
+  - the param set: a group added, a group's params list replaced or edited, another set of params with grads;
+  - a state tensor: created, loaded, replaced or removed in `opt.state` (the optimizer's state mapping reports
+    every such change, see `ParamStates`, so no step has to look);
+  - a param's size or dtype (`p.data = p.data[:n]`, even at the same address), seen through its grad: torch
+    keeps a grad's shape and dtype equal to its param's;
+  - a param's storage, checked whenever grad storage changes (docs/design.md, "What a step does not look at",
+    says which two changes wait for that, and why no launch reaches freed memory meanwhile).
+A step therefore only gathers the grads and checks that they are the very tensors of the last step (`SameGrads`,
+one pass of id()) or else that their storage (address and size) is what the plan and the backend's tables were
+built for (`current_grads`): two to four C-level `map`s over the params, not a rebuild of per-param lists.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass, field
+from itertools import chain, repeat
+from typing import Any
+
+import torch
+
+# C-level accessors for map(): a pass over hundreds of params costs tens of microseconds, a Python loop hundreds
+_grad_of = operator.attrgetter("grad")
+_dtype_of = operator.attrgetter("dtype")
+_nbytes_of = operator.attrgetter("nbytes")
+_data_ptr = torch.Tensor.data_ptr
+_stride_of = torch.Tensor.stride
+_is_contiguous = torch.Tensor.is_contiguous
+_storage_of = torch.Tensor.untyped_storage
+_is = operator.is_
+
+
+class Version:
+    """A counter shared by the optimizer and its state mapping: any change that invalidates a plan bumps it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def bump(self) -> None:
+        self.value += 1
+
+
+class ParamState(dict):
+    """One parameter's optimizer state (a plain dict to every reader). Setting or removing an entry bumps the
+    optimizer's version, so a plan that holds the old tensor's address is rebuilt before the next step."""
+
+    __slots__ = ("_version",)
+
+    def __init__(self, version: Version, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._version = version
+
+    def _changed(self) -> None:
+        self._version.bump()
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def pop(self, *args):
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def popitem(self):
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def setdefault(self, key, default=None):
+        value = super().setdefault(key, default)
+        self._changed()
+        return value
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def __reduce__(self):  # pickles (and deep-copies) as a plain dict: state_dict files stay loadable anywhere
+        return (dict, (dict(self),))
+
+
+class ParamStates(dict):
+    """The optimizer's `state` mapping (param -> ParamState), a defaultdict(dict) to every reader. Replacing
+    or removing a param's state bumps the version; creating one for a param that had none does not (no plan
+    can hold a state that did not exist)."""
+
+    __slots__ = ("_version",)
+
+    def __init__(self, version: Version, states: Any = ()) -> None:
+        super().__init__()
+        self._version = version
+        for param, state in dict(states).items():
+            dict.__setitem__(self, param, self._wrap(state))
+
+    def _wrap(self, state) -> ParamState:
+        if type(state) is ParamState and state._version is self._version:
+            return state
+        return ParamState(self._version, state)
+
+    def __missing__(self, param) -> ParamState:
+        state = ParamState(self._version)
+        dict.__setitem__(self, param, state)
+        return state
+
+    def __setitem__(self, param, state) -> None:
+        replaced = param in self
+        dict.__setitem__(self, param, self._wrap(state))
+        if replaced:
+            self._version.bump()
+
+    def __delitem__(self, param) -> None:
+        super().__delitem__(param)
+        self._version.bump()
+
+    def clear(self) -> None:
+        super().clear()
+        self._version.bump()
+
+    def pop(self, *args):
+        value = super().pop(*args)
+        self._version.bump()
+        return value
+
+    def popitem(self):
+        item = super().popitem()
+        self._version.bump()
+        return item
+
+    def update(self, *args, **kwargs) -> None:
+        for param, state in dict(*args, **kwargs).items():
+            self[param] = state
+
+    @property
+    def default_factory(self):  # what code written for torch's defaultdict(dict) may look at
+        return dict
+
+    def __reduce__(self):  # pickles (and deep-copies) as plain dicts
+        return (dict, ({param: dict(state) for param, state in self.items()},))
+
+
+class SameGrads:
+    """Whether this step's grads are the very tensors accepted before, from one pass of id() over them.
+
+    Equal ids alone prove nothing (a new tensor can take a dead one's id), so the accepted grads are tracked by
+    weak references whose callback notes any death: equal ids and no death mean the same living tensors, whose
+    storage the address and size checks already accepted. Their storages are held meanwhile, so even a grad
+    whose storage is swapped in place (`g.data = t`, `g.set_(t)`: not looked for) never sends a launch to freed
+    memory; a death drops them. Arming costs a weak reference per grad, so it is done only while grads persist
+    between steps: a loop that makes new grads every step (zero_grad(set_to_none=True)) goes back to the address
+    check and retries arming every `RETRY` steps.
+    """
+
+    RETRY = 64
+
+    __slots__ = ("ids", "refs", "storages", "alive", "hits", "cooldown", "__weakref__")
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None
+        self.refs: list | None = None
+        self.storages: list | None = None
+        self.alive = False
+        self.hits = 0
+        self.cooldown = 0
+
+    def same(self, grads: list) -> bool:
+        if not self.alive or list(map(id, grads)) != self.ids:
+            return False
+        self.hits += 1
+        return True
+
+    def seen(self, grads: list) -> None:
+        """The grads were accepted by the address check: arm for the next step, unless arming does not pay."""
+        if self.ids is not None and self.hits == 0:  # the last armed set was replaced before it was reused
+            self.cooldown = self.RETRY
+        self.ids = self.refs = self.storages = None
+        self.alive = False
+        if self.cooldown:
+            self.cooldown -= 1
+            return
+        self.refs = list(map(weakref.ref, grads, repeat(_death_notice(weakref.ref(self)))))
+        self.storages = list(map(_storage_of, grads))
+        self.ids = list(map(id, grads))
+        self.alive = True
+        self.hits = 0
+
+
+def _death_notice(tracker_ref):
+    """The weak-reference callback for one armed set (it holds the tracker weakly: no reference cycle keeps the
+    held storages alive)."""
+
+    def notice(_) -> None:
+        tracker = tracker_ref()
+        if tracker is not None:
+            tracker.alive = False
+            tracker.storages = None
+
+    return notice
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """The params taking part in a step (those with a grad when the plan was built), in the optimizer's flat
+    parameter order, with their state; and the storage of the grads the backend's tables were last told about."""
+
+    version: int  # the optimizer's Version.value when built
+    group_params: list[list]  # each group's own params list object (identity, length and contents are checked)
+    group_sizes: list[int]
+    all_params: list[torch.Tensor]  # every param of every group, flat order: where grads are read from
+    members: list[int] | None  # flat positions of the params taking part; None: all of them
+    params: list[torch.Tensor]  # the optimizer's param objects taking part (DTensors under FSDP2)
+    local_params: list[torch.Tensor]  # what the kernels update (a DTensor's local shard)
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    masters: list[torch.Tensor | None]  # fp32 master copy of a low-precision param, or None
+    steps: list[torch.Tensor]  # fp32 0-dim per-param step counters (torch.optim.AdamW's `step`)
+    groups: list[int]  # param-group index of each param
+    numels: list[int]
+    nbytes: list[int]  # the params' (= their grads')
+    param_ptrs: list[int]
+    dtypes: list[torch.dtype]  # the params'
+    strides: list[tuple[int, ...]]  # the params'
+    contiguous: bool  # every param is contiguous (then a grad matches its layout when it is contiguous too)
+    sharded: bool  # DTensor params: grads are read through to_local() every step
+    dense_layouts: bool  # the backend walks memory linearly: grads must be dense with the params' strides
+    storages: list  # the params' storages when built: kept alive, so no launch can touch freed memory
+    grad_ptrs: list[int] | None = None  # storage of the grads last accepted
+    grads_version: int = 0  # bumped whenever grad storage changes: backends refresh their address tables
+    backend_cache: Any = None  # the backend's device side of this plan
+    same_grads: SameGrads = field(default_factory=lambda: SameGrads())
+
+    @property
+    def positions(self) -> list[int]:
+        return self.members if self.members is not None else list(range(len(self.all_params)))
+
+    # ------------------------------------------------------------------------------------------------
+    # the per-step check
+
+    def current_grads(self, param_groups: list[dict]) -> list[torch.Tensor] | None:
+        """This step's grads (local tensors, plan order) if the plan still holds for them; None if it must be
+        rebuilt (the param set, a param's storage or size, or which params have a grad changed)."""
+        group_params = self.group_params
+        if len(param_groups) != len(group_params):
+            return None
+        for group, params, size in zip(param_groups, group_params, self.group_sizes):
+            if group["params"] is not params or len(params) != size:
+                return None
+        if self.sharded:
+            return self._sharded_grads()
+        # grads are read through the groups' own lists: a param replaced in a list shows up as new grad storage
+        live = group_params[0] if len(group_params) == 1 else chain.from_iterable(group_params)
+        grads = list(map(_grad_of, live))
+        if self.members is not None:
+            grads = self._member_grads(grads)
+            if grads is None:
+                return None
+        if self.same_grads.same(grads):  # the very tensors of the last step: one pass of id()
+            return grads
+        try:
+            ptrs = list(map(_data_ptr, grads))
+        except (TypeError, RuntimeError):  # a missing grad (None), or one without storage (sparse)
+            return None
+        if ptrs != self.grad_ptrs:
+            if not self.accept_grads(grads, ptrs):
+                return None
+        # same addresses: same storage only if the sizes are too. Torch keeps a grad's shape and dtype equal to its
+        # param's, so this also sees a param resized or recast in place (`p.data = p.data[:n]`): new grads at an
+        # address that happens to be reused
+        elif list(map(_nbytes_of, grads)) != self.nbytes:
+            return None
+        self.same_grads.seen(grads)
+        return grads
+
+    def _member_grads(self, grads: list) -> list | None:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present != self.members:
+            return None
+        return [grads[i] for i in present]
+
+    def _sharded_grads(self) -> list[torch.Tensor] | None:
+        """DTensor params (FSDP2): the same checks on the local shards, at Python speed."""
+        grads = [p.grad for params in self.group_params for p in params]
+        if any(p is not q for p, q in zip(chain.from_iterable(self.group_params), self.all_params)):
+            return None
+        if self.members is not None:
+            grads = self._member_grads(grads)
+        elif any(g is None for g in grads):
+            return None
+        if grads is None or any(g.is_sparse for g in grads):
+            return None
+        local = [_local(g) for g in grads]
+        ptrs = [g.data_ptr() for g in local]
+        if ptrs != self.grad_ptrs:
+            return local if self.accept_grads(local, ptrs) else None
+        if [g.nbytes for g in local] != self.nbytes or [p.data_ptr() for p in self.local_params] != self.param_ptrs:
+            return None
+        return local
+
+    def _layouts_match(self, grads: list[torch.Tensor]) -> bool:
+        if self.contiguous:  # the usual case, and cheaper to ask than the strides
+            return all(map(_is_contiguous, grads))
+        return list(map(_stride_of, grads)) == self.strides
+
+    def accept_grads(self, grads: list[torch.Tensor], ptrs: list[int]) -> bool:
+        """New grad storage: checks it against the params (clear errors) and records it, so the backend
+        refreshes its address table; False when something else changed too (the plan is rebuilt)."""
+        params = chain.from_iterable(self.group_params)
+        if not all(map(_is, params, self.all_params)) or list(map(_data_ptr, self.local_params)) != self.param_ptrs:
+            return False
+        if list(map(_nbytes_of, grads)) != self.nbytes:
+            return False
+        if list(map(_dtype_of, grads)) != self.dtypes or (self.dense_layouts and not self._layouts_match(grads)):
+            check_grads(self.local_params, grads, self.dense_layouts)  # raises, unless only 1-element strides differ
+        self.grad_ptrs = ptrs
+        self.grads_version += 1
+        return True
+
+
+def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_layouts: bool) -> None:
+    """A grad must match its parameter: dtype and shape always; for the kernels, which walk memory linearly,
+    also a dense layout with the parameter's strides."""
+    for p, g in zip(params, grads):
+        if g.is_sparse:
+            raise RuntimeError(
+                "FusedAdamW does not support sparse gradients (got one for a parameter of shape "
+                f"{tuple(p.shape)}); use torch.optim.SparseAdam for sparse embeddings"
+            )
+        if g.dtype != p.dtype or g.shape != p.shape:
+            raise ValueError(
+                f"a gradient of dtype {g.dtype} and shape {tuple(g.shape)} belongs to a parameter of dtype {p.dtype} "
+                f"and shape {tuple(p.shape)}: a .grad must match its parameter"
+            )
+        if not dense_layouts:
+            continue
+        if not is_dense(p):
+            raise ValueError(
+                f"fused_stable kernels need dense parameters; got a parameter of shape {tuple(p.shape)} with "
+                f"strides {p.stride()}: make it contiguous (e.g. nn.Parameter(t.contiguous())) or use backend='torch'"
+            )
+        if g.stride() != p.stride() and p.numel() > 1:
+            raise ValueError(
+                f"a gradient's strides {g.stride()} differ from its parameter's {p.stride()} (shape {tuple(p.shape)}): "
+                "fused_stable kernels need matching layouts; use backend='torch' for such gradients"
+            )
+
+
+def check_state(param: torch.Tensor, state: dict) -> None:
+    """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not)."""
+    missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in state]
+    if missing:
+        raise ValueError(
+            f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}): load a complete AdamW state, "
+            "or clear that parameter's state (opt.state[p].clear()) to start it afresh"
+        )
+    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+        tensor = state.get(key)
+        if tensor is None:
+            continue
+        tensor = _local(tensor)
+        if tensor.numel() != param.numel() or tensor.dtype != torch.float32 or tensor.device != param.device:
+            raise ValueError(
+                f"state {key!r} ({tensor.dtype}, {tuple(tensor.shape)}, {tensor.device}) does not fit its parameter "
+                f"({tuple(param.shape)} on {param.device}): a parameter changed size or a state tensor was replaced by "
+                "one that does not match; give it a matching fp32 tensor, or clear that parameter's state "
+                "(opt.state[p].clear()) to start it afresh"
+            )
+    step = state.get("step")
+    if step is not None and (not isinstance(step, torch.Tensor) or step.dtype != torch.float32 or step.numel() != 1):
+        raise ValueError(f"state 'step' must be a 0-dim float32 tensor, got {step!r}")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    if t.is_contiguous() or t.numel() <= 1:
+        return True
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return span == t.numel()
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (what the kernels update); any other tensor as is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+local = _local
