@@ -5,6 +5,7 @@ reason in the catalogue (`survives=`) why no test can see it.
     python tests/mutations/run.py                      # every mutation, 2 at a time
     python tests/mutations/run.py --only guard-grad-z-ge,loop-loss-read-per-micro-batch --jobs 1
     python tests/mutations/run.py --list
+    python tests/mutations/run.py --check              # can every mutation still be planted? (seconds)
 
 Not part of the default test run (it reruns test files once per mutation: minutes). Exit code 0 when every
 mutation without a written reason is caught, 1 otherwise.
@@ -52,15 +53,29 @@ def _copy_repo(dest: str, files: list[str]) -> None:
 def _apply(root: str, m: Mutation) -> str | None:
     """Plant the mutation; returns why it cannot be planted (the code changed), or None."""
     path = os.path.join(root, m.file)
-    if not os.path.isfile(path):
-        return f"{m.file} not found"
+    why = stale_reason(m, path)
+    if why:
+        return why
     with open(path) as f:
         text = f.read()
-    count = text.count(m.old)
-    if count != 1:
-        return f"{m.old!r} occurs {count} times in {m.file} (expected once)"
     with open(path, "w") as f:
         f.write(text.replace(m.old, m.new))
+    return None
+
+
+def stale_reason(m: Mutation, path: str) -> str | None:
+    """Why the mutation cannot be planted in the file at `path` (the code moved on), or None."""
+    if not os.path.isfile(path):
+        return f"{m.file} not found: the code moved; update the entry in tests/mutations/catalogue.py"
+    with open(path) as f:
+        count = f.read().count(m.old)
+    if count == 0:
+        return f"target text not found in {m.file}: the code changed; update the entry's `old` ({m.old[:60]!r}...)"
+    if count > 1:
+        return f"target text occurs {count} times in {m.file}; make the entry's `old` longer, so it is unique"
+    missing = [t for t in m.tests if not os.path.exists(os.path.join(REPO, t.split("::")[0]))]
+    if missing:
+        return f"test file(s) {', '.join(missing)} not found: update the entry's tests"
     return None
 
 
@@ -121,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the test files")
     parser.add_argument("--json", help="also write the outcomes to this file")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every mutation can still be planted (seconds; no tests run)")
     args = parser.parse_args(argv)
 
     chosen = MUTATIONS
@@ -135,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.id:45s} {m.file}: {m.what}")
         return 0
+    if args.check:
+        stale = [(m, stale_reason(m, os.path.join(REPO, m.file))) for m in chosen]
+        stale = [(m, why) for m, why in stale if why]
+        for m, why in stale:
+            print(f"STALE: {m.id}: {why}")
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} mutations can be planted")
+        return 1 if stale else 0
 
     files = _repo_files()
     if not args.no_baseline:

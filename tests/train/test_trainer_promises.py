@@ -5,6 +5,8 @@ activations in backward; the fp16 loss scaler's state comes back on `--resume`; 
 what the model learns; every guard_* key reaches the guard."""
 import json
 import os
+import shutil
+import signal
 
 import pytest
 import torch
@@ -69,6 +71,71 @@ def test_save_total_limit_zero_keeps_every_checkpoint(tmp_path):
     fit(setup_run(*SHORT, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", "--grad_accum", "1",
                   "--output_dir", out))  # fmt: skip
     assert sorted(os.listdir(out / "checkpoints")) == ["step-1", "step-2", "step-3"]
+
+
+def _save_small_checkpoint(out, step: int, keep: int = 0) -> str:
+    """save_checkpoint with a one-tensor model and a real optimizer state (no trainer needed)."""
+    weight = torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    opt = torch.optim.AdamW([weight], lr=1e-3)
+    weight.grad = torch.ones_like(weight)
+    opt.step()
+    return checkpoint.save_checkpoint(str(out), step, model_state={"weight": weight.detach()}, optimizer=opt,
+                                      trainer_state={"micro_batches": step}, config={"lr": 1e-3}, keep=keep)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs POSIX signal masks")
+def test_the_rename_and_the_marker_are_written_with_signals_held(tmp_path, monkeypatch):
+    """docs/trainer.md: the rename and the COMPLETE marker are written with SIGINT and SIGTERM held back, so an
+    interrupt cannot cut the commit in two; they are delivered again right after."""
+    held_at = {}
+
+    def blocked_now():
+        return signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    real_rename, real_write = os.rename, checkpoint._write_bytes
+
+    def rename(src, dst):
+        if os.path.basename(str(dst)).startswith("step-"):
+            held_at["rename"] = blocked_now()
+        return real_rename(src, dst)
+
+    def write_bytes(path, data):
+        if os.path.basename(path) == checkpoint.COMPLETE_MARKER:
+            held_at["marker"] = blocked_now()
+        return real_write(path, data)
+
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+    assert signal.SIGINT not in blocked_now()
+    path = _save_small_checkpoint(tmp_path / "run", 1)
+    assert set(held_at) == {"rename", "marker"}
+    for what, mask in held_at.items():
+        assert {signal.SIGINT, signal.SIGTERM} <= set(mask), f"signals not held during the {what}"
+    assert signal.SIGINT not in blocked_now() and signal.SIGTERM not in blocked_now()  # and released after
+    checkpoint.verify_checkpoint(path)
+
+
+def test_pruned_checkpoints_are_renamed_away_before_they_are_deleted(tmp_path, monkeypatch):
+    """docs/trainer.md: older checkpoints are renamed away before they are deleted, so a kill during the
+    clean-up never leaves a half-deleted `step-N` that looks complete."""
+    out = tmp_path / "run"
+    deleted = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        # what the checkpoints folder shows while a directory is being deleted
+        deleted.append((os.path.basename(str(path)), [s for s, _ in checkpoint.list_checkpoints(str(out))]))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    for step in (1, 2, 3):
+        _save_small_checkpoint(out, step, keep=2)
+    pruned = [(name, visible) for name, visible in deleted if "step-1" in name]
+    assert pruned, "step-1 was not pruned"
+    for name, visible in pruned:
+        assert not name.startswith("step-"), f"{name} deleted in place"
+        assert 1 not in visible  # no longer listed as a checkpoint while its files go
+    assert [s for s, _ in checkpoint.list_checkpoints(str(out))] == [2, 3]
 
 
 # ------------------------------------------------------------------------------------------- weight decay
