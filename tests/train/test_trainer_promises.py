@@ -280,3 +280,51 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
     assert (c.policy, c.grad_z, c.grad_ratio, c.skip_z, c.loss_z, c.loss_rise, c.nonfinite_storm, c.lr_factor,
             c.max_rollbacks) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 2)  # fmt: skip
     assert setup.trainer.optimizer.rules.spike_skip_threshold == 30.0
+
+
+# ------------------------------------------------------------------------------------------- loop timing
+def test_the_guard_also_looks_at_every_checkpoint_step(tmp_path):
+    """docs/trainer.md: the guard reads at each logging step and at each save_steps step, so every checkpoint is
+    one the guard has looked at (a rollback returns to it)."""
+    setup = setup_run(*SHORT, "--max_steps", "5", "--logging_steps", "3", "--save_steps", "2", "--grad_accum", "1",
+                      "--output_dir", tmp_path / "run")  # fmt: skip
+    trainer, checked = setup.trainer, []
+    real_check = trainer.guard.check
+
+    def check(step, optimizer, rows):
+        checked.append(step)
+        return real_check(step, optimizer, rows)
+
+    trainer.guard.check = check
+    fit(setup)
+    assert checked == [2, 3, 4, 5]  # save steps 2 and 4, logging step 3, the last step 5
+
+
+def test_without_a_terminal_one_progress_line_per_logging_step(tmp_path, capsys):
+    """docs/trainer.md: when stdout is not a terminal the progress is one line per logging step."""
+    fit(setup_run(*SHORT, "--max_steps", "4", "--logging_steps", "2", "--grad_accum", "1",
+                  "--output_dir", tmp_path / "run"))  # fmt: skip
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "raise_signal"), reason="needs signal.raise_signal")
+def test_an_interrupt_before_training_starts_stops_at_once_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """docs/trainer.md: an interrupt before training starts stops at once (exit 130): nothing has been written."""
+    from fused_stable.train import cli
+
+    real_setup = cli.setup_run
+
+    def setup_then_ctrl_c(argv):
+        setup = real_setup(argv)
+        signal.raise_signal(signal.SIGINT)  # arrives while the model is built: nothing written yet
+        return setup
+
+    monkeypatch.setattr(cli, "setup_run", setup_then_ctrl_c)
+    out = tmp_path / "run"
+    code = cli.main([str(a) for a in (*SHORT, "--output_dir", out)])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "interrupted before training started; nothing was written" in err
+    assert not out.exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
