@@ -134,6 +134,12 @@ MUTATIONS: list[Mutation] = [
       "new_f[layout.F_NORM_MEAN] = torch.where(finite, torch.where(in_warmup, warm_mean, ema_mean), mean)",
       "new_f[layout.F_NORM_MEAN] = torch.where(in_warmup, warm_mean, ema_mean)",
       ["tests/test_zscore.py"], "a non-finite norm leaves the running statistics alone", select="torch"),
+    M("torch-found-inf-ignored", "fused_stable/backends/torch_backend.py",
+      "        nonfinite = nonfinite | (found_inf != 0)\n", "        nonfinite = nonfinite\n",
+      ["tests/test_amp.py"], "GradScaler's found_inf skips the step", select="torch and found_inf"),
+    M("torch-clip-eps-dropped", "fused_stable/backends/torch_backend.py",
+      "coef = (ceiling / (norm + layout.CLIP_EPS)).clamp(max=1.0)", "coef = (ceiling / norm).clamp(max=1.0)",
+      ["tests/test_optim_parity.py"], "clip coefficient min(1, max_norm / (norm + 1e-6))", select="torch"),
     # ------------------------------------------------------------------ the Triton kernels (through the interpreter)
     M("kernel-expm1-inaccurate", "fused_stable/kernels/adamw.py",
       "return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)", "return tl.exp(x) - 1.0",
