@@ -86,3 +86,24 @@ def test_command_writes_table_json_and_png(tmp_path, capsys):
 def test_bad_scenario_is_one_line(capsys):
     assert stress.main(["--scenarios", "meteor"]) == 2
     assert "unknown scenario 'meteor'" in capsys.readouterr().err
+
+
+def test_the_verdict_rule_at_its_boundaries():
+    """README / docs/guard.md: "diverged" = a non-finite final loss or one above 2x the same recipe's clean run;
+    "stopped" (the guard gave up) is kept. The recorded runs never come near 2x, so the rule is checked on
+    made-up results, at the boundary."""
+    def result(scenario, recipe, final, status="ok"):
+        return stress.RunResult(scenario, recipe, final_loss=final, status=status)
+
+    results = [
+        result("clean", "usual", 2.0), result("clean", "guarded", 3.0),
+        result("at_2x", "usual", 4.0), result("above_2x", "usual", math.nextafter(4.0, math.inf)),
+        result("at_2x", "guarded", 6.0), result("nan", "usual", math.nan), result("inf", "guarded", math.inf),
+        result("gave_up", "guarded", math.nan, status="stopped"),
+    ]
+    stress.judge(results)
+    assert {(r.scenario, r.recipe): r.status for r in results} == {
+        ("clean", "usual"): "ok", ("clean", "guarded"): "ok",
+        ("at_2x", "usual"): "ok", ("above_2x", "usual"): "diverged", ("at_2x", "guarded"): "ok",
+        ("nan", "usual"): "diverged", ("inf", "guarded"): "diverged", ("gave_up", "guarded"): "stopped",
+    }

@@ -302,6 +302,13 @@ MUTATIONS: list[Mutation] = [
       "        pass\n",
       ["tests/integrations/test_integ_hf_trainer.py"], "the Trainer does not clip again (args.max_grad_norm set to 0)",
       select="same_trajectory"),
+    # ------------------------------------------------------------------ stress suite
+    M("stress-verdict-threshold", "fused_stable/stress.py",
+      "r.final_loss > 2.0 * reference", "r.final_loss > 4.0 * reference",
+      ["tests/test_stress.py"], "diverged = final loss above 2x the recipe's clean run", select="verdict"),
+    M("stress-verdict-overrides-stopped", "fused_stable/stress.py",
+      "        if r.status == \"stopped\":\n            continue\n", "",
+      ["tests/test_stress.py"], "a run the guard stopped stays 'stopped'", select="verdict"),
     # ------------------------------------------------------------------ the optimizer
     M("torch-step-equal-sync", "fused_stable/backends/torch_backend.py",
       "    torch._foreach_add_(lists.steps, 1.0 - skip)\n",
