@@ -94,7 +94,7 @@ class TorchLists:
         self.positions = upload_int64(plan.positions, device)
         self.per_tensor_sumsq: torch.Tensor | None = None
         self.steps = plan.steps
-        self.meta = device.type == "meta"  # no values: nothing may be read, not even a 0-dim increment
+        self.meta = device.type == "meta"  # no values: nothing to compute, and nothing may be read
         self.updates = [
             _Update(plan, group, None if indices == everything else indices, indices, relayout)
             for (group, _, relayout), indices in by_update.items()
@@ -131,10 +131,9 @@ def fused_step(
 
     grad_mul, skip, lr_factor = decide(sumsq, buffers.fstate, buffers.istate, rules, hparams[0][0], grad_scale, found_inf)
 
-    if lists.meta:  # the scalar-tensor overload reads its scalar on the host
-        torch._foreach_add_(lists.steps, [1.0 - skip] * len(lists.steps))
-    else:
-        torch._foreach_add_(lists.steps, 1.0 - skip)
+    if lists.meta:  # no values to update (the state exists now, as after torch's step); the ops below read scalars
+        return
+    torch._foreach_add_(lists.steps, 1.0 - skip)
     # _fused_adamw_ divides the grads by `grad_scale` and leaves everything untouched when found_inf is 1
     grad_divisor = grad_mul.reciprocal()
     for update in lists.updates:
