@@ -12,6 +12,7 @@ from typing import Iterable
 import torch
 
 from . import ops
+from .plan import is_dense
 
 
 def clip_grad_norm_(
@@ -40,5 +41,6 @@ def _fusable(grads: list[torch.Tensor]) -> bool:
         and not g.is_sparse
         and g.device == first
         and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and is_dense(g)  # the kernels walk memory linearly; torch's clip takes any layout
         for g in grads
     )

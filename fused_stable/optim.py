@@ -513,6 +513,8 @@ class FusedAdamW(Optimizer):
                 moments[param_id] = taken
             plain_state[param_id] = kept
         super().load_state_dict({**state_dict, "state": plain_state})
+        for group in self.param_groups:  # torch may have saved tensor betas: the step's tables hold floats
+            group["betas"] = _float_betas(group["betas"])
         for param_id, taken in moments.items():
             param = id_to_param[param_id]
             state = self.state[param]

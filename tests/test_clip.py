@@ -120,3 +120,18 @@ def test_error_if_nonfinite_raises_before_any_grad_changes(monkeypatch, backend)
     for a, b in zip(ours, before):
         assert torch.allclose(a.grad, b, rtol=0, atol=0, equal_nan=True)
     assert fused_stable.clip_grad_norm_(ours, 1.0).isnan()
+
+
+def test_non_dense_grads_are_clipped_by_torch_on_any_backend(monkeypatch):
+    interpreted(monkeypatch)
+    ours, theirs = pair([(6, 8)])
+    ours[0].grad = ours[0].grad.t().contiguous().t()  # dense, transposed: the kernels take it
+    strided = torch.nn.Parameter(torch.zeros(6, 4))
+    strided.grad = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))[:, ::2]  # not dense
+    twin = torch.nn.Parameter(torch.zeros(6, 4))
+    twin.grad = strided.grad.clone()
+    total = fused_stable.clip_grad_norm_(ours + [strided], 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(theirs + [twin], 1.0)
+    assert_close(total, expected, 1e-6, 0, "total norm")
+    for a, b in zip(ours + [strided], theirs + [twin]):
+        assert_close(a.grad, b.grad, 1e-6, 1e-9, "clipped grad")

@@ -318,3 +318,19 @@ def test_interpret_backend_after_triton_was_imported_is_a_clear_error():
     late = "import os, triton, torch\nos.environ['TRITON_INTERPRET'] = '1'\n" + code.split("\n", 1)[1]
     proc = subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True, timeout=300)
     assert "RuntimeError: backend 'interpret' needs Triton's interpreter" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_a_torch_state_with_tensor_lr_and_betas_loads_and_continues_as_torch(backend):
+    p, q = torch.nn.Parameter(seeded(6, 0)), torch.nn.Parameter(seeded(6, 0))
+    ref = torch.optim.AdamW([q], lr=torch.tensor(0.01), betas=(torch.tensor(0.8), torch.tensor(0.99)), foreach=False)
+    q.grad = seeded(6, 1)
+    ref.step()
+    opt = FusedAdamW([p], backend=backend)
+    opt.load_state_dict(through_disk(ref.state_dict()))
+    p.data.copy_(q.detach())
+    assert all(isinstance(b, float) for b in opt.param_groups[0]["betas"])
+    for step in range(2):
+        p.grad, q.grad = seeded(6, step + 2), seeded(6, step + 2)
+        opt.step(), ref.step()
+    assert_close(p, q, 1e-6, 1e-7, "continued")
