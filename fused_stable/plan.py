@@ -292,6 +292,8 @@ class StepPlan:
         # address that happens to be reused
         elif list(map(_nbytes_of, grads)) != self.nbytes:
             return None
+        elif not self.dense_layouts and not self.same_grad_layouts(grads):  # (torch backend: cheap beside its step)
+            return None  # new grads at the old addresses, laid out otherwise: the backend's lists must follow
         self.same_grads.seen(grads)
         return grads
 

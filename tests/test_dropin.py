@@ -334,3 +334,19 @@ def test_a_torch_state_with_tensor_lr_and_betas_loads_and_continues_as_torch(bac
         p.grad, q.grad = seeded(6, step + 2), seeded(6, step + 2)
         opt.step(), ref.step()
     assert_close(p, q, 1e-6, 1e-7, "continued")
+
+
+def test_a_grad_laid_out_otherwise_at_the_same_address_is_seen():
+    """torch backend: a new grad in the old grad's memory but transposed (as_strided over the same storage)."""
+    p, q = torch.nn.Parameter(seeded((4, 6), 0)), torch.nn.Parameter(seeded((4, 6), 0))
+    opt = FusedAdamW([p], lr=0.1, backend="torch")
+    ref = torch.optim.AdamW([q], lr=0.1, foreach=False)
+    storage = torch.empty(24)
+    p.grad, q.grad = storage.view(4, 6).copy_(seeded((4, 6), 1)), seeded((4, 6), 1)
+    opt.step(), ref.step()
+    transposed = storage.as_strided((4, 6), (1, 4))  # same address and size, other strides
+    transposed.copy_(seeded((4, 6), 2))
+    p.grad, q.grad = transposed, seeded((4, 6), 2)
+    assert p.grad.data_ptr() == storage.data_ptr()
+    opt.step(), ref.step()
+    assert_close(p, q, 1e-6, 1e-7, "after a transposed grad at the same address")
