@@ -57,7 +57,8 @@ class _Update:
             states = self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs
             work = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in sources + states]
             n = len(params)
-            self.params, self.grads32 = work[:n], [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+            self.params = work[:n]
+            self.grads32 = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
             self.exp_avgs, self.exp_avg_sqs = work[n : 2 * n], work[2 * n : 3 * n]
             self.max_exp_avg_sqs = work[3 * n :]
             self.copy_in = (work, sources + states)

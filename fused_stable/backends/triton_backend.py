@@ -210,7 +210,7 @@ def _import_kernels():
     return _kernels
 
 
-def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool) -> list[float]:
+def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize=False) -> list[float]:
     row = [0.0] * layout.H_SIZE
     row[layout.H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
     row[layout.H_BETA1], row[layout.H_BETA2] = beta1, beta2
