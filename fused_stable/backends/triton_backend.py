@@ -233,7 +233,8 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, error_if_nonfinit
     The kernels give each chunk's sum of squares (fp32 accumulation); the rest follows torch's own steps on a few
     small device tensors, so results and dtypes are torch's: every grad's norm in its own dtype (an fp16 norm
     above 65504 is inf, and the grads are then zeroed, as in torch), the total as the norm of those norms in their
-    promoted dtype, the coefficient min(1, max_norm / (total + 1e-6)) in that dtype, and each grad multiplied by
+    promoted dtype (all-fp32 grads: one fp32 sum, which those roundings would not change), the coefficient
+    min(1, max_norm / (total + 1e-6)) in that dtype, and each grad multiplied by
     it with one rounding. `error_if_nonfinite` raises before any grad changes.
 
     One-off tables per call (a clip over a varying set of grads has nothing to cache against), so it cannot run
@@ -266,10 +267,13 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, error_if_nonfinit
             prepared = prepare_sumsq(addrs, numels, chunks, partials, part_offset, dtype)
             if prepared is not None:
                 run_sumsq(prepared, None, stream)
-        sumsq = torch.zeros(first, dtype=torch.float32, device=device).index_add_(0, chunk_owner, partials[:offset])
-        norms = sumsq.sqrt()
-        per_tensor = [norms[start : start + count].to(dtype) for dtype, *_, start, count in maps]
-        total_norm = torch.linalg.vector_norm(torch.cat(per_tensor), 2.0)  # cat promotes dtypes, as torch's stack
+        if list(by_dtype) == [torch.float32]:  # rounding the per-tensor norms changes nothing: one fp32 sum
+            total_norm = partials.sum().sqrt()
+        else:
+            sumsq = torch.zeros(first, dtype=torch.float32, device=device).index_add_(0, chunk_owner, partials[:offset])
+            norms = sumsq.sqrt()
+            per_tensor = [norms[start : start + count].to(dtype) for dtype, *_, start, count in maps]
+            total_norm = torch.linalg.vector_norm(torch.cat(per_tensor), 2.0)  # cat promotes, as torch's stack does
         if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):  # torch syncs here too
             raise RuntimeError(
                 "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it cannot be clipped. "
