@@ -24,7 +24,7 @@ import torch
 from fused_stable import FusedAdamW
 from helpers import assert_close, interpret_available
 
-from torch.testing._internal import common_optimizers  # noqa: E402 (needs expecttest: in the test extras)
+from torch.testing._internal import common_optimizers  # needs expecttest (in the test extras)
 
 ADAMW = next(info for info in common_optimizers.optim_db if info.optim_cls is torch.optim.AdamW)
 STEPS = 10
