@@ -229,7 +229,10 @@ class FusedAdamW(Optimizer):
     @property
     def param_names(self) -> list[str] | None:
         """Names for the parameters in param_groups order (e.g. from model.named_parameters()), for tools that
-        report which tensor's gradient exploded; None until set."""
+        report which tensor's gradient exploded: as set, else the groups' own (params given as (name, param)
+        pairs), else None."""
+        if self._param_names is None and all("param_names" in group for group in self.param_groups):
+            return [name for group in self.param_groups for name in group["param_names"]]
         return self._param_names
 
     @param_names.setter

@@ -271,6 +271,7 @@ def test_named_parameters_in_the_constructor_and_add_param_group():
     ref = torch.optim.AdamW(list(twin.named_parameters())[:2], lr=0.1, foreach=False)
     ref.add_param_group({"params": list(twin.named_parameters())[2:], "lr": 0.01, "amsgrad": True})
     assert [g["param_names"] for g in opt.param_groups] == [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
+    assert opt.param_names == ["0.weight", "0.bias", "1.weight", "1.bias"]  # what per_tensor_grad_norms() follows
     assert all(isinstance(p, torch.Tensor) for g in opt.param_groups for p in g["params"])
     x = seeded((5, 3), 0)
     for _ in range(3):
