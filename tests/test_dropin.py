@@ -351,3 +351,45 @@ def test_a_grad_laid_out_otherwise_at_the_same_address_is_seen():
     assert p.grad.data_ptr() == storage.data_ptr()
     opt.step(), ref.step()
     assert_close(p, q, 1e-6, 1e-7, "after a transposed grad at the same address")
+
+
+def reference_amsgrad_maximize_fp64(init, grads_per_step, *, lr, betas, eps, weight_decay, max_norm):
+    """AdamW with amsgrad and maximize, global-norm clipping, in float64 (the same grads). Returns (p, m, v, v_max)."""
+    p = [x.double().clone() for x in init]
+    m, v, v_max = ([torch.zeros_like(x) for x in p] for _ in range(3))
+    beta1, beta2 = betas
+    for step, grads in enumerate(grads_per_step, start=1):
+        g = [x.double() for x in grads]
+        total = float(torch.sqrt(sum((x * x).sum() for x in g)))
+        coef = min(1.0, max_norm / (total + 1e-6))
+        for i in range(len(p)):
+            gi = -g[i] * coef  # maximize
+            p[i] = p[i] * (1 - lr * weight_decay)
+            m[i] = beta1 * m[i] + (1 - beta1) * gi
+            v[i] = beta2 * v[i] + (1 - beta2) * gi * gi
+            v_max[i] = torch.maximum(v_max[i], v[i])
+            p[i] = p[i] - lr / (1 - beta1**step) * m[i] / ((v_max[i] / (1 - beta2**step)).sqrt() + eps)
+    return p, m, v, v_max
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_bf16_params_with_masters_follow_the_fp64_amsgrad_maximize_reference(backend):
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(7,), (1025,), (3, 11)]
+    init = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes] for _ in range(6)]
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    opt = FusedAdamW(params, amsgrad=True, maximize=True, master_weights=True, max_grad_norm=1.0, backend=backend, **hp)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref_p, ref_m, ref_v, ref_max = reference_amsgrad_maximize_fp64(init, grads, max_norm=1.0, **hp)
+    for i, p in enumerate(params):
+        state = opt.state[p]
+        assert state["max_exp_avg_sq"].dtype == torch.float32
+        assert_close(state["master_param"], ref_p[i], 1e-5, 1e-6, f"master {i}")
+        assert_close(state["exp_avg"], ref_m[i], 1e-4, 1e-6, f"exp_avg {i}")
+        assert_close(state["max_exp_avg_sq"], ref_max[i], 1e-4, 1e-9, f"max_exp_avg_sq {i}")
+        assert torch.equal(p.detach(), state["master_param"].to(torch.bfloat16)), "param is the rounded master"
