@@ -9,13 +9,14 @@ that a step whose gradients are not finite is skipped whole, and that nothing in
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import layout, ops
+from . import compiled, layout, ops
 from .layout import StepBuffers, StepRules
 from .plan import ParamStates, StepPlan, Version, check_grads, check_state, is_dtensor
 from .plan import local as _local
@@ -254,6 +255,8 @@ class FusedAdamW(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One fused step (see the class doc); `closure` re-evaluates the model and returns the loss."""
+        if torch.compiler.is_compiling():  # dynamo is tracing this call: the custom-op route (compiled.py)
+            return self._traced_step(closure)
         if (
             self._optimizer_step_pre_hooks
             or self._optimizer_step_post_hooks
@@ -286,6 +289,40 @@ class FusedAdamW(Optimizer):
 
     _hooked_step = Optimizer.profile_hook_step(_plain_step)
 
+    def _traced_plain_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """What dynamo traces for step(): the plan is built at trace time (`_init_group`), the step is one op."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        lrs: list[torch.Tensor] = []
+        key = self._init_group(tensors, grads, lrs)
+        if key >= 0:
+            with torch.no_grad():
+                torch.ops.fused_stable.fused_step(
+                    key, tensors, grads, lrs, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+                )
+        return loss
+
+    def _traced_step(self, *args: Any, **kwargs: Any) -> Any:
+        """profile_hook_step's hooks without its profiler range (dynamo ignores record_function, with a warning)."""
+        for pre_hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, (self, *args), kwargs)
+            if result is not None:
+                (_, *args), kwargs = result
+        out = self._traced_plain_step(*args, **kwargs)
+        self._optimizer_step_code()
+        for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+            post_hook(self, (self, *args), kwargs)
+        return out
+
+    def _init_group(self, tensors: list, grads: list, lrs: list) -> int:
+        """Trace time only: dynamo runs a method of this name eagerly and makes the tensors it appends graph
+        inputs (compiled.prepare says what goes into each list)."""
+        return compiled.prepare(self, tensors, grads, lrs)
+
     def _fused_step(self) -> None:
         plan = self._plan
         grads = None
@@ -302,12 +339,16 @@ class FusedAdamW(Optimizer):
             grads,
             self._buffers,
             self.rules,
-            [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups],
+            self._hparam_rows(),
             grad_scale=attrs.get("grad_scale"),
             found_inf=attrs.get("found_inf"),
             global_sumsq=self._global_sumsq,
         )
         self._last_tables = plan.backend_cache
+
+    def _hparam_rows(self) -> list[tuple]:
+        """(lr, beta1, beta2, eps, weight_decay) per param group, as the backends take them."""
+        return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
 
     def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
         """The plan for the params that have a grad now, with their (lazily created) state. Validates every grad
