@@ -26,6 +26,8 @@ from .schedules import Schedule
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 _CLIP_MODES = {"fixed": layout.CLIP_FIXED, "zscore": layout.CLIP_ZSCORE}
 _STATE_KEY = "fused_stable"
+# False outside dynamo's tracing (a constant there); bound once, as the check runs in every eager step
+_is_compiling = torch.compiler.is_compiling
 
 
 class FusedAdamW(Optimizer):
@@ -126,6 +128,8 @@ class FusedAdamW(Optimizer):
         self._plan: StepPlan | None = None
         self._last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
+        self._shown_lrs: list[torch.Tensor] = []
+        self._show_lrs()
 
     # ------------------------------------------------------------------------------------------
     # device-side read-outs: 0-dim views of the optimizer's buffers, updated in place by every step
@@ -255,7 +259,7 @@ class FusedAdamW(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One fused step (see the class doc); `closure` re-evaluates the model and returns the loss."""
-        if torch.compiler.is_compiling():  # dynamo is tracing this call: the custom-op route (compiled.py)
+        if _is_compiling():  # dynamo is tracing this call: the custom-op route (compiled.py)
             return self._traced_step(closure)
         if (
             self._optimizer_step_pre_hooks
@@ -347,8 +351,47 @@ class FusedAdamW(Optimizer):
         self._last_tables = plan.backend_cache
 
     def _hparam_rows(self) -> list[tuple]:
-        """(lr, beta1, beta2, eps, weight_decay) per param group, as the backends take them."""
-        return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        """(lr, beta1, beta2, eps, weight_decay) per param group, as the backends take them: with an lr schedule
+        the lr is the group's base lr, `initial_lr`."""
+        groups = self.param_groups
+        if self.rules.schedule is None:
+            return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
+        shown = self._shown_lrs
+        if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
+            self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
+        return [(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in groups]
+
+    # ------------------------------------------------------------------------------------------
+    # the lr that monitors read: param_groups[g]["lr"] under an lr schedule
+
+    def _show_lrs(self) -> None:
+        """With `lr_schedule`, every group keeps its base lr in `initial_lr` (the key torch's LR schedulers use
+        for it) and `group["lr"]` is a 0-dim fp32 device tensor, a view of the step's hyper-parameter table,
+        that each step sets on the device to the lr the next step will use: what Lightning's
+        LearningRateMonitor, a loop that prints `group["lr"]` or a torch scheduler's `get_last_lr()` read, with
+        no host read in step(). A value assigned to `group["lr"]` (anything but that view) becomes the group's
+        new base lr; so does one loaded with a state dict. Without a schedule the groups are left as they are.
+        """
+        if self.rules.schedule is None:
+            self._shown_lrs = []
+            return
+        previous = self._shown_lrs
+        views = list(self._buffers.hparams[:, layout.H_SHOWN_LR].unbind(0))
+        for index, (group, view) in enumerate(zip(self.param_groups, views)):
+            lr = group["lr"]
+            if not (index < len(previous) and lr is previous[index]):
+                group["initial_lr"] = lr
+            group["lr"] = view
+        self._shown_lrs = views
+        self._refresh_shown_lrs()
+
+    def _refresh_shown_lrs(self) -> None:
+        """The shown lrs from the base lrs and the count of applied updates, on the device (no host read)."""
+        bases = [group["initial_lr"] for group in self.param_groups]
+        base = torch.stack([torch.as_tensor(b, dtype=torch.float32, device=self.device).reshape(()) for b in bases])
+        factor = self.rules.schedule.factor_tensor(self._istate[layout.I_APPLIED_STEPS])
+        with torch.no_grad():
+            torch.mul(base, factor, out=self._buffers.hparams[:, layout.H_SHOWN_LR])
 
     def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
         """The plan for the params that have a grad now, with their (lazily created) state. Validates every grad
@@ -440,6 +483,7 @@ class FusedAdamW(Optimizer):
             self._buffers = self._step_buffers()
             self._global_sumsq = self._sharded_norm_reducer()
             self._version.bump()
+            self._show_lrs()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
         """Refuses what the fused step cannot update; called before a group is added, so nothing changes."""
@@ -489,6 +533,9 @@ class FusedAdamW(Optimizer):
         state = super().state_dict()
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": 1}
+        if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
+            for saved, group in zip(state["param_groups"], self.param_groups):
+                saved["lr"] = group["initial_lr"]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -547,6 +594,17 @@ class FusedAdamW(Optimizer):
             self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
         self._plan = None
         self._version.bump()
+        self._show_loaded_lrs()
+
+    def _show_loaded_lrs(self) -> None:
+        """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
+        schedulers also save, else `lr`) shown at the loaded count of applied updates."""
+        if self.rules.schedule is None:
+            return
+        for group in self.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])
+        self._shown_lrs = []
+        self._show_lrs()
 
     # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
     # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
@@ -582,6 +640,7 @@ class FusedAdamW(Optimizer):
         self._last_tables = None
         self._version.bump()
         self._global_sumsq = self._sharded_norm_reducer()
+        self._show_loaded_lrs()
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:

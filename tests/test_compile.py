@@ -95,7 +95,10 @@ def run_side_by_side(backend, device="cpu", dtypes=(torch.float32,), set_to_none
     return opt_a, opt_b, params_a, params_b
 
 
-@pytest.mark.parametrize("backend, steps", [(backend_param("torch"), STEPS), (backend_param("interpret"), 8)])
+@pytest.mark.parametrize("backend, steps", [
+    pytest.param("torch", STEPS, id="torch"),
+    pytest.param("interpret", 8, id="interpret", marks=backend_param("interpret").marks),
+])
 def test_compiled_fullgraph_step_equals_eager(backend, steps, op_calls):
     """The torch backend (CPU) and the Triton kernels (through Triton's interpreter: slow, so fewer steps)."""
     opt_a, opt_b, params_a, params_b = run_side_by_side(backend, steps=steps)

@@ -35,6 +35,8 @@ class TorchLists:
         self.order = upload_int64(order, device) if len(by_dtype) > 1 else None
         self.positions = upload_int64(plan.positions, device)
         self.per_tensor_sumsq: torch.Tensor | None = None
+        self.lrs_key: tuple | None = None  # the groups' lrs that `base_lrs` holds (floats by value, tensors by id)
+        self.base_lrs: torch.Tensor | None = None
         self.steps = plan.steps
         self.updates = []  # (group, indices, params, exp_avgs, exp_avg_sqs, steps, low-precision working copies)
         for (group, dtype), indices in by_group_dtype.items():
@@ -84,6 +86,8 @@ def fused_step(
 
     grad_mul, skip, lr_factor = decide(sumsq, buffers.fstate, buffers.istate, rules, hparams[0][0], grad_scale, found_inf)
 
+    if rules.schedule is not None:
+        show_next_lrs(lists, buffers, hparams, rules.schedule)
     torch._foreach_add_(lists.steps, 1.0 - skip)
     # _fused_adamw_ divides the grads by `grad_scale` and leaves everything untouched when found_inf is 1
     grad_divisor = grad_mul.reciprocal()
@@ -105,6 +109,23 @@ def fused_step(
         )  # fmt: skip
         if working is not None:
             torch._foreach_copy_(params, update_params)
+
+
+def show_next_lrs(lists: TorchLists, buffers: StepBuffers, hparams: list[tuple], schedule) -> None:
+    """Every group's lr for the next step (base lr x the schedule's factor at the count of updates applied so far)
+    into hparams[:, H_SHOWN_LR], which param_groups[g]["lr"] shows; the decision kernel does this on the Triton
+    path. Float lrs are kept in a device tensor until they change; tensor lrs are read on the device."""
+    lrs = [row[0] for row in hparams]
+    key = tuple(id(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs)
+    if key != lists.lrs_key:
+        device = buffers.hparams.device
+        lists.base_lrs = torch.tensor([0.0 if isinstance(lr, torch.Tensor) else float(lr) for lr in lrs], device=device)
+        lists.lrs_key = key
+    base = lists.base_lrs
+    if any(isinstance(lr, torch.Tensor) for lr in lrs):
+        base = torch.stack([lr.reshape(()).float() if isinstance(lr, torch.Tensor) else b for lr, b in zip(lrs, base)])
+    factor = schedule.factor_tensor(buffers.istate[layout.I_APPLIED_STEPS])
+    torch.mul(base, factor, out=buffers.hparams[:, layout.H_SHOWN_LR])
 
 
 def decide(
