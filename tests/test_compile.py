@@ -69,6 +69,8 @@ def assert_same_state(opt_a, opt_b, params_a, params_b):
         for key, value in opt_a.state[p].items():
             assert torch.equal(value, opt_b.state[q][key]), f"param {index}: state {key!r}"
     assert torch.equal(opt_a._fstate, opt_b._fstate) and torch.equal(opt_a._istate, opt_b._istate)
+    assert torch.equal(opt_a._buffers.hparams, opt_b._buffers.hparams)  # with the lrs param_groups show
+    assert all(g["lr"].data_ptr() == view.data_ptr() for g, view in zip(opt_b.param_groups, opt_b._shown_lrs))
 
 
 def run_side_by_side(backend, device="cpu", dtypes=(torch.float32,), set_to_none=True, steps=STEPS, **overrides):
@@ -90,7 +92,7 @@ def run_side_by_side(backend, device="cpu", dtypes=(torch.float32,), set_to_none
                     else:
                         p.grad.copy_(g)
                 run()
-                opt.param_groups[1]["lr"].fill_(1e-2 * (1 + step % 3))
+                opt.param_groups[1]["initial_lr"].fill_(1e-2 * (1 + step % 3))  # the base lr (a schedule runs)
                 opt.zero_grad(set_to_none=set_to_none)
     return opt_a, opt_b, params_a, params_b
 
