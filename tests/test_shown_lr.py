@@ -11,17 +11,17 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from fused_stable import FusedAdamW, schedules
-from helpers import CPU_BACKENDS, backend_param, no_host_reads
+from helpers import CPU_BACKENDS, HAS_CUDA, backend_param, no_host_reads
 
 SCHEDULE = schedules.warmup_cosine(12, 3, min_lr_ratio=0.1)
 BASES = (0.1, 0.5)
 INF_STEPS = {5}
 
 
-def make(backend, tensor_lr=True, schedule=SCHEDULE):
+def make(backend, tensor_lr=True, schedule=SCHEDULE, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in [(4, 3), (7,), (2, 2)]]
-    second_lr = torch.tensor(BASES[1]) if tensor_lr else BASES[1]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)) for shape in [(4, 3), (7,), (2, 2)]]
+    second_lr = torch.tensor(BASES[1], device=device) if tensor_lr else BASES[1]
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": second_lr}]
     return params, FusedAdamW(groups, lr=BASES[0], weight_decay=0.1, lr_schedule=schedule, backend=backend)
 
@@ -29,7 +29,7 @@ def make(backend, tensor_lr=True, schedule=SCHEDULE):
 def set_grads(params, step):
     gen = torch.Generator().manual_seed(10 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
     if step in INF_STEPS:
         params[0].grad[0, 0] = float("inf")
 
@@ -38,9 +38,13 @@ def shown(opt):
     return [float(group["lr"]) for group in opt.param_groups]
 
 
-@pytest.mark.parametrize("backend", [backend_param(b) for b in CPU_BACKENDS])
-def test_group_lr_before_each_step_is_the_lr_that_step_uses(backend):
-    params, opt = make(backend)
+@pytest.mark.parametrize("backend, device", [
+    *[pytest.param(b, "cpu", id=b, marks=backend_param(b).marks) for b in CPU_BACKENDS],
+    pytest.param("triton", "cuda", id="triton-cuda",
+                 marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
+])
+def test_group_lr_before_each_step_is_the_lr_that_step_uses(backend, device):
+    params, opt = make(backend, device=device)
     for step in range(10):
         applied = int(opt.applied_steps)
         before = shown(opt)
