@@ -22,6 +22,7 @@ without `fullgraph=True`), `FusedAdamW.step` sees `torch.compiler.is_compiling()
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from typing import Any, Optional
 
@@ -55,6 +56,7 @@ class TracedStep:
 
 _traced: dict[tuple, int] = {}  # identity of a TracedStep's contents -> key (a retrace reuses its key)
 _steps: dict[int, TracedStep] = {}
+_keys = itertools.count()
 
 
 def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
@@ -92,9 +94,15 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
     identity = (id(opt), plan.version, tuple(map(id, tensors)), tuple(hparams), opt.rules, opt.backend)
     key = _traced.get(identity)
     if key is None:
-        key = _traced[identity] = len(_steps)
+        key = _traced[identity] = next(_keys)
+        weakref.finalize(opt, _forget, identity, key)  # the record holds the optimizer's tensors: drop it with it
     _steps[key] = step
     return key
+
+
+def _forget(identity: tuple, key: int) -> None:
+    _traced.pop(identity, None)
+    _steps.pop(key, None)
 
 
 def _is_tensor_list(values: Any) -> bool:

@@ -208,3 +208,23 @@ def test_compiled_triton_step_equals_eager_on_cuda(op_calls):
     assert len(op_calls) == STEPS
     assert_same_state(opt_a, opt_b, params_a, params_b)
     assert int(opt_b.skipped_steps) == len(INF_STEPS)
+
+
+def test_a_traced_step_is_forgotten_with_its_optimizer(op_calls):
+    """The op's record of a traced step holds the optimizer's tensors; it goes when the optimizer does."""
+    import gc
+    import weakref
+
+    gc.collect()
+    before = set(compiled._steps)
+    params = make_params("cpu")
+    opt = make_optimizer(params, "torch")
+    for p, g in zip(params, grads_for(0, params)):
+        p.grad = g
+    torch.compile(opt.step, fullgraph=True)()
+    assert len(op_calls) == 1 and len(set(compiled._steps) - before) == 1
+    ref = weakref.ref(opt)
+    del opt
+    torch._dynamo.reset()  # the compiled code holds the optimizer too
+    gc.collect()
+    assert ref() is None and set(compiled._steps) <= before
