@@ -368,8 +368,7 @@ class FusedAdamW(Optimizer):
         """With `lr_schedule`, every group keeps its base lr in `initial_lr` (the key torch's LR schedulers use
         for it) and `group["lr"]` is a 0-dim fp32 device tensor, a view of the step's hyper-parameter table,
         that each step sets on the device to the lr the next step will use: what Lightning's
-        LearningRateMonitor, a loop that prints `group["lr"]` or a torch scheduler's `get_last_lr()` read, with
-        no host read in step(). A value assigned to `group["lr"]` (anything but that view) becomes the group's
+        LearningRateMonitor or a loop that prints `group["lr"]` read, with no host read in step(). A value assigned to `group["lr"]` (anything but that view) becomes the group's
         new base lr; so does one loaded with a state dict. Without a schedule the groups are left as they are.
         """
         if self.rules.schedule is None:
@@ -387,6 +386,7 @@ class FusedAdamW(Optimizer):
 
     def _refresh_shown_lrs(self) -> None:
         """The shown lrs from the base lrs and the count of applied updates, on the device (no host read)."""
+        check_not_capturing(self.device, "a changed lr (group['lr'] was assigned)")
         bases = [group["initial_lr"] for group in self.param_groups]
         base = torch.stack([torch.as_tensor(b, dtype=torch.float32, device=self.device).reshape(()) for b in bases])
         factor = self.rules.schedule.factor_tensor(self._istate[layout.I_APPLIED_STEPS])
