@@ -22,15 +22,25 @@ class GradScaler(torch.amp.GradScaler):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_scale_growth_tracker("step")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        # torch.amp is on dynamo's skip list: what follows calls none of GradScaler's own methods, so that a
+        # compiled function (even fullgraph=True) can hold scaler.step(opt)
+        if self._scale is None or self._growth_tracker is None:
+            raise AssertionError(
+                "Attempted step but _scale is None.  This may indicate your script did not use "
+                "scaler.scale(loss or outputs) earlier in the iteration."
+            )
+        states = self._per_optimizer_states
+        key = id(optimizer)
+        if key not in states:
+            states[key] = {"stage": OptState.READY, "found_inf_per_device": {}}
+        optimizer_state = states[key]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if optimizer_state["stage"] is OptState.UNSCALED:
             # unscale_() already divided the grads and found the infs: torch's path, no double unscale
             return super().step(optimizer, *args, **kwargs)
 
-        scale = self._get_scale_async()
+        scale = self._scale
         optimizer.grad_scale = scale
         optimizer.found_inf = None
         try:

@@ -258,7 +258,8 @@ class Guard:
     # ------------------------------------------------------------------------------------------ binding
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember the configured lrs (rollbacks scale them) and the counters to compare against (one read)."""
-        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        # under an lr schedule a group's configured lr is its `initial_lr` ("lr" shows the scheduled one)
+        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
         self._rebaseline(optimizer)
 
     def resync(self, optimizer) -> None:

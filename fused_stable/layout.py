@@ -51,7 +51,10 @@ H_ONE_MINUS_BETA2 = 6
 H_LOG_BETA1 = 7
 H_LOG_BETA2 = 8
 H_GRAD_SIGN = 9  # -1.0 for maximize=True (the update ascends), else 1.0
-H_SIZE = 10
+# written by the step, not read by it: with an lr schedule, the lr the next step will use (base lr x the schedule's
+# factor), which param_groups[g]["lr"] shows as a 0-dim view
+H_SHOWN_LR = 10
+H_SIZE = 11
 
 # learning-rate schedule kinds (fused_stable.schedules)
 SCHEDULE_NONE = 0

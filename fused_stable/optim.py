@@ -9,13 +9,14 @@ that a step whose gradients are not finite is skipped whole, and that nothing in
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import layout, ops
+from . import compiled, layout, ops
 from .layout import StepBuffers, StepRules
 from .plan import ParamStates, StepPlan, Version, check_grads, check_state, is_dtensor
 from .plan import local as _local
@@ -25,6 +26,8 @@ from .schedules import Schedule
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 _CLIP_MODES = {"fixed": layout.CLIP_FIXED, "zscore": layout.CLIP_ZSCORE}
 _STATE_KEY = "fused_stable"
+# False outside dynamo's tracing (a constant there); bound once, as the check runs in every eager step
+_is_compiling = torch.compiler.is_compiling
 
 
 class FusedAdamW(Optimizer):
@@ -139,6 +142,8 @@ class FusedAdamW(Optimizer):
         self._plan: StepPlan | None = None
         self._last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
+        self._shown_lrs: list[torch.Tensor] = []
+        self._show_lrs()
 
     # ------------------------------------------------------------------------------------------
     # device-side read-outs: 0-dim views of the optimizer's buffers, updated in place by every step
@@ -271,6 +276,8 @@ class FusedAdamW(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One fused step (see the class doc); `closure` re-evaluates the model and returns the loss."""
+        if _is_compiling():  # dynamo is tracing this call: the custom-op route (compiled.py)
+            return self._traced_step(closure)
         if (
             self._optimizer_step_pre_hooks
             or self._optimizer_step_post_hooks
@@ -303,6 +310,40 @@ class FusedAdamW(Optimizer):
 
     _hooked_step = Optimizer.profile_hook_step(_plain_step)
 
+    def _traced_plain_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """What dynamo traces for step(): the plan is built at trace time (`_init_group`), the step is one op."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        lrs: list[torch.Tensor] = []
+        key = self._init_group(tensors, grads, lrs)
+        if key >= 0:
+            with torch.no_grad():
+                torch.ops.fused_stable.fused_step(
+                    key, tensors, grads, lrs, getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+                )
+        return loss
+
+    def _traced_step(self, *args: Any, **kwargs: Any) -> Any:
+        """profile_hook_step's hooks without its profiler range (dynamo ignores record_function, with a warning)."""
+        for pre_hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, (self, *args), kwargs)
+            if result is not None:
+                (_, *args), kwargs = result
+        out = self._traced_plain_step(*args, **kwargs)
+        self._optimizer_step_code()
+        for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+            post_hook(self, (self, *args), kwargs)
+        return out
+
+    def _init_group(self, tensors: list, grads: list, lrs: list) -> int:
+        """Trace time only: dynamo runs a method of this name eagerly and makes the tensors it appends graph
+        inputs (compiled.prepare says what goes into each list)."""
+        return compiled.prepare(self, tensors, grads, lrs)
+
     def _fused_step(self) -> None:
         plan = self._plan
         grads = None
@@ -319,12 +360,55 @@ class FusedAdamW(Optimizer):
             grads,
             self._buffers,
             self.rules,
-            [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in self.param_groups],
+            self._hparam_rows(),
             grad_scale=attrs.get("grad_scale"),
             found_inf=attrs.get("found_inf"),
             global_sumsq=self._global_sumsq,
         )
         self._last_tables = plan.backend_cache
+
+    def _hparam_rows(self) -> list[tuple]:
+        """(lr, beta1, beta2, eps, weight_decay, maximize) per param group, as the backends take them: with an lr schedule
+        the lr is the group's base lr, `initial_lr`."""
+        groups = self.param_groups
+        if self.rules.schedule is None:
+            return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+        shown = self._shown_lrs
+        if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
+            self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
+        return [(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+
+    # ------------------------------------------------------------------------------------------
+    # the lr that monitors read: param_groups[g]["lr"] under an lr schedule
+
+    def _show_lrs(self) -> None:
+        """With `lr_schedule`, every group keeps its base lr in `initial_lr` (the key torch's LR schedulers use
+        for it) and `group["lr"]` is a 0-dim fp32 device tensor, a view of the step's hyper-parameter table,
+        that each step sets on the device to the lr the next step will use: what Lightning's
+        LearningRateMonitor or a loop that prints `group["lr"]` read, with no host read in step(). A value assigned to `group["lr"]` (anything but that view) becomes the group's
+        new base lr; so does one loaded with a state dict. Without a schedule the groups are left as they are.
+        """
+        if self.rules.schedule is None:
+            self._shown_lrs = []
+            return
+        previous = self._shown_lrs
+        views = list(self._buffers.hparams[:, layout.H_SHOWN_LR].unbind(0))
+        for index, (group, view) in enumerate(zip(self.param_groups, views)):
+            lr = group["lr"]
+            if not (index < len(previous) and lr is previous[index]):
+                group["initial_lr"] = lr
+            group["lr"] = view
+        self._shown_lrs = views
+        self._refresh_shown_lrs()
+
+    def _refresh_shown_lrs(self) -> None:
+        """The shown lrs from the base lrs and the count of applied updates, on the device (no host read)."""
+        check_not_capturing(self.device, "a changed lr (group['lr'] was assigned)")
+        bases = [group["initial_lr"] for group in self.param_groups]
+        base = torch.stack([torch.as_tensor(b, dtype=torch.float32, device=self.device).reshape(()) for b in bases])
+        factor = self.rules.schedule.factor_tensor(self._istate[layout.I_APPLIED_STEPS])
+        with torch.no_grad():
+            torch.mul(base, factor, out=self._buffers.hparams[:, layout.H_SHOWN_LR])
 
     def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
         """The plan for the params that have a grad now, with their (lazily created) state. Validates every grad
@@ -434,6 +518,7 @@ class FusedAdamW(Optimizer):
             self._buffers = self._step_buffers()
             self._global_sumsq = self._sharded_norm_reducer()
             self._version.bump()
+            self._show_lrs()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
         """Refuses what the fused step cannot update; called before a group is added, so nothing changes."""
@@ -483,6 +568,9 @@ class FusedAdamW(Optimizer):
         state = super().state_dict()
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": 1}
+        if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
+            for saved, group in zip(state["param_groups"], self.param_groups):
+                saved["lr"] = group["initial_lr"]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -542,6 +630,17 @@ class FusedAdamW(Optimizer):
             self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
         self._plan = None
         self._version.bump()
+        self._show_loaded_lrs()
+
+    def _show_loaded_lrs(self) -> None:
+        """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
+        schedulers also save, else `lr`) shown at the loaded count of applied updates."""
+        if self.rules.schedule is None:
+            return
+        for group in self.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])
+        self._shown_lrs = []
+        self._show_lrs()
 
     # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
     # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
@@ -577,6 +676,7 @@ class FusedAdamW(Optimizer):
         self._last_tables = None
         self._version.bump()
         self._global_sumsq = self._sharded_norm_reducer()
+        self._show_loaded_lrs()
 
 
 def _check_not_differentiable(differentiable, where: str) -> None:

@@ -94,6 +94,8 @@ class TorchLists:
         self.order = upload_int64(order, device) if len(by_dtype) > 1 else None
         self.positions = upload_int64(plan.positions, device)
         self.per_tensor_sumsq: torch.Tensor | None = None
+        self.lrs_key: tuple | None = None  # the groups' lrs that `base_lrs` holds (floats by value, tensors by id)
+        self.base_lrs: torch.Tensor | None = None
         self.steps = plan.steps
         self.meta = device.type == "meta"  # no values: nothing to compute, and nothing may be read
         self.updates = [
@@ -134,6 +136,8 @@ def fused_step(
 
     if lists.meta:  # no values to update (the state exists now, as after torch's step); the ops below read scalars
         return
+    if rules.schedule is not None:
+        show_next_lrs(lists, buffers, hparams, rules.schedule)
     torch._foreach_add_(lists.steps, 1.0 - skip)
     # _fused_adamw_ divides the grads by `grad_scale` and leaves everything untouched when found_inf is 1
     grad_divisor = grad_mul.reciprocal()
@@ -153,6 +157,23 @@ def fused_step(
         )  # fmt: skip
         if update.copy_out is not None:
             torch._foreach_copy_(*update.copy_out)
+
+
+def show_next_lrs(lists: TorchLists, buffers: StepBuffers, hparams: list[tuple], schedule) -> None:
+    """Every group's lr for the next step (base lr x the schedule's factor at the count of updates applied so far)
+    into hparams[:, H_SHOWN_LR], which param_groups[g]["lr"] shows; the decision kernel does this on the Triton
+    path. Float lrs are kept in a device tensor until they change; tensor lrs are read on the device."""
+    lrs = [row[0] for row in hparams]
+    key = tuple(id(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs)
+    if key != lists.lrs_key:
+        device = buffers.hparams.device
+        lists.base_lrs = torch.tensor([0.0 if isinstance(lr, torch.Tensor) else float(lr) for lr in lrs], device=device)
+        lists.lrs_key = key
+    base = lists.base_lrs
+    if any(isinstance(lr, torch.Tensor) for lr in lrs):
+        base = torch.stack([lr.reshape(()).float() if isinstance(lr, torch.Tensor) else b for lr, b in zip(lrs, base)])
+    factor = schedule.factor_tensor(buffers.istate[layout.I_APPLIED_STEPS])
+    torch.mul(base, factor, out=buffers.hparams[:, layout.H_SHOWN_LR])
 
 
 def decide(

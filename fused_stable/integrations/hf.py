@@ -23,7 +23,7 @@ Three things of the Trainer's would fight the fused step, and this module moves 
   scheduler would advance on overflow steps; FusedAdamW also skips non-finite steps on its own under bf16
   or fp32, which no host-side scheduler can see. The schedule named by ``args.lr_scheduler_type`` therefore
   runs on the device (``FusedAdamW(lr_schedule=...)``, counted in applied updates), and the Trainer gets a
-  constant LambdaLR that leaves ``group["lr"]`` at its base value.
+  ``DeviceScheduleLR``, which never writes ``group["lr"]`` (there FusedAdamW shows the lr the next step uses).
 - logging: ``FusedStableCallback`` puts the optimizer's pre-clip ``grad_norm``, ``skipped_steps``,
   ``spike_skips`` and the lr really used into each training log (the Trainer's ``log_history`` and the
   callbacks after it), reading the device only at logging steps.
@@ -34,13 +34,14 @@ import logging
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import TrainerCallback
 
 from .. import schedules
 from ..optim import FusedAdamW
 
 __all__ = [
+    "DeviceScheduleLR",
     "FusedStableCallback",
     "FusedStableTrainerMixin",
     "find_fused_optimizer",
@@ -54,9 +55,23 @@ logger = logging.getLogger(__name__)
 _DEVICE_SCHEDULES = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
 
 
-def _constant_factor(_: int) -> float:
-    # A module-level function (not a lambda) so the Trainer can pickle the scheduler into checkpoints.
-    return 1.0
+class DeviceScheduleLR(LRScheduler):
+    """The Trainer's scheduler next to ``FusedAdamW(lr_schedule=...)``, whose schedule runs inside the fused step.
+
+    It changes no lr: ``step()`` only counts (the Trainer saves and restores it with its checkpoints), and
+    ``get_last_lr()`` returns the base lrs as plain numbers. The Trainer calls it after every step and turns a
+    tensor into a number with ``.item()``, which would read the device every step; the lr the step really used
+    reaches the logs through ``FusedStableCallback``, at logging steps only. (A torch scheduler such as a constant
+    ``LambdaLR`` would write the base lr into ``group["lr"]``, where FusedAdamW shows the scheduled lr.)
+    """
+
+    def get_lr(self) -> list[float]:
+        return list(self.base_lrs)
+
+    def step(self, epoch: int | None = None) -> None:
+        self._step_count += 1
+        self.last_epoch += 1
+        self._last_lr = list(self.base_lrs)
 
 
 def find_fused_optimizer(optimizer: Any) -> FusedAdamW | None:
@@ -138,13 +153,13 @@ def _trainer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[d
 
 def fused_trainer_optimizers(
     model: torch.nn.Module, args, num_training_steps: int | None = None, **fused_kwargs: Any
-) -> tuple[FusedAdamW, LambdaLR]:
+) -> tuple[FusedAdamW, DeviceScheduleLR]:
     """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW configured from ``args``.
 
     Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm``
     (clipping moves into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not
     clip again) and ``lr_scheduler_type`` + warm-up (run on the device, so skipped steps do not advance
-    it; the returned scheduler is a constant LambdaLR). ``fused_kwargs`` (e.g. ``clip="zscore"``,
+    it; the returned scheduler is a ``DeviceScheduleLR``, which changes nothing). ``fused_kwargs`` (e.g. ``clip="zscore"``,
     ``spike_skip_threshold=6.0``, ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``)
     override or extend what comes from ``args``. Call it before building the Trainer, with the same args.
     """
@@ -164,7 +179,7 @@ def fused_trainer_optimizers(
     if args.max_grad_norm is not None and args.max_grad_norm > 0:
         # The fused step now owns clipping; a Trainer clip on top would be a second, wasted pass.
         args.max_grad_norm = 0.0
-    return optimizer, LambdaLR(optimizer, _constant_factor)
+    return optimizer, DeviceScheduleLR(optimizer)
 
 
 class FusedStableCallback(TrainerCallback):
@@ -232,7 +247,7 @@ class FusedStableTrainerMixin:
       final: after ``SFTTrainer(peft_config=...)`` has added the adapters, so FusedAdamW gets exactly the
       trainable adapter parameters. Without ``max_steps``, the number of training steps the schedule needs is
       the one the Trainer computes from the dataloader and ``num_train_epochs``.
-    - ``create_scheduler`` returns the constant LambdaLR that goes with the device-side schedule.
+    - ``create_scheduler`` returns the ``DeviceScheduleLR`` that goes with the device-side schedule.
     - A ``FusedStableCallback`` is put first in the callbacks unless one is there already.
     - ``_get_grad_norm``: transformers >= 5 computes the grad norm every step even with ``max_grad_norm == 0``
       (``accelerator.clip_grad_norm_(params, inf)``: a norm pass and a multiply-by-one pass, plus an unscale
@@ -250,7 +265,7 @@ class FusedStableTrainerMixin:
             )
         self.fused_optimizer_kwargs = dict(fused_optimizer_kwargs or {})
         self._fused_training_steps: int | None = None
-        self._fused_scheduler: LambdaLR | None = None
+        self._fused_scheduler: DeviceScheduleLR | None = None
         super().__init__(*args, **kwargs)
         callbacks = self.callback_handler.callbacks
         if not any(isinstance(callback, FusedStableCallback) for callback in callbacks):

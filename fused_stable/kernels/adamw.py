@@ -53,8 +53,29 @@ def _segmented_add(a_value, a_start, b_value, b_start):
     return tl.where(b_start != 0, b_value, a_value + b_value), a_start | b_start
 
 
+@triton.jit
+def _schedule_factor(
+    n, schedule_total, schedule_warmup, schedule_min_ratio,
+    SCHEDULE: tl.constexpr, SCHEDULE_CONSTANT: tl.constexpr, SCHEDULE_LINEAR: tl.constexpr,
+):  # fmt: skip
+    """The lr schedule's factor after `n` applied updates (fused_stable/schedules.py has the reference)."""
+    warm = tl.div_rn(n, tl.maximum(schedule_warmup, 1.0))
+    span = tl.maximum(schedule_total - schedule_warmup, 1.0)
+    if SCHEDULE == SCHEDULE_CONSTANT:
+        shape = 1.0
+    elif SCHEDULE == SCHEDULE_LINEAR:
+        shape = tl.maximum(tl.div_rn(schedule_total - n, span), 0.0)
+    else:
+        progress = tl.minimum(tl.maximum(tl.div_rn(n - schedule_warmup, span), 0.0), 1.0)
+        shape = 0.5 * (1.0 + tl.cos(progress * 3.141592653589793))
+    decay = schedule_min_ratio + (1.0 - schedule_min_ratio) * shape
+    if SCHEDULE == SCHEDULE_CONSTANT:
+        decay = 1.0
+    return tl.where(n < schedule_warmup, warm, decay)
+
+
 @triton.jit(
-    do_not_specialize=["num_chunks", "num_tensors", "zscore_warmup"],
+    do_not_specialize=["num_chunks", "num_tensors", "num_groups", "zscore_warmup"],
     do_not_specialize_on_alignment=["scale_ptr", "found_inf_ptr", "external_sumsq_ptr"],
 )
 def _finalize_kernel(
@@ -67,7 +88,8 @@ def _finalize_kernel(
     step_addrs,  # int64 [num_tensors]: addresses of the fp32 per-param `step` counters
     fstate,  # fp32 [layout.F_SIZE], read and written
     istate,  # int64 [layout.I_SIZE], read and written
-    hparams,  # fp32 [num_groups, H_SIZE]
+    hparams,  # fp32 [num_groups, H_SIZE]; column H_SHOWN_LR written (with a schedule)
+    num_groups,
     scale_ptr,  # fp32 [] loss scale (HAS_SCALE)
     found_inf_ptr,  # fp32 [] GradScaler's found_inf (HAS_FOUND_INF)
     external_sumsq_ptr,  # fp32 [] global sum of squares computed elsewhere, e.g. across ranks (HAS_EXTERNAL_SUMSQ)
@@ -109,6 +131,8 @@ def _finalize_kernel(
     I_STATS_COUNT: tl.constexpr = layout.I_STATS_COUNT,
     I_MAX_ZSCORE_STEP: tl.constexpr = layout.I_MAX_ZSCORE_STEP,
     H_LR: tl.constexpr = layout.H_LR,
+    H_SIZE: tl.constexpr = layout.H_SIZE,
+    H_SHOWN_LR: tl.constexpr = layout.H_SHOWN_LR,
     SCHEDULE_NONE: tl.constexpr = layout.SCHEDULE_NONE,
     SCHEDULE_CONSTANT: tl.constexpr = layout.SCHEDULE_CONSTANT,
     SCHEDULE_LINEAR: tl.constexpr = layout.SCHEDULE_LINEAR,
@@ -190,24 +214,24 @@ def _finalize_kernel(
     tl.store(fstate + F_NORM_VAR, tl.where(update_stats, tl.where(in_warmup, warm_var, ema_var), var))
     tl.store(istate + I_STATS_COUNT, tl.where(update_stats, new_count, stats_count))
 
-    # 3. the lr schedule, at the count of updates applied before this one
+    # 3. the lr schedule, at the count of updates applied before this one; and every group's lr for the next
+    # step (base lr x the factor at the count after this one), where param_groups[g]["lr"] shows it (optim.py)
     applied_before = tl.load(istate + I_APPLIED_STEPS)
-    n = applied_before.to(tl.float32)
     factor = 1.0
     if SCHEDULE != SCHEDULE_NONE:
-        warm = tl.div_rn(n, tl.maximum(schedule_warmup, 1.0))
-        span = tl.maximum(schedule_total - schedule_warmup, 1.0)
-        if SCHEDULE == SCHEDULE_CONSTANT:
-            shape = 1.0
-        elif SCHEDULE == SCHEDULE_LINEAR:
-            shape = tl.maximum(tl.div_rn(schedule_total - n, span), 0.0)
-        else:
-            progress = tl.minimum(tl.maximum(tl.div_rn(n - schedule_warmup, span), 0.0), 1.0)
-            shape = 0.5 * (1.0 + tl.cos(progress * 3.141592653589793))
-        decay = schedule_min_ratio + (1.0 - schedule_min_ratio) * shape
-        if SCHEDULE == SCHEDULE_CONSTANT:
-            decay = 1.0
-        factor = tl.where(n < schedule_warmup, warm, decay)
+        factor = _schedule_factor(
+            applied_before.to(tl.float32), schedule_total, schedule_warmup, schedule_min_ratio,
+            SCHEDULE, SCHEDULE_CONSTANT, SCHEDULE_LINEAR,
+        )  # fmt: skip
+        next_factor = _schedule_factor(
+            (applied_before + tl.where(skip, 0, 1)).to(tl.float32), schedule_total, schedule_warmup,
+            schedule_min_ratio, SCHEDULE, SCHEDULE_CONSTANT, SCHEDULE_LINEAR,
+        )  # fmt: skip
+        for group_start in range(0, num_groups, BLOCK_T):
+            groups = group_start + lanes
+            in_range = groups < num_groups
+            base = tl.load(hparams + groups * H_SIZE + H_LR, mask=in_range, other=0.0)
+            tl.store(hparams + groups * H_SIZE + H_SHOWN_LR, base * next_factor, mask=in_range)
 
     # 4. counters and the scalars the update kernel reads
     applied = tl.where(skip, 0, 1).to(tl.int64)
@@ -419,6 +443,7 @@ def prepare_finalize(
         fstate=fstate,
         istate=istate,
         hparams=hparams,
+        num_groups=hparams.shape[0],
         scale_ptr=fstate,  # any fp32 device tensor: its pointer is never read while the flag is off
         found_inf_ptr=fstate,
         external_sumsq_ptr=fstate,

@@ -130,6 +130,12 @@ def test_skipped_step_keeps_params_and_does_not_advance_schedule(tmp_path):
     sched = schedule_from_training_args(trainer.args, STEPS)
     applied_lrs = [h["learning_rate"] for i, h in enumerate(logs) if i != poison - 1]
     assert applied_lrs == pytest.approx([LR * sched.factor(n) for n in range(STEPS - 1)], rel=1e-5, abs=1e-9)
+    # param_groups show the lr the next step would use (what monitors read); the Trainer's scheduler, which it
+    # reads after every step, hands it plain numbers (a tensor would be .item()-ed: a device read per step)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(LR * sched.factor(STEPS - 1), rel=1e-6)
+    assert opt.param_groups[0]["initial_lr"] == LR
+    last = trainer.lr_scheduler.get_last_lr()
+    assert all(type(lr) is float for lr in last) and last[0] == LR
 
 
 def test_schedule_mapping_matches_transformers(tmp_path):

@@ -445,7 +445,6 @@ def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
     assert_same_params(module, plain, rtol=0, atol=0)  # the callback changes nothing
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16 item 3: param_groups lr not yet updated by lr_schedule")
 def test_learning_rate_monitor_shows_the_scheduled_lr(tmp_path):
     """Lightning's LearningRateMonitor reads param_groups[0]["lr"] before each step: it should show the lr that
     step uses, as it does for torch AdamW + a LambdaLR scheduler."""

@@ -1,0 +1,167 @@
+"""FusedAdamW.step() inside torch.compile: the fused step as one torch custom op that dynamo traces.
+
+Eager steps never come here. When dynamo traces a function that calls `opt.step()` (`torch.compile`, with or
+without `fullgraph=True`), `FusedAdamW.step` sees `torch.compiler.is_compiling()` and takes this route:
+
+1. `FusedAdamW._init_group(tensors, grads, lrs)` (the name matters: dynamo's OptimizerVariable runs a method of
+   that name eagerly, at trace time, and turns what it appends to the lists into graph inputs with guards, as
+   for torch's own optimizers). It builds the optimizer's step plan (state created, every grad and state
+   checked, exactly as an eager first step), records how the plan's tensors are laid out in a `TracedStep`,
+   and returns that record's key, which the graph holds as a constant.
+2. The graph calls `torch.ops.fused_stable.fused_step(key, tensors, grads, lrs, grad_scale, found_inf)`. It
+   declares every tensor it writes (`tensors`: the step buffers, params, moments, step counters, master
+   copies) and has a fake kernel (it returns nothing), so dynamo, AOTAutograd and inductor trace it without a
+   graph break and order it correctly against the rest of the graph. It is an opaque op rather than a
+   `torch.library.triton_op`: the kernels reach tensors through int64 address tables, which inductor's analysis
+   of a wrapped Triton kernel cannot see, so the op states its mutations itself.
+3. When the graph runs, the op's implementation runs the same backend as an eager step (Triton kernels on
+   CUDA, torch's multi-tensor ops on CPU) on the tensors it is given: a compiled step computes exactly what an
+   eager step computes. Its plan is cached by the tensors' addresses; new grad storage only rewrites the
+   address table, as in an eager step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from .backends import torch_backend, triton_backend
+from .layout import StepBuffers, StepRules
+from .plan import SameGrads, StepPlan
+
+OP_NAME = "fused_stable::fused_step"
+
+# StepPlan fields that are per-tensor lists of the tensors the kernels read or write (None where absent, e.g.
+# no master copy). `params` and `all_params` are left out: without DTensors a traced plan's params are its
+# local params, and only the eager per-step check reads the full list.
+_NOT_TENSOR_LISTS = ("params", "all_params", "group_params", "storages")
+
+
+@dataclasses.dataclass(eq=False)
+class TracedStep:
+    """What one traced `opt.step()` call passes to the op, and how to rebuild a step plan from it."""
+
+    optimizer: weakref.ref
+    backend: str
+    template: StepPlan  # the optimizer's plan at trace time: sizes, dtypes, groups, members
+    tensor_lists: list[tuple[str, list[bool]]]  # StepPlan field -> which entries are tensors (the rest None)
+    buffer_fields: list[str]  # StepBuffers fields, first in the op's `tensors`
+    rules: StepRules
+    hparams: list[tuple]  # one row per group; None where the group's lr is a tensor (passed in `lrs`)
+    cached: tuple | None = None  # (addresses of `tensors`, plan, buffers) of the latest call
+
+
+_traced: dict[tuple, int] = {}  # identity of a TracedStep's contents -> key (a retrace reuses its key)
+_steps: dict[int, TracedStep] = {}
+_keys = itertools.count()
+
+
+def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
+    """Trace time (eager): fills the op's argument lists for `opt`'s next step; returns the TracedStep key, -1 when
+    no parameter has a grad (nothing to do, as in an eager step)."""
+    if getattr(opt, "_global_sumsq", None) is not None:
+        raise NotImplementedError(
+            "a compiled step with sharded (DTensor / FSDP2) parameters is not supported: compile the model and "
+            "call opt.step() outside the compiled function"
+        )
+    plan, plan_grads = opt._build_plan()
+    if plan is None:
+        return -1
+    buffers = opt._buffers
+    buffer_fields = [f.name for f in dataclasses.fields(StepBuffers)]
+    tensors.extend(getattr(buffers, name) for name in buffer_fields)
+    tensor_lists = []
+    for field in dataclasses.fields(StepPlan):
+        values = getattr(plan, field.name)
+        if field.name in _NOT_TENSOR_LISTS or not _is_tensor_list(values):
+            continue
+        tensor_lists.append((field.name, [v is not None for v in values]))
+        tensors.extend(v for v in values if v is not None)
+    grads.extend(plan_grads)
+    hparams = []
+    for row in opt._hparam_rows():
+        if isinstance(row[0], torch.Tensor):
+            lrs.append(row[0])
+            row = (None, *row[1:])
+        hparams.append(tuple(row))
+    step = TracedStep(
+        optimizer=weakref.ref(opt), backend=opt.backend, template=plan, tensor_lists=tensor_lists,
+        buffer_fields=buffer_fields, rules=opt.rules, hparams=hparams,
+    )  # fmt: skip
+    identity = (id(opt), plan.version, tuple(map(id, tensors)), tuple(hparams), opt.rules, opt.backend)
+    key = _traced.get(identity)
+    if key is None:
+        key = _traced[identity] = next(_keys)
+        weakref.finalize(opt, _forget, identity, key)  # the record holds the optimizer's tensors: drop it with it
+    _steps[key] = step
+    return key
+
+
+def _forget(identity: tuple, key: int) -> None:
+    _traced.pop(identity, None)
+    _steps.pop(key, None)
+
+
+def _is_tensor_list(values: Any) -> bool:
+    return (
+        isinstance(values, list)
+        and any(isinstance(v, torch.Tensor) for v in values)
+        and all(v is None or isinstance(v, torch.Tensor) for v in values)
+    )
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("tensors",))
+def fused_step(
+    key: int,
+    tensors: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    lrs: list[torch.Tensor],
+    grad_scale: Optional[torch.Tensor],
+    found_inf: Optional[torch.Tensor],
+) -> None:
+    """One fused step (global norm, clip, skip, schedule, AdamW) over the tensors a trace laid out (see module doc)."""
+    step = _steps.get(key)
+    if step is None:
+        raise RuntimeError(
+            f"{OP_NAME} was called with key {key}, which no traced FusedAdamW step produced in this process"
+        )
+    plan, buffers = _plan_for(step, tensors, grads)
+    lr_values = iter(lrs)
+    hparams = [row if row[0] is not None else (next(lr_values), *row[1:]) for row in step.hparams]
+    backend = torch_backend if step.backend == "torch" else triton_backend
+    backend.fused_step(plan, grads, buffers, step.rules, hparams, grad_scale, found_inf, None)
+    opt = step.optimizer()
+    if opt is not None:  # per_tensor_grad_norms() reads the latest step's tables
+        opt._last_tables = plan.backend_cache
+
+
+@fused_step.register_fake
+def _(key, tensors, grads, lrs, grad_scale, found_inf) -> None:
+    return None
+
+
+def _plan_for(step: TracedStep, tensors: list[torch.Tensor], grads: list[torch.Tensor]):
+    """The step plan over these very tensors: the cached one while their addresses stay, else a new one."""
+    addresses = tuple(t.data_ptr() for t in tensors)
+    cached = step.cached
+    if cached is not None and cached[0] == addresses:
+        plan, buffers = cached[1], cached[2]
+    else:
+        values = iter(tensors)
+        buffers = StepBuffers(**{name: next(values) for name in step.buffer_fields})
+        lists = {name: [next(values) if present else None for present in mask] for name, mask in step.tensor_lists}
+        local = lists["local_params"]
+        plan = dataclasses.replace(
+            step.template, **lists, params=local, param_ptrs=[p.data_ptr() for p in local],
+            storages=[p.untyped_storage() for p in local], grad_ptrs=None, grads_version=0, backend_cache=None,
+            same_grads=SameGrads(),
+        )  # fmt: skip
+        step.cached = (addresses, plan, buffers)
+    grad_ptrs = [g.data_ptr() for g in grads]
+    if grad_ptrs != plan.grad_ptrs:  # new grad storage: the backend rewrites its address table
+        plan.grad_ptrs = grad_ptrs
+        plan.grads_version += 1
+    return plan, buffers
