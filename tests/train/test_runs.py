@@ -26,16 +26,21 @@ def _check_outputs(out_dir, steps, saved="adapter"):
 
 def test_lora_default_recipe_trains_and_saves(sft, tmp_path):
     out = tmp_path / "run"
-    code, stdout, _ = sft(*TINY, "--output_dir", out, "--tensorboard", "true")
+    # TINY sets the recipe its tests were written for: drop it to see the defaults
+    recipe = ("--lr", "--target_modules", "--lora_dropout")
+    tiny = [a for i, a in enumerate(TINY) if a not in recipe and TINY[i - 1] not in recipe]
+    code, stdout, _ = sft(*tiny, "--output_dir", out, "--tensorboard", "true")
     assert code == 0, stdout
     rows = _check_outputs(out, 4)
     assert os.path.isfile(out / "adapter" / "adapter_config.json")
     assert os.path.isfile(out / "adapter" / "tokenizer.json")  # the byte tokenizer travels with the adapter
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert config["r"] == 8 and config["lora_alpha"] == 16 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["lora_dropout"] == 0.0
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == "tiny"
     assert os.listdir(out / "tensorboard")
-    # warm-up then cosine: lr rises over int(0.1 * 4) = 0 warm-up steps, then decays
-    assert rows[0]["lr"] > rows[-1]["lr"]
+    # warm-up then cosine from the default peak lr 1e-3: int(0.1 * 4) = 0 warm-up steps, then decays
+    assert rows[0]["lr"] == pytest.approx(1e-3) and rows[0]["lr"] > rows[-1]["lr"]
     assert "loss" in stdout and "done:" in stdout
 
 
