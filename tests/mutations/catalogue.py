@@ -89,11 +89,11 @@ MUTATIONS: list[Mutation] = [
       select="checkpointing"),
     # ------------------------------------------------------------------ data
     M("sharegpt-gpt-untrained", TRAIN + "data.py",
-      "\"gpt\": (\"Assistant\", True),", "\"gpt\": (\"Assistant\", False),",
+      "\"gpt\": \"assistant\",", "\"gpt\": \"user\",",
       ["tests/train/test_trainer_promises.py", "tests/train/test_data.py"], "ShareGPT gpt turns are trained",
       select="sharegpt"),
     M("sharegpt-assistant-untrained", TRAIN + "data.py",
-      "\"assistant\": (\"Assistant\", True),", "\"assistant\": (\"Assistant\", False),",
+      "\"assistant\": \"assistant\"}", "\"assistant\": \"user\"}",
       ["tests/train/test_trainer_promises.py"], "ShareGPT assistant turns (role/content) are trained",
       select="sharegpt"),
     M("labels-all-masked", TRAIN + "data.py",
