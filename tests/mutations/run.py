@@ -32,7 +32,8 @@ from catalogue import MUTATIONS, Mutation  # noqa: E402
 @dataclass
 class Outcome:
     id: str
-    status: str       # killed | survived | stale (the line to mutate is gone) | error (the copy did not run)
+    status: str       # killed (tests failed or crashed) | survived | stale (the line to mutate is gone) | error
+    #                   (pytest could not run them: no test selected, a usage or collection error)
     seconds: float
     detail: str = ""
 
@@ -106,6 +107,8 @@ def run_one(m: Mutation, files: list[str], timeout: float) -> Outcome:
     if proc.returncode == 1:  # tests ran and failed
         failed = [line for line in tail if line.startswith("FAILED")]
         return Outcome(m.id, "killed", took, (failed[0] if failed else summary)[:200])
+    if proc.returncode < 0:  # the test process crashed (e.g. memory corrupted by the mutation): caught too
+        return Outcome(m.id, "killed", took, f"the tests crashed (signal {-proc.returncode})")
     return Outcome(m.id, "error", took, f"pytest exit {proc.returncode}: {summary[:200]}")
 
 

@@ -198,6 +198,16 @@ DAMAGES = {
 }
 
 
+# what the one line says about each (docs/trainer.md): the sizes for a truncated file, the checksum for one
+# damaged at the same size
+WHY = {
+    "truncated-weights": "bytes, the checkpoint recorded", "missing-weights": "is missing",
+    "truncated-optimizer": "bytes, the checkpoint recorded", "flipped-byte-optimizer": "SHA-256 differs",
+    "missing-trainer-state": "is missing", "truncated-rng": "bytes, the checkpoint recorded",
+    "broken-marker": "is damaged (not the file list",
+}
+
+
 @pytest.fixture(scope="module")
 def three_checkpoints(tmp_path_factory):
     """A finished 3-step run with a checkpoint after every step (all kept)."""
@@ -239,11 +249,14 @@ def test_explicit_damaged_checkpoint_is_one_line_naming_the_file(sft, three_chec
     run = _copy(three_checkpoints, tmp_path)
     name, spoil = DAMAGES[damage]
     ckpt = run / "checkpoints" / "step-3"
+    size = os.path.getsize(ckpt / name)
     spoil(ckpt / name)
     before = _tree(run)
     code, out, err = sft("--resume", ckpt, "--max_steps", "4")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in out + err
-    assert f"{ckpt / name}" in err and ("damaged" in err or "missing" in err)
+    assert f"{ckpt / name}" in err and WHY[damage] in err, err
+    if damage.startswith("truncated"):
+        assert f"({size // 2} bytes, the checkpoint recorded {size})" in err
     assert _tree(run) == before  # a failed start writes nothing, run.yaml included
 
 
