@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -111,3 +112,16 @@ def _called_from_interpreter() -> bool:
 def no_host_reads():
     with ForbidHostReads():
         yield
+
+
+class CountDeviceOps(TorchDispatchMode):
+    """Records every aten op dispatched while active (each one a kernel launch on a GPU): `ops` holds their
+    names, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

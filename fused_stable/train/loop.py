@@ -171,9 +171,9 @@ class Trainer:
                 self.interrupts.signum = self.interrupts.signum or signum
 
             if self._logging_step() or signum:  # an interrupt logs the steps since the last log first
-                # torchrun: the loss averaged and the tokens summed over the ranks (one all-reduce)
-                stacked, tokens_since_log = parallel.reduce_for_logging(torch.stack(pending), tokens_since_log)
-                values = stacked.tolist()      # the one device read of this interval
+                # the one device read of this interval (torchrun: with the loss averaged and the tokens summed
+                # over the ranks by one all-reduce)
+                values, tokens_since_log = parallel.read_for_logging(torch.stack(pending), tokens_since_log)
                 now = time.perf_counter()
                 tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
                 rows = [
