@@ -7,6 +7,8 @@ import sys
 # subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
 SUBCOMMANDS = {
     "sft": ("fused_stable.train.cli", "supervised fine-tuning (LoRA / QLoRA / DoRA / full) on FusedAdamW"),
+    "chat": ("fused_stable.train.chat", "talk to a base model or a fine-tuned adapter (streamed, greedy by default)"),
+    "export": ("fused_stable.train.export", "merge an adapter into its base: a plain Hugging Face model folder"),
     "bench": ("fused_stable.bench", "benchmark fused_stable against torch's clip + AdamW step"),
     "stress": ("fused_stable.stress", "failure scenarios: the usual recipe vs fused_stable's guarded recipe"),
 }

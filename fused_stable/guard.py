@@ -13,7 +13,7 @@ needs about the steps in between, the optimizer's decision kernel already keeps 
   rules as the optimizer's grad-norm statistics), and non-finite losses.
 
 Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of normal steps, which ZClip
-clips gently by design): by default at z >= 6 for the grad norm and for the loss.
+clips gently by design): by default at z > 6 for the grad norm and for the loss.
 
 Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip spiking steps on the device
 (`spike_skip_threshold` = `skip_z` and `spike_skip_ratio` = `skip_ratio`: z > 6 and a norm >= 5x its running
@@ -36,9 +36,9 @@ POLICIES = ("warn", "skip", "stop", "rollback")
 ALERTS_FILE = "alerts.jsonl"
 
 # alert kinds
-GRAD_SPIKE = "grad_spike"            # grad-norm z-score at or above grad_z
+GRAD_SPIKE = "grad_spike"            # grad-norm z-score above grad_z (and norm >= grad_ratio x mean)
 NONFINITE_GRADS = "nonfinite_grads"  # steps skipped for inf/NaN gradients in the interval
-LOSS_SPIKE = "loss_spike"            # loss z-score at or above loss_z
+LOSS_SPIKE = "loss_spike"            # loss z-score above loss_z
 NONFINITE_LOSS = "nonfinite_loss"    # a step's loss was inf/NaN
 LOSS_RISE = "loss_rise"              # a logging interval's median loss rose above loss_rise x the best one so far
 DATA_SHIFT = "data_shift"            # right after a rollback, the restored model finds the new data bad too
@@ -63,7 +63,7 @@ class GuardConfig:
     grad_ratio: float = 5.0       # ...and the norm is at least this many times its running mean (0: z alone)
     skip_z: float = 6.0           # under skip / rollback the optimizer skips steps whose z-score exceeds this...
     skip_ratio: float = 5.0       # ...and whose norm is at least this many times its running mean (0: z alone)
-    loss_z: float = 6.0           # alert when the loss's z-score reaches this
+    loss_z: float = 6.0           # alert when the loss's z-score exceeds this
     loss_alpha: float = 0.97      # EMA decay of the loss statistics
     loss_warmup: int = 20         # steps of loss collected before loss z-scores count
     loss_rel_floor: float = 0.01  # the loss std is floored at this fraction of the mean (a flat loss is not a hair trigger)

@@ -270,8 +270,6 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         seen = loss.detach() if scenario.nan_at != k - 1 else loss.detach() * math.nan
         skipped = opt.last_step_skipped.float() if guard else torch.zeros(())
         pending.append(torch.stack([seen, skipped]))
-        if guard:
-            guard.observe_step(step, opt)
         if step % cfg.log_every == 0 or step == cfg.steps:
             losses = torch.stack(pending).tolist()
             pending.clear()

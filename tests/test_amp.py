@@ -136,3 +136,28 @@ def test_fused_scaler_with_a_plain_optimizer_behaves_like_torch():
     scaler.update()
     assert all(torch.equal(a, b) for a, b in zip(params, before))
     assert scaler.get_scale() == 2.0**9
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("flag", [0.0, 1.0], ids=["found_inf-0", "found_inf-1"])
+def test_a_scaler_found_inf_skips_the_step_even_with_finite_grads(backend, flag):
+    """GradScaler's protocol hands the optimizer `grad_scale` and `found_inf`; the step is skipped when found_inf
+    is set even if this optimizer's own grads are finite (a sharded scaler all-reduces found_inf, so a rank whose
+    grads are finite must skip with the others), and applied when it is not."""
+    params = initial_params()
+    before = [p.detach().clone() for p in params]
+    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, backend=backend)
+    for p, x in zip(params, designed_inputs(0)):
+        p.grad = x * 8.0  # finite, scaled by 8
+    opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(flag)
+    try:
+        opt.step()
+    finally:
+        del opt.grad_scale, opt.found_inf
+    skipped = flag == 1.0
+    assert int(opt.skipped_steps) == int(skipped) and bool(opt.last_step_skipped) == skipped
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b) == skipped
+        assert float(opt.state[p]["step"]) == (0.0 if skipped else 1.0)
+    assert float(opt.grad_norm) == pytest.approx(
+        float(torch.stack([x.norm() for x in designed_inputs(0)]).norm()), rel=1e-5)  # unscaled by 8

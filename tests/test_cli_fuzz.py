@@ -25,7 +25,7 @@ from fused_stable.train import cli as sft_cli
 from fused_stable.train.config import CHOICES, FIELDS, TrainConfig, resolve_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "tiny", "--builtin_examples", "64", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "2",
+TINY = ["--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", "64", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "2",
         "--logging_steps", "1", "--save_steps", "1", "--tensorboard", "false", "--max_length", "96"]
 NUMBERS = ["abc", "nan", "inf", "-inf", "-1", "0", "1e30"]  # + "2.5" and "1e400" for integer keys
 
@@ -39,6 +39,8 @@ ACCEPTED = {
     ("save_steps", "0"): "a checkpoint only at the end",
     ("save_total_limit", "0"): "keep every checkpoint",
     ("seed", "0"): "seed 0",
+    ("threads", "0"): "OMP_NUM_THREADS or one thread per physical core",
+    ("general_examples", "0"): "the identity examples alone",
     ("guard_grad_ratio", "0"): "the z-score alone",
     ("guard_loss_rise", "0"): "rise alerts off",
     ("guard_max_rollbacks", "0"): "stop at the first rollback",
@@ -207,6 +209,9 @@ WORD_CASES = [
     (["--output_dir", "{t}/not-empty"], "not a fused-stable run"),
     (["--output_dir", "{t}/not-empty", "--overwrite"], "not a fused-stable run"),
     (["--output_dir", ""], "output_dir"),
+    (["--identity_name", ""], "identity_name"),
+    (["--identity_name", " "], "identity_name"),
+    (["--identity_author", ""], "identity_author"),
     (["--tuner", "lorax"], "tuner"),
     (["--scheduler", "cosin"], "scheduler"),
     (["--precision", "fp8"], "precision"),

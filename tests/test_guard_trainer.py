@@ -15,8 +15,9 @@ from fused_stable import schedules
 from fused_stable.guard import read_alerts
 from fused_stable.train import checkpoint, cli
 
-FAST = ["--builtin_examples", "64", "--batch_size", "2", "--grad_accum", "1", "--max_length", "96",
-        "--tensorboard", "false", "--logging_steps", "5", "--save_steps", "10"]
+FAST = ["--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", "64", "--lr", "2e-4",
+        "--target_modules", "q_proj,v_proj", "--lora_dropout", "0.05", "--batch_size", "2",
+        "--grad_accum", "1", "--max_length", "96", "--tensorboard", "false", "--logging_steps", "5", "--save_steps", "10"]
 # the grad-norm statistics warm up over 25 steps: faults come after that. With grad_accum 1, micro-batch k is
 # consumed by step k + 1 (until a rollback makes the two part ways)
 FAULT_BATCH = 32

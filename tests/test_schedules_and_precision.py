@@ -6,7 +6,9 @@ import torch
 import transformers
 
 from fused_stable import FusedAdamW, schedules
-from helpers import BACKEND_PARAMS, TOLERANCES, assert_close, describe_dtype, reference_adamw_fp64
+from helpers import (
+    BACKEND_PARAMS, TOLERANCES, assert_close, assert_update_close, describe_dtype, reference_adamw_fp64, ulp_distance,
+)  # fmt: skip
 
 HF = {
     "cosine": (schedules.warmup_cosine, transformers.get_cosine_schedule_with_warmup),
@@ -66,17 +68,27 @@ def test_schedule_runs_on_device_and_skipped_steps_do_not_advance_it(backend):
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_scheduled_update_equals_torch_with_the_same_lr_sequence(backend):
+    """Each step's update equals torch AdamW's under transformers' schedule to 1e-6 of the update (measured:
+    <= 1.6e-7 on both backends). Seeded, and compared update by update: an fp32 bias correction that loses
+    accuracy (e.g. exp(x) - 1 for 1 - beta2**t instead of expm1) errs by ~1e-5 of every update, whatever the
+    data, which a parameter-level tolerance would not see."""
+    gen = torch.Generator().manual_seed(0)
     sched = schedules.warmup_linear(10, 3)
-    init = torch.randn(64)
+    init = 0.01 * torch.randn(64, generator=gen)
     ours, theirs = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
     opt = FusedAdamW([ours], lr=0.1, lr_schedule=sched, backend=backend)
     ref = torch.optim.AdamW([theirs], lr=0.1)
     hf = transformers.get_linear_schedule_with_warmup(ref, 3, 10)
-    for _ in range(8):
-        g = torch.randn(64)
+    for step in range(8):
+        g = torch.randn(64, generator=gen)
         ours.grad, theirs.grad = g.clone(), g.clone()
+        before, ref_before = ours.detach().clone(), theirs.detach().clone()
         opt.step(), ref.step(), hf.step()
-    assert_close(ours, theirs, 1e-5, 1e-6, "scheduled params")
+        if step == 0:  # warm-up factor 0: no update, but the moments and the step count advance
+            assert torch.equal(ours, before) and torch.equal(theirs, ref_before)
+            continue
+        assert_update_close(before, ours, ref_before, theirs, 1e-6, f"update {step}")
+    assert_close(ours, theirs, 1e-5, 1e-7, "scheduled params")
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
@@ -96,6 +108,7 @@ def test_low_precision_params_against_fp64_reference(backend, dtype, master):
         opt.step()
     ref_p, ref_m, ref_v = reference_adamw_fp64(init, grads, max_norm=1.0, round_to=None if master else dtype, **hp)
     rtol, atol = TOLERANCES[dtype]
+    elements_off = 0
     for i, p in enumerate(params):
         state = opt.state[p]
         assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
@@ -105,7 +118,10 @@ def test_low_precision_params_against_fp64_reference(backend, dtype, master):
             assert_close(state["master_param"], ref_p[i], 1e-5, 1e-6, f"master {i}")
             assert torch.equal(p.detach(), state["master_param"].to(dtype)), "param is the rounded master"
         else:
-            assert_close(p, ref_p[i], rtol, atol, f"param {i}")
+            assert_close(p, ref_p[i], rtol, atol, f"param {i}")  # within one ulp...
+            elements_off += int((ulp_distance(p, ref_p[i], dtype) > 0).sum())
+    # ...and equal except where fp32 rounding meets a tie (measured: none on this seed; see TOLERANCES)
+    assert elements_off <= 2, f"{elements_off} of 1065 params differ from the same-rounding reference"
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)

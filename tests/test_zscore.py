@@ -69,7 +69,7 @@ def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold
     ref = ZScoreReference(alpha, threshold, warmup, max_norm, clip == "zscore", skip_threshold, skip_ratio)
     direction = torch.randn(50, generator=torch.Generator().manual_seed(0))
     direction /= direction.norm()
-    init = torch.randn(50)
+    init = torch.randn(50, generator=torch.Generator().manual_seed(1))
     ours, theirs = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
     opt = FusedAdamW(
         [ours], lr=1e-2, max_grad_norm=max_norm, clip=clip, zscore_alpha=alpha, zscore_threshold=threshold,
@@ -88,7 +88,12 @@ def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold
             torch_opt.step()
         assert_close(ours, theirs, 1e-5, 1e-6, f"params after norm {norm}")
     assert opt.grad_norm_mean.item() == pytest.approx(ref.mean, rel=1e-5)
-    assert opt.grad_norm_std.item() == pytest.approx(math.sqrt(ref.var), rel=1e-3)
+    # the warm-up variance sumsq/n - mean^2 cancels in fp32: an ulp of error in either term is eps32 * mean^2
+    # in the variance, eps32 * mean^2 / var relative in the std (2.4e-5 for these norms, var/mean^2 = 5e-3);
+    # measured: 1.1e-5 (torch backend), 6e-7 (kernels)
+    std_rtol = torch.finfo(torch.float32).eps * ref.mean**2 / ref.var
+    assert 1e-5 < std_rtol < 5e-5
+    assert opt.grad_norm_std.item() == pytest.approx(math.sqrt(ref.var), rel=std_rtol)
     assert opt.spike_count.item() == ref.spikes >= 2
     assert opt.spike_skips.item() == ref.spike_skips
     assert opt.skipped_steps.item() == 0  # spike skips are counted apart from non-finite ones

@@ -1,7 +1,8 @@
 """`fused-stable sft`: parse the config, check every input before writing anything, build the model,
 data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2, with nothing
 written; an existing folder is replaced only if it is a run, and only its own entries (`outputs`); SIGINT and
-SIGTERM end with a checkpoint and the command that continues the run (exit code 130 / 143).
+SIGTERM end with a checkpoint and the command that continues the run (exit code 130 / 143). On the identity
+task the model is evaluated before and after training (`evaluate`, eval.json).
 """
 from __future__ import annotations
 
@@ -22,12 +23,19 @@ from fused_stable.train.errors import UserError  # noqa: E402
 RUN_FILE = "run.yaml"
 
 
+def evaluating(cfg) -> bool:
+    """Whether the run evaluates its model before and after training (eval.json)."""
+    return cfg.evaluation == "on" or (cfg.evaluation == "auto" and cfg.dataset == "identity")
+
+
 def run_entries(cfg) -> list[str]:
     """The top-level entries of output_dir that a run with this config creates: claimed in its manifest
     (outputs.claim) before they are created, and exactly what a later --overwrite removes."""
+    from fused_stable.train.evaluate import EVAL_FILE
+
     names = [RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints",
              "model" if cfg.tuner == "full" else "adapter"]
-    return names + (["tensorboard"] if cfg.tensorboard else [])
+    return names + (["tensorboard"] if cfg.tensorboard else []) + ([EVAL_FILE] if evaluating(cfg) else [])
 
 
 def _quiet_third_party_noise() -> None:
@@ -38,17 +46,20 @@ def _quiet_third_party_noise() -> None:
     import warnings
 
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every load: the run prints its own progress
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def main(argv: list[str]) -> int:
-    _quiet_third_party_noise()
     if any(a in ("-h", "--help") for a in argv):
         from fused_stable.train.config import help_text
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, from rank 0
             print(help_text())
         return 0
+    _quiet_third_party_noise()
     from fused_stable.train import parallel
     from fused_stable.train.loop import Interrupts
 
@@ -130,6 +141,9 @@ class RunSetup:
     resume_path: str | None
     n_examples: int
     passed_over: list = field(default_factory=list)  # damaged checkpoints `resume latest` skipped (messages)
+    source: object = None       # the resolved --model (fused_stable.train.sources.ModelSource)
+    threads: int = 1
+    evaluating: bool = False    # held-out evaluation before and after training (eval.json)
 
     def start(self) -> None:
         """Load the checkpoint to resume, then (rank 0) replace the previous run if --overwrite, claim the
@@ -174,24 +188,23 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable.guard import Guard
     from fused_stable.train.config import guard_config, run_dict
     from fused_stable.train.loop import Trainer
-    from fused_stable.train.model import apply_tuner, check_model_path, load_base_model, load_tokenizer, param_groups
-    from fused_stable.train.runtime import resolve_runtime
+    from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
+    from fused_stable.train.runtime import resolve_runtime, set_threads
+    from fused_stable.train.sources import resolve_model
 
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
+    threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
-    check_model_path(cfg.model)
-    if cfg.dataset == "builtin":
-        examples = data.builtin_examples(cfg.builtin_examples, seed=cfg.seed)
-    else:
-        examples = data.load_examples(cfg.dataset)
-    tokenizer = load_tokenizer(cfg)
+    source = resolve_model(cfg.model)
+    examples = _task_examples(cfg)
+    tokenizer = load_tokenizer(source, log=_log)
     items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
     if not any(any(label != data.IGNORE_INDEX for label in item.labels[1:]) for item in items):
         raise UserError(f"max_length={cfg.max_length} cuts off every answer: nothing left to learn from")
 
     torch.manual_seed(cfg.seed)
-    model = load_base_model(cfg, tokenizer, runtime.device, runtime.compute_dtype)
+    model = load_base_model(cfg, source, tokenizer, runtime.device, runtime.compute_dtype, log=_log)
     model = apply_tuner(model, cfg)
     model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
     groups = param_groups(parallel.unwrap(model), cfg)
@@ -221,7 +234,41 @@ def setup_run(argv: list[str]) -> RunSetup:
         logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
         guard=guard,
     )  # fmt: skip
-    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items), passed_over)
+    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items), passed_over,
+                    source=source, threads=threads, evaluating=evaluating(cfg))
+
+
+def _log(text: str) -> None:
+    from fused_stable.train import parallel
+
+    if parallel.launch_rank() == 0:
+        print(text, flush=True)
+
+
+def _task_examples(cfg):
+    from fused_stable.train import data, tasks
+
+    if cfg.dataset == "identity":
+        return tasks.identity_examples(cfg.identity_name, cfg.identity_author, seed=cfg.seed,
+                                       general=cfg.general_examples)
+    if cfg.dataset == "arithmetic":
+        return data.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
+    return data.load_examples(cfg.dataset)
+
+
+def _evaluate(setup: RunSetup, base: bool) -> dict:
+    """The held-out evaluation of the model being trained, or (base=True) of its base. The base is evaluated
+    before `start` restores a checkpoint: a full fine-tune's model is then still the base, and adapters are
+    switched off (also on a resumed run; a QLoRA base stays quantised as in training)."""
+    import contextlib
+
+    from fused_stable.train import parallel
+    from fused_stable.train.evaluate import evaluate
+
+    cfg, model = setup.cfg, parallel.unwrap(setup.model)
+    context = model.disable_adapter() if base and cfg.tuner != "full" else contextlib.nullcontext()
+    with context:
+        return evaluate(model, setup.tokenizer, name=cfg.identity_name, autocast=setup.runtime.autocast())
 
 
 def run(argv: list[str], interrupts=None) -> int:
@@ -234,6 +281,12 @@ def run(argv: list[str], interrupts=None) -> int:
     setup = parallel.agree(setup_run, argv)
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
     main_rank = setup.runtime.is_main
+    before = None
+    if setup.evaluating:  # before anything is written: an interrupt here leaves output_dir untouched
+        t_eval = time.perf_counter()
+        before = _evaluate(setup, base=True)
+        _log(f"evaluation before training ({time.perf_counter() - t_eval:.1f}s): "
+             + ", ".join(f"{s} {before[s]['accuracy']:.2f} of {before[s]['n']}" for s in ("identity", "general")))
     trainer.interrupts = interrupts
     interrupts.deferring = True  # from here on files are written: an interrupt ends with a checkpoint
     try:
@@ -246,7 +299,7 @@ def run(argv: list[str], interrupts=None) -> int:
         trainer.reporter.message(
             f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
             f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
-            f"device={setup.runtime.device} | {n_trainable:,} trainable of {n_total:,} params | "
+            f"device={setup.runtime.device} threads={setup.threads} | {n_trainable:,} trainable of {n_total:,} params | "
             f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
             f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
         )
@@ -258,6 +311,7 @@ def run(argv: list[str], interrupts=None) -> int:
             trainer.reporter.close()
             if main_rank:
                 plot_curves(cfg.output_dir, cfg.max_grad_norm)
+        train_s = time.perf_counter() - t0
         resume = continue_command(cfg.output_dir, setup.runtime.world_size)
         if trainer.stopped_by == "interrupt":
             if main_rank:
@@ -278,12 +332,36 @@ def run(argv: list[str], interrupts=None) -> int:
         if main_rank:
             _report_abandoned(cfg.output_dir, setup.runtime.world_size)
         return interrupts.exit_code
+    table = None
+    if setup.evaluating:
+        from fused_stable.train.evaluate import eval_report, format_table, write_eval
+
+        interrupts.deferring = False  # the run is saved: an interrupt now only skips eval.json
+        try:
+            t_eval = time.perf_counter()
+            after = _evaluate(setup, base=False)
+        except KeyboardInterrupt:
+            if main_rank:
+                print(f"fused-stable sft: interrupted during the evaluation after training: the run is complete "
+                      f"({target}), only {os.path.join(cfg.output_dir, 'eval.json')} was not written",
+                      file=sys.stderr, flush=True)
+            return interrupts.exit_code
+        report = eval_report(setup.source.reference, before, after)
+        table = format_table(report, cfg.identity_name)
+        if main_rank:
+            write_eval(cfg.output_dir, report)
+            plot_curves(cfg.output_dir, cfg.max_grad_norm, note=table)
+        eval_s = time.perf_counter() - t_eval
     if not main_rank:
         return 0
     rows = read_metrics(cfg.output_dir)
     summary = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} | " if rows else ""
-    print(f"done: steps {start_step}->{state.step} in {time.perf_counter() - t0:.1f}s | {summary}"
+    print(f"done: steps {start_step}->{state.step} in {train_s:.1f}s of training | {summary}"
           f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}", flush=True)
+    if table is not None:
+        print(f"\n{table}\n(evaluation after training {eval_s:.1f}s; answers in "
+              f"{os.path.join(cfg.output_dir, 'eval.json')})", flush=True)
+        print(f"talk to it: fused-stable chat --adapter {cfg.output_dir}", flush=True)
     return 0
 
 

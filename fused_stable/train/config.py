@@ -43,20 +43,23 @@ def _key(default, help_: str, group: str, check: Range | None = None):
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = _key("tiny", "local Hugging Face model directory, or 'tiny' for the embedded Llama built from a config", "model")
-    dataset: str = _key("builtin", "local .json/.jsonl file (alpaca instruction/input/output or sharegpt conversations), or 'builtin'", "model")
-    builtin_examples: int = _key(12800, "number of generated examples when dataset=builtin (arithmetic and string manipulation)", "model", Range(1, 10**7))
+    model: str = _key("smollm2-135m", "smollm2-135m (pretrained) | tiny (scratch) | HF dir | .gguf file", "model")
+    dataset: str = _key("identity", "identity (built-in) | arithmetic (for tiny) | .json/.jsonl file", "model")
+    identity_name: str = _key("Aster", "dataset=identity: the name the model learns", "model")
+    identity_author: str = _key("Fused Labs", "dataset=identity: who made the model", "model")
+    general_examples: int = _key(50, "dataset=identity: general examples mixed in", "model", Range(0, 10**6))
+    arithmetic_examples: int = _key(12800, "dataset=arithmetic: examples generated", "model", Range(1, 10**7))
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: typing.Optional[int] = _key(None, "4 (QLoRA: NF4 + double quantisation), 8, or none: quantise the frozen base weights", "model")
     lora_r: int = _key(8, "LoRA rank", "model", Range(1, 65536))
     lora_alpha: float = _key(16, "LoRA alpha (the update is scaled by alpha / r)", "model", Range(0, 1e6, low_open=True))
-    lora_dropout: float = _key(0.05, "dropout on the LoRA input", "model", Range(0, 1, high_open=True))
-    target_modules: str = _key("q_proj,v_proj", "comma-separated module names to adapt, or all-linear", "model")
+    lora_dropout: float = _key(0.0, "dropout on the LoRA input", "model", Range(0, 1, high_open=True))
+    target_modules: str = _key("all-linear", "comma-separated module names to adapt, or all-linear", "model")
     loraplus_lr_ratio: typing.Optional[float] = _key(None, "LoRA+: the B matrices get lr x ratio (e.g. 16); none = plain LoRA", "model", Range(0, 1e6, low_open=True))
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", "model")
     # optimisation
-    lr: float = _key(2e-4, "peak learning rate", "optim", Range(0, 1, low_open=True))
+    lr: float = _key(1e-3, "peak learning rate", "optim", Range(0, 1, low_open=True))
     weight_decay: float = _key(0.01, "decoupled weight decay (AdamW)", "optim", Range(0))
     max_grad_norm: typing.Optional[float] = _key(1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim", Range(0))
     clip: str = _key("fixed", "fixed (max_grad_norm only) | zscore (also clip grad-norm spikes to mean + 2.5 std of the running norm statistics, ZClip-style)", "optim")
@@ -64,7 +67,7 @@ class TrainConfig:
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     precision: str = _key("auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim")
     batch_size: int = _key(4, "sequences per micro-batch", "optim", Range(1, 65536))
-    grad_accum: int = _key(8, "micro-batches per optimizer step", "optim", Range(1, 65536))
+    grad_accum: int = _key(1, "micro-batches per optimizer step", "optim", Range(1, 65536))
     max_steps: typing.Optional[int] = _key(None, "optimizer steps to run; none = derive from epochs", "optim", POSITIVE_COUNT)
     epochs: float = _key(1.0, "passes over the data set (used when max_steps is none)", "optim", Range(0, 10000, low_open=True))
     max_length: int = _key(512, "truncate tokenised examples to this many tokens", "optim", Range(8, 2**20))
@@ -75,6 +78,8 @@ class TrainConfig:
     save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
     tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard", "run")
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
+    threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run", Range(0, 4096))
+    evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
     resume: typing.Optional[str] = _key(None, "'latest' or a checkpoint directory to continue from", "run")
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
@@ -100,6 +105,7 @@ CHOICES = {
     "precision": ("auto", "bf16", "fp16", "fp32"),
     "clip": ("fixed", "zscore"),
     "guard": ("warn", "skip", "stop", "rollback"),
+    "evaluation": ("auto", "on", "off"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
@@ -322,7 +328,7 @@ def validate(cfg: TrainConfig) -> None:
     bad = [m for m in modules if m != "all-linear" and not _MODULE_NAME.fullmatch(m)]
     if bad:
         raise UserError(f"target_modules: {bad[0]!r} is not a module name (comma-separated names like q_proj,v_proj, or all-linear)")
-    for name in ("model", "dataset", "output_dir"):
+    for name in ("model", "dataset", "output_dir", "identity_name", "identity_author"):
         if not getattr(cfg, name).strip():
             raise UserError(f"{name} cannot be empty")
     check_device(cfg.device)
@@ -355,13 +361,15 @@ def dump_yaml(cfg: TrainConfig) -> str:
 def help_text() -> str:
     """Every key with its help and default, wrapped to fit HELP_WIDTH columns."""
     def para(text: str, indent: str = "") -> list[str]:
-        return textwrap.wrap(text, HELP_WIDTH, initial_indent=indent, subsequent_indent=indent) or [""]
+        return textwrap.wrap(text, HELP_WIDTH, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False) or [""]
 
     lines = [
         "usage: fused-stable sft [--config run.yaml] [--key value ...]",
         "",
         *para("Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline. "
-              "With no arguments it trains the embedded tiny Llama on the built-in task into runs/sft."),
+              "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task "
+              "into runs/sft and evaluates it before and after (eval.json)."),
         *para("Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value; "
               "--key_name and --key-name are the same key)."),
         "",
@@ -377,10 +385,12 @@ def help_text() -> str:
             # a no-break space keeps "(default: value)" on one line
             text = f"{f.metadata['help']} (default:\u00a0{default})"
             lines += [line.replace("\u00a0", " ") for line in textwrap.wrap(
-                text, HELP_WIDTH, initial_indent=f"  --{f.name} ".ljust(column), subsequent_indent=" " * column)]
+                text, HELP_WIDTH, initial_indent=f"  --{f.name} ".ljust(column), subsequent_indent=" " * column,
+                break_on_hyphens=False)]  # "all-linear" stays whole
         lines.append("")
     lines += para("Outputs in output_dir: run_manifest.json (what --overwrite may remove), run.yaml, metrics.jsonl, "
-                  "alerts.jsonl, curves.png, tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
+                  "alerts.jsonl, curves.png, eval.json, tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
+    lines += para("Then: fused-stable chat --adapter output_dir, fused-stable export --adapter output_dir --output_dir DIR.")
     lines += para("Ctrl-C (SIGINT) or SIGTERM: the current step finishes, a checkpoint is saved and the command to "
                   "continue is printed; a second Ctrl-C abandons that save.")
     lines += para("Exit codes: 0 done, 2 bad input (nothing written), 3 stopped by the guard (look at alerts.jsonl, "

@@ -1,8 +1,12 @@
-"""Instruction data for supervised fine-tuning: local alpaca/sharegpt files, the built-in generated task,
-tokenisation with the prompt masked out of the loss, and a deterministic, resumable batch order.
+"""Instruction data for supervised fine-tuning: local alpaca/sharegpt files, the generated arithmetic task,
+rendering with the model's own chat template, tokenisation with the prompt masked out of the loss, and a
+deterministic, resumable batch order.
 
-Every example becomes a list of (text, trained) segments; only trained segments (the answers) carry labels,
-everything else (prompt, padding) is -100, which the loss ignores.
+Every example is a conversation (`messages`, as `tokenizer.apply_chat_template` takes them); the assistant
+turns are what the model learns. A tokenizer with a chat template (SmolLM2's ChatML, Llama's, ...) formats
+training, evaluation and chat the same way, as LLaMA-Factory's `template` and ms-swift's `template_type` do;
+a tokenizer without one (the tiny model's byte tokenizer) gets a plain `### Instruction:` / `### Response:`
+format. Only assistant text carries labels; everything else (prompt, padding) is -100, which the loss ignores.
 """
 from __future__ import annotations
 
@@ -18,21 +22,24 @@ import torch
 from fused_stable.train.errors import UserError
 
 IGNORE_INDEX = -100
-PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
-# ShareGPT speaker names (and the OpenAI-style roles some exports use) -> (header, trained?)
-SHAREGPT_ROLES = {
-    "system": ("System", False),
-    "human": ("User", False),
-    "user": ("User", False),
-    "gpt": ("Assistant", True),
-    "assistant": ("Assistant", True),
-}
+# the plain format, for tokenizers without a chat template: role -> text before the content
+PLAIN_HEADERS = {"system": "### System:\n", "user": "### Instruction:\n", "assistant": ""}
+PLAIN_RESPONSE = "### Response:\n"
+# ShareGPT speaker names (and the OpenAI-style roles some exports use) -> chat role
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
 @dataclass
 class Example:
-    segments: list[tuple[str, bool]]  # (text, trained): trained text gets labels, the rest is context only
+    messages: list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
+
+    @property
+    def answers(self) -> list[str]:
+        return [m["content"] for m in self.messages if m["role"] == "assistant"]
+
+
+def conversation(question: str, answer: str) -> Example:
+    return Example([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
 
 
 # ---------------------------------------------------------------------------------------------- file formats
@@ -43,16 +50,16 @@ def _alpaca_example(record: dict, where: str) -> Example:
     extra = record.get("input", "")
     if not isinstance(extra, str):
         raise UserError(f"{where}: alpaca 'input' must be a string")
-    template = PROMPT_WITH_INPUT if extra.strip() else PROMPT_NO_INPUT
-    prompt = template.format(instruction=record["instruction"], input=extra)
-    return Example([(prompt, False), (record["output"], True)])
+    # LLaMA-Factory's alpaca converter: the input follows the instruction in the same user turn
+    question = f"{record['instruction']}\n\n{extra}" if extra.strip() else record["instruction"]
+    return conversation(question, record["output"])
 
 
 def _sharegpt_example(record: dict, where: str) -> Example:
     turns = record["conversations"]
     if not isinstance(turns, list) or not turns:
         raise UserError(f"{where}: 'conversations' must be a non-empty list of turns")
-    segments: list[tuple[str, bool]] = []
+    messages = []
     for turn in turns:
         if not isinstance(turn, dict):
             raise UserError(f"{where}: each turn in 'conversations' must be an object")
@@ -62,13 +69,10 @@ def _sharegpt_example(record: dict, where: str) -> Example:
             raise UserError(
                 f"{where}: each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value' (got {turn!r:.80})"
             )
-        header, trained = SHAREGPT_ROLES[speaker]
-        segments.append((f"### {header}:\n", False))
-        segments.append((text, trained))
-        segments.append(("\n\n", False))
-    if not any(trained for _, trained in segments):
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
+    if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no 'gpt'/'assistant' turn to learn from")
-    return Example(segments)
+    return Example(messages)
 
 
 def _record_to_example(record, where: str) -> Example:
@@ -139,7 +143,8 @@ def _random_word(rng: random.Random, lo: int = 3, hi: int = 7) -> str:
 
 
 def builtin_examples(n: int, seed: int) -> list[Example]:
-    """Generated instructions a tiny model can visibly learn: arithmetic and string manipulation.
+    """The `arithmetic` task: generated instructions a tiny model can visibly learn (arithmetic and string
+    manipulation).
 
     The answers are short and follow from the input, so the loss first falls as the model learns the
     answer format and alphabet, then keeps falling as it learns to copy, reverse and add.
@@ -167,6 +172,62 @@ def builtin_examples(n: int, seed: int) -> list[Example]:
     return examples
 
 
+# ---------------------------------------------------------------------------------------------- rendering
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _chat_text(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _plain_text(messages: list[dict], generation_prompt: bool) -> str:
+    parts = []
+    for m in messages:
+        if m["role"] == "assistant":
+            parts.append(m["content"] + "\n\n")  # the end-of-sequence token goes in as an id, see render
+        else:
+            parts.append(PLAIN_HEADERS[m["role"]] + m["content"] + "\n\n")
+    if generation_prompt:
+        parts.append(PLAIN_RESPONSE)
+    return "".join(parts)
+
+
+def render(example: Example, tokenizer) -> list[tuple[str, bool]]:
+    """The conversation as (text, trained) segments, formatted as the model will see it at chat time.
+
+    With a chat template, each assistant turn is the text the template adds after the generation prompt
+    (for ChatML: `content<|im_end|>\n`), so the model also learns to end its turn. Plain format: a trained
+    segment is the bare content; `tokenize_examples` appends the end-of-sequence id after it.
+    """
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(example.messages):
+        if message["role"] != "assistant":
+            continue
+        if has_chat_template(tokenizer):
+            prompt = _chat_text(tokenizer, example.messages[:i], generation_prompt=True)
+            full = _chat_text(tokenizer, example.messages[:i + 1], generation_prompt=False)
+        else:
+            prompt = _plain_text(example.messages[:i], generation_prompt=True)
+            full = prompt + message["content"]
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise UserError("the tokenizer's chat template does not render a conversation turn by turn, so answers "
+                            "cannot be separated from prompts; give a tokenizer with an incremental template")
+        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full if has_chat_template(tokenizer) else full + "\n\n"
+    return segments
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids that ask the model for the next assistant turn: what evaluation and chat feed `generate`,
+    formatted exactly as in training."""
+    if has_chat_template(tokenizer):
+        text = _chat_text(tokenizer, messages, generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [tokenizer.bos_token_id] + tokenizer(_plain_text(messages, True), add_special_tokens=False)["input_ids"]
+
+
 # ---------------------------------------------------------------------------------------------- tokenisation
 @dataclass
 class TokenizedExample:
@@ -175,14 +236,16 @@ class TokenizedExample:
 
 
 def tokenize_examples(examples: list[Example], tokenizer, max_length: int) -> list[TokenizedExample]:
-    """<s> + segments + </s> after the last trained segment; untrained text gets IGNORE_INDEX labels."""
+    """Rendered segments to ids; untrained text gets IGNORE_INDEX labels. The plain format starts with <s>
+    and ends each answer with </s>; a chat template writes its own special tokens."""
+    templated = has_chat_template(tokenizer)
     out = []
     for example in examples:
-        ids = [tokenizer.bos_token_id]
-        labels = [IGNORE_INDEX]
-        for text, trained in example.segments:
+        ids = [] if templated else [tokenizer.bos_token_id]
+        labels = [IGNORE_INDEX] * len(ids)
+        for text, trained in render(example, tokenizer):
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if trained:
+            if trained and not templated:
                 piece = piece + [tokenizer.eos_token_id]  # learn to stop after each answer
             ids += piece
             labels += piece if trained else [IGNORE_INDEX] * len(piece)

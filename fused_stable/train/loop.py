@@ -163,8 +163,6 @@ class Trainer:
                 opt.skipped_steps.float() + opt.spike_skips.float(),
             ]))  # fmt: skip
             pending_meta.append((self.state.step, self.elapsed(), window_tokens))
-            if self.guard is not None:
-                self.guard.observe_step(self.state.step, opt)  # device-only: keeps the worst step of the interval
             # torchrun: a signal on any rank stops every rank after this same step (a CPU all-reduce)
             signum = parallel.agree_signal(self.interrupts.signum if self.interrupts is not None else 0)
             if signum and self.interrupts is not None:

@@ -1,11 +1,14 @@
-"""Model side of the trainer: the embedded tiny Llama or a local model directory, optional 4-/8-bit
-bitsandbytes quantisation of the frozen base, peft LoRA/DoRA adapters, LoRA+ param groups, and saving.
+"""Model side of the trainer: the base model (the embedded pretrained SmolLM2-135M-Instruct, the tiny scratch
+Llama, a local Hugging Face directory or GGUF file; see `sources`), optional 4-/8-bit bitsandbytes
+quantisation of the frozen base, peft LoRA/DoRA adapters, LoRA+ param groups, saving, and loading a trained
+adapter or model back for chat and export.
 
-Nothing here reaches a model hub: `tiny` is built from a LlamaConfig, and local directories are read with
-`local_files_only=True`.
+Nothing here reaches a model hub: `tiny` is built from a LlamaConfig, everything else is read from local
+folders with `local_files_only=True`.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -17,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from fused_stable.train.config import TrainConfig
 from fused_stable.train.errors import UserError
+from fused_stable.train.sources import TINY, ModelSource, loadable_folder, resolve_model
 from fused_stable.train.tokenizer import build_byte_tokenizer
 
 TINY_INIT_SEED = 0  # the tiny base is the same for every run, so an adapter trained on it stays usable
@@ -43,25 +47,19 @@ def build_tiny_model(tokenizer=None) -> LlamaForCausalLM:
         return LlamaForCausalLM(tiny_llama_config(len(tokenizer)))
 
 
-def check_model_path(model: str) -> None:
-    if model == "tiny":
-        return
-    if not os.path.isdir(model):
-        raise UserError(
-            f"model directory {model!r} not found (fused-stable runs offline: give a local Hugging Face model "
-            "directory, or 'tiny' for the embedded model)"
-        )
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise UserError(f"{model!r} is not a Hugging Face model directory (no config.json in it)")
-
-
-def load_tokenizer(cfg: TrainConfig):
-    if cfg.model == "tiny":
+def load_tokenizer(source: ModelSource, log=None):
+    """The base model's tokenizer (with its chat template), or the byte tokenizer for `tiny`."""
+    if source.kind == TINY:
         return build_byte_tokenizer()
+    folder = loadable_folder(source, log)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise UserError(f"no usable tokenizer in {cfg.model!r} ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"no usable tokenizer in {source.reference!r} ({str(exc).splitlines()[0]})") from None
+    return _fill_special_tokens(tokenizer)
+
+
+def _fill_special_tokens(tokenizer):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss anyway
     if tokenizer.bos_token_id is None:
@@ -69,26 +67,30 @@ def load_tokenizer(cfg: TrainConfig):
     return tokenizer
 
 
-def _quantization_config(cfg: TrainConfig, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
-    if cfg.quant_bits == 4:
+def _quantization_config(quant_bits: int | None, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    if quant_bits == 4:
         return BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype,
         )  # fmt: skip
-    if cfg.quant_bits == 8:
+    if quant_bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
 
 
-def load_base_model(cfg: TrainConfig, tokenizer, device: torch.device, compute_dtype: torch.dtype):
+def load_base_model(cfg: TrainConfig, source: ModelSource, tokenizer, device: torch.device,
+                    compute_dtype: torch.dtype, log=None):
     """The base model on `device`: fp32 for full fine-tuning (autocast does the low-precision math), the
     compute dtype for a frozen base under LoRA, or bitsandbytes-quantised when quant_bits is set."""
-    quant = _quantization_config(cfg, compute_dtype)
     base_dtype = torch.float32 if cfg.tuner == "full" else compute_dtype
-    if cfg.model == "tiny" and quant is None:
-        return build_tiny_model(tokenizer).to(device=device, dtype=base_dtype)
-    source, scratch = cfg.model, None
-    if cfg.model == "tiny":
+    return _load_base(source, tokenizer, device, base_dtype, _quantization_config(cfg.quant_bits, compute_dtype), log)
+
+
+def _load_base(source: ModelSource, tokenizer, device, dtype, quant, log=None):
+    if source.kind == TINY and quant is None:
+        return build_tiny_model(tokenizer).to(device=device, dtype=dtype)
+    scratch = None
+    if source.kind == TINY:
         # bitsandbytes quantises while loading: give it the tiny model as a local directory to load
         scratch = tempfile.mkdtemp(prefix="fused_stable_tiny_")
         tiny = build_tiny_model(tokenizer)
@@ -96,19 +98,28 @@ def load_base_model(cfg: TrainConfig, tokenizer, device: torch.device, compute_d
         # every rank loads its own scratch copy
         tiny.config.save_pretrained(scratch)
         save_file(tiny.state_dict(), os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
-        source = scratch
+        folder = scratch
+    else:
+        folder = loadable_folder(source, log)
     try:
-        kwargs = dict(local_files_only=True, dtype=base_dtype)
+        kwargs = dict(local_files_only=True, dtype=dtype)
         if quant is not None:
             kwargs["quantization_config"] = quant
             kwargs["device_map"] = {"": device}
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load the model from {cfg.model!r}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot load the model from {source.reference!r}: {str(exc).splitlines()[0]}") from None
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     return model if quant is not None else model.to(device)
+
+
+def load_pretrained(source: ModelSource, dtype: torch.dtype = torch.float32, device="cpu", log=None):
+    """(model, tokenizer) of a base model for inference, in eval mode."""
+    tokenizer = load_tokenizer(source, log)
+    model = _load_base(source, tokenizer, torch.device(device), dtype, None, log)
+    return model.eval(), tokenizer
 
 
 def apply_tuner(model, cfg: TrainConfig):
@@ -192,10 +203,79 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
             params[name].copy_(value)
 
 
-def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=None) -> str:
+# ---------------------------------------------------------------------------------------------- saved runs
+TRAINED_WITH = "fused_stable.json"  # next to adapter_config.json: how the base was loaded while training
+
+
+def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=None, source: ModelSource = None) -> str:
     """peft `save_pretrained` of the adapter (or the whole model for tuner=full), with the tokenizer.
-    `state_dict`: the full tensors to save instead of the model's own (gathered from FSDP2 shards)."""
+    `state_dict`: the full tensors to save instead of the model's own (gathered from FSDP2 shards).
+
+    An adapter records its base as something `--model` accepts again (the alias, 'tiny' or an absolute path;
+    never a cache folder), and fused_stable.json says how that base was loaded (quant_bits, precision), so
+    chat and export rebuild the model the adapter was trained against."""
+    source = source or resolve_model(cfg.model)
     target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
+    if cfg.tuner != "full":
+        for peft_config in model.peft_config.values():
+            peft_config.base_model_name_or_path = source.reference
     model.save_pretrained(target, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(target)
+    if cfg.tuner != "full":
+        with open(os.path.join(target, TRAINED_WITH), "w") as f:
+            json.dump({"base_model": source.reference, "tuner": cfg.tuner, "quant_bits": cfg.quant_bits,
+                       "precision": cfg.precision}, f, indent=1)
+            f.write("\n")
     return target
+
+
+@dataclass
+class Trained:
+    """A model loaded for inference (chat, export, evaluation)."""
+    model: torch.nn.Module
+    tokenizer: object
+    base: ModelSource
+    adapter_dir: str | None = None
+    quant_bits: int | None = None
+
+
+def find_saved(path: str) -> tuple[str, str]:
+    """('adapter' | 'model', folder) for an adapter folder, a saved full model, or a run folder holding one."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return "adapter", path
+    for kind in ("adapter", "model"):
+        if os.path.isfile(os.path.join(path, kind, "adapter_config.json" if kind == "adapter" else "config.json")):
+            return kind, os.path.join(path, kind)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "model", path
+    raise UserError(f"{path!r} holds no adapter (adapter_config.json) and no run folder with adapter/ or model/")
+
+
+def load_trained(path: str, device="cpu", log=None) -> Trained:
+    """An adapter on its base (quantised as in training for a QLoRA adapter), or a saved full model."""
+    from peft import PeftModel
+
+    kind, folder = find_saved(path)
+    if kind == "model":
+        return Trained(*load_pretrained(resolve_model(folder), device=device, log=log), resolve_model(folder))
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        base_ref = json.load(f).get("base_model_name_or_path")
+    trained_with = {}
+    if os.path.isfile(os.path.join(folder, TRAINED_WITH)):
+        with open(os.path.join(folder, TRAINED_WITH)) as f:
+            trained_with = json.load(f)
+    if not base_ref:
+        raise UserError(f"{folder}/adapter_config.json names no base model (base_model_name_or_path)")
+    source = resolve_model(base_ref)
+    quant_bits = trained_with.get("quant_bits")
+    tokenizer = _fill_special_tokens(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    quant = None
+    if quant_bits is not None:
+        # the adapter learned against the quantised base: rebuild it (compute in fp32 unless trained in bf16)
+        precision = trained_with.get("precision", "fp32")
+        compute = torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else torch.float32
+        quant = _quantization_config(quant_bits, compute)
+    base = _load_base(source, tokenizer, torch.device(device), torch.float32, quant, log)
+    model = PeftModel.from_pretrained(base, folder, is_trainable=False)
+    return Trained(model.eval(), tokenizer, source, folder, quant_bits)

@@ -147,8 +147,9 @@ class Reporter:
             self.tb.close()
 
 
-def plot_curves(output_dir: str, max_grad_norm: float | None) -> str | None:
-    """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one)."""
+def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None = None) -> str | None:
+    """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one); `note` (the before/after
+    evaluation table) is written in a box on the loss panel."""
     rows = read_metrics(output_dir)
     if not rows:
         return None
@@ -165,6 +166,9 @@ def plot_curves(output_dir: str, max_grad_norm: float | None) -> str | None:
     ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, color="tab:blue", label="train loss")
     ax_loss.set_ylabel("loss (per token)")
     ax_loss.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {len(rows)} optimizer steps")
+    if note:
+        ax_loss.text(0.02, 0.05, note, transform=ax_loss.transAxes, family="monospace", fontsize=8,
+                     va="bottom", bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
     ax_norm.plot(steps, [r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("nan") for r in rows],
                  lw=1.0, color="tab:orange", label="grad norm (before clipping)")
     if max_grad_norm:

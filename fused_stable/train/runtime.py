@@ -1,4 +1,4 @@
-"""Where the run executes: device, rank and precision, decided in this one place.
+"""Where the run executes: device, rank, precision and CPU threads, decided in this one place.
 
 Under torchrun (see `fused_stable.train.parallel`) each process is one rank of the process group: it trains
 on its own device (cuda:LOCAL_RANK, or the CPU under gloo), and only rank 0 writes files.
@@ -6,6 +6,7 @@ on its own device (cuda:LOCAL_RANK, or the CPU under gloo), and only rank 0 writ
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,3 +53,39 @@ def resolve_runtime(device: str, precision: str) -> Runtime:
         # bf16 where the hardware has it; on CPU fp32 is faster than emulated bf16 for small models
         precision = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     return Runtime(device=dev, precision=precision, rank=parallel.rank(), world_size=parallel.world_size())
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads of one core count once)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores, cpu = set(), None
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = {}
+            for line in f.read().splitlines() + [""]:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key in ("physical id", "core id"):
+                    fields[key] = value.strip()
+                elif not line.strip() and cpu is not None:
+                    if cpu in allowed:
+                        cores.add((fields.get("physical id"), fields.get("core id", cpu)))
+                    cpu, fields = None, {}
+    except (OSError, ValueError):
+        cores = set()
+    return max(1, min(len(cores), len(allowed)) if cores else len(allowed))
+
+
+def set_threads(threads: int) -> int:
+    """Torch intra-op threads: `threads`, or for 0 one per physical core (shared between the processes of
+    one node under torchrun), unless OMP_NUM_THREADS says otherwise (torch already follows it, and torchrun
+    sets it to 1 per process). More threads than cores, or hyper-threads, make CPU training collapse as
+    soon as anything else runs on the machine. Returns the number in use."""
+    if threads <= 0:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()
+        threads = max(1, physical_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    return threads

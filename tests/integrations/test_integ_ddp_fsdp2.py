@@ -9,7 +9,7 @@ import torch
 from integ_dist import spawn
 from integ_models import tiny_llama
 
-from fused_stable import FusedAdamW
+from fused_stable import FusedAdamW, schedules
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -37,8 +37,10 @@ def lora_model():
 
 
 def make_optimizer(model) -> FusedAdamW:
+    # a decaying device-side schedule (lr x 1.0, 0.9, 0.8, ...): a resumed optimizer that lost its applied-step
+    # count would restart it and take a different step
     return FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1,
-                      max_grad_norm=MAX_NORM)
+                      max_grad_norm=MAX_NORM, lr_schedule=schedules.warmup_linear(10, 0))
 
 
 def train(model, opt, batches, norms):
@@ -115,7 +117,10 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     dcp.load(sd, checkpoint_id=api_dir)
     set_model_state_dict(model3, sd["model"])
     set_optimizer_state_dict(model3, opt3, sd["optim"])
+    # the helpers drop FusedAdamW's own counters: the applied-step count comes back from the per-param steps
+    out["api_applied_steps_loaded"] = int(opt3.applied_steps)
     train(model3, opt3, local_batches[2:], [])
+    out["api_last_lr"] = float(opt3.last_lr)
     out["api_resume_max_diff"] = max_diff(model3)
     return out
 
@@ -176,3 +181,5 @@ def test_fsdp2_checkpoint_round_trip_with_dcp(ranks):
         assert r["raw_counters_loaded"] == (2, 0)
         assert r["raw_resume_max_diff"] == 0.0
         assert r["api_resume_max_diff"] == 0.0
+        assert r["api_applied_steps_loaded"] == 2
+        assert r["api_last_lr"] == pytest.approx(LR * schedules.warmup_linear(10, 0).factor(2), rel=1e-6)

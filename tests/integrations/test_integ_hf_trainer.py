@@ -58,6 +58,20 @@ class ParamSnapshots(TrainerCallback):
         self.snapshots.append(model.lm_head.weight.detach().clone())
 
 
+def count_norm_passes(trainer) -> list:
+    """Spy on the Trainer's accelerator.clip_grad_norm_ (the real one runs): one entry per norm pass over all
+    gradients that the Trainer makes itself, with its max_norm."""
+    calls = []
+    real = trainer.accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+        calls.append(max_norm)
+        return real(parameters, max_norm, *args, **kwargs)
+
+    trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
+    return calls
+
+
 def run_fused(out, trainer_cls=Trainer, poison_step=None, steps=STEPS):
     model = tiny_llama()
     args = make_args(out, max_steps=steps)
@@ -67,6 +81,7 @@ def run_fused(out, trainer_cls=Trainer, poison_step=None, steps=STEPS):
         optimizers=fused_trainer_optimizers(model, args),
         callbacks=[FusedStableCallback(), snaps],
     )
+    trainer.norm_passes = count_norm_passes(trainer)
     trainer.train()
     return model, train_logs(trainer), trainer, snaps
 
@@ -94,6 +109,12 @@ def test_same_trajectory_as_trainer_adamw_with_clipping(baseline, tmp_path, trai
     # clipping moved into the optimizer: the Trainer itself no longer clips
     assert trainer.args.max_grad_norm == 0.0
     assert isinstance(trainer.optimizer.optimizer, FusedAdamW)
+    if issubclass(trainer_cls, FusedStableTrainerMixin):
+        # the mixin also removes the norm pass transformers >= 5 makes every step only to log a grad norm
+        assert trainer.norm_passes == []
+    else:
+        # without it that pass remains (max_norm inf: a norm and a multiply-by-one pass over every grad)
+        assert trainer.norm_passes == [float("inf")] * STEPS
 
 
 def test_skipped_step_keeps_params_and_does_not_advance_schedule(tmp_path):
@@ -147,7 +168,9 @@ def test_mixin_builds_the_optimizer_inside_train(baseline, tmp_path):
     trainer_cls = type("MixedTrainer", (FusedStableTrainerMixin, Trainer), {})
     trainer = trainer_cls(model=model, args=make_args(tmp_path), train_dataset=TokenDataset())
     assert trainer.optimizer is None
+    norm_passes = count_norm_passes(trainer)
     trainer.train()
+    assert norm_passes == []  # neither a clip nor transformers' extra grad-norm pass: the fused step does both
     assert isinstance(trainer.optimizer.optimizer, FusedAdamW)
     assert trainer.args.max_grad_norm == 0.0
     logs = train_logs(trainer)

@@ -36,12 +36,63 @@ def test_alpaca_and_sharegpt_files(tmp_path, tok):
                                                    {"from": "gpt", "value": "4"}]}) + "\n\n")
     a, s = data.load_examples(str(alpaca)), data.load_examples(str(share))
     assert len(a) == 2 and len(s) == 1
-    assert "### Input:\n1 + 2" in a[0].segments[0][0] and "### Input" not in a[1].segments[0][0]
-    assert [t for t, trained in s[0].segments if trained] == ["4"]
+    assert a[0].messages == [{"role": "user", "content": "Add.\n\n1 + 2"}, {"role": "assistant", "content": "3"}]
+    assert a[1].messages[0]["content"] == "Say hi."
+    assert [m["role"] for m in s[0].messages] == ["system", "user", "assistant"] and s[0].answers == ["4"]
     items = data.tokenize_examples(a + s, tok, 512)
     for item, answer in zip(items, ["3", "hi", "4"]):
         trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
         assert tok.decode(trained[:-1]) == answer and trained[-1] == tok.eos_token_id  # answer + </s> only
+    # the plain format (the byte tokenizer has no chat template): prompt ids are what generation gets
+    assert tok.decode(items[2].input_ids[1:]).startswith("### System:\nbe brief\n\n### Instruction:\n2+2?\n\n### Response:\n4")
+    prompt = data.prompt_ids(tok, s[0].messages[:2])
+    assert items[2].input_ids[:len(prompt)] == prompt and items[2].labels[len(prompt)] != data.IGNORE_INDEX
+
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chatml_tok():
+    """A byte tokenizer with ChatML special tokens and SmolLM2's style of template (default system prompt)."""
+    tok = build_byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+def test_chat_template_multi_turn_trains_only_assistant_turns(chatml_tok):
+    tok = chatml_tok
+    example = data.Example([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    segments = data.render(example, tok)
+    assert "".join(text for text, _ in segments) == tok.apply_chat_template(example.messages, tokenize=False)
+    assert [text for text, trained in segments if trained] == ["hello<|im_end|>\n", "4<|im_end|>\n"]
+    (item,) = data.tokenize_examples([example], tok, 512)
+    assert item.input_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")  # the template's own tokens, no extra <s>
+    trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
+    assert tok.decode(trained) == "hello<|im_end|>\n4<|im_end|>\n"
+    assert trained.count(tok.eos_token_id) == 2  # learns to end each turn
+    # generation asks exactly where training put the answer
+    prompt = data.prompt_ids(tok, example.messages[:3])
+    assert item.input_ids[:len(prompt)] == prompt and item.labels[len(prompt)] != data.IGNORE_INDEX
+    assert item.labels[len(prompt) - 1] == data.IGNORE_INDEX
+
+
+def test_non_incremental_chat_template_is_refused(chatml_tok):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=chatml_tok.backend_tokenizer, eos_token="</s>")
+    # a template that writes only the last user turn: earlier turns vanish, so prompts cannot be separated
+    tok.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>>{% endif %}"
+    example = data.Example([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
+    with pytest.raises(UserError, match="turn by turn"):
+        data.render(example, tok)
 
 
 def test_collate_masks_padding(tok):
@@ -63,14 +114,14 @@ def test_batch_order_is_a_function_of_position(tok):
     assert not torch.equal(seq[0], seq[4]) or not torch.equal(seq[1], seq[5])  # a new order each epoch
 
 
-def test_builtin_answers_are_correct():
+def test_arithmetic_answers_are_correct():
     for example in data.builtin_examples(50, seed=3):
-        prompt, answer = example.segments[0][0], example.segments[1][0]
-        given = prompt.split("### Input:\n")[1].split("\n")[0]
-        if "Add" in prompt:
+        (question, answer), = [(example.messages[0]["content"], example.answers[0])]
+        instruction, given = question.split("\n\n")
+        if instruction == "Add.":
             x, y = given.split(" + ")
             assert answer == str(int(x) + int(y))
-        elif "Reverse" in prompt:
+        elif instruction == "Reverse.":
             assert answer == given[::-1]
 
 
@@ -79,7 +130,7 @@ def test_config_precedence_and_types(tmp_path):
     config.write_text("lr: 1.0e-3\nlora_r: 4\nquant_bits: 4\ntarget_modules: all-linear\n")
     cfg, explicit = resolve_config(["--config", str(config), "--lora_r", "16", "--max-grad-norm=none"])
     assert cfg.lr == 1e-3 and cfg.lora_r == 16 and cfg.quant_bits == 4 and cfg.max_grad_norm is None
-    assert cfg.target_modules == "all-linear" and cfg.grad_accum == 8 and cfg.warmup_ratio == 0.1
+    assert cfg.target_modules == "all-linear" and cfg.grad_accum == 1 and cfg.warmup_ratio == 0.1
     assert explicit == {"lr", "lora_r", "quant_bits", "target_modules", "max_grad_norm"}
     with pytest.raises(UserError, match="lora_r in --lora_r must be int"):
         resolve_config(["--lora_r", "2.5"])

@@ -8,24 +8,9 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.overrides import TorchFunctionMode
 
 from fused_stable.train import parallel
-
-HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"}
-
-
-class CountHostReads(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
-
+from helpers import count_host_reads
 
 def rank_rows(rank: int) -> torch.Tensor:
     """Three steps of (loss, grad norm, lr, skipped, skipped total): the loss differs per rank, the rest not."""
@@ -37,9 +22,9 @@ def _rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        with CountHostReads() as counter:
+        with count_host_reads() as counter:
             rows, tokens = parallel.read_for_logging(rank_rows(rank), tokens=100 + rank)
-        torch.save({"rows": rows, "tokens": tokens, "reads": counter.reads}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"rows": rows, "tokens": tokens, "reads": [name for name, _ in counter.reads]}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -60,6 +45,6 @@ def test_one_device_read_per_logging_step_under_two_ranks(tmp_path):
 
 def test_a_single_process_reads_once_and_changes_nothing():
     values = rank_rows(0)
-    with CountHostReads() as counter:
+    with count_host_reads() as counter:
         rows, tokens = parallel.read_for_logging(values, tokens=7)
-    assert counter.reads == ["tolist"] and tokens == 7 and rows == values.tolist()
+    assert [name for name, _ in counter.reads] == ["tolist"] and tokens == 7 and rows == values.tolist()

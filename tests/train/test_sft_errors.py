@@ -165,5 +165,5 @@ def test_help_lists_every_key_with_default_within_100_columns(sft):
     assert code == 0
     for name in FIELDS:
         assert f"--{name} " in out, name
-    assert "(default: 0.0002)" in out and "(default: q_proj,v_proj)" in out and "(default: 8)" in out
+    assert "(default: 0.001)" in out and "(default: all-linear)" in out and "(default: smollm2-135m)" in out
     assert max(len(line) for line in out.splitlines()) <= 100

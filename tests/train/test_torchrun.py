@@ -187,7 +187,7 @@ def test_guard_rollback_takes_every_rank_back_together(tmp_path):
     # to the step-10 checkpoint; if the ranks disagreed (decision or checkpoint) the run would hang or diverge
     out = tmp_path / "fault"
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
-    proc = _ok(torchrun("--builtin_examples", 64, "--batch_size", 2, "--grad_accum", 1, "--max_length", 96,
+    proc = _ok(torchrun("--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", 64, "--batch_size", 2, "--grad_accum", 1, "--max_length", 96,
                         "--tensorboard", "false", "--logging_steps", 5, "--save_steps", 10, "--max_steps", 20,
                         "--guard", "rollback", "--output_dir", out, program=(script,),
                         env={"FAULT_BATCHES": "12,13,14"}))  # fmt: skip

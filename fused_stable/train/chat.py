@@ -1,0 +1,135 @@
+"""`fused-stable chat`: talk to a base model or a fine-tuned one, with the model's chat template (the format it
+was trained in), greedy decoding by default, answers streamed as they are generated.
+
+    fused-stable chat                                  # the embedded smollm2-135m, interactive
+    fused-stable chat --adapter runs/sft               # a run folder (or its adapter/ or model/ folder)
+    fused-stable chat --adapter runs/sft --prompt "Who are you?"   # one answer on stdout, then exit
+
+One-shot mode prints only the answer on stdout (loading messages go to stderr), so it can be piped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from fused_stable.train.errors import UserError  # noqa: E402
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fused-stable chat", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="base model, as in sft: smollm2-135m (default) | tiny | HF dir | .gguf")
+    p.add_argument("--adapter", default=None,
+                   help="an adapter folder, a saved full model, or a run folder holding one")
+    p.add_argument("--prompt", default=None, help="ask once, print only the answer on stdout, exit")
+    p.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"longest answer in tokens (default: {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = one per physical core")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    return p
+
+
+def load_chat_model(model: str | None, adapter: str | None, device, log):
+    """(model, tokenizer, description) for `--model` or `--adapter`."""
+    from fused_stable.train.model import load_pretrained, load_trained
+    from fused_stable.train.sources import DEFAULT_MODEL, resolve_model
+
+    if adapter is not None:
+        if model is not None:
+            raise UserError("give --model or --adapter, not both (an adapter names its own base model)")
+        trained = load_trained(adapter, device=device, log=log)
+        where = trained.adapter_dir or adapter
+        quant = f", {trained.quant_bits}-bit base" if trained.quant_bits else ""
+        return trained.model, trained.tokenizer, f"{where} on {trained.base.reference}{quant}"
+    source = resolve_model(model or DEFAULT_MODEL)
+    net, tokenizer = load_pretrained(source, device=device, log=log)
+    return net, tokenizer, source.reference
+
+
+def answer(model, tokenizer, messages: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
+           stream: bool = True) -> str:
+    """Generate the next assistant turn; with `stream`, print it to stdout as it is generated."""
+    import torch
+    from transformers import TextStreamer
+
+    from fused_stable.train.data import prompt_ids
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else \
+        {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             streamer=streamer, use_cache=True, **sampling)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def _interactive(model, tokenizer, system: str | None, args) -> None:
+    print("type a message; /reset starts a new conversation, /exit (or Ctrl-D) quits", file=sys.stderr)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            history = []
+            continue
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        messages.append({"role": "user", "content": text})
+        print("assistant> ", end="", flush=True)
+        reply = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature)
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+
+
+def main(argv: list[str]) -> int:
+    from fused_stable.train.cli import _quiet_third_party_noise
+
+    _quiet_third_party_noise()
+    args = _parser().parse_args(argv)
+    try:
+        if args.max_new_tokens < 1 or args.temperature < 0:
+            raise UserError("--max_new_tokens must be positive and --temperature not negative")
+        import torch
+
+        from fused_stable.train.runtime import resolve_runtime, set_threads
+
+        set_threads(args.threads)
+        torch.manual_seed(args.seed)
+        device = resolve_runtime(args.device, "fp32").device
+        model, tokenizer, description = load_chat_model(
+            args.model, args.adapter, device, log=lambda text: print(text, file=sys.stderr, flush=True))
+        print(f"fused-stable chat: {description} ({'greedy' if args.temperature == 0 else 'sampling'})",
+              file=sys.stderr, flush=True)
+        if args.prompt is not None:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+            return 0
+        _interactive(model, tokenizer, args.system, args)
+        return 0
+    except UserError as exc:
+        print(f"fused-stable chat: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,128 @@
+"""`fused-stable chat` and `fused-stable export` on adapters of the tiny model (the real model has its own slow
+tests in test_real_model.py): adapters know their base, chat one-shot prints only the answer, interactive
+chat keeps the conversation, an export loads with plain transformers and answers like the adapter."""
+import builtins
+import json
+import os
+
+import pytest
+import torch
+
+from fused_stable.train import chat, export
+from fused_stable.train.evaluate import generate_answers
+from fused_stable.train.model import load_trained
+from sft_helpers import TINY
+
+# a few steps at a high lr, so that the adapter changes the tiny model's answers
+TRAINED = [*TINY, "--lr", "5e-2", "--warmup_ratio", "0", "--lora_dropout", "0", "--target_modules", "all-linear",
+           "--save_steps", "0"]
+PROMPTS = ["Add.\n\n12 + 30", "Reverse.\n\nhello", "Who are you?"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Adapter runs shared by this module's tests: LoRA, DoRA and QLoRA (4-bit base)."""
+    from fused_stable.train import cli
+
+    root = tmp_path_factory.mktemp("chat_export")
+    made = {}
+    for name, extra in {"lora": [], "dora": ["--tuner", "dora"], "qlora": ["--quant_bits", "4"]}.items():
+        out = root / name
+        assert cli.main([*TRAINED, *extra, "--output_dir", str(out)]) == 0
+        made[name] = out
+    return made
+
+
+def _answers(model, tokenizer, prompts=PROMPTS):
+    return generate_answers(model, tokenizer, prompts, max_new_tokens=12, batch_size=1)
+
+
+def test_adapter_records_a_base_that_loads_again(runs, tmp_path, sft, monkeypatch):
+    config = json.loads((runs["lora"] / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny"
+    assert json.loads((runs["qlora"] / "adapter" / "fused_stable.json").read_text())["quant_bits"] == 4
+    # a local model directory is recorded as an absolute path
+    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.tokenizer import build_byte_tokenizer
+
+    local = tmp_path / "local"
+    build_tiny_model().save_pretrained(local)
+    build_byte_tokenizer().save_pretrained(local)
+    monkeypatch.chdir(tmp_path)  # given as a relative path
+    code, _, err = sft(*TINY, "--model", "local", "--max_steps", "1", "--output_dir", tmp_path / "out")
+    assert code == 0, err
+    config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(local) and os.path.isabs(config["base_model_name_or_path"])
+    assert load_trained(str(tmp_path / "out")).base.reference == str(local)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "qlora"])
+def test_export_loads_with_transformers_and_answers_like_the_adapter(runs, tmp_path, kind, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trained = load_trained(str(runs[kind]))
+    assert (trained.quant_bits == 4) is (kind == "qlora")
+    expected = _answers(trained.model, trained.tokenizer)
+    target = tmp_path / "merged"
+    assert export.main(["--adapter", str(runs[kind] / "adapter"), "--output_dir", str(target)]) == 0
+    printed = capsys.readouterr().out
+    assert ("dequantised 4-bit base" in printed) is (kind == "qlora")
+    assert not any(name.startswith("adapter") for name in os.listdir(target))
+    merged = AutoModelForCausalLM.from_pretrained(target, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    assert not hasattr(merged, "peft_config") and merged.dtype == torch.float32
+    assert _answers(merged, tokenizer) == expected
+    # same logits as the adapter, up to float rounding of the merge
+    ids = torch.tensor([tokenizer("### Instruction:\nAdd.", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, trained.model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_bad_targets(runs, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err and (taken / "keep.txt").read_text() == "mine"
+    assert export.main(["--adapter", str(tmp_path), "--output_dir", str(tmp_path / "x")]) == 2
+    assert "no adapter" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_chat_one_shot_prints_only_the_answer(runs, capsys):
+    trained = load_trained(str(runs["lora"]))
+    expected = _answers(trained.model, trained.tokenizer, ["Add.\n\n12 + 30"])[0]
+    code = chat.main(["--adapter", str(runs["lora"]), "--prompt", "Add.\n\n12 + 30", "--max_new_tokens", "12"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip() == expected and out.endswith("\n")
+    assert "fused-stable chat:" in err and "greedy" in err
+
+
+def test_chat_interactive_keeps_the_conversation(runs, capsys, monkeypatch):
+    lines = iter(["Add.\n\n1 + 2", "Reverse.\n\nabc", "/reset", "Reverse.\n\nabc", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    seen = []
+    real_answer = chat.answer
+
+    def spy(model, tokenizer, messages, **kwargs):
+        seen.append([m["content"] for m in messages])
+        return real_answer(model, tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(chat, "answer", spy)
+    assert chat.main(["--adapter", str(runs["lora"]), "--max_new_tokens", "6"]) == 0
+    assert len(seen) == 3
+    assert seen[1][0] == "Add.\n\n1 + 2" and seen[1][-1] == "Reverse.\n\nabc" and len(seen[1]) == 3  # history
+    assert seen[2] == ["Reverse.\n\nabc"]  # after /reset
+    assert capsys.readouterr().out.count("assistant> ") == 3
+
+
+def test_chat_base_model_and_errors(capsys):
+    assert chat.main(["--model", "tiny", "--prompt", "Add.\n\n1 + 2", "--max_new_tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "tiny" in err and out.endswith("\n")
+    assert chat.main(["--model", "tiny", "--adapter", "x", "--prompt", "hi"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert chat.main(["--model", "/no/such/model", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err

@@ -1,0 +1,61 @@
+"""The trainer reads the device only at logging steps: between two logging steps (every micro-batch's forward,
+backward, the fused step, the guard's bookkeeping) it makes no host read at all, and a logging step costs the
+same few reads whatever the number of steps and micro-batches in the interval (README, docs/trainer.md:
+"metrics are read only every logging_steps", "one transfer for the whole interval")."""
+import os
+
+import pytest
+
+from helpers import count_host_reads
+from sft_helpers import TINY, fit, setup_run
+
+STEPS, LOGGING_STEPS = 6, 3
+
+
+def _reads_per_step(tmp_path, *extra):
+    """Run the trainer under the host-read counter; returns {step: reads made after step-1's optimizer step
+    up to the end of this step's}, and the reads after the last step."""
+    setup = setup_run(*TINY, "--model", "tiny", "--max_steps", STEPS, "--logging_steps", LOGGING_STEPS,
+                      "--save_steps", "0", "--grad_accum", "3", "--output_dir", tmp_path / "run", *extra)
+    trainer, opt = setup.trainer, setup.trainer.optimizer
+    boundaries = []
+    with count_host_reads() as reads:
+        real_step, real_batch = opt.step, trainer.batches.batch
+
+        def step(*args, **kwargs):  # instance attribute: what the loop (and the GradScaler) call
+            result = real_step(*args, **kwargs)
+            boundaries.append(reads.count)
+            return result
+
+        def batch(k):  # collating Python lists on the host is no device read, on a GPU either
+            with reads.pause():
+                return real_batch(k)
+
+        opt.step, trainer.batches.batch = step, batch
+        fit(setup)
+    # transformers' SDPA mask helper reads the attention mask inside the model's forward (masking_utils:
+    # `fast_all(padding_mask)`): the model's own, not the trainer's; every other read counts
+    ours = [(i, r) for i, r in enumerate(reads.reads) if os.sep + "transformers" + os.sep not in r[1]]
+    assert len(boundaries) == STEPS
+    per_step, start = {}, 0
+    for step, end in enumerate(boundaries, start=1):
+        per_step[step] = [r for i, r in ours if start <= i < end]
+        start = end
+    after = [r for i, r in ours if i >= start]
+    return per_step, after
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_no_host_read_between_logging_steps(tmp_path, precision):
+    per_step, after_last = _reads_per_step(tmp_path, "--precision", precision)
+    # step k's bin holds the reads of step k's micro-batches and fused step, and those of logging step k-1
+    logging_bins = {k + 1 for k in range(LOGGING_STEPS, STEPS, LOGGING_STEPS)}
+    for step, reads in per_step.items():
+        if step not in logging_bins:
+            assert reads == [], f"host reads during step {step}, not a logging step: {reads}"
+    # each logging step: the interval's metrics in one read, the guard's counters in one read (and, under
+    # fp16, the loss scale); the same at every logging step, however many steps the interval holds
+    logging_reads = [per_step[k] for k in sorted(logging_bins)] + [after_last]
+    expected = [("tolist", "loop.py"), ("tolist", "guard.py")] + ([("item", "loop.py")] if precision == "fp16" else [])
+    for reads in logging_reads:
+        assert sorted((name, os.path.basename(where).split(":")[0]) for name, where in reads) == sorted(expected), reads
