@@ -456,7 +456,10 @@ def plot(results: list[RunResult], path: str) -> None:
                 continue
             ys = [v if math.isfinite(v) else float("nan") for v in r.losses]
             color = "tab:red" if r.recipe == "usual" else "tab:blue"
-            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=f"{r.recipe}: {r.status}", color=color)
+            label = f"{r.recipe}: {r.status}"
+            if r.general_after is not None:
+                label += f", general {r.general_after:.2f}, task {r.task_after:.2f}"
+            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=label, color=color)
             bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
             if bad is not None and not math.isfinite(r.final_loss):  # NaN draws nothing: mark where the curve ends
                 ax.axvline(bad + 1, color=color, ls="--", lw=1)
