@@ -81,7 +81,8 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
     tables = triton_backend.TritonTables(plan, opt._buffers, opt.rules, opt.device, sumsq_config=sumsq_config,
                                          adamw_config=adamw_config, chunk_size=chunk_size)  # fmt: skip
     tables.refresh_grads(plan)
-    tables.refresh_hparams([(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups])
+    rows = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in opt.param_groups]
+    tables.refresh_hparams(rows)
     return tables
 
 

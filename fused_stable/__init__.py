@@ -1,9 +1,12 @@
 """fused_stable: a fused, sync-free global-norm clip + AdamW step, and training tools built on it."""
 import os as _os
+import sys as _sys
 
 # FUSED_STABLE_BACKEND=interpret runs the Triton kernels through Triton's interpreter, which triton only
 # honours if TRITON_INTERPRET is set before it is first imported: set it here, on that explicit request only.
-if _os.environ.get("FUSED_STABLE_BACKEND", "").lower() == "interpret":
+# Once triton is imported it is too late (its own jit functions are compiled-mode already): leave it unset, so
+# the backend check (ops.resolve_backend) says so clearly instead of the interpreter failing inside step().
+if _os.environ.get("FUSED_STABLE_BACKEND", "").lower() == "interpret" and "triton" not in _sys.modules:
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from . import schedules  # noqa: E402

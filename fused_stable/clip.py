@@ -1,8 +1,9 @@
 """`clip_grad_norm_`: a drop-in for torch.nn.utils.clip_grad_norm_ that uses the fused kernels on CUDA.
 
-Same arguments, same return value (the total norm, before clipping, as a tensor). The L2 case on CUDA
-(or under the interpreter backend) runs one multi-tensor norm launch and one multi-tensor scale launch per
-dtype, with the clip coefficient computed on the device; everything else defers to torch.
+Same arguments, same return value (the total norm, before clipping, as a tensor in torch's dtype), same
+clipped grads. The L2 case on CUDA (or under the interpreter backend) runs one multi-tensor norm launch and one
+multi-tensor scale launch per dtype, with torch's arithmetic for the norms and the coefficient on a few device
+scalars (backends/triton_backend.py, clip_grad_norm); everything else defers to torch.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Iterable
 import torch
 
 from . import ops
+from .plan import is_dense
 
 
 def clip_grad_norm_(
@@ -29,14 +31,7 @@ def clip_grad_norm_(
     backend = ops.resolve_backend(None, grads[0].device)
     if backend == "torch":
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-    total_norm = ops.total_norm_and_scale_(grads, float(max_norm), backend)
-    if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):  # torch syncs here too
-        raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
-            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-            "set `error_if_nonfinite=False`"
-        )
-    return total_norm.to(grads[0].dtype)
+    return ops.total_norm_and_scale_(grads, float(max_norm), backend, error_if_nonfinite)
 
 
 def _fusable(grads: list[torch.Tensor]) -> bool:
@@ -46,5 +41,6 @@ def _fusable(grads: list[torch.Tensor]) -> bool:
         and not g.is_sparse
         and g.device == first
         and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and is_dense(g)  # the kernels walk memory linearly; torch's clip takes any layout
         for g in grads
     )

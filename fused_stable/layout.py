@@ -56,7 +56,8 @@ H_ONE_MINUS_BETA1 = 5
 H_ONE_MINUS_BETA2 = 6
 H_LOG_BETA1 = 7
 H_LOG_BETA2 = 8
-H_SIZE = 9
+H_GRAD_SIGN = 9  # -1.0 for maximize=True (the update ascends), else 1.0
+H_SIZE = 10
 
 # learning-rate schedule kinds (fused_stable.schedules)
 SCHEDULE_NONE = 0

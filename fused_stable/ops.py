@@ -50,11 +50,22 @@ def resolve_backend(requested: str | None, device: torch.device) -> str:
 def _require_interpreter() -> None:
     from triton import knobs
 
-    if not knobs.runtime.interpret:
+    if not knobs.runtime.interpret or not _triton_imported_interpreted():
         raise RuntimeError(
-            "backend 'interpret' needs Triton's interpreter, which must be switched on before triton is imported: "
-            f"start Python with TRITON_INTERPRET=1 (or {ENV_BACKEND}=interpret) in the environment"
+            "backend 'interpret' needs Triton's interpreter, which must be switched on before triton is first "
+            f"imported (here it was not): start Python with TRITON_INTERPRET=1 in the environment, or with "
+            f"{ENV_BACKEND}=interpret and `import fused_stable` before anything imports triton"
         )
+
+
+def _triton_imported_interpreted() -> bool:
+    """Whether triton's own jit functions were made for the interpreter: TRITON_INTERPRET set after triton was
+    imported turns the switch on for new kernels only, and they fail inside step() on triton's old ones."""
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    made_by_jit = getattr(standard, "_elementwise_max", None)  # any of triton's own @triton.jit helpers
+    return made_by_jit is None or isinstance(made_by_jit, InterpretedFunction)
 
 
 def needs_dense_layouts(backend: str) -> bool:
@@ -85,9 +96,11 @@ def fused_step(
     chosen.fused_step(plan, grads, buffers, rules, hparams, grad_scale, found_inf, global_sumsq)
 
 
-def total_norm_and_scale_(grads: list[torch.Tensor], max_norm: float, backend: str) -> torch.Tensor:
+def total_norm_and_scale_(
+    grads: list[torch.Tensor], max_norm: float, backend: str, error_if_nonfinite: bool = False
+) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s L2 case on the kernels (`backend` "triton" or "interpret"): returns the
-    total norm (fp32)."""
+    total norm, in the dtype torch's would have."""
     if backend == "torch":
         raise ValueError("total_norm_and_scale_ runs the Triton kernels; the torch backend clips with torch's own")
-    return triton_backend.clip_grad_norm(grads, max_norm)
+    return triton_backend.clip_grad_norm(grads, max_norm, error_if_nonfinite)

@@ -22,7 +22,7 @@ from .plan import local as _local
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .schedules import Schedule
 
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 _CLIP_MODES = {"fixed": layout.CLIP_FIXED, "zscore": layout.CLIP_ZSCORE}
 _STATE_KEY = "fused_stable"
 _LAYOUT_VERSION = 2  # of the counters saved under _STATE_KEY: 2 added the worst-step window (layout.F_WORST_*)
@@ -32,8 +32,14 @@ class FusedAdamW(Optimizer):
     """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
 
     Args:
-        params: parameters or param-group dicts, as for torch.optim.AdamW.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay). `lr` may be a 0-dim tensor.
+        params: parameters, (name, parameter) pairs or param-group dicts, as for torch.optim.AdamW.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as torch.optim.AdamW (decoupled weight decay), per param
+            group as there. `lr` may be a 1-element tensor; tensor `betas` are read once, when their group is
+            added. amsgrad=True keeps torch's `max_exp_avg_sq` state (fp32, like the moments).
+        foreach, fused: accepted for torch.optim.AdamW's call sites and kept in the param groups; they have no
+            effect (the step is always the fused one). As in torch, they cannot both be True.
+        differentiable: only False: the fused step is not differentiable (True is refused with an error, from
+            the constructor, a param group or a loaded state dict).
         max_grad_norm: clip the global L2 norm over all groups to this value; None disables fixed clipping.
         lr_schedule: a `fused_stable.schedules` schedule, evaluated on the device from the count of applied
             updates, multiplying every group's lr (skipped steps do not advance it).
@@ -64,11 +70,16 @@ class FusedAdamW(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         max_grad_norm: float | None = None,
         lr_schedule: Schedule | None = None,
         master_weights: bool = False,
-        capturable: bool = False,
         clip: str = "fixed",
         zscore_alpha: float = 0.97,
         zscore_threshold: float = 2.5,
@@ -78,6 +89,9 @@ class FusedAdamW(Optimizer):
         backend: str | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
+        _check_not_differentiable(differentiable, "FusedAdamW(differentiable=True)")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
         if clip not in _CLIP_MODES:
@@ -103,10 +117,10 @@ class FusedAdamW(Optimizer):
                 "for a torch LR scheduler, pass the optimizer to the scheduler instead"
             )
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            lr=lr, betas=_float_betas(betas), eps=eps, weight_decay=weight_decay,
             # torch.optim.AdamW's own keys, so that either optimizer loads the other's state_dict
-            amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-            decoupled_weight_decay=True,
+            amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=False, differentiable=False,
+            fused=fused, decoupled_weight_decay=True,
         )  # fmt: skip
         self._version = Version()  # bumped by whatever invalidates a cached plan (see plan.py)
         super().__init__(params, defaults)
@@ -256,7 +270,10 @@ class FusedAdamW(Optimizer):
     @property
     def param_names(self) -> list[str] | None:
         """Names for the parameters in param_groups order (e.g. from model.named_parameters()), for tools that
-        report which tensor's gradient exploded; None until set."""
+        report which tensor's gradient exploded: as set, else the groups' own (params given as (name, param)
+        pairs), else None."""
+        if self._param_names is None and all("param_names" in group for group in self.param_groups):
+            return [name for group in self.param_groups for name in group["param_names"]]
         return self._param_names
 
     @param_names.setter
@@ -343,7 +360,7 @@ class FusedAdamW(Optimizer):
             grads,
             self._buffers,
             self.rules,
-            [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups],
+            [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in self.param_groups],
             grad_scale=attrs.get("grad_scale"),
             found_inf=attrs.get("found_inf"),
             global_sumsq=self._global_sumsq,
@@ -359,6 +376,7 @@ class FusedAdamW(Optimizer):
         group_params = [group["params"] for group in self.param_groups]
         all_params = [p for params in group_params for p in params]
         groups = [index for index, params in enumerate(group_params) for _ in params]
+        group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
         grads = [p.grad for p in all_params]
         members = [i for i, g in enumerate(grads) if g is not None]
         if not members:
@@ -369,11 +387,11 @@ class FusedAdamW(Optimizer):
         local_grads = [_local(grads[i]) for i in members]
         check_grads(local_params, local_grads, ops.needs_dense_layouts(self.backend))
         states = []
-        for p in params:
+        for p, group in zip(params, (groups[i] for i in members)):
             state = self.state[p]
             if not state:
-                self._init_state(p, state)
-            check_state(_local(p), state)
+                self._init_state(p, state, group_amsgrad[group])
+            check_state(_local(p), state, group_amsgrad[group])
             states.append(state)
         plan = StepPlan(
             version=self._version.value,
@@ -386,6 +404,10 @@ class FusedAdamW(Optimizer):
             exp_avgs=[_local(state["exp_avg"]) for state in states],
             exp_avg_sqs=[_local(state["exp_avg_sq"]) for state in states],
             masters=[_local(state["master_param"]) if "master_param" in state else None for state in states],
+            max_exp_avg_sqs=[
+                _local(state["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None for i, state in zip(members, states)
+            ],
+            group_amsgrad=group_amsgrad,
             steps=[state["step"] for state in states],
             groups=[groups[i] for i in members],
             numels=[p.numel() for p in local_params],
@@ -399,15 +421,19 @@ class FusedAdamW(Optimizer):
             storages=[p.untyped_storage() for p in local_params],
             grad_ptrs=[g.data_ptr() for g in local_grads],
         )
+        if not plan.dense_layouts:
+            plan.note_grad_layouts(local_grads)
         if not plan.sharded:
             plan.same_grads.seen(local_grads)
         self._plan = plan
         return plan, local_grads
 
-    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+    def _init_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         if self.master_weights and p.dtype != torch.float32:
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
 
@@ -424,7 +450,14 @@ class FusedAdamW(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
+                "sets will change between runs. Please use a list instead."
+            )  # torch's words
+        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        # (name, param) pairs, as torch accepts: torch's add_param_group below keeps the names in "param_names"
+        params = [p[1] if isinstance(p, tuple) else p for p in listed]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in one param group; list every parameter once")
         if "lr" in param_group or "betas" in param_group or "eps" in param_group or "weight_decay" in param_group:
@@ -434,11 +467,13 @@ class FusedAdamW(Optimizer):
                 param_group.get("eps", self.defaults["eps"]),
                 param_group.get("weight_decay", self.defaults["weight_decay"]),
             )
-        if param_group.get("amsgrad") or param_group.get("maximize"):
-            raise ValueError("FusedAdamW implements AdamW without amsgrad or maximize")
+        _check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
         constructed = hasattr(self, "_buffers")
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
+        param_group["params"] = listed
+        if "betas" in param_group:
+            param_group["betas"] = _float_betas(param_group["betas"])
         super().add_param_group(param_group)
         if constructed:
             self._worst_sumsq = self._new_worst_sumsq()  # one slot per param: the window starts over
@@ -511,8 +546,7 @@ class FusedAdamW(Optimizer):
         for saved, group in zip(saved_groups, self.param_groups):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
-            if saved.get("amsgrad") or saved.get("maximize"):
-                raise ValueError("cannot load a state saved with amsgrad=True or maximize=True: FusedAdamW implements neither")
+            _check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
             id_to_param.update(zip(saved["params"], group["params"]))
         # keep the moments in fp32: torch's loader would cast them to the param dtype (bf16 loses bits)
         moments: dict[Any, dict[str, torch.Tensor]] = {}
@@ -531,6 +565,8 @@ class FusedAdamW(Optimizer):
                 moments[param_id] = taken
             plain_state[param_id] = kept
         super().load_state_dict({**state_dict, "state": plain_state})
+        for group in self.param_groups:  # torch may have saved tensor betas: the step's tables hold floats
+            group["betas"] = _float_betas(group["betas"])
         for param_id, taken in moments.items():
             param = id_to_param[param_id]
             state = self.state[param]
@@ -617,10 +653,23 @@ def _check_counters(extra: dict) -> None:
         )
 
 
+def _check_not_differentiable(differentiable, where: str) -> None:
+    if differentiable:
+        raise ValueError(
+            f"{where}: FusedAdamW's fused step cannot be differentiated through (autograd does not see inside "
+            "its kernels); use torch.optim.AdamW(differentiable=True) for that, or differentiable=False"
+        )
+
+
+def _float_betas(betas) -> tuple[float, float]:
+    """Tensor betas (torch accepts 1-element ones) as floats: the step's tables hold floats."""
+    return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
+
+
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
-            raise ValueError("a tensor lr must have exactly one element")
+            raise ValueError("Tensor lr must be 1-element")
         lr_value = float(lr.detach().reshape(()).cpu())
     else:
         lr_value = float(lr)
@@ -628,8 +677,14 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
     if not eps >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
-    if len(betas) != 2 or any(isinstance(b, torch.Tensor) for b in betas):
-        raise ValueError(f"betas must be a pair of floats, got {betas}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")  # torch's words
+    for index, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{index}] must be 1-element")
+    betas = _float_betas(betas)
     for index, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta} (must be in [0, 1))")

@@ -232,6 +232,8 @@ class StepPlan:
     exp_avgs: list[torch.Tensor]
     exp_avg_sqs: list[torch.Tensor]
     masters: list[torch.Tensor | None]  # fp32 master copy of a low-precision param, or None
+    max_exp_avg_sqs: list[torch.Tensor | None]  # amsgrad's running maximum (torch's `max_exp_avg_sq`), or None
+    group_amsgrad: list[bool]  # each group's `amsgrad` when built: it decides which state the update uses
     steps: list[torch.Tensor]  # fp32 0-dim per-param step counters (torch.optim.AdamW's `step`)
     groups: list[int]  # param-group index of each param
     numels: list[int]
@@ -244,6 +246,9 @@ class StepPlan:
     dense_layouts: bool  # the backend walks memory linearly: grads must be dense with the params' strides
     storages: list  # the params' storages when built: kept alive, so no launch can touch freed memory
     grad_ptrs: list[int] | None = None  # storage of the grads last accepted
+    # without dense_layouts: the grads' strides when built, if some differed from their param's (the torch backend
+    # routes those tensors through working copies, so a change of grad layout rebuilds); None if none differed
+    grad_strides: list[tuple[int, ...]] | None = None
     grads_version: int = 0  # bumped whenever grad storage changes: backends refresh their address tables
     backend_cache: Any = None  # the backend's device side of this plan
     same_grads: SameGrads = field(default_factory=lambda: SameGrads())
@@ -261,8 +266,8 @@ class StepPlan:
         group_params = self.group_params
         if len(param_groups) != len(group_params):
             return None
-        for group, params, size in zip(param_groups, group_params, self.group_sizes):
-            if group["params"] is not params or len(params) != size:
+        for group, params, size, amsgrad in zip(param_groups, group_params, self.group_sizes, self.group_amsgrad):
+            if group["params"] is not params or len(params) != size or group["amsgrad"] != amsgrad:
                 return None
         if self.sharded:
             return self._sharded_grads()
@@ -287,6 +292,8 @@ class StepPlan:
         # address that happens to be reused
         elif list(map(_nbytes_of, grads)) != self.nbytes:
             return None
+        elif not self.dense_layouts and not self.same_grad_layouts(grads):  # (torch backend: cheap beside its step)
+            return None  # new grads at the old addresses, laid out otherwise: the backend's lists must follow
         self.same_grads.seen(grads)
         return grads
 
@@ -320,6 +327,15 @@ class StepPlan:
             return all(map(_is_contiguous, grads))
         return list(map(_stride_of, grads)) == self.strides
 
+    def note_grad_layouts(self, grads: list[torch.Tensor]) -> None:
+        """Records the grads' layouts the backend's lists are built for (backends without dense_layouts)."""
+        self.grad_strides = None if self._layouts_match(grads) else list(map(_stride_of, grads))
+
+    def same_grad_layouts(self, grads: list[torch.Tensor]) -> bool:
+        if self.grad_strides is None:
+            return self._layouts_match(grads)
+        return list(map(_stride_of, grads)) == self.grad_strides
+
     def accept_grads(self, grads: list[torch.Tensor], ptrs: list[int]) -> bool:
         """New grad storage: checks it against the params (clear errors) and records it, so the backend
         refreshes its address table; False when something else changed too (the plan is rebuilt)."""
@@ -330,6 +346,8 @@ class StepPlan:
             return False
         if list(map(_dtype_of, grads)) != self.dtypes or (self.dense_layouts and not self._layouts_match(grads)):
             check_grads(self.local_params, grads, self.dense_layouts)  # raises, unless only 1-element strides differ
+        elif not self.dense_layouts and not self.same_grad_layouts(grads):
+            return False
         self.grad_ptrs = ptrs
         self.grads_version += 1
         return True
@@ -354,24 +372,28 @@ def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_lay
         if not is_dense(p):
             raise ValueError(
                 f"fused_stable kernels need dense parameters; got a parameter of shape {tuple(p.shape)} with "
-                f"strides {p.stride()}: make it contiguous (e.g. nn.Parameter(t.contiguous())) or use backend='torch'"
+                f"strides {p.stride()}: make it contiguous (e.g. nn.Parameter(t.contiguous())), or use "
+                "FusedAdamW(..., backend='torch'), which updates such tensors through contiguous working copies"
             )
         if g.stride() != p.stride() and p.numel() > 1:
             raise ValueError(
                 f"a gradient's strides {g.stride()} differ from its parameter's {p.stride()} (shape {tuple(p.shape)}): "
-                "fused_stable kernels need matching layouts; use backend='torch' for such gradients"
+                "fused_stable kernels need matching layouts; make the grad match (p.grad = g.contiguous() for a "
+                "contiguous param), or use FusedAdamW(..., backend='torch'), which copies such grads first"
             )
 
 
-def check_state(param: torch.Tensor, state: dict) -> None:
+def check_state(param: torch.Tensor, state: dict, amsgrad: bool = False) -> None:
     """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not)."""
-    missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in state]
+    required = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("step", "exp_avg", "exp_avg_sq")
+    missing = [key for key in required if key not in state]
     if missing:
+        why, saved = (", and its group has amsgrad=True", " saved with amsgrad=True") if amsgrad else ("", "")
         raise ValueError(
-            f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}): load a complete AdamW state, "
-            "or clear that parameter's state (opt.state[p].clear()) to start it afresh"
+            f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}{why}): load a complete AdamW "
+            f"state{saved}, or clear that parameter's state (opt.state[p].clear()) to start it afresh"
         )
-    for key in ("exp_avg", "exp_avg_sq", "master_param"):
+    for key in ("exp_avg", "exp_avg_sq", "master_param", "max_exp_avg_sq"):
         tensor = state.get(key)
         if tensor is None:
             continue

@@ -1,4 +1,4 @@
-"""Every option of `fused-stable sft`, `stress` and `bench` driven with bad values: non-numbers, nan, inf,
+"""Every option of `fused-stable sft`, `stress`, `bench`, `chat` and `export` driven with bad values: non-numbers, nan, inf,
 negatives, zero, huge, wrong YAML types, unknown keys, missing and damaged files.
 
 Each must end the same way: exit code 2, exactly one line on stderr that names what is wrong, no traceback,
@@ -21,7 +21,9 @@ import pytest
 
 from fused_stable import stress
 from fused_stable.bench import cli as bench_cli
+from fused_stable.train import chat as chat_cli
 from fused_stable.train import cli as sft_cli
+from fused_stable.train import export as export_cli
 from fused_stable.train.config import CHOICES, FIELDS, TrainConfig, resolve_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -345,6 +347,157 @@ def test_bench_option(flag, value, tmp_path, capsys):
     assert not out.exists()
 
 
+# ------------------------------------------------------------------------------------------ chat and export
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """chat and export must refuse bad input before any model is loaded: loading one fails the test."""
+    from fused_stable.train import model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for an input that should have been refused first")
+
+    monkeypatch.setattr(model, "_load_base", refuse)
+
+
+def _damaged_adapters(tmp):
+    """Adapter folders broken in the ways a copy, a full disk or a hand edit break them."""
+    import json
+
+    def adapter(name, config='{"base_model_name_or_path": "tiny", "peft_type": "LORA"}', weights=None, extra=None):
+        folder = tmp / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(config)
+        if weights is not None:
+            (folder / "adapter_model.safetensors").write_bytes(weights)
+        for file, text in (extra or {}).items():
+            (folder / file).write_text(text)
+
+    adapter("adapter-broken-config", config="{ not json")
+    adapter("adapter-list-config", config="[1, 2]")
+    adapter("adapter-no-base", config='{"peft_type": "LORA"}', weights=b"")
+    adapter("adapter-no-weights")
+    adapter("adapter-bad-weights", weights=bytes(range(256)) * 4)
+    adapter("adapter-truncated-weights", weights=b'\x40\x00\x00\x00\x00\x00\x00\x00{"w": {"dtype": "F32", '
+            b'"shape": [4, 4], "data_offsets": [0, 64]}}          ' + b"\x00" * 10)
+    import torch
+    from safetensors.torch import save
+
+    adapter("adapter-missing-base", config=json.dumps({"base_model_name_or_path": str(tmp / "gone")}),
+            weights=save({"w": torch.zeros(2)}))
+    adapter("adapter-bad-trained-with", weights=b"", extra={"fused_stable.json": "{ not json"})
+    (tmp / "run-broken").mkdir()
+    (tmp / "run-broken" / "adapter").mkdir()
+    (tmp / "run-broken" / "adapter" / "adapter_config.json").write_text("{ not json")
+
+
+# (value, what the error line names); {t} is the test's tmp dir
+ADAPTER_CASES = [
+    ("{t}/missing", "missing"), ("{t}/folder", "folder"), ("{t}/a-file", "a-file"), ("", "--adapter"),
+    ("{t}/adapter-broken-config", "adapter_config.json"), ("{t}/adapter-list-config", "adapter_config.json"),
+    ("{t}/adapter-no-base", "base_model_name_or_path"), ("{t}/adapter-no-weights", "adapter weights"),
+    ("{t}/adapter-bad-weights", "adapter_model.safetensors"),
+    ("{t}/adapter-truncated-weights", "adapter_model.safetensors"),
+    ("{t}/adapter-missing-base", "gone"), ("{t}/adapter-bad-trained-with", "fused_stable.json"),
+    ("{t}/run-broken", "adapter_config.json"),
+]
+CHAT_WORDS = {
+    "--model": ["{t}/missing", "{t}/missing.gguf", "{t}/folder", "{t}/a-file", "{t}/model-broken", ""],
+    "--adapter": [value for value, _ in ADAPTER_CASES],
+    "--prompt": ["", "   "],
+    "--system": [],  # any text is a system message; its missing value is checked in test_chat_and_export_need_values
+    "--device": ["cudax", "cuda:7", "gpu", ""],
+}
+CHAT_ACCEPTED = {("--temperature", "0"), ("--seed", "0"), ("--threads", "0")}
+
+
+def _skip_if_cuda7(value):
+    if value == "cuda:7":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 7:
+            pytest.skip("this machine has a cuda:7")
+
+
+@pytest.mark.parametrize("flag,value", list(_parser_cases(chat_cli.build_parser(), CHAT_WORDS)))
+def test_chat_option(flag, value, tmp_path, capsys, monkeypatch, no_model_loading):
+    if (flag, value) in CHAT_ACCEPTED:
+        chat_cli.build_parser().parse_args([flag, value])
+        return
+    _skip_if_cuda7(value)
+    _damaged_files(tmp_path)
+    _damaged_adapters(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    value = value.replace("{t}", str(tmp_path))
+    # --model tiny unless the case is about the model or the adapter (chat takes one of them)
+    base = [] if flag in ("--model", "--adapter") else ["--model", "tiny"]
+    needle = dict(ADAPTER_CASES).get(value.replace(str(tmp_path), "{t}"), "") if flag == "--adapter" else ""
+    line = _one_line(chat_cli.main, "fused-stable chat: error: ", [*base, "--prompt", "hi", flag, value], capsys,
+                     needle)
+    words = [flag, flag.lstrip("-").replace("-", "_"), "device", "model", "prompt", "adapter", "base"]
+    assert any(w in line.replace("-", "_") or w in line for w in words) or os.path.basename(value) in line, line
+    assert snapshot(tmp_path) == before  # nothing written, not even a cache or a log
+
+
+EXPORT_WORDS = {
+    "--adapter": [value for value, _ in ADAPTER_CASES],
+    "--output-dir": ["{t}/a-file", "{t}/a-file/x", "{t}/not-empty", "{t}/run", ""],
+}
+EXPORT_ACCEPTED = {("--threads", "0")}
+
+
+@pytest.mark.parametrize("flag,value", list(_parser_cases(export_cli.build_parser(), EXPORT_WORDS)))
+def test_export_option(flag, value, finished_run, tmp_path, capsys, no_model_loading):
+    """Bad adapters are tried with a good target, bad targets with a good adapter (a finished tiny run): each
+    is refused before the base model is loaded, and nothing is created or changed anywhere."""
+    if (flag, value) in EXPORT_ACCEPTED:
+        export_cli.build_parser().parse_args(["--adapter", "a", "--output-dir", "b", flag, value])
+        return
+    import shutil
+
+    _damaged_files(tmp_path)
+    _damaged_adapters(tmp_path)
+    shutil.copytree(finished_run, tmp_path / "run")  # a sft run folder is not an export target
+    value = value.replace("{t}", str(tmp_path))
+    argv = {"--adapter": ["--output-dir", tmp_path / "out"], "--output-dir": ["--adapter", finished_run]}.get(
+        flag, ["--adapter", "{t}/missing".replace("{t}", str(tmp_path)), "--output-dir", tmp_path / "out"])
+    before, run_before = snapshot(tmp_path), snapshot(finished_run)
+    for extra in ([], ["--overwrite"]) if flag == "--output-dir" else ([],):
+        needle = dict(ADAPTER_CASES).get(value.replace(str(tmp_path), "{t}"), "") if flag == "--adapter" else ""
+        line = _one_line(export_cli.main, "fused-stable export: error: ", [*argv, flag, value, *extra], capsys, needle)
+        assert flag.lstrip("-").replace("-", "_") in line.replace("-", "_") or os.path.basename(value) in line \
+            or "adapter" in line, line
+        assert snapshot(tmp_path) == before and snapshot(finished_run) == run_before
+
+
+CHAT, EXPORT = (chat_cli.main, "fused-stable chat: error: "), (export_cli.main, "fused-stable export: error: ")
+
+
+@pytest.mark.parametrize("command,argv,needle", [
+    (CHAT, ["--model", "tiny", "--system"], "--system"),
+    (CHAT, ["--model", "tiny", "--prompt"], "--prompt"),
+    (CHAT, ["--model"], "--model"),
+    (CHAT, ["--model", "tiny", "--adapter", "x", "--prompt", "hi"], "not both"),
+    (CHAT, ["--not-a-key", "1"], "unknown option --not-a-key"),
+    (CHAT, ["stray"], "stray"),
+    (EXPORT, ["--adapter"], "--adapter"),
+    (EXPORT, ["--adapter", "x"], "required: --output-dir"),
+    (EXPORT, ["--output_dir", "x"], "required: --adapter"),
+    (EXPORT, ["--adapter", "x", "--output_dir", "y", "--overwrite", "yes"], "yes"),
+])
+def test_chat_and_export_malformed(command, argv, needle, tmp_path, capsys, monkeypatch, no_model_loading):
+    monkeypatch.chdir(tmp_path)
+    _one_line(*command, argv, capsys, needle)
+    assert os.listdir(tmp_path) == []
+
+
+def test_chat_and_export_take_both_spellings_and_suggest(capsys):
+    assert chat_cli.build_parser().parse_args(["--max_new_tokens", "5"]).max_new_tokens == 5
+    assert export_cli.build_parser().parse_args(["--adapter", "a", "--output_dir", "b"]).output_dir == "b"
+    _one_line(chat_cli.main, "fused-stable chat: error: ", ["--max-tokens", "3"], capsys, "did you mean --max-new-tokens?")
+    _one_line(export_cli.main, "fused-stable export: error: ", ["--out", "x"], capsys, "did you mean --output-dir?")
+
+
 @pytest.mark.parametrize("main,prefix", [(stress.main, "fused-stable stress: error: "),
                                          (bench_cli.main, "fused-stable bench: error: ")])
 @pytest.mark.parametrize("argv,needle", [
@@ -377,7 +530,8 @@ def test_help_of_every_command_fits_100_columns(capsys, monkeypatch):
     from fused_stable.cli import main as top
 
     monkeypatch.setenv("COLUMNS", "300")  # argparse would otherwise follow the terminal
-    for argv in (["--help"], ["sft", "--help"], ["stress", "--help"], ["bench", "--help"]):
+    for argv in (["--help"], ["sft", "--help"], ["stress", "--help"], ["bench", "--help"], ["chat", "--help"],
+                 ["export", "--help"]):
         assert top(argv) == 0
         out = capsys.readouterr().out
         assert out.strip() and max(len(line) for line in out.splitlines()) <= 100, argv

@@ -52,8 +52,9 @@ def scalar_loop(record, element_bits):
 
 
 def test_every_kernel_variant_compiles_to_sass_without_spills(records):
-    kernels = sorted((r["kernel"], r.get("dtype"), r.get("has_master"), r.get("schedule")) for r in records)
-    assert len(kernels) == 3 + 5 + 4, kernels  # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master; finalize
+    kernels = sorted((r["kernel"], r.get("dtype"), r.get("has_master"), r.get("amsgrad"), r.get("schedule")) for r in records)
+    # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master, plus amsgrad for fp32 and bf16 + master; finalize
+    assert len(kernels) == 3 + 5 + 2 + 4, kernels
     for r in records:
         assert r["has_cubin"] and r["spill_bytes"] == 0, r
         # at least two blocks of this many warps fit an SM's 64K registers
@@ -61,23 +62,25 @@ def test_every_kernel_variant_compiles_to_sass_without_spills(records):
 
 
 ADAMW_WIDTHS = {
-    # (param dtype, master weights): (loads, stores) of the aligned loop, bits -> count per thread and block.
-    # fp32 arrays (moments, master, fp32 params/grads) are 128-bit; 16-bit params and grads 64-bit: 4 elements
-    # per thread, the layout the fp32 arrays share, so no block goes through shared memory.
-    ("fp32", False): ({128: 4}, {128: 3}),
-    ("bf16", False): ({64: 2, 128: 2}, {64: 1, 128: 2}),
-    ("bf16", True): ({64: 1, 128: 3}, {64: 1, 128: 3}),
-    ("fp16", False): ({64: 2, 128: 2}, {64: 1, 128: 2}),
-    ("fp16", True): ({64: 1, 128: 3}, {64: 1, 128: 3}),
+    # (param dtype, master weights, amsgrad): (loads, stores) of the aligned loop, bits -> count per thread and
+    # block. fp32 arrays (moments, master, amsgrad's max, fp32 params/grads) are 128-bit; 16-bit params and grads
+    # 64-bit: 4 elements per thread, the layout the fp32 arrays share, so no block goes through shared memory.
+    ("fp32", False, False): ({128: 4}, {128: 3}),
+    ("fp32", False, True): ({128: 5}, {128: 4}),
+    ("bf16", False, False): ({64: 2, 128: 2}, {64: 1, 128: 2}),
+    ("bf16", True, False): ({64: 1, 128: 3}, {64: 1, 128: 3}),
+    ("bf16", True, True): ({64: 1, 128: 4}, {64: 1, 128: 4}),
+    ("fp16", False, False): ({64: 2, 128: 2}, {64: 1, 128: 2}),
+    ("fp16", True, False): ({64: 1, 128: 3}, {64: 1, 128: 3}),
 }
 
 
 def test_update_loop_has_exactly_the_claimed_vector_widths_and_no_barriers(records):
     adamw = [r for r in records if r["kernel"] == "adamw"]
-    assert {(r["dtype"], r["has_master"]) for r in adamw} == set(ADAMW_WIDTHS)
+    assert {(r["dtype"], r["has_master"], r["amsgrad"]) for r in adamw} == set(ADAMW_WIDTHS)
     for r in adamw:
         loop = vector_loop(r)
-        loads, stores = ADAMW_WIDTHS[(r["dtype"], r["has_master"])]
+        loads, stores = ADAMW_WIDTHS[(r["dtype"], r["has_master"], r["amsgrad"])]
         assert loop["loads"] == loads and loop["stores"] == stores, r
         assert loop["barriers"] == 0, r
 

@@ -137,9 +137,10 @@ def test_mismatched_state_dict_is_refused_and_changes_nothing():
         opt.load_state_dict(through_disk(other_opt.state_dict()))
     for key, value in before.items():
         assert torch.equal(opt.state[params[0]][key], value)
-    with pytest.raises(ValueError, match="amsgrad"):
-        ams = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True)
-        opt.load_state_dict(ams.state_dict())
+    differentiable = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], differentiable=True)
+    with pytest.raises(ValueError, match="differentiable=True"):
+        opt.load_state_dict(differentiable.state_dict())
+    assert opt.param_groups[0]["differentiable"] is False
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)

@@ -8,6 +8,11 @@ kernel (`decide`), `torch._foreach_add_` on the step counters and `torch._fused_
 `TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype and per-(group, dtype)
 lists `_fused_adamw_` takes, the index tensors that put per-tensor norms back in parameter order, and fp32
 working copies for low-precision params (whose moments are fp32).
+
+torch's CPU `_fused_adamw_` walks every tensor of a call as flat memory in the param's order, so it is wrong
+for a param that is not dense, or whose grad or state tensors are laid out differently (a transposed grad):
+those tensors go through contiguous fp32 working copies (copied in and back around the same call), which is
+exact, and costs a copy only for them.
 """
 from __future__ import annotations
 
@@ -16,18 +21,72 @@ import torch
 from .. import layout
 from ..kernels.tables import upload_int64
 from ..layout import StepBuffers, StepRules
-from ..plan import StepPlan
+from ..plan import StepPlan, is_dense
+
+
+def layout_fits_fused_adamw(tensors: list[torch.Tensor | None]) -> bool:
+    """Whether `_fused_adamw_` may walk these tensors (param first, then its grad and states) as flat memory."""
+    param = tensors[0]
+    if param.numel() <= 1:
+        return True
+    strides = param.stride()
+    return is_dense(param) and all(t is None or t.stride() == strides for t in tensors[1:])
+
+
+class _Update:
+    """One `_fused_adamw_` call: the tensors of one param group and dtype (and layout class), the working
+    copies it updates instead of the params when they need one, and the copies in and back."""
+
+    __slots__ = ("group", "amsgrad", "indices", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps",
+                 "grads32", "copy_in", "copy_out")  # fmt: skip
+
+    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool):
+        params = [plan.local_params[i] for i in all_indices]
+        masters = [plan.masters[i] for i in all_indices]
+        self.group, self.indices = group, indices
+        self.amsgrad = plan.group_amsgrad[group]
+        self.steps = [plan.steps[i] for i in all_indices]
+        self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
+        self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
+        self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if self.amsgrad else []
+        self.params, self.grads32, self.copy_in, self.copy_out = params, None, None, None
+        dtype = params[0].dtype
+        if relayout:  # every tensor of the update as a contiguous fp32 copy, copied in before and back after
+            # the param's value comes from its fp32 master when it has one
+            sources = [m if m is not None else p for m, p in zip(masters, params)]
+            states = self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs
+            work = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in sources + states]
+            n = len(params)
+            self.params = work[:n]
+            self.grads32 = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+            self.exp_avgs, self.exp_avg_sqs = work[n : 2 * n], work[2 * n : 3 * n]
+            self.max_exp_avg_sqs = work[3 * n :]
+            self.copy_in = (work, sources + states)
+            targets = params + [m for m in masters if m is not None] + states
+            self.copy_out = (targets, work[:n] + [w for w, m in zip(work[:n], masters) if m is not None] + work[n:])
+        elif dtype != torch.float32:  # _fused_adamw_ wants one dtype: fp32 copies (or the masters) for the update
+            # persistent buffers, filled with _foreach_copy_ each step: fresh .float() copies cost an
+            # allocation and page faults per step (several times the update itself on CPU)
+            copies = [m if m is not None else torch.empty_like(p, dtype=torch.float32) for m, p in zip(masters, params)]
+            refill = [(c, p) for c, p, m in zip(copies, params, masters) if m is None]
+            self.grads32 = [torch.empty_like(p, dtype=torch.float32) for p in params]
+            self.copy_in = ([c for c, _ in refill], [p for _, p in refill]) if refill else None
+            self.copy_out = (params, copies)
+            self.params = copies
 
 
 class TorchLists:
     """Per-plan lists for the torch backend (see the module doc)."""
 
-    def __init__(self, plan: StepPlan, device: torch.device) -> None:
+    def __init__(self, plan: StepPlan, grads: list[torch.Tensor], device: torch.device) -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
-        by_group_dtype: dict[tuple[int, torch.dtype], list[int]] = {}
+        by_update: dict[tuple[int, torch.dtype, bool], list[int]] = {}
         for index, (group, param) in enumerate(zip(plan.groups, plan.local_params)):
             by_dtype.setdefault(param.dtype, []).append(index)
-            by_group_dtype.setdefault((group, param.dtype), []).append(index)
+            tensors = [param, grads[index], plan.exp_avgs[index], plan.exp_avg_sqs[index], plan.masters[index],
+                       plan.max_exp_avg_sqs[index]]  # fmt: skip
+            relayout = not layout_fits_fused_adamw(tensors)
+            by_update.setdefault((group, param.dtype, relayout), []).append(index)
         everything = list(range(len(plan.local_params)))
         # None stands for "all of them, in order": the usual single dtype and group needs no per-step gathering
         self.norm_indices = [None if indices == everything else indices for indices in by_dtype.values()]
@@ -37,22 +96,11 @@ class TorchLists:
         self.all_positions = plan.members is None  # the plan holds every param, in order: positions is the identity
         self.per_tensor_sumsq: torch.Tensor | None = None
         self.steps = plan.steps
-        self.updates = []  # (group, indices, params, exp_avgs, exp_avg_sqs, steps, low-precision working copies)
-        for (group, dtype), indices in by_group_dtype.items():
-            params = [plan.local_params[i] for i in indices]
-            working = None
-            if dtype != torch.float32:  # _fused_adamw_ wants one dtype: fp32 copies (or the masters) for the update
-                # persistent buffers, filled with _foreach_copy_ each step: fresh .float() copies cost an
-                # allocation and page faults per step (several times the update itself on CPU)
-                masters = [plan.masters[i] for i in indices]
-                copies = [m if m is not None else torch.empty_like(p, dtype=torch.float32) for m, p in zip(masters, params)]
-                refill = [(c, p) for c, p, m in zip(copies, params, masters) if m is None]
-                grads32 = [torch.empty_like(p, dtype=torch.float32) for p in params]
-                working = (copies, grads32, [c for c, _ in refill], [p for _, p in refill])
-            self.updates.append((
-                group, None if indices == everything else indices, params, [plan.exp_avgs[i] for i in indices],
-                [plan.exp_avg_sqs[i] for i in indices], [plan.steps[i] for i in indices], working,
-            ))  # fmt: skip
+        self.meta = device.type == "meta"  # no values: nothing to compute, and nothing may be read
+        self.updates = [
+            _Update(plan, group, None if indices == everything else indices, indices, relayout)
+            for (group, _, relayout), indices in by_update.items()
+        ]
 
 
 def fused_step(
@@ -68,7 +116,7 @@ def fused_step(
     device = buffers.fstate.device
     lists: TorchLists | None = plan.backend_cache
     if lists is None:
-        lists = plan.backend_cache = TorchLists(plan, device)
+        lists = plan.backend_cache = TorchLists(plan, grads, device)
     norms = [
         torch.stack(torch._foreach_norm(grads if i is None else [grads[k] for k in i], 2, dtype=torch.float32))
         for i in lists.norm_indices
@@ -88,27 +136,27 @@ def fused_step(
     )
     keep_worst(buffers.worst_sumsq, per_tensor_sumsq, worse, None if lists.all_positions else lists.positions)
 
+    if lists.meta:  # no values to update (the state exists now, as after torch's step); the ops below read scalars
+        return
     torch._foreach_add_(lists.steps, 1.0 - skip)
     # _fused_adamw_ divides the grads by `grad_scale` and leaves everything untouched when found_inf is 1
     grad_divisor = grad_mul.reciprocal()
-    for group, indices, params, exp_avgs, exp_avg_sqs, steps, working in lists.updates:
-        lr, beta1, beta2, eps, weight_decay = hparams[group]
+    for update in lists.updates:
+        lr, beta1, beta2, eps, weight_decay, maximize = hparams[update.group]
+        indices = update.indices
         group_grads = grads if indices is None else [grads[i] for i in indices]
-        if working is not None:  # the moments are fp32: update fp32 working copies (or the masters), round back
-            copies, grads32, refill_copies, refill_params = working
-            if refill_copies:
-                torch._foreach_copy_(refill_copies, refill_params)
-            torch._foreach_copy_(grads32, group_grads)
-            update_params, group_grads = copies, grads32
-        else:
-            update_params = params
+        if update.grads32 is not None:  # the update runs on working copies (see _Update)
+            if update.copy_in is not None:
+                torch._foreach_copy_(*update.copy_in)
+            torch._foreach_copy_(update.grads32, group_grads)
+            group_grads = update.grads32
         torch._fused_adamw_(
-            update_params, group_grads, exp_avgs, exp_avg_sqs, [], steps,
+            update.params, group_grads, update.exp_avgs, update.exp_avg_sqs, update.max_exp_avg_sqs, update.steps,
             lr=lr_factor * lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-            amsgrad=False, maximize=False, grad_scale=grad_divisor, found_inf=skip,
+            amsgrad=update.amsgrad, maximize=maximize, grad_scale=grad_divisor, found_inf=skip,
         )  # fmt: skip
-        if working is not None:
-            torch._foreach_copy_(params, update_params)
+        if update.copy_out is not None:
+            torch._foreach_copy_(*update.copy_out)
 
 
 def keep_worst(

@@ -54,9 +54,9 @@ class TritonTables:
         from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
 
         self.buffers, self.rules, self.device = buffers, rules, device
-        launch_groups: dict[tuple, list[int]] = {}  # (param dtype, has master) -> plan indices
-        for index, (param, master) in enumerate(zip(plan.local_params, plan.masters)):
-            launch_groups.setdefault((param.dtype, master is not None), []).append(index)
+        launch_groups: dict[tuple, list[int]] = {}  # (param dtype, has master, amsgrad) -> plan indices
+        for index, (param, master, max_sq) in enumerate(zip(plan.local_params, plan.masters, plan.max_exp_avg_sqs)):
+            launch_groups.setdefault((param.dtype, master is not None, max_sq is not None), []).append(index)
         self.kernel_order = [i for indices in launch_groups.values() for i in indices]
         n = len(self.kernel_order)
         # plan order -> kernel order, in C (None: the same order, one launch group as usual)
@@ -81,14 +81,16 @@ class TritonTables:
         self.originals = [plan.params[i] for i in self.kernel_order]
 
         self.norms, self.updates = [], []
-        for ((dtype, has_master), indices), (chunks, partial_offset, first) in zip(launch_groups.items(), chunk_maps):
+        for ((dtype, has_master, amsgrad), indices), (chunks, partial_offset, first) in zip(
+            launch_groups.items(), chunk_maps
+        ):
             rows = []
             for i in indices:
-                master = plan.masters[i]
+                master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
                 rows += [
                     plan.local_params[i].data_ptr(), plan.exp_avgs[i].data_ptr(), plan.exp_avg_sqs[i].data_ptr(),
                     master.data_ptr() if master is not None else 0, plan.steps[i].data_ptr(),
-                    plan.numels[i], plan.groups[i], 0,
+                    plan.numels[i], plan.groups[i], max_sq.data_ptr() if max_sq is not None else 0,
                 ]  # fmt: skip
             grad_addrs = self.grad_addrs[first : first + len(indices)]
             numels = upload_int64([plan.numels[i] for i in indices], device)
@@ -98,7 +100,7 @@ class TritonTables:
             update = prepare_adamw(
                 table=upload_int64(rows, device, "an update table").view(len(indices), TABLE_COLUMNS),
                 grad_addrs=grad_addrs, chunks=chunks, hparams=buffers.hparams, fstate=buffers.fstate,
-                param_dtype=dtype, has_master=has_master, config=adamw_config or ADAMW_CONFIG,
+                param_dtype=dtype, has_master=has_master, amsgrad=amsgrad, config=adamw_config or ADAMW_CONFIG,
             )  # fmt: skip
             if norm is not None:
                 self.norms.append(norm)
@@ -210,7 +212,7 @@ def _import_kernels():
     return _kernels
 
 
-def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
+def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize=False) -> list[float]:
     row = [0.0] * layout.H_SIZE
     row[layout.H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
     row[layout.H_BETA1], row[layout.H_BETA2] = beta1, beta2
@@ -219,6 +221,7 @@ def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float)
     row[layout.H_ONE_MINUS_BETA1], row[layout.H_ONE_MINUS_BETA2] = 1.0 - beta1, 1.0 - beta2
     row[layout.H_LOG_BETA1] = math.log(beta1) if beta1 > 0 else float("-inf")
     row[layout.H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
+    row[layout.H_GRAD_SIGN] = -1.0 if maximize else 1.0
     return row
 
 
@@ -226,8 +229,15 @@ def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float)
 # clip_grad_norm_: multi-tensor norm and in-place scale
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s L2 case with the fused kernels: returns the total norm (fp32).
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s L2 case with the fused kernels: returns the total norm.
+
+    The kernels give each chunk's sum of squares (fp32 accumulation); the rest follows torch's own steps on a few
+    small device tensors, so results and dtypes are torch's: every grad's norm in its own dtype (an fp16 norm
+    above 65504 is inf, and the grads are then zeroed, as in torch), the total as the norm of those norms in their
+    promoted dtype (all-fp32 grads: one fp32 sum, which those roundings would not change), the coefficient
+    min(1, max_norm / (total + 1e-6)) in that dtype, and each grad multiplied by
+    it with one rounding. `error_if_nonfinite` raises before any grad changes.
 
     One-off tables per call (a clip over a varying set of grads has nothing to cache against), so it cannot run
     inside a CUDA-graph capture: the upload refuses with a clear error."""
@@ -237,26 +247,42 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
     device = grads[0].device
     check_not_capturing(device, "clip_grad_norm_'s tables")
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # in first-seen order, as torch groups them
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
-    maps, offset = [], 0
+    maps, owners, offset, first = [], [], 0, 0
     for dtype, tensors in by_dtype.items():
         check_grads(tensors, tensors, dense_layouts=True)
         chunks = build_chunk_map([t.numel() for t in tensors], device)
         addrs = upload_int64([t.data_ptr() for t in tensors], device, "clip_grad_norm_'s tables")
         numels = upload_int64([t.numel() for t in tensors], device, "clip_grad_norm_'s tables")
-        maps.append((dtype, chunks, addrs, numels, offset))
+        maps.append((dtype, chunks, addrs, numels, offset, first, len(tensors)))
+        for local, count in enumerate(chunks.tensor_num_chunks):
+            owners += [first + local] * count
         offset += chunks.num_chunks
+        first += len(tensors)
     partials = torch.zeros(max(offset, 1), dtype=torch.float32, device=device)
+    chunk_owner = upload_int64(owners, device, "clip_grad_norm_'s tables")
     with device_guard(device):
         stream = current_stream(device.index or 0)
-        for dtype, chunks, addrs, numels, part_offset in maps:
+        for dtype, chunks, addrs, numels, part_offset, _, _ in maps:
             prepared = prepare_sumsq(addrs, numels, chunks, partials, part_offset, dtype)
             if prepared is not None:
                 run_sumsq(prepared, None, stream)
-        total_norm = partials.sum().sqrt()
-        coef = (max_norm / (total_norm + layout.CLIP_EPS)).clamp(max=1.0)
-        for dtype, chunks, addrs, numels, _ in maps:
+        if list(by_dtype) == [torch.float32]:  # rounding the per-tensor norms changes nothing: one fp32 sum
+            total_norm = partials.sum().sqrt()
+        else:
+            sumsq = torch.zeros(first, dtype=torch.float32, device=device).index_add_(0, chunk_owner, partials[:offset])
+            norms = sumsq.sqrt()
+            per_tensor = [norms[start : start + count].to(dtype) for dtype, *_, start, count in maps]
+            total_norm = torch.linalg.vector_norm(torch.cat(per_tensor), 2.0)  # cat promotes, as torch's stack does
+        if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):  # torch syncs here too
+            raise RuntimeError(
+                "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it cannot be clipped. "
+                "To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total_norm + layout.CLIP_EPS), max=1.0).to(torch.float32)  # exact widening
+        for dtype, chunks, addrs, numels, *_ in maps:
             launch_scale_(addrs, numels, chunks, dtype, coef)
     return total_norm

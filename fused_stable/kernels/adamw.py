@@ -42,8 +42,8 @@ from .tables import ChunkMap
 ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 FINALIZE_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)  # block: chunks / tensors per loop step
 
-# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); the last column is free for a later state address
-COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP = range(7)
+# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad
+COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP, COL_MAX_EXP_AVG_SQ = range(8)
 TABLE_COLUMNS = 8
 
 BLOCK_TENSORS = FINALIZE_CONFIG.block  # lanes of the decision kernel's loops over chunks and tensors
@@ -282,11 +282,12 @@ def _expm1(x):
 
 @triton.jit
 def _adamw_block(
-    param, grad, exp_avg, exp_avg_sq, master, mask,
+    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq, mask,
     grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr,
 ):  # fmt: skip
-    """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None."""
+    """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None.
+    `grad_mul` carries the clip coefficient, the loss scale and, for maximize=True, the sign."""
     other = None if mask is None else 0.0
     g = tl.load(grad, mask=mask, other=other).to(tl.float32) * grad_mul
     if HAS_MASTER:
@@ -299,7 +300,12 @@ def _adamw_block(
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    if AMSGRAD:  # normalise by the largest second moment so far (torch: state "max_exp_avg_sq")
+        v_max = tl.maximum(tl.load(max_exp_avg_sq, mask=mask, other=other), v, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(max_exp_avg_sq, v_max, mask=mask)
+        denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(exp_avg, m, mask=mask)
     tl.store(exp_avg_sq, v, mask=mask)
@@ -320,6 +326,7 @@ def _adamw_kernel(
     HAS_MASTER: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    AMSGRAD: tl.constexpr = False,
     # the table and buffer layouts, as constexpr arguments with defaults: see the module doc
     TABLE_COLUMNS: tl.constexpr = TABLE_COLUMNS,
     COL_PARAM: tl.constexpr = COL_PARAM,
@@ -329,6 +336,7 @@ def _adamw_kernel(
     COL_STEP: tl.constexpr = COL_STEP,
     COL_NUMEL: tl.constexpr = COL_NUMEL,
     COL_GROUP: tl.constexpr = COL_GROUP,
+    COL_MAX_EXP_AVG_SQ: tl.constexpr = COL_MAX_EXP_AVG_SQ,
     F_SKIP: tl.constexpr = layout.F_SKIP,
     F_GRAD_MUL: tl.constexpr = layout.F_GRAD_MUL,
     F_LR_FACTOR: tl.constexpr = layout.F_LR_FACTOR,
@@ -341,6 +349,7 @@ def _adamw_kernel(
     H_ONE_MINUS_BETA2: tl.constexpr = layout.H_ONE_MINUS_BETA2,
     H_LOG_BETA1: tl.constexpr = layout.H_LOG_BETA1,
     H_LOG_BETA2: tl.constexpr = layout.H_LOG_BETA2,
+    H_GRAD_SIGN: tl.constexpr = layout.H_GRAD_SIGN,
 ):
     if tl.load(fstate + F_SKIP) == 0.0:
         pid = tl.program_id(0).to(tl.int64)
@@ -358,6 +367,11 @@ def _adamw_kernel(
         exp_avg = as_pointer(exp_avg_address, tl.float32)
         exp_avg_sq = as_pointer(exp_avg_sq_address, tl.float32)
         master = as_pointer(master_address, tl.float32)
+        if AMSGRAD:
+            max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
+        else:
+            max_address = master_address  # never read or written: keeps the block calls uniform
+        max_exp_avg_sq = as_pointer(max_address, tl.float32)
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
 
         hp = hparams + tl.load(row + COL_GROUP) * H_SIZE
@@ -367,7 +381,7 @@ def _adamw_kernel(
         one_minus_beta2 = tl.load(hp + H_ONE_MINUS_BETA2)
         eps = tl.load(hp + H_EPS)
         decay = 1.0 - lr * tl.load(hp + H_WEIGHT_DECAY)
-        grad_mul = tl.load(fstate + F_GRAD_MUL)
+        grad_mul = tl.load(fstate + F_GRAD_MUL) * tl.load(hp + H_GRAD_SIGN)  # sign -1: maximize (exact)
         # 1 - beta ** step = -expm1(step * log(beta)), accurate in fp32 even for beta2 = 0.999 at step 1
         bias_correction1 = -_expm1(step * tl.load(hp + H_LOG_BETA1))
         bias_correction2_sqrt = tl.sqrt_rn(-_expm1(step * tl.load(hp + H_LOG_BETA2)))
@@ -377,30 +391,32 @@ def _adamw_kernel(
         # full blocks without a mask, with 16-byte alignment hints when every address of this tensor allows
         # them (decided per tensor, so one unaligned view does not slow the others); then one masked tail
         full_end = start + (end - start) // BLOCK * BLOCK
-        aligned = is_aligned(param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address)
+        aligned = is_aligned(
+            param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
+        )
         if aligned:
             for block_start in range(start, full_end, BLOCK):
                 _adamw_block(
                     aligned_block(param, block_start) + offsets, aligned_block(grad, block_start) + offsets,
                     aligned_block(exp_avg, block_start) + offsets, aligned_block(exp_avg_sq, block_start) + offsets,
-                    aligned_block(master, block_start) + offsets, None,
-                    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                    PARAM_DTYPE, HAS_MASTER,
+                    aligned_block(master, block_start) + offsets, aligned_block(max_exp_avg_sq, block_start) + offsets,
+                    None, grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+                    PARAM_DTYPE, HAS_MASTER, AMSGRAD,
                 )  # fmt: skip
         else:
             for block_start in range(start, full_end, BLOCK):
                 idx = block_start + offsets
                 _adamw_block(
-                    param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, None,
+                    param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx, None,
                     grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                    PARAM_DTYPE, HAS_MASTER,
+                    PARAM_DTYPE, HAS_MASTER, AMSGRAD,
                 )  # fmt: skip
         if full_end < end:
             idx = full_end + offsets
             _adamw_block(
-                param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, idx < end,
+                param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx, idx < end,
                 grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                PARAM_DTYPE, HAS_MASTER,
+                PARAM_DTYPE, HAS_MASTER, AMSGRAD,
             )  # fmt: skip
 
 
@@ -492,6 +508,7 @@ def prepare_adamw(
     fstate: torch.Tensor,
     param_dtype: torch.dtype,
     has_master: bool,
+    amsgrad: bool = False,
     config: LaunchConfig = ADAMW_CONFIG,
 ) -> tuple[PreparedLaunch, ArgTemplate] | None:
     """AdamW over every tensor of one param dtype, with the finalize kernel's clip / skip / lr factor; None when
@@ -503,7 +520,7 @@ def prepare_adamw(
     args = ArgTemplate(
         _adamw_kernel, table=table, grad_addrs=grad_addrs, chunk_tensor=chunks.chunk_tensor,
         chunk_start=chunks.chunk_start, hparams=hparams, fstate=fstate, PARAM_DTYPE=TRITON_DTYPES[param_dtype],
-        HAS_MASTER=has_master, CHUNK=chunks.chunk_size, BLOCK=config.block,
+        HAS_MASTER=has_master, CHUNK=chunks.chunk_size, BLOCK=config.block, AMSGRAD=amsgrad,
     )  # fmt: skip
     return PreparedLaunch(_adamw_kernel, chunks.num_chunks, config), args
 

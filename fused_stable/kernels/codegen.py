@@ -159,11 +159,15 @@ def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
                 config, arch, dtype=name, default=config == norm.SUMSQ_CONFIG,
             ))  # fmt: skip
         for has_master in (False, True) if dtype != tl.float32 else (False,):
-            for config in CANDIDATES["adamw"] if candidates else [adamw.ADAMW_CONFIG]:
-                records.append(record(
-                    "adamw", {"PARAM_DTYPE": dtype, "HAS_MASTER": has_master, "CHUNK": CHUNK_SIZE, "BLOCK": config.block},
-                    config, arch, dtype=name, has_master=has_master, default=config == adamw.ADAMW_CONFIG,
-                ))  # fmt: skip
+            # amsgrad (one more fp32 state) for the two layouts it adds most to: fp32, and 16-bit with a master
+            for amsgrad in (False, True) if has_master == (dtype != tl.float32) and name != "fp16" else (False,):
+                for config in CANDIDATES["adamw"] if candidates else [adamw.ADAMW_CONFIG]:
+                    records.append(record(
+                        "adamw", {"PARAM_DTYPE": dtype, "HAS_MASTER": has_master, "CHUNK": CHUNK_SIZE,
+                                  "BLOCK": config.block, "AMSGRAD": amsgrad},
+                        config, arch, dtype=name, has_master=has_master, amsgrad=amsgrad,
+                        default=config == adamw.ADAMW_CONFIG,
+                    ))  # fmt: skip
     for schedule in range(4):
         records.append(record(
             "finalize",

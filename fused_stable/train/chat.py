@@ -9,7 +9,6 @@ One-shot mode prints only the answer on stdout (loading messages go to stderr), 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,39 +20,60 @@ from fused_stable.train.errors import UserError  # noqa: E402
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fused-stable chat", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    from fused_stable.argcheck import OneLineParser, number
+
+    p = OneLineParser(prog="fused-stable chat", description=__doc__.split("\n\n")[0],
+                      aliases={"--max-tokens": "--max-new-tokens", "--max-length": "--max-new-tokens",
+                               "--message": "--prompt", "--system-prompt": "--system", "--output-dir": "--adapter"})
     p.add_argument("--model", default=None,
                    help="base model, as in sft: smollm2-135m (default) | tiny | HF dir | .gguf")
     p.add_argument("--adapter", default=None,
                    help="an adapter folder, a saved full model, or a run folder holding one")
     p.add_argument("--prompt", default=None, help="ask once, print only the answer on stdout, exit")
     p.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
-    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=number(1, 100_000, integer=True), default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"longest answer in tokens (default: {DEFAULT_MAX_NEW_TOKENS})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = one per physical core")
+    p.add_argument("--temperature", type=number(0, 100), default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--seed", type=number(0, 2**32 - 1, integer=True), default=0, help="seed for sampling (default: 0)")
+    p.add_argument("--threads", type=number(0, 4096, integer=True), default=0,
+                   help="torch CPU threads; 0 = one per physical core (default: 0)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     return p
 
 
-def load_chat_model(model: str | None, adapter: str | None, device, log):
-    """(model, tokenizer, description) for `--model` or `--adapter`."""
-    from fused_stable.train.model import load_pretrained, load_trained
+def check_args(args) -> None:
+    """Everything that can be checked before a model is loaded (UserError, one line)."""
+    from fused_stable.train.config import check_device
+    from fused_stable.train.model import inspect_saved
     from fused_stable.train.sources import DEFAULT_MODEL, resolve_model
 
-    if adapter is not None:
-        if model is not None:
-            raise UserError("give --model or --adapter, not both (an adapter names its own base model)")
-        trained = load_trained(adapter, device=device, log=log)
-        where = trained.adapter_dir or adapter
+    if args.model is not None and args.adapter is not None:
+        raise UserError("give --model or --adapter, not both (an adapter names its own base model)")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("--prompt is empty: give a question, or leave --prompt out for an interactive chat")
+    check_device(args.device)
+    if args.adapter is not None:
+        if not args.adapter.strip():
+            raise UserError("--adapter is empty: give an adapter folder or a run folder")
+        args.saved = inspect_saved(args.adapter)
+    else:
+        if args.model is not None and not args.model.strip():
+            raise UserError("--model is empty: give smollm2-135m, tiny, a Hugging Face folder or a .gguf file")
+        args.source = resolve_model(args.model or DEFAULT_MODEL)
+
+
+def load_chat_model(args, device, log):
+    """(model, tokenizer, description) for the checked `--model` or `--adapter` (see `check_args`)."""
+    from fused_stable.train.model import load_pretrained, load_trained
+
+    if args.adapter is not None:
+        trained = load_trained(args.adapter, device=device, log=log, saved=args.saved)
+        where = trained.adapter_dir or args.adapter
         quant = f", {trained.quant_bits}-bit base" if trained.quant_bits else ""
         return trained.model, trained.tokenizer, f"{where} on {trained.base.reference}{quant}"
-    source = resolve_model(model or DEFAULT_MODEL)
-    net, tokenizer = load_pretrained(source, device=device, log=log)
-    return net, tokenizer, source.reference
+    net, tokenizer = load_pretrained(args.source, device=device, log=log)
+    return net, tokenizer, args.source.reference
 
 
 def answer(model, tokenizer, messages: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
@@ -102,13 +122,20 @@ def _interactive(model, tokenizer, system: str | None, args) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from fused_stable.train.cli import _quiet_third_party_noise
-
-    _quiet_third_party_noise()
-    args = _parser().parse_args(argv)
+    """`fused-stable chat`; a bad option, model or adapter is one line on stderr and exit code 2, before any
+    model is loaded."""
     try:
-        if args.max_new_tokens < 1 or args.temperature < 0:
-            raise UserError("--max_new_tokens must be positive and --temperature not negative")
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UserError as exc:
+        print(f"fused-stable chat: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_args(args)
+        from fused_stable.train.cli import _quiet_third_party_noise
+
+        _quiet_third_party_noise()
         import torch
 
         from fused_stable.train.runtime import resolve_runtime, set_threads
@@ -117,7 +144,7 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(args.seed)
         device = resolve_runtime(args.device, "fp32").device
         model, tokenizer, description = load_chat_model(
-            args.model, args.adapter, device, log=lambda text: print(text, file=sys.stderr, flush=True))
+            args, device, log=lambda text: print(text, file=sys.stderr, flush=True))
         print(f"fused-stable chat: {description} ({'greedy' if args.temperature == 0 else 'sampling'})",
               file=sys.stderr, flush=True)
         if args.prompt is not None:

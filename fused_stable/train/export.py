@@ -4,10 +4,13 @@ template) that `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pret
 
 A QLoRA adapter (trained on a 4- or 8-bit base) is merged into the dequantised base, i.e. the weights it
 was trained against, not the original full-precision ones; the export says so. Weights are written in fp32.
+
+The target must be new or empty; the export writes `run_manifest.json` naming its files, and `--overwrite`
+replaces only a previous export (a folder holding anything else is refused, never emptied). Everything is
+checked before the base model is loaded: a bad option, adapter or target is one line and exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -19,13 +22,49 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from fused_stable.train.errors import UserError  # noqa: E402
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fused-stable export", description=__doc__.split("\n\n")[0])
+CREATED_BY = "fused-stable export"
+
+
+def build_parser():
+    from fused_stable.argcheck import OneLineParser, number
+
+    p = OneLineParser(prog="fused-stable export", description=__doc__.split("\n\n")[0],
+                      aliases={"--out": "--output-dir", "--output": "--output-dir", "--model": "--adapter"})
     p.add_argument("--adapter", required=True, help="an adapter folder, or a run folder holding adapter/")
-    p.add_argument("--output_dir", "--output-dir", required=True, help="where the merged model goes")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output_dir")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = one per physical core")
+    p.add_argument("--output-dir", required=True, help="where the merged model goes (a new or empty folder)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a previous export in --output-dir (only the files it wrote)")
+    p.add_argument("--threads", type=number(0, 4096, integer=True), default=0,
+                   help="torch CPU threads; 0 = one per physical core (default: 0)")
     return p
+
+
+def check_output_dir(output_dir: str, overwrite: bool) -> None:
+    """Refuse (UserError, reading only) a target that is not writable, or that holds anything but a previous
+    export (named in its run_manifest.json), or a previous export without --overwrite."""
+    from fused_stable.argcheck import check_writable
+    from fused_stable.train import outputs
+
+    if not output_dir.strip():
+        raise UserError("--output_dir is empty: give a new or empty folder for the merged model")
+    check_writable(output_dir, "--output_dir")
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir):
+        return
+    entries = sorted(os.listdir(output_dir))
+    manifest = outputs.read_manifest(output_dir)
+    if manifest is None:
+        raise UserError(f"--output_dir {output_dir!r} is not empty and is not an export (it holds "
+                        f"{', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): choose a new or empty "
+                        "folder (--overwrite never removes files export did not write)")
+    if manifest.get("created_by") != CREATED_BY:
+        raise UserError(f"--output_dir {output_dir!r} holds a {manifest.get('created_by', 'fused-stable')} run, not an "
+                        "export: choose a new or empty folder")
+    if not overwrite:
+        raise UserError(f"--output_dir {output_dir!r} already holds an export; pass --overwrite to replace it")
+    foreign = outputs.foreign_entries(output_dir, manifest)
+    if foreign:
+        raise UserError(f"--overwrite: --output_dir {output_dir!r} also holds files the export did not write "
+                        f"({', '.join(foreign[:4])}); nothing was removed: move them away or choose another folder")
 
 
 def _dequantised_base(source, tokenizer, quant_bits: int, log):
@@ -54,64 +93,65 @@ def _dequantised_base(source, tokenizer, quant_bits: int, log):
 
 
 def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print) -> dict:
-    """Merge and write; returns {"output_dir", "base", "quant_bits", "merged_into"}."""
-    import json
-
+    """Merge and write; returns {"output_dir", "base", "quant_bits", "merged_into"}. Everything is checked
+    before the base is loaded; the folder is written next to the target and renamed into place, so a failed
+    or interrupted export leaves the target as it was."""
     import torch
-    from peft import PeftModel
 
-    from fused_stable.train.model import TRAINED_WITH, _fill_special_tokens, _load_base, find_saved
-    from fused_stable.train.sources import resolve_model
+    from fused_stable.train import outputs
+    from fused_stable.train.model import _load_base, inspect_saved, load_adapter, load_saved_tokenizer
 
-    kind, folder = find_saved(adapter)
-    if kind != "adapter":
-        raise UserError(f"{folder} is a full model already (tuner=full): nothing to merge, load it directly")
-    if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise UserError(f"output_dir {output_dir!r} is not empty; pass --overwrite to replace it")
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        base_ref = json.load(f).get("base_model_name_or_path")
-    if not base_ref:
-        raise UserError(f"{folder}/adapter_config.json names no base model (base_model_name_or_path)")
-    trained_with = {}
-    if os.path.isfile(os.path.join(folder, TRAINED_WITH)):
-        with open(os.path.join(folder, TRAINED_WITH)) as f:
-            trained_with = json.load(f)
-    quant_bits = trained_with.get("quant_bits")
-    source = resolve_model(base_ref)
-    from transformers import AutoTokenizer
-
-    tokenizer = _fill_special_tokens(AutoTokenizer.from_pretrained(folder, local_files_only=True))
-    if quant_bits:
-        base = _dequantised_base(source, tokenizer, quant_bits, log)
-        merged_into = f"the dequantised {quant_bits}-bit base (the weights this QLoRA adapter was trained against)"
+    if not adapter.strip():
+        raise UserError("--adapter is empty: give an adapter folder or a run folder")
+    saved = inspect_saved(adapter)
+    if saved.kind != "adapter":
+        raise UserError(f"{saved.folder} is a full model already (tuner=full): nothing to merge, load it directly")
+    check_output_dir(output_dir, overwrite)
+    tokenizer = load_saved_tokenizer(saved.folder)
+    if saved.quant_bits:
+        base = _dequantised_base(saved.base, tokenizer, saved.quant_bits, log)
+        merged_into = f"the dequantised {saved.quant_bits}-bit base (the weights this QLoRA adapter was trained against)"
     else:
-        base = _load_base(source, tokenizer, torch.device("cpu"), torch.float32, None, log)
+        base = _load_base(saved.base, tokenizer, torch.device("cpu"), torch.float32, None, log)
         merged_into = "the base weights"
-    merged = PeftModel.from_pretrained(base, folder, is_trainable=False).merge_and_unload()
+    merged = load_adapter(base, saved.folder).merge_and_unload()
     merged.config.use_cache = True
     merged.config.name_or_path = ""
-    # written next to the target, then renamed: an interrupted export leaves no half-written model behind
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
     try:
         merged.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
+        outputs.claim(scratch, sorted(os.listdir(scratch)), command=CREATED_BY)  # what a later --overwrite removes
+        previous = None
+        if os.path.isdir(output_dir):  # a previous export, nothing else (checked above): swapped out, then removed
+            previous = tempfile.mkdtemp(prefix=".old-export-", dir=parent)
+            os.rename(output_dir, os.path.join(previous, "export"))
         os.rename(scratch, output_dir)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return {"output_dir": output_dir, "base": source.reference, "quant_bits": quant_bits, "merged_into": merged_into}
+    if previous is not None:
+        shutil.rmtree(previous)
+    return {"output_dir": output_dir, "base": saved.base.reference, "quant_bits": saved.quant_bits,
+            "merged_into": merged_into}
 
 
 def main(argv: list[str]) -> int:
+    """`fused-stable export`; a bad option, adapter or target is one line on stderr and exit code 2, with
+    nothing written."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UserError as exc:
+        print(f"fused-stable export: error: {exc}", file=sys.stderr)
+        return 2
     from fused_stable.train.cli import _quiet_third_party_noise
     from fused_stable.train.runtime import set_threads
 
     _quiet_third_party_noise()
-    args = _parser().parse_args(argv)
     try:
         set_threads(args.threads)
         result = export(args.adapter, args.output_dir, overwrite=args.overwrite,
@@ -119,6 +159,9 @@ def main(argv: list[str]) -> int:
     except UserError as exc:
         print(f"fused-stable export: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"fused-stable export: interrupted; {args.output_dir} was left as it was", file=sys.stderr)
+        return 130
     print(f"fused-stable export: merged {args.adapter} into {result['merged_into']} of {result['base']}; "
           f"wrote {result['output_dir']} (fp32 safetensors, config, tokenizer)", flush=True)
     return 0

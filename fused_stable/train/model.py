@@ -242,6 +242,8 @@ class Trained:
 def find_saved(path: str) -> tuple[str, str]:
     """('adapter' | 'model', folder) for an adapter folder, a saved full model, or a run folder holding one."""
     path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise UserError(f"{path!r} not found: give an adapter folder or a run folder (output_dir of fused-stable sft)")
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return "adapter", path
     for kind in ("adapter", "model"):
@@ -252,30 +254,98 @@ def find_saved(path: str) -> tuple[str, str]:
     raise UserError(f"{path!r} holds no adapter (adapter_config.json) and no run folder with adapter/ or model/")
 
 
-def load_trained(path: str, device="cpu", log=None) -> Trained:
-    """An adapter on its base (quantised as in training for a QLoRA adapter), or a saved full model."""
-    from peft import PeftModel
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
+
+@dataclass
+class Saved:
+    """A checked adapter or saved full model (see `inspect_saved`): what `load_trained` and export load."""
+    kind: str                   # adapter | model
+    folder: str
+    base: ModelSource           # the adapter's base (for a full model: the folder itself)
+    quant_bits: int | None = None
+    precision: str = "fp32"
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is damaged ({str(exc).splitlines()[0]})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is damaged (not a JSON object)")
+    return value
+
+
+def _check_safetensors(path: str) -> None:
+    """The header and the size of a safetensors file (a truncated or garbled file fails here, cheaply)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{path} is damaged ({str(exc).splitlines()[0]})") from None
+
+
+def inspect_saved(path: str) -> Saved:
+    """Find and check an adapter (or a saved full model, or a run folder holding one) without loading any
+    weights: its config files parse, its weights file is present and whole, its base model resolves. Every
+    problem is one UserError naming the file."""
     kind, folder = find_saved(path)
     if kind == "model":
-        return Trained(*load_pretrained(resolve_model(folder), device=device, log=log), resolve_model(folder))
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        base_ref = json.load(f).get("base_model_name_or_path")
-    trained_with = {}
-    if os.path.isfile(os.path.join(folder, TRAINED_WITH)):
-        with open(os.path.join(folder, TRAINED_WITH)) as f:
-            trained_with = json.load(f)
-    if not base_ref:
+        _read_json(os.path.join(folder, "config.json"))
+        return Saved(kind, folder, resolve_model(folder))
+    config = _read_json(os.path.join(folder, "adapter_config.json"))
+    base_ref = config.get("base_model_name_or_path")
+    if not base_ref or not isinstance(base_ref, str):
         raise UserError(f"{folder}/adapter_config.json names no base model (base_model_name_or_path)")
-    source = resolve_model(base_ref)
+    trained_with = _read_json(os.path.join(folder, TRAINED_WITH)) if os.path.isfile(
+        os.path.join(folder, TRAINED_WITH)) else {}
     quant_bits = trained_with.get("quant_bits")
-    tokenizer = _fill_special_tokens(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    if quant_bits not in (None, 4, 8):
+        raise UserError(f"{folder}/{TRAINED_WITH} is damaged (quant_bits {quant_bits!r})")
+    weights = [name for name in ADAPTER_WEIGHTS if os.path.isfile(os.path.join(folder, name))]
+    if not weights:
+        raise UserError(f"{folder} has adapter_config.json but no adapter weights ({ADAPTER_WEIGHTS[0]})")
+    if weights[0].endswith(".safetensors"):
+        _check_safetensors(os.path.join(folder, weights[0]))
+    try:
+        source = resolve_model(base_ref)
+    except UserError as exc:
+        raise UserError(f"the base of {folder}: {exc}") from None
+    return Saved(kind, folder, source, quant_bits, str(trained_with.get("precision", "fp32")))
+
+
+def load_saved_tokenizer(folder: str):
+    try:
+        return _fill_special_tokens(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"cannot load the tokenizer in {folder}: {str(exc).splitlines()[0]}") from None
+
+
+def load_adapter(base, folder: str):
+    """peft's adapter on `base`, for inference; a file peft cannot read is one UserError."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(base, folder, is_trainable=False)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise UserError(f"cannot load the adapter in {folder}: {str(exc).splitlines()[0]}") from None
+
+
+def load_trained(path: str, device="cpu", log=None, saved: Saved | None = None) -> Trained:
+    """An adapter on its base (quantised as in training for a QLoRA adapter), or a saved full model."""
+    saved = saved or inspect_saved(path)
+    if saved.kind == "model":
+        return Trained(*load_pretrained(saved.base, device=device, log=log), saved.base)
+    tokenizer = load_saved_tokenizer(saved.folder)
     quant = None
-    if quant_bits is not None:
+    if saved.quant_bits is not None:
         # the adapter learned against the quantised base: rebuild it (compute in fp32 unless trained in bf16)
-        precision = trained_with.get("precision", "fp32")
-        compute = torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else torch.float32
-        quant = _quantization_config(quant_bits, compute)
-    base = _load_base(source, tokenizer, torch.device(device), torch.float32, quant, log)
-    model = PeftModel.from_pretrained(base, folder, is_trainable=False)
-    return Trained(model.eval(), tokenizer, source, folder, quant_bits)
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(saved.precision, torch.float32)
+        quant = _quantization_config(saved.quant_bits, compute)
+    base = _load_base(saved.base, tokenizer, torch.device(device), torch.float32, quant, log)
+    model = load_adapter(base, saved.folder)
+    return Trained(model.eval(), tokenizer, saved.base, saved.folder, saved.quant_bits)

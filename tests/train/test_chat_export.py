@@ -78,15 +78,38 @@ def test_export_loads_with_transformers_and_answers_like_the_adapter(runs, tmp_p
         torch.testing.assert_close(merged(ids).logits, trained.model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_export_refuses_bad_targets(runs, tmp_path, capsys):
+def test_export_overwrite_replaces_only_a_previous_export(runs, tmp_path, capsys):
+    """A folder holding anything but a previous export is refused, with or without --overwrite, and left as
+    it was; a previous export is replaced only with --overwrite (its manifest names what it wrote)."""
+    from fused_stable.train.outputs import read_manifest
+
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")
-    assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(taken)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--overwrite" in err and (taken / "keep.txt").read_text() == "mine"
-    assert export.main(["--adapter", str(tmp_path), "--output_dir", str(tmp_path / "x")]) == 2
-    assert "no adapter" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    for extra in ([], ["--overwrite"]):
+        assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(taken), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not an export" in err and "keep.txt" in err
+        assert os.listdir(taken) == ["keep.txt"] and (taken / "keep.txt").read_text() == "mine"
+    # a run folder (its manifest says fused-stable sft) is never an export target
+    assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(runs["dora"]), "--overwrite"]) == 2
+    assert "holds a fused-stable sft run" in capsys.readouterr().err and (runs["dora"] / "adapter").is_dir()
+
+    target = tmp_path / "merged"
+    assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(target)]) == 0
+    manifest = read_manifest(str(target))
+    assert manifest["created_by"] == "fused-stable export"
+    assert set(manifest["entries"]) == set(os.listdir(target)) - {"run_manifest.json"}
+    assert export.main(["--adapter", str(runs["dora"]), "--output_dir", str(target)]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    (target / "notes.txt").write_text("mine")
+    assert export.main(["--adapter", str(runs["dora"]), "--output_dir", str(target), "--overwrite"]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (target / "notes.txt").exists()
+    (target / "notes.txt").unlink()
+    weights = (target / "model.safetensors").read_bytes()
+    assert export.main(["--adapter", str(runs["dora"]), "--output_dir", str(target), "--overwrite"]) == 0
+    assert (target / "model.safetensors").read_bytes() != weights  # the DoRA merge replaced the LoRA one
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no scratch or swapped-out folder left
 
 
 def test_chat_one_shot_prints_only_the_answer(runs, capsys):

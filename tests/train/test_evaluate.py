@@ -105,6 +105,9 @@ def test_sft_writes_eval_json_before_is_the_base(sft, tmp_path):
     assert [e["after"] for e in report["examples"]] != [e["before"] for e in report["examples"]]
     assert "held-out evaluation" in stdout and "evaluation before training" in stdout
     assert (out / "curves.png").stat().st_size > 0
+    from fused_stable.train.outputs import read_manifest
+
+    assert "eval.json" in read_manifest(str(out))["entries"]  # a later --overwrite removes it with the run
 
 
 def test_resumed_run_still_compares_with_the_base(sft, tmp_path):
