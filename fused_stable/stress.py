@@ -422,7 +422,7 @@ def format_table(results: list[RunResult], before: Optional[dict] = None) -> str
     if evaluated:
         header += " general after | task after |"
     header += " skipped steps | rollbacks (steps undone) | alerts | wall time |"
-    lines = [header, "|" + "---|" * header.count(" | ")]
+    lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
     if evaluated and before is not None:
         lines.append(f"| base model | - | - | - | {before['general']['accuracy']:.3f} | {before['identity']['accuracy']:.3f} "
                      "| - | - | - | - |")

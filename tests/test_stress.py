@@ -129,6 +129,7 @@ def test_the_table_shows_what_the_model_still_knows():
     before = {"general": {"accuracy": 0.559, "n": 34}, "identity": {"accuracy": 0.0, "n": 12}}
     table = stress.format_table(rows, before).splitlines()
     assert table[0].startswith("| scenario | recipe | outcome | final loss | general after | task after |")
+    assert table[1].count("---") == table[0].count(" | ") + 1  # one separator cell per column
     assert table[2].startswith("| base model | - | - | - | 0.559 | 0.000 |")
     assert table[3].startswith("| clean | usual | ok | 1.250 | 0.500 | 1.000 | 0 |")
     assert "general after" not in stress.format_table([stress.RunResult("clean", "usual", final_loss=1.0)])
