@@ -1,11 +1,13 @@
 """The stability guard: spike and divergence detection from device-side counters, and what to do about it.
 
-Pure logic, usable without a model or a trainer. A `Guard` is told about every optimizer step with
-`observe_step` (device-only work, no host read) and checked at logging steps with `check`, which does one
-device read for the whole interval and returns a `Decision`:
+Pure logic, usable without a model or a trainer. A `Guard` does nothing per step: it is checked at logging
+steps with `check`, which does one device read for the whole interval and returns a `Decision`. Everything it
+needs about the steps in between, the optimizer's decision kernel already keeps on the device:
 
-- grad-norm spikes: the optimizer keeps running statistics of the global grad norm on the device and the
-  worst z-score since the last poll (`FusedAdamW.max_zscore`), so a spike between two logging steps is seen;
+- grad-norm spikes: running statistics of the global grad norm and the largest z-score since the last poll
+  (`FusedAdamW.max_zscore`), so a spike between two logging steps is seen; and the worst step of the interval
+  (`FusedAdamW.worst_step`, a non-finite step counting as the worst) with its per-tensor grad norms, copied by
+  the kernel when a step becomes the worst, so an alert names the tensors of the step that spiked;
 - non-finite gradients: the optimizer skips those steps itself and counts them (`skipped_steps`);
 - loss spikes: the z-score of each step's loss against running statistics of the loss (`LossStats`, the same
   rules as the optimizer's grad-norm statistics), and non-finite losses.
@@ -14,8 +16,9 @@ Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of 
 clips gently by design): by default at z > 6 for the grad norm and for the loss.
 
 Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip spiking steps on the device
-(`spike_skip_threshold` = `skip_z`, 20 by default, above the alert threshold: normal small-batch steps reach
-z 9-12) and records them; `stop` asks the trainer to checkpoint and
+(`spike_skip_threshold` = `skip_z` and `spike_skip_ratio` = `skip_ratio`: z > 6 and a norm >= 5x its running
+mean by default, the alert rule; normal small-batch steps reach z 9-12 but only ~3x the mean norm, so the ratio
+is what keeps them) and records them; `stop` asks the trainer to checkpoint and
 exit; `rollback` asks it to restore the last good checkpoint, multiplies the lr by `lr_factor` and skips the
 data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks.
 """
@@ -58,7 +61,8 @@ class GuardConfig:
     policy: str = "warn"
     grad_z: float = 6.0           # alert when the grad norm's z-score exceeds this...
     grad_ratio: float = 5.0       # ...and the norm is at least this many times its running mean (0: z alone)
-    skip_z: float = 20.0          # under skip / rollback the optimizer skips steps whose z-score exceeds this
+    skip_z: float = 6.0           # under skip / rollback the optimizer skips steps whose z-score exceeds this...
+    skip_ratio: float = 5.0       # ...and whose norm is at least this many times its running mean (0: z alone)
     loss_z: float = 6.0           # alert when the loss's z-score exceeds this
     loss_alpha: float = 0.97      # EMA decay of the loss statistics
     loss_warmup: int = 20         # steps of loss collected before loss z-scores count
@@ -80,8 +84,10 @@ class GuardConfig:
             raise ValueError(f"guard loss_alpha must be in (0, 1), got {self.loss_alpha}")
         if self.loss_warmup < 1:
             raise ValueError(f"guard loss_warmup must be >= 1, got {self.loss_warmup}")
-        if self.grad_ratio < 0:
-            raise ValueError(f"guard grad_ratio must be >= 0, got {self.grad_ratio}")
+        for name in ("grad_ratio", "skip_ratio"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"guard {name} must be a finite number >= 0 (0: the z-score alone), got {value}")
         if self.loss_rise and not self.loss_rise > 1.0:
             raise ValueError(f"guard loss_rise must be > 1 (or 0 to disable), got {self.loss_rise}")
         if self.loss_rel_floor < 0:
@@ -99,7 +105,7 @@ class GuardConfig:
         """What FusedAdamW needs for this policy: under `skip` and `rollback` the optimizer itself skips the
         spikes on the device (a rollback is then kept for what got through)."""
         if self.policy in ("skip", "rollback"):
-            return {"spike_skip_threshold": max(self.skip_z, zscore_threshold)}
+            return {"spike_skip_threshold": max(self.skip_z, zscore_threshold), "spike_skip_ratio": self.skip_ratio}
         return {}
 
 
@@ -231,10 +237,10 @@ def _json_number(value: Any) -> Any:
 class Guard:
     """Spike checks at logging steps and the policy's answer. See the module docstring.
 
-    Use: `guard.bind(optimizer)` once; `guard.observe_step(step, optimizer)` after each optimizer step (device
-    work only); `decision = guard.check(step, optimizer, rows)` at logging steps, where rows are the per-step
-    metrics read since the last check (at least "step" and "loss"). After a rollback restored the optimizer,
-    call `guard.apply_rollback(optimizer)`.
+    Use: `guard.bind(optimizer)` once (a FusedAdamW); `decision = guard.check(step, optimizer, rows)` at logging
+    steps, where `step` counts optimizer steps (one `optimizer.step()` call each, skipped ones included) and rows
+    are the per-step metrics read since the last check (at least "step" and "loss"). After a rollback restored
+    the optimizer, call `guard.apply_rollback(optimizer)`.
     """
 
     def __init__(self, config: GuardConfig | None = None, **kwargs: Any):
@@ -250,10 +256,6 @@ class Guard:
         self.base_lrs: list[float] = []
         self._seen_skipped = 0      # optimizer counters at the last check
         self._seen_spike_skips = 0
-        self._worst_key: Optional[torch.Tensor] = None   # device: worst z-score (inf for non-finite) since the last check
-        self._worst_step: Optional[torch.Tensor] = None
-        self._worst_norm: Optional[torch.Tensor] = None
-        self._worst_tensors: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------------------------------ binding
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
@@ -269,56 +271,36 @@ class Guard:
     def _rebaseline(self, optimizer) -> None:
         counters = torch.stack([optimizer.skipped_steps, optimizer.spike_skips]).tolist()
         self._seen_skipped, self._seen_spike_skips = int(counters[0]), int(counters[1])
-        optimizer.reset_max_zscore()
-        self._reset_window(optimizer)
+        optimizer.reset_max_zscore()  # the polling windows: the largest z-score and the worst step
 
-    def _reset_window(self, optimizer) -> None:
-        device = optimizer.grad_norm.device
-        n = sum(len(g["params"]) for g in optimizer.param_groups)
-        self._worst_key = torch.full((), -math.inf, device=device)
-        self._worst_step = torch.full((), -1, dtype=torch.int64, device=device)
-        self._worst_norm = torch.zeros((), device=device)
-        self._worst_tensors = torch.zeros(n, device=device)
-
-    # ------------------------------------------------------------------------------------------ per step
-    @torch.no_grad()
     def observe_step(self, step: int, optimizer) -> None:
-        """Keep, on the device, the step and per-tensor grad norms of the worst step since the last check
-        (a non-finite step counts as the worst), so an alert can name the tensors of the step that spiked."""
-        if self._worst_key is None:
-            self._reset_window(optimizer)
-        norm = optimizer.grad_norm
-        key = torch.where(torch.isfinite(norm), optimizer.last_zscore, math.inf)
-        worse = key > self._worst_key
-        self._worst_key = torch.maximum(key, self._worst_key)
-        self._worst_step.masked_fill_(worse, step)
-        self._worst_norm = torch.where(worse, norm, self._worst_norm)
-        if self.config.top_k:
-            self._worst_tensors = torch.where(worse, optimizer.per_tensor_grad_norms(), self._worst_tensors)
+        """Nothing to do: the optimizer's decision kernel keeps the interval's worst step (see the module doc).
+        Kept so that loops written for the guard's first version, which called it after every step, still run."""
 
     # ------------------------------------------------------------------------------------------ at logging steps
     @torch.no_grad()
     def check(self, step: int, optimizer, rows: list[dict]) -> Decision:
         """Read the interval's counters (one device read), update the loss statistics, decide."""
         c = self.config
-        if self._worst_key is None:
-            self._reset_window(optimizer)
-        scalars = torch.stack([
-            optimizer.max_zscore.float(), optimizer.max_zscore_norm.float(), optimizer.skipped_steps.float(),
-            optimizer.spike_skips.float(), self._worst_step.float(), self._worst_norm.float(),
-            optimizer.grad_norm.float(), optimizer.grad_norm_mean.float(),
-        ])  # fmt: skip
-        values = torch.cat([scalars, self._worst_tensors.float()]).tolist()  # the one device read
-        max_z, max_z_norm, skipped, spike_skips, worst_step, worst_norm, last_norm, norm_mean = values[:8]
-        tensor_norms = values[8:]
+        scalars = torch.stack([x.double() for x in (
+            optimizer.max_zscore, optimizer.max_zscore_norm, optimizer.skipped_steps, optimizer.spike_skips,
+            optimizer.applied_steps, optimizer.worst_step, optimizer.worst_step_norm, optimizer.grad_norm,
+            optimizer.grad_norm_mean,
+        )])  # fmt: skip
+        if c.top_k:  # the worst step's per-tensor grad norms, kept by the decision kernel
+            scalars = torch.cat([scalars, optimizer.worst_step_grad_norms().double()])
+        values = scalars.tolist()  # the one device read
+        max_z, max_z_norm, skipped, spike_skips, applied, worst_index, worst_norm, last_norm, norm_mean = values[:9]
+        tensor_norms = values[9:]
         new_skipped = int(skipped) - self._seen_skipped
         new_spike_skips = int(spike_skips) - self._seen_spike_skips
         self._seen_skipped, self._seen_spike_skips = int(skipped), int(spike_skips)
         optimizer.reset_max_zscore()
-        self._reset_window(optimizer)
 
-        observed = worst_step >= 0
-        where = int(worst_step) if observed else step
+        observed = worst_index >= 0
+        # the worst step's index counts every step the optimizer took; `step` is the latest one's number
+        steps_taken = int(applied) + int(skipped) + int(spike_skips)
+        where = step - (steps_taken - 1 - int(worst_index)) if observed else step
         top = self._top_tensors(tensor_norms, getattr(optimizer, "param_names", None)) if observed else []
         # the optimizer already neutralised isolated non-finite steps (skipped) and, when spike skipping is on,
         # the spikes it skipped: those are recorded, and escalate only as a storm of non-finite steps

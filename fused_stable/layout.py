@@ -25,7 +25,12 @@ F_WARMUP_SUM = 10  # sum of norms seen during the statistics warm-up
 F_WARMUP_SUMSQ = 11  # sum of squared norms seen during the statistics warm-up
 F_MAX_ZSCORE = 12  # largest z-score since the window was last reset (-inf when reset): what a guard polls
 F_MAX_ZSCORE_NORM = 13  # the grad norm at that z-score
-F_SIZE = 14
+# the worst step since the window was last reset (what a guard names at its next check): the step whose key, its
+# z-score or +inf when its grads were non-finite, is the largest; -inf when reset. The per-tensor sums of squares of
+# that step are copied into StepBuffers.worst_sumsq by the same decision
+F_WORST_KEY = 14
+F_WORST_NORM = 15  # the grad norm of that step
+F_SIZE = 16
 
 # int64 buffer
 I_APPLIED_STEPS = 0  # optimizer updates actually applied (drives the lr schedule)
@@ -36,7 +41,8 @@ I_LAST_SPIKE_STEP = 4  # applied-step index at the latest spike, -1 if none
 I_LAST_STEP_SKIPPED = 5  # 1 if the latest step was skipped (either reason)
 I_STATS_COUNT = 6  # finite norms folded into the running statistics
 I_MAX_ZSCORE_STEP = 7  # applied-step index at that z-score
-I_SIZE = 8
+I_WORST_STEP = 8  # the worst step's index among all steps taken (applied or skipped, from 0), -1 when reset
+I_SIZE = 9
 
 # hyper-parameter table, one float32 row per param group
 H_LR = 0
@@ -82,6 +88,7 @@ class StepRules:
     zscore_threshold: float = 2.5  # z-score above which a norm counts as a spike (and is clipped in zscore mode)
     zscore_warmup: int = 25  # finite norms collected before the statistics (and spike detection) start
     spike_skip_threshold: float | None = None  # z-score above which the step is skipped; None = never
+    spike_skip_ratio: float = 0.0  # ...and only if the norm is at least this many times its running mean (0: z alone)
     schedule: Any = None  # a fused_stable.schedules.Schedule, or None for the groups' lr as is
 
 
@@ -92,3 +99,4 @@ class StepBuffers:
     fstate: torch.Tensor  # fp32 [F_SIZE]
     istate: torch.Tensor  # int64 [I_SIZE]
     hparams: torch.Tensor  # fp32 [num_groups, H_SIZE]
+    worst_sumsq: torch.Tensor  # fp32 [every param of every group]: per-tensor sums of squares of the worst step

@@ -28,6 +28,7 @@ _CLIP_MODES = {"fixed": layout.CLIP_FIXED, "zscore": layout.CLIP_ZSCORE}
 _STATE_KEY = "fused_stable"
 # False outside dynamo's tracing (a constant there); bound once, as the check runs in every eager step
 _is_compiling = torch.compiler.is_compiling
+_LAYOUT_VERSION = 2  # of the counters saved under _STATE_KEY: 2 added the worst-step window (layout.F_WORST_*)
 
 
 class FusedAdamW(Optimizer):
@@ -56,6 +57,9 @@ class FusedAdamW(Optimizer):
         zscore_alpha, zscore_threshold, zscore_warmup: the running statistics (kept in every mode, for
             spike detection).
         spike_skip_threshold: skip steps whose norm's z-score exceeds this (counted in `spike_skips`).
+        spike_skip_ratio: ...and only those whose norm is also at least this many times the running mean (0, the
+            default: the z-score alone). Small-batch fine-tuning has normal steps at z ~ 10 but only a few times
+            the mean norm; with a ratio of 5 a threshold near 6 skips real spikes and none of those.
         backend: None / "auto", "triton", "interpret" or "torch" (default: $FUSED_STABLE_BACKEND, else by device).
     """
 
@@ -84,6 +88,7 @@ class FusedAdamW(Optimizer):
         zscore_threshold: float = 2.5,
         zscore_warmup: int = 25,
         spike_skip_threshold: float | None = None,
+        spike_skip_ratio: float = 0.0,
         backend: str | None = None,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -104,6 +109,10 @@ class FusedAdamW(Optimizer):
             raise ValueError(
                 f"spike_skip_threshold ({spike_skip_threshold}) must be >= zscore_threshold ({zscore_threshold}): "
                 "a step is skipped only when it is a spike"
+            )
+        if not (spike_skip_ratio >= 0 and math.isfinite(spike_skip_ratio)):
+            raise ValueError(
+                f"spike_skip_ratio must be a finite number >= 0 (0: the z-score alone), got {spike_skip_ratio}"
             )
         if lr_schedule is not None and not isinstance(lr_schedule, Schedule):
             raise TypeError(
@@ -126,6 +135,7 @@ class FusedAdamW(Optimizer):
             zscore_threshold=float(zscore_threshold),
             zscore_warmup=int(zscore_warmup),
             spike_skip_threshold=None if spike_skip_threshold is None else float(spike_skip_threshold),
+            spike_skip_ratio=float(spike_skip_ratio),
             schedule=lr_schedule,
         )
         self.master_weights = bool(master_weights)
@@ -137,6 +147,7 @@ class FusedAdamW(Optimizer):
         self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
         self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
         self._istate[layout.I_LAST_SPIKE_STEP] = -1
+        self._worst_sumsq = self._new_worst_sumsq()
         self.reset_max_zscore()
         self._buffers = self._step_buffers()
         self._plan: StepPlan | None = None
@@ -225,11 +236,41 @@ class FusedAdamW(Optimizer):
         """Applied-step index of the step with the largest z-score since reset_max_zscore() (-1 if none)."""
         return self._istate[layout.I_MAX_ZSCORE_STEP]
 
+    @property
+    def worst_step(self) -> torch.Tensor:
+        """Index, among all steps taken (applied or skipped, from 0), of the worst step since reset_max_zscore():
+        the largest z-score, or the first step with non-finite gradients; -1 if none. `skipped_steps +
+        spike_skips + applied_steps` is the count of steps taken, so the latest step's index is that count - 1."""
+        return self._istate[layout.I_WORST_STEP]
+
+    @property
+    def worst_step_norm(self) -> torch.Tensor:
+        """The global grad norm of the worst step since reset_max_zscore() (inf/nan for a non-finite step)."""
+        return self._fstate[layout.F_WORST_NORM]
+
+    @property
+    def worst_step_zscore(self) -> torch.Tensor:
+        """The worst step's z-score (0 during the statistics' warm-up, inf for a non-finite step; -inf if none)."""
+        return self._fstate[layout.F_WORST_KEY]
+
+    def worst_step_grad_norms(self) -> torch.Tensor:
+        """Per-parameter gradient norms of the worst step since reset_max_zscore(), in param_groups order (0 for
+        a param without a grad then). The decision kernel copies them when a step becomes the worst: reading them
+        costs no per-step work."""
+        return self._worst_sumsq.sqrt()
+
     def reset_max_zscore(self) -> None:
-        """Starts a new polling window for max_zscore (device writes only, no sync)."""
+        """Starts a new polling window for max_zscore and the worst step (device writes only, no sync)."""
         self._fstate[layout.F_MAX_ZSCORE] = float("-inf")
         self._fstate[layout.F_MAX_ZSCORE_NORM] = 0.0
         self._istate[layout.I_MAX_ZSCORE_STEP] = -1
+        self._reset_worst_step()
+
+    def _reset_worst_step(self) -> None:
+        self._fstate[layout.F_WORST_KEY] = float("-inf")
+        self._fstate[layout.F_WORST_NORM] = 0.0
+        self._istate[layout.I_WORST_STEP] = -1
+        self._worst_sumsq.zero_()
 
     @property
     def param_names(self) -> list[str] | None:
@@ -482,7 +523,11 @@ class FusedAdamW(Optimizer):
 
     def _step_buffers(self) -> StepBuffers:
         hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
-        return StepBuffers(self._fstate, self._istate, hparams)
+        return StepBuffers(self._fstate, self._istate, hparams, self._worst_sumsq)
+
+    def _new_worst_sumsq(self) -> torch.Tensor:
+        count = sum(len(group["params"]) for group in self.param_groups)
+        return torch.zeros(count, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------------------------------
     # param groups and validation
@@ -515,6 +560,8 @@ class FusedAdamW(Optimizer):
             param_group["betas"] = _float_betas(param_group["betas"])
         super().add_param_group(param_group)
         if constructed:
+            self._worst_sumsq = self._new_worst_sumsq()  # one slot per param: the window starts over
+            self.reset_max_zscore()
             self._buffers = self._step_buffers()
             self._global_sumsq = self._sharded_norm_reducer()
             self._version.bump()
@@ -567,7 +614,7 @@ class FusedAdamW(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
-        state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": 1}
+        state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
         if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
             for saved, group in zip(state["param_groups"], self.param_groups):
                 saved["lr"] = group["initial_lr"]
@@ -576,6 +623,8 @@ class FusedAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop(_STATE_KEY, None)
+        if extra is not None:
+            _check_counters(extra)  # before anything changes
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -619,8 +668,7 @@ class FusedAdamW(Optimizer):
             if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
                 state["master_param"] = param.detach().to(torch.float32).clone()
         if extra is not None:
-            self._fstate.copy_(extra["fstate"])
-            self._istate.copy_(extra["istate"])
+            self._load_counters(extra)
         else:  # a torch.optim.AdamW state: continue the schedule from the steps already taken
             self._fstate.zero_()
             self._istate.zero_()
@@ -642,9 +690,21 @@ class FusedAdamW(Optimizer):
         self._shown_lrs = []
         self._show_lrs()
 
+    def _load_counters(self, extra: dict) -> None:
+        """The saved device counters. A state saved before the worst-step window existed (layout 1: the same
+        slots, fewer of them) loads into the leading slots. The worst-step window starts over either way (its
+        per-tensor norms are not saved)."""
+        _check_counters(extra)
+        fstate, istate = extra["fstate"], extra["istate"]
+        self._fstate[: fstate.numel()].copy_(fstate)
+        self._istate[: istate.numel()].copy_(istate)
+        self._reset_worst_step()
+
     # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
     # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
-    _PICKLED = ("rules", "master_weights", "capturable", "device", "backend", "_fstate", "_istate", "_param_names")
+    _PICKLED = (
+        "rules", "master_weights", "capturable", "device", "backend", "_fstate", "_istate", "_worst_sumsq", "_param_names",
+    )  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -669,7 +729,12 @@ class FusedAdamW(Optimizer):
             self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
             self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
             self._istate[layout.I_LAST_SPIKE_STEP] = -1
-            self.reset_max_zscore()
+        if getattr(self, "_worst_sumsq", None) is None:  # pickled by an older version: no worst-step window yet
+            self._worst_sumsq = self._new_worst_sumsq()
+            saved = {"fstate": self._fstate, "istate": self._istate}
+            self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
+            self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
+            self._load_counters(saved)
         self._param_names = getattr(self, "_param_names", None)
         self._buffers = self._step_buffers()
         self._plan = None
@@ -677,6 +742,15 @@ class FusedAdamW(Optimizer):
         self._version.bump()
         self._global_sumsq = self._sharded_norm_reducer()
         self._show_loaded_lrs()
+
+
+def _check_counters(extra: dict) -> None:
+    fstate, istate = extra["fstate"], extra["istate"]
+    if fstate.numel() > layout.F_SIZE or istate.numel() > layout.I_SIZE:
+        raise ValueError(
+            f"this optimizer state was saved by a newer fused_stable (counter layout {extra.get('layout')}, this one "
+            f"reads up to {_LAYOUT_VERSION}): upgrade fused_stable to load it"
+        )
 
 
 def _check_not_differentiable(differentiable, where: str) -> None:

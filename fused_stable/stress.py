@@ -1,4 +1,5 @@
-"""`fused-stable stress`: reproducible failure scenarios, each trained twice on the embedded tiny Llama.
+"""`fused-stable stress`: reproducible failure scenarios, each trained twice, on the embedded tiny Llama (the fast
+default) or, with `--model smollm2-135m` (any `--model` that `sft` takes), on a pretrained model with LoRA.
 
 Recipes:
 - `usual`: torch.optim.AdamW + torch.nn.utils.clip_grad_norm_(1.0) + transformers-style warm-up/cosine
@@ -14,8 +15,12 @@ clean, lr_too_high, poisoned_batch, fp16_overflow_storm, nan_injection, distribu
 docs/guard.md for exactly what each one does).
 
 A run "diverged" when its final loss (mean of the last 10 steps) is not finite or is above twice the clean
-run's of the same recipe; a run the guard stopped is reported as "stopped". Outputs: a table on stdout,
-`stress.json` and `stress.png` (loss curves, usual vs guarded, one panel per scenario) in --output-dir.
+run's of the same recipe; a run the guard stopped is reported as "stopped". On a pretrained model every run is
+also judged by what the model still knows: the trainer's held-out evaluation (fused_stable.train.evaluate:
+`general` accuracy on known short answers, and the target task's accuracy, `identity`) after the run
+(`general_after`, `task_after`), against the base model's (`general_before`, `task_before`). Outputs: a table
+on stdout, `stress.json` and `stress.png` (loss curves, usual vs guarded, one panel per scenario) in
+--output-dir.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ FINAL_WINDOW = 10  # steps averaged into the "final loss"
 # ---------------------------------------------------------------------------------------------- settings
 @dataclass
 class StressConfig:
+    model: str = "tiny"        # tiny (the embedded scratch Llama, full fine-tuning) or any sft --model (LoRA)
     steps: int = 120           # optimizer steps per run (one micro-batch each)
     batch_size: int = 8
     max_length: int = 96
@@ -56,9 +62,25 @@ class StressConfig:
     log_every: int = 5         # the guard reads the device every log_every steps
     snapshot_every: int = 20   # the guarded recipe keeps a rollback snapshot taken at a clean check this often
     max_rollbacks: int = 5
+    zscore_warmup: int = 25    # steps of grad norms the guarded optimizer collects before it can call one a spike
+    lr_multiplier: float = 50.0  # lr_too_high: the peak lr this many times too high
+    poison_weight: float = 1e4   # poisoned_batch: the loss weight of the corrupt batch
     seed: int = 0
     threads: int = 1
-    examples: int = 2000
+    examples: int = 2000       # tiny: built-in examples; a pretrained model: general examples mixed into its task
+
+
+# the real-model suite's setup (`--model` other than tiny): LoRA on the identity task of `fused-stable sft`, sized to
+# fit about 15 minutes on 2 CPU cores (12 runs and their evaluations); the faults sit in the middle, after the
+# guarded optimizer's norm statistics have warmed up
+REAL_MODEL_DEFAULTS = dict(
+    steps=30, batch_size=4, max_length=128, lr=1e-3, pretrain_steps=0, warmup_steps=3, log_every=5,
+    snapshot_every=5, max_rollbacks=3, zscore_warmup=8, lr_multiplier=30.0, poison_weight=1e3, examples=50,
+)  # fmt: skip
+
+
+def is_real(cfg: StressConfig) -> bool:
+    return cfg.model != "tiny"
 
 
 @dataclass
@@ -78,13 +100,14 @@ class Scenario:
 
 def scenarios(cfg: StressConfig) -> dict[str, Scenario]:
     mid = cfg.steps // 2
+    storm = max(1, min(10, mid // 3))  # micro-batches on each side of the middle
     return {s.name: s for s in [
         Scenario("clean", "no fault: the reference for 'diverged'"),
-        Scenario("lr_too_high", "peak lr 50x too high", lr_multiplier=50.0),
-        Scenario("poisoned_batch", f"micro-batch {mid}: random labels, loss weight x1e4 (a huge gradient)",
-                 poison_at=mid),
-        Scenario("fp16_overflow_storm", f"fp16 grads + GradScaler; micro-batches {mid - 10}..{mid + 9} overflow fp16 "
-                 "(loss x2^40)", fp16=True, storm=(mid - 10, mid + 10)),
+        Scenario("lr_too_high", f"peak lr {cfg.lr_multiplier:g}x too high", lr_multiplier=cfg.lr_multiplier),
+        Scenario("poisoned_batch", f"micro-batch {mid}: random labels, loss weight x{cfg.poison_weight:g} (a huge "
+                 "gradient)", poison_at=mid, poison_weight=cfg.poison_weight),
+        Scenario("fp16_overflow_storm", f"fp16 grads + GradScaler; micro-batches {mid - storm}..{mid + storm - 1} "
+                 "overflow fp16 (loss x2^40)", fp16=True, storm=(mid - storm, mid + storm)),
         Scenario("nan_injection", f"micro-batch {mid}: loss is NaN", nan_at=mid),
         Scenario("distribution_shift", f"from micro-batch {mid}: a different prompt format, all upper case",
                  shift_at=mid),
@@ -97,10 +120,17 @@ class Workload:
     tokenizer: object
     items: list
     shifted_items: list
-    init_state: dict
+    init_state: dict             # the trainable tensors every run starts from (tiny: the whole pre-trained model)
+    model: object = None         # a pretrained model with LoRA adapters, shared by the runs (its base stays frozen)
+    task_name: Optional[str] = None  # the identity the evaluation expects
+    before: Optional[dict] = None    # the held-out evaluation of the base model
 
 
 def build_workload(cfg: StressConfig) -> Workload:
+    return build_real_workload(cfg) if is_real(cfg) else build_tiny_workload(cfg)
+
+
+def build_tiny_workload(cfg: StressConfig) -> Workload:
     """The trainer's tokenizer, built-in task and embedded tiny Llama (full fine-tuning: every weight trains)."""
     from fused_stable.train import data
     from fused_stable.train.model import build_tiny_model
@@ -109,11 +139,50 @@ def build_workload(cfg: StressConfig) -> Workload:
     tokenizer = build_byte_tokenizer()
     examples = data.builtin_examples(cfg.examples, seed=cfg.seed)
     items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
-    shifted = [data.Example([(_shift_text(text, trained), trained) for text, trained in ex.segments]) for ex in examples]
-    shifted_items = data.tokenize_examples(shifted, tokenizer, cfg.max_length)
+    shifted_items = data.tokenize_examples([_shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
     model = build_tiny_model(tokenizer)
     _pretrain(model, data.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
     return Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def build_real_workload(cfg: StressConfig) -> Workload:
+    """A pretrained model (`--model`, resolved as `fused-stable sft` does) with the sft defaults' LoRA adapters
+    (r 8, all linear layers), the sft default task (`identity`: who the assistant is, mixed with general
+    instructions answered by the base model itself) and its held-out evaluation, taken once on the base."""
+    from fused_stable.train import data, tasks
+    from fused_stable.train.config import TrainConfig
+    from fused_stable.train.evaluate import evaluate
+    from fused_stable.train.model import apply_tuner, load_pretrained
+    from fused_stable.train.sources import resolve_model
+
+    source = resolve_model(cfg.model)
+    model, tokenizer = load_pretrained(source, dtype=torch.float32)
+    name, author = tasks.default_identity()
+    examples = tasks.identity_examples(name, author, seed=cfg.seed, general=cfg.examples)
+    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
+    shifted_items = data.tokenize_examples([_shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
+    before = evaluate(model, tokenizer, name=name)
+    torch.manual_seed(cfg.seed)
+    model = apply_tuner(model, TrainConfig(model=cfg.model))
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return Workload(tokenizer, items, shifted_items, init, model=model, task_name=name, before=before)
+
+
+def _fresh_model(work: Workload):
+    """The model a run starts from: a new tiny Llama with the pre-trained weights, or the shared pretrained
+    model with its adapters reset to their initial values."""
+    if work.model is not None:
+        from fused_stable.train.model import load_trainable_state
+
+        load_trainable_state(work.model, work.init_state)
+        return work.model
+    from transformers import LlamaForCausalLM
+
+    from fused_stable.train.model import tiny_llama_config
+
+    model = LlamaForCausalLM(tiny_llama_config(len(work.tokenizer)))
+    model.load_state_dict(work.init_state)
+    return model
 
 
 def _pretrain(model, batches, cfg: StressConfig) -> None:
@@ -131,11 +200,12 @@ def _pretrain(model, batches, cfg: StressConfig) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def _shift_text(text: str, trained: bool) -> str:
-    """The shifted task: the same questions in a terse prompt format, everything upper case."""
-    if not trained:
-        text = text.replace("### Instruction:\n", "Q: ").replace("\n\n### Input:\n", " | ").replace("\n\n### Response:\n", "\nA: ")
-    return text.upper()
+def _shift_example(example):
+    """The shifted task: the same questions in a terse prompt format ("Q: ..."), everything upper case."""
+    from fused_stable.train import data
+
+    return data.Example([{**m, "content": (("Q: " if m["role"] == "user" else "") + m["content"]).upper()}
+                         for m in example.messages])  # fmt: skip
 
 
 def _batch_source(work: Workload, cfg: StressConfig, scenario: Scenario):
@@ -186,30 +256,31 @@ class RunResult:
     rolled_back: int = 0                          # rollbacks
     rolled_back_steps: int = 0                    # optimizer steps undone by them
     alerts: int = 0
-    wall_s: float = 0.0
+    wall_s: float = 0.0                           # training (the evaluation apart)
     message: str = ""
+    general_after: Optional[float] = None         # pretrained model: held-out general accuracy after the run
+    task_after: Optional[float] = None            # ...and the target task's (identity) accuracy
+    eval_s: float = 0.0
+    cpu_s: float = 0.0                            # this process's CPU time for the run and its evaluation
 
 
 def _fp16_grad_hooks(model) -> list:
-    """fp16 gradients, emulated: every parameter gradient is rounded through float16 as it is produced, so a
-    scaled gradient above 65504 becomes inf and one below 6e-8 becomes 0, as in an fp16 backward."""
-    return [p.register_hook(lambda g: g.to(torch.float16).to(g.dtype)) for p in model.parameters()]
+    """fp16 gradients, emulated: every trainable parameter's gradient is rounded through float16 as it is
+    produced, so a scaled gradient above 65504 becomes inf and one below 6e-8 becomes 0, as in an fp16 backward."""
+    return [p.register_hook(lambda g: g.to(torch.float16).to(g.dtype)) for p in model.parameters() if p.requires_grad]
 
 
 def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) -> RunResult:
-    from transformers import LlamaForCausalLM
-
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.guard import Guard, GuardConfig
-    from fused_stable.train.model import tiny_llama_config
 
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(tiny_llama_config(len(work.tokenizer)))
-    model.load_state_dict(work.init_state)
+    model = _fresh_model(work)
     model.config.use_cache = False
     model.train()
-    params = list(model.parameters())
-    names = [n for n, _ in model.named_parameters()]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in trainable]
+    names = [n for n, _ in trainable]
     hooks = _fp16_grad_hooks(model) if scenario.fp16 else []
     lr = cfg.lr * scenario.lr_multiplier
     batch = _batch_source(work, cfg, scenario)
@@ -222,14 +293,15 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
     else:
         guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks))
         opt = FusedAdamW(params, lr=lr, weight_decay=0.01, max_grad_norm=1.0, clip="zscore",
-                         lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
+                         zscore_warmup=cfg.zscore_warmup, lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
                          **guard.config.optimizer_kwargs())  # fmt: skip
         opt.param_names = names
         guard.bind(opt)
         scaler = GradScaler("cpu") if scenario.fp16 else None
         sched = None
-    snapshot = _snapshot(model, opt, scaler, 0) if guard else None
+    snapshot = _snapshot(trainable, opt, scaler, 0) if guard else None
 
+    cpu0 = time.process_time()   # CPU time: on a shared machine, a fairer measure of the cost than the wall clock
     step, k = 0, 0               # optimizer steps (rolled back with the model), micro-batches consumed (never)
     pending: list[torch.Tensor] = []
     rows: list[dict] = []
@@ -270,8 +342,6 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         seen = loss.detach() if scenario.nan_at != k - 1 else loss.detach() * math.nan
         skipped = opt.last_step_skipped.float() if guard else torch.zeros(())
         pending.append(torch.stack([seen, skipped]))
-        if guard:
-            guard.observe_step(step, opt)
         if step % cfg.log_every == 0 or step == cfg.steps:
             losses = torch.stack(pending).tolist()
             pending.clear()
@@ -283,7 +353,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
                 decision = guard.check(step, opt, new_rows)
                 result.alerts += len(decision.alerts)
                 if decision.action == "rollback":
-                    _restore(snapshot, model, opt, scaler)
+                    _restore(snapshot, trainable, opt, scaler)
                     result.rolled_back_steps += step - snapshot["step"]
                     step = snapshot["step"]
                     rows = [r for r in rows if r["step"] <= step]
@@ -293,7 +363,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
                     result.status, result.message = "stopped", decision.message
                     break
                 if step % cfg.snapshot_every == 0 and not decision.alerts:
-                    snapshot = _snapshot(model, opt, scaler, step)
+                    snapshot = _snapshot(trainable, opt, scaler, step)
     result.wall_s = time.perf_counter() - t0
     for h in hooks:
         h.remove()
@@ -302,20 +372,31 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
     result.final_loss = sum(tail) / len(tail) if tail else math.nan
     if guard:
         result.rolled_back = guard.rollbacks
+    if work.model is not None:  # what the pretrained model still knows, and what it learnt
+        from fused_stable.train.evaluate import evaluate
+
+        t0 = time.perf_counter()
+        scores = evaluate(model, work.tokenizer, name=work.task_name)
+        result.general_after, result.task_after = scores["general"]["accuracy"], scores["identity"]["accuracy"]
+        result.eval_s = time.perf_counter() - t0
+    result.cpu_s = time.process_time() - cpu0
     return result
 
 
-def _snapshot(model, opt, scaler, step: int) -> dict:
-    """An in-memory checkpoint, serialised like one on disk (no live tensors shared with the run)."""
+def _snapshot(trainable: list, opt, scaler, step: int) -> dict:
+    """An in-memory checkpoint of the trainable tensors (what the trainer's checkpoints hold), the optimizer and
+    the scaler, serialised like one on disk (no live tensors shared with the run)."""
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+    torch.save({"model": {n: p.detach() for n, p in trainable}, "opt": opt.state_dict(),
                 "scaler": scaler.state_dict() if scaler else None}, buffer)
     return {"bytes": buffer.getvalue(), "step": step}
 
 
-def _restore(snapshot: dict, model, opt, scaler) -> None:
+def _restore(snapshot: dict, trainable: list, opt, scaler) -> None:
     saved = torch.load(io.BytesIO(snapshot["bytes"]), weights_only=True)
-    model.load_state_dict(saved["model"])
+    with torch.no_grad():
+        for name, p in trainable:
+            p.copy_(saved["model"][name])
     opt.load_state_dict(saved["opt"])
     if scaler is not None:
         scaler.load_state_dict(saved["scaler"])
@@ -333,15 +414,30 @@ def judge(results: list[RunResult]) -> None:
         r.status = "diverged" if bad else "ok"
 
 
-def format_table(results: list[RunResult]) -> str:
-    header = "| scenario | recipe | outcome | final loss | skipped steps | rollbacks (steps undone) | alerts | wall time |"
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+def format_table(results: list[RunResult], before: Optional[dict] = None) -> str:
+    """The markdown table; with a pretrained model's evaluation, `general` and task accuracy after each run
+    (and the base model's in the first line)."""
+    evaluated = any(r.general_after is not None for r in results)
+    header = "| scenario | recipe | outcome | final loss |"
+    if evaluated:
+        header += " general after | task after |"
+    header += " skipped steps | rollbacks (steps undone) | alerts | wall time |"
+    lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
+    if evaluated and before is not None:
+        lines.append(f"| base model | - | - | - | {before['general']['accuracy']:.3f} | {before['identity']['accuracy']:.3f} "
+                     "| - | - | - | - |")
     for r in results:
         alerts = str(r.alerts) if r.recipe == "guarded" else "-"
         rollbacks = f"{r.rolled_back} ({r.rolled_back_steps})" if r.recipe == "guarded" else "-"
-        lines.append(f"| {r.scenario} | {r.recipe} | {r.status} | {r.final_loss:.3f} | {r.skipped_steps} | "
-                     f"{rollbacks} | {alerts} | {r.wall_s:.1f}s |")
+        line = f"| {r.scenario} | {r.recipe} | {r.status} | {r.final_loss:.3f} |"
+        if evaluated:
+            line += f" {_accuracy(r.general_after)} | {_accuracy(r.task_after)} |"
+        lines.append(line + f" {r.skipped_steps} | {rollbacks} | {alerts} | {r.wall_s:.1f}s |")
     return "\n".join(lines)
+
+
+def _accuracy(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def plot(results: list[RunResult], path: str) -> None:
@@ -360,7 +456,10 @@ def plot(results: list[RunResult], path: str) -> None:
                 continue
             ys = [v if math.isfinite(v) else float("nan") for v in r.losses]
             color = "tab:red" if r.recipe == "usual" else "tab:blue"
-            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=f"{r.recipe}: {r.status}", color=color)
+            label = f"{r.recipe}: {r.status}"
+            if r.general_after is not None:
+                label += f", general {r.general_after:.2f}, task {r.task_after:.2f}"
+            ax.plot(range(1, len(ys) + 1), ys, lw=1.1, label=label, color=color)
             bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
             if bad is not None and not math.isfinite(r.final_loss):  # NaN draws nothing: mark where the curve ends
                 ax.axvline(bad + 1, color=color, ls="--", lw=1)
@@ -379,19 +478,26 @@ def plot(results: list[RunResult], path: str) -> None:
     plt.close(fig)
 
 
-def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], None] = print) -> list[RunResult]:
+def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], None] = print,
+              work: Optional[Workload] = None,
+              on_result: Optional[Callable[[list[RunResult]], None]] = None) -> list[RunResult]:
+    """Every named scenario (and `clean`, the reference) with both recipes; `on_result` sees the results so far
+    after each run (the command writes them out, so a long suite cut short keeps what it measured)."""
     available = scenarios(cfg)
-    work = build_workload(cfg)
+    work = work or build_workload(cfg)
     if "clean" not in names:
         names = ["clean"] + names  # the reference for "diverged"
     results = []
     for name in names:
         for recipe in RECIPES:
             r = run_one(work, cfg, available[name], recipe)
-            progress(f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}  skipped {r.skipped_steps}  "
+            knows = f"  general {r.general_after:.3f}  task {r.task_after:.3f}" if r.general_after is not None else ""
+            progress(f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}{knows}  skipped {r.skipped_steps}  "
                      f"rollbacks {r.rolled_back}  {r.wall_s:.1f}s" + (f"  [{r.message}]" if r.message else ""))
             results.append(r)
-    judge(results)
+            judge(results)
+            if on_result is not None:
+                on_result(results)
     return results
 
 
@@ -409,29 +515,48 @@ _RANGES = {
 }
 
 
+_HELPS = {
+    "steps": "optimizer steps per run, one micro-batch each; faults sit at the middle",
+    "pretrain_steps": "tiny: steps of plain training that make the shared base model (0: the random tiny Llama)",
+    "batch_size": "sequences per step",
+    "max_length": "token limit per sequence (the tiny model's built-in prompts need 96)",
+    "lr": "the sane peak lr of both recipes",
+    "lr_multiplier": "lr_too_high: the peak lr this many times too high",
+    "poison_weight": "poisoned_batch: the loss weight of the batch with random labels",
+    "log_every": "the guarded recipe's guard reads the device every N steps",
+    "max_rollbacks": "the guarded recipe gives up (stops) after this many rollbacks",
+    "zscore_warmup": "steps the guarded optimizer's norm statistics warm up before a spike can be called",
+    "seed": "data order, the adapters' init and the tiny base model's training",
+    "threads": "torch CPU threads (1 is fastest and steadiest on a shared 2-core machine)",
+}
+_RANGES.update(lr_multiplier=dict(low=1, high=1e6), poison_weight=dict(low=1, high=1e12),
+               zscore_warmup=dict(low=1, high=100_000, integer=True))
+
+
 def build_parser() -> OneLineParser:
-    d = StressConfig()
+    tiny, real = StressConfig(), StressConfig(**REAL_MODEL_DEFAULTS)
     p = OneLineParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0],
                       aliases={"--output_dir": "--output-dir", "--out": "--output-dir", "--scenario": "--scenarios",
                                "--iters": "--steps", "--max-steps": "--steps", "--learning-rate": "--lr"})
-    p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(d))} (default: all)")
+    p.add_argument("--model", default="tiny", help="tiny (the embedded scratch Llama, full fine-tuning; the fast "
+                   "default) or what `fused-stable sft --model` takes (smollm2-135m, an HF folder, a .gguf file): "
+                   "LoRA on the identity task, judged by the held-out evaluation after every run")
+    p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(tiny))} (default: all)")
     p.add_argument("--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)")
-    helps = {
-        "steps": "optimizer steps per run, one micro-batch each; faults sit at the middle",
-        "pretrain_steps": "steps of plain training that make the shared base model (0: the random tiny Llama)",
-        "batch_size": "sequences per step",
-        "max_length": "token limit per sequence (the built-in prompts need 96)",
-        "lr": "the sane peak lr of both recipes (lr_too_high multiplies it by 50)",
-        "log_every": "the guarded recipe's guard reads the device every N steps",
-        "max_rollbacks": "the guarded recipe gives up (stops) after this many rollbacks",
-        "seed": "data order and the base model's training",
-        "threads": "torch CPU threads (1 is fastest and steadiest on a shared 2-core machine)",
-    }
-    for name, text in helps.items():
-        value = getattr(d, name)
-        p.add_argument(f"--{name.replace('_', '-')}", type=number(**_RANGES[name]), default=value,
-                       help=f"{text} (default: {value})")
+    for name, text in _HELPS.items():
+        defaults = f"tiny {getattr(tiny, name):g}, pretrained {getattr(real, name):g}"
+        if getattr(tiny, name) == getattr(real, name):
+            defaults = f"{getattr(tiny, name):g}"
+        p.add_argument(f"--{name.replace('_', '-')}", type=number(**_RANGES[name]), default=None,
+                       help=f"{text} (default: {defaults})")
     return p
+
+
+def config_from_args(args) -> StressConfig:
+    """The options given, on top of the tiny suite's defaults or the pretrained model's."""
+    base = {} if args.model == "tiny" else dict(REAL_MODEL_DEFAULTS)
+    given = {name: getattr(args, name) for name in _HELPS if getattr(args, name) is not None}
+    return StressConfig(model=args.model, **{**base, **given})
 
 
 def main(argv: list[str]) -> int:
@@ -443,9 +568,7 @@ def main(argv: list[str]) -> int:
     except UserError as exc:
         print(f"fused-stable stress: error: {exc}", file=sys.stderr)
         return 2
-    cfg = StressConfig(steps=args.steps, pretrain_steps=args.pretrain_steps, batch_size=args.batch_size,
-                       max_length=args.max_length, lr=args.lr, log_every=args.log_every,
-                       max_rollbacks=args.max_rollbacks, seed=args.seed, threads=args.threads)
+    cfg = config_from_args(args)
     known = scenarios(cfg)
     names = list(known) if args.scenarios == "all" else [s.strip() for s in args.scenarios.split(",") if s.strip()]
     try:
@@ -457,34 +580,65 @@ def main(argv: list[str]) -> int:
             raise UserError(f"{what}; {hint}choose from {', '.join(known)} or all")
         if cfg.steps < 2 * cfg.log_every:
             raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
+        if is_real(cfg):
+            from fused_stable.train.sources import resolve_model
+
+            resolve_model(cfg.model)  # a model that cannot be found: one line, before anything is written
         check_writable(args.output_dir, "--output-dir")
     except UserError as exc:
         print(f"fused-stable stress: error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.threads)
     os.makedirs(args.output_dir, exist_ok=True)
-    print(f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} on the embedded tiny Llama (full fine-tuning), "
-          f"{cfg.steps} steps each, {cfg.threads} thread(s)", flush=True)
+    what = (f"{cfg.model} with LoRA (r 8, all linear layers) on the identity task" if is_real(cfg)
+            else "the embedded tiny Llama (full fine-tuning)")
+    print(f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} on {what}, {cfg.steps} steps each, "
+          f"{cfg.threads} thread(s)", flush=True)
     t0 = time.perf_counter()
-    results = run_suite(cfg, names, progress=lambda line: print(line, flush=True))
-    table = format_table(results)
-    print()
-    print(table)
+    work = build_workload(cfg)
+    if work.before is not None:
+        print(f"  base model: general {work.before['general']['accuracy']:.3f}  task {work.before['identity']['accuracy']:.3f}"
+              f"  ({time.perf_counter() - t0:.0f}s to load and evaluate)", flush=True)
     json_path = os.path.join(args.output_dir, "stress.json")
     png_path = os.path.join(args.output_dir, "stress.png")
-    with open(json_path, "w") as f:
-        json.dump({
-            "config": asdict(cfg), "scenarios": {n: asdict(s) for n, s in known.items() if n in {r.scenario for r in results}},
-            "results": [{k: (v if not (isinstance(v, float) and not math.isfinite(v)) else str(v))
-                         for k, v in asdict(r).items() if k != "losses"} | {"losses": [x if math.isfinite(x) else str(x) for x in r.losses]}
-                        for r in results],
-            "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                            "threads": cfg.threads},
-            "total_wall_s": time.perf_counter() - t0,
-        }, f, indent=1)  # fmt: skip
+
+    def write(results: list[RunResult], finished: bool) -> None:
+        _write_json(json_path, cfg, known, results, work, time.perf_counter() - t0, finished)
+
+    results = run_suite(cfg, names, progress=lambda line: print(line, flush=True), work=work,
+                        on_result=lambda so_far: write(so_far, finished=False))
+    write(results, finished=True)
+    print()
+    print(format_table(results, work.before))
     plot(results, png_path)
     print(f"\nwrote {json_path} and {png_path} in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0
+
+
+def _json_value(v):
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _write_json(path: str, cfg: StressConfig, known: dict, results: list[RunResult], work: Workload, wall_s: float,
+                finished: bool) -> None:
+    """stress.json (written after every run, atomically: a suite cut short keeps what it measured)."""
+    before = None
+    if work.before is not None:
+        before = {"general_before": work.before["general"]["accuracy"], "task_before": work.before["identity"]["accuracy"],
+                  "general_n": work.before["general"]["n"], "task_n": work.before["identity"]["n"]}
+    report = {
+        "config": asdict(cfg), "finished": finished, "base_model": before,
+        "scenarios": {n: asdict(s) for n, s in known.items() if n in {r.scenario for r in results}},
+        "results": [{k: _json_value(v) for k, v in asdict(r).items() if k != "losses"}
+                    | {"losses": [_json_value(x) for x in r.losses]} for r in results],
+        "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+                        "threads": cfg.threads, "cpus": os.cpu_count()},
+        "total_wall_s": wall_s,
+    }  # fmt: skip
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -288,3 +289,16 @@ def count_host_reads():
     """`with count_host_reads() as reads:` ... then `reads.count` / `reads.reads`."""
     with HostReads() as counter:
         yield counter
+
+
+class CountDeviceOps(TorchDispatchMode):
+    """Records every aten op dispatched while active (each one a kernel launch on a GPU): `ops` holds their
+    names, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

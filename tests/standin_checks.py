@@ -15,7 +15,9 @@ from triton.runtime.jit import JITFunction
 
 import fused_stable.ops as ops
 from fused_stable import FusedAdamW, clip_grad_norm_
+from fused_stable.guard import Guard
 from fused_stable.kernels import adamw, codegen, norm, standin
+from helpers import CountDeviceOps
 
 KERNELS = (norm._sumsq_kernel, adamw._finalize_kernel, adamw._adamw_kernel)
 
@@ -108,6 +110,25 @@ def main() -> dict:
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
         out["launch hook saw"] = seen
+
+        # a guarded step: no launch and no torch op more than an unguarded one (the decision kernel keeps the
+        # guard's worst-step window). Last: its zscore clip mode compiles another decision-kernel variant
+        for guarded in (False, True):
+            guard = Guard(policy="rollback")
+            opt = FusedAdamW(make_params([(7,)] * 12), lr=1e-3, max_grad_norm=1.0, clip="zscore",
+                             **guard.config.optimizer_kwargs())  # fmt: skip
+            if guarded:
+                guard.bind(opt)
+            opt.step()
+            before = log.count
+            with CountDeviceOps() as counter:
+                for step in range(2, 7):
+                    opt.step()
+                    if guarded:
+                        guard.observe_step(step, opt)
+            kind = "guarded" if guarded else "unguarded"
+            out[f"{kind} steps: launches"] = log.count - before
+            out[f"{kind} steps: torch ops"] = counter.ops
     out["fp fusion warnings"] = [str(w.message) for w in caught if "FP_FUSION" in str(w.message)]
     return out
 

@@ -49,6 +49,8 @@ ACCEPTED = {
     ("guard_grad_z", "1e30"): "grad-norm alerts never fire",
     ("guard_grad_ratio", "1e30"): "grad-norm alerts never fire",
     ("guard_skip_z", "1e30"): "spikes never skipped",
+    ("guard_skip_ratio", "0"): "the z-score alone",
+    ("guard_skip_ratio", "1e30"): "spikes never skipped",
     ("guard_loss_z", "1e30"): "loss alerts never fire",
     ("guard_loss_rise", "1e30"): "rise alerts never fire",
 }

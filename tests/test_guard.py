@@ -15,7 +15,7 @@ from fused_stable.guard import (
     GRAD_SPIKE, LOSS_RISE, LOSS_SPIKE, NONFINITE_GRADS, NONFINITE_LOSS, AlertLog, Guard, GuardConfig, LossStats,
     read_alerts,
 )  # fmt: skip
-from helpers import no_host_reads
+from helpers import BACKEND_PARAMS, CountDeviceOps, no_host_reads
 
 NAMES = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "head.weight", "norm.weight", "embed.weight"]
 SHAPES = [(8, 8), (8,), (8, 8), (4, 8), (8,), (16, 8)]
@@ -255,15 +255,54 @@ def test_guard_state_round_trips_through_json():
     assert other.loss_stats.zscore(3.0) == run.guard.loss_stats.zscore(3.0)
 
 
-def test_observe_step_never_reads_the_device():
-    run = Run("warn")
-    run.run(30)
-    with no_host_reads():
-        for _ in range(3):
-            for p in run.params:
-                p.grad = torch.randn(p.shape)
-            run.opt.step()
-            run.guard.observe_step(31, run.opt)
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_a_guarded_training_step_issues_the_same_device_ops_as_an_unguarded_one(backend):
+    """The guard adds no device op per step (the decision kernel keeps the interval's worst step) and reads
+    nothing between checks: a training step with a spike in it, guarded or not, dispatches the same ops."""
+    seen = {}
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        guard = Guard(policy="rollback")
+        opt = FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0, clip="zscore", zscore_warmup=3,
+                         backend=backend, **guard.config.optimizer_kwargs())  # fmt: skip
+        if guarded:
+            guard.bind(opt)
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+
+        def train_step(step, scale=1.0):
+            (model(x).pow(2).mean() * scale).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if guarded:
+                guard.observe_step(step, opt)
+
+        for step in range(1, 6):  # the plan and the norm statistics
+            train_step(step)
+        with CountDeviceOps() as counter, no_host_reads():
+            for step in range(6, 11):
+                train_step(step, scale=1e3 if step == 8 else 1.0)  # a spike: the window's new worst step
+        seen[guarded] = counter.ops
+        if guarded:  # and the guard still names that step and its tensors at the check
+            decision = guard.check(10, opt, [{"step": s, "loss": 1.0} for s in range(6, 11)])
+            (alert,) = [a for a in decision.alerts if a.kind == GRAD_SPIKE]
+            assert alert.step == 8 and alert.action == ACTION_SKIPPED and len(alert.top_tensors) == 4
+    assert seen[True] == seen[False] and len(seen[False]) > 10
+
+
+def test_skip_takes_moderate_spikes_and_leaves_heavy_tailed_normal_steps():
+    """guard=skip at z > 6: the norm ratio (>= 5x the running mean) is what tells a real spike from the heavy
+    tail of small-batch steps (z ~ 10+ at 2.5x the mean): with the z-score alone those would be skipped too."""
+    tail = {31: 2.5, 38: 2.5, 45: 2.5}
+    spike = {52: 8.0}
+    run = Run("skip", log_every=5)
+    assert run.guard.config.skip_z == 6.0 and run.guard.config.skip_ratio == 5.0
+    run.run(60, grad_scale={**tail, **spike})
+    assert run.opt.spike_skips.item() == 1
+    assert [(a.kind, a.step, a.action) for a in run.alerts] == [(GRAD_SPIKE, 52, ACTION_SKIPPED)]
+    z_alone = Run("skip", log_every=5, skip_ratio=0.0)
+    z_alone.run(60, grad_scale={**tail, **spike})
+    assert z_alone.opt.spike_skips.item() == 4  # the three normal heavy-tail steps as well
 
 
 def test_alert_log_writes_jsonl_and_trims_on_resume(tmp_path):
@@ -284,7 +323,8 @@ def test_alert_log_writes_jsonl_and_trims_on_resume(tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     ({"policy": "panic"}, "policy must be one of"), ({"grad_z": 0}, "grad_z"), ({"lr_factor": 1.5}, "lr_factor"),
-    ({"max_rollbacks": -1}, "max_rollbacks"), ({"loss_rise": 0.9}, "loss_rise"),
+    ({"max_rollbacks": -1}, "max_rollbacks"), ({"loss_rise": 0.9}, "loss_rise"), ({"skip_ratio": -1}, "skip_ratio"),
+    ({"skip_ratio": math.inf}, "skip_ratio"),
 ])  # fmt: skip
 def test_bad_config_is_refused_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message):

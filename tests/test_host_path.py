@@ -33,6 +33,11 @@ def test_launches_per_step_do_not_grow_with_tensor_count(seen):
     assert seen["launches per step, 30 fp32+bf16"] == 5  # each further dtype: its own norm and update launch
 
 
+def test_a_guarded_step_launches_and_dispatches_what_an_unguarded_one_does(seen):
+    assert seen["guarded steps: launches"] == seen["unguarded steps: launches"] == 5 * 3
+    assert seen["guarded steps: torch ops"] == seen["unguarded steps: torch ops"]
+
+
 def test_steps_launch_the_cached_compiled_kernels_not_the_dispatcher(seen):
     for name in ("3 fp32", "300 fp32", "30 fp32+bf16"):
         assert seen[f"dispatches after the first step, {name}"] == 0, name

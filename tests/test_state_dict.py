@@ -159,3 +159,30 @@ def test_deepcopy_of_the_optimizer_keeps_settings_and_counters(backend):
     train(twin, twin_params, range(2, 4), None)
     for a, b in zip(params, twin_params):
         assert torch.equal(a, b)
+
+
+def test_a_state_saved_before_the_worst_step_window_loads_and_continues():
+    """Counter layout 1 (no worst-step window: 14 fp32 and 8 int64 slots) loads into the leading slots; the
+    window starts empty; a state from a newer layout with more slots is refused in one line."""
+    from fused_stable import layout
+
+    params = fresh_params()
+    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, clip="zscore", zscore_warmup=2, backend="torch")
+    train(opt, params, range(4), None)
+    saved = through_disk(opt.state_dict())
+    old = {**saved, "fused_stable": {"fstate": saved["fused_stable"]["fstate"][:14],
+                                     "istate": saved["fused_stable"]["istate"][:8], "layout": 1}}  # fmt: skip
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = FusedAdamW(clone, lr=1e-2, max_grad_norm=1.0, clip="zscore", zscore_warmup=2, backend="torch")
+    opt2.load_state_dict(old)
+    assert torch.equal(opt2._fstate[:14], opt._fstate[:14]) and torch.equal(opt2._istate[:8], opt._istate[:8])
+    assert opt2.worst_step.item() == -1 and opt2.worst_step_zscore.item() == float("-inf")
+    train(opt, params, range(4, 6), None)
+    train(opt2, clone, range(4, 6), None)
+    assert all(torch.equal(a, b) for a, b in zip(params, clone))
+    assert opt2.worst_step.item() in (4, 5)  # the window filled again from the steps after the load
+    newer = {**saved, "fused_stable": {**saved["fused_stable"], "fstate": torch.zeros(layout.F_SIZE + 1)}}
+    before = {name: t.clone() for name, t in (("fstate", opt2._fstate), ("exp_avg", opt2.state[clone[0]]["exp_avg"]))}
+    with pytest.raises(ValueError, match="newer fused_stable"):
+        opt2.load_state_dict(newer)
+    assert torch.equal(before["fstate"], opt2._fstate) and torch.equal(before["exp_avg"], opt2.state[clone[0]]["exp_avg"])

@@ -107,3 +107,36 @@ def test_the_verdict_rule_at_its_boundaries():
         ("at_2x", "usual"): "ok", ("above_2x", "usual"): "diverged", ("at_2x", "guarded"): "ok",
         ("nan", "usual"): "diverged", ("inf", "guarded"): "diverged", ("gave_up", "guarded"): "stopped",
     }
+
+
+def test_a_pretrained_model_takes_its_own_defaults_and_explicit_options_win():
+    parse = stress.build_parser().parse_args
+    tiny = stress.config_from_args(parse([]))
+    assert tiny == stress.StressConfig()
+    real = stress.config_from_args(parse(["--model", "smollm2-135m", "--steps", "40"]))
+    assert real.model == "smollm2-135m" and stress.is_real(real) and real.steps == 40
+    for name, value in stress.REAL_MODEL_DEFAULTS.items():
+        if name != "steps":
+            assert getattr(real, name) == value, name
+    # the faults sit in the middle of the real suite's steps, after its norm statistics warmed up
+    mid = stress.scenarios(real)["poisoned_batch"].poison_at
+    assert mid == 20 and real.zscore_warmup < stress.scenarios(real)["fp16_overflow_storm"].storm[0]
+
+
+def test_the_table_shows_what_the_model_still_knows():
+    rows = [stress.RunResult("clean", "usual", final_loss=1.25, general_after=0.5, task_after=1.0),
+            stress.RunResult("clean", "guarded", final_loss=1.5, general_after=0.25, task_after=0.75)]
+    before = {"general": {"accuracy": 0.559, "n": 34}, "identity": {"accuracy": 0.0, "n": 12}}
+    table = stress.format_table(rows, before).splitlines()
+    assert table[0].startswith("| scenario | recipe | outcome | final loss | general after | task after |")
+    assert table[1].count("---") == table[0].count(" | ") + 1  # one separator cell per column
+    assert table[2].startswith("| base model | - | - | - | 0.559 | 0.000 |")
+    assert table[3].startswith("| clean | usual | ok | 1.250 | 0.500 | 1.000 | 0 |")
+    assert "general after" not in stress.format_table([stress.RunResult("clean", "usual", final_loss=1.0)])
+
+
+def test_an_unknown_model_is_one_line(tmp_path, capsys):
+    assert stress.main(["--model", str(tmp_path / "no-such-model"), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fused-stable stress: error:") and "no-such-model" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -15,11 +15,13 @@ from helpers import BACKEND_PARAMS, assert_close
 class ZScoreReference:
     """The documented rules, written plainly: warm-up mean/variance over the first `warmup` finite norms, then
     EMA; a norm whose z-score exceeds `threshold` is a spike, clipped (zscore mode) to mean + threshold * std
-    and folded into the statistics at that value; spikes above `skip_threshold` skip the step."""
+    and folded into the statistics at that value; spikes above `skip_threshold` whose norm is also at least
+    `skip_ratio` x the running mean skip the step."""
 
-    def __init__(self, alpha, threshold, warmup, max_norm, zscore_clip, skip_threshold):
+    def __init__(self, alpha, threshold, warmup, max_norm, zscore_clip, skip_threshold, skip_ratio=0.0):
         self.alpha, self.threshold, self.warmup = alpha, threshold, warmup
         self.max_norm, self.zscore_clip, self.skip_threshold = max_norm, zscore_clip, skip_threshold
+        self.skip_ratio = skip_ratio
         self.count, self.mean, self.var, self.seen = 0, 0.0, 0.0, []
         self.spikes = self.spike_skips = 0
 
@@ -31,7 +33,7 @@ class ZScoreReference:
         z = (norm - self.mean) / (std + 1e-6) if ready else 0.0
         spike = ready and z > self.threshold
         ceiling_spike = self.mean + self.threshold * std
-        skip = spike and self.skip_threshold is not None and z > self.skip_threshold
+        skip = spike and self.skip_threshold is not None and z > self.skip_threshold and norm >= self.skip_ratio * self.mean
         ceiling = self.max_norm if self.max_norm else math.inf
         if self.zscore_clip and spike:
             ceiling = min(ceiling, ceiling_spike)
@@ -63,20 +65,21 @@ NONFINITE_STEPS = 3
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize(
-    "clip, max_norm, skip_threshold",
-    [("zscore", None, None), ("zscore", 2.0, None), ("fixed", 2.0, 20.0), ("zscore", None, 8.0)],
-    ids=["zscore", "zscore+ceiling", "fixed+skip", "zscore+skip"],
-)
-def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold):
+    "clip, max_norm, skip_threshold, skip_ratio",
+    [("zscore", None, None, 0.0), ("zscore", 2.0, None, 0.0), ("fixed", 2.0, 20.0, 0.0), ("zscore", None, 8.0, 0.0),
+     ("zscore", None, 8.0, 5.0)],
+    ids=["zscore", "zscore+ceiling", "fixed+skip", "zscore+skip", "zscore+skip+ratio"],
+)  # fmt: skip
+def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold, skip_ratio):
     alpha, threshold, warmup = 0.9, 2.5, 10
-    ref = ZScoreReference(alpha, threshold, warmup, max_norm, clip == "zscore", skip_threshold)
+    ref = ZScoreReference(alpha, threshold, warmup, max_norm, clip == "zscore", skip_threshold, skip_ratio)
     direction = torch.randn(50, generator=torch.Generator().manual_seed(0))
     direction /= direction.norm()
     init = torch.randn(50, generator=torch.Generator().manual_seed(1))
     ours, theirs = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
     opt = FusedAdamW(
         [ours], lr=1e-2, max_grad_norm=max_norm, clip=clip, zscore_alpha=alpha, zscore_threshold=threshold,
-        zscore_warmup=warmup, spike_skip_threshold=skip_threshold, backend=backend,
+        zscore_warmup=warmup, spike_skip_threshold=skip_threshold, spike_skip_ratio=skip_ratio, backend=backend,
     )  # fmt: skip
     torch_opt = torch.optim.AdamW([theirs], lr=1e-2)
     for norm in norm_sequence():
@@ -102,6 +105,9 @@ def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold
     assert opt.skipped_steps.item() == NONFINITE_STEPS  # spike skips are counted apart from non-finite ones
     if skip_threshold is not None:
         assert ref.spike_skips >= 1
+    if skip_ratio:  # the sequence has spikes above the z threshold below the ratio: the ratio keeps them
+        z_alone = ZScoreReference(alpha, threshold, warmup, max_norm, clip == "zscore", skip_threshold)
+        assert sum(z_alone.step(n)[1] for n in norm_sequence()) > ref.spike_skips
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
@@ -162,3 +168,49 @@ def test_reset_grad_norm_stats_rewarms_detection(backend):
         opt.step()
     assert opt.spike_count.item() == 1
     assert opt.grad_norm_mean.item() == pytest.approx(10.0 * math.sqrt(10), rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_worst_step_window_matches_plain_python(backend):
+    """The decision's polling window: the step with the largest z-score (a non-finite one counts as the worst,
+    the first of equals stays), its norm and its per-tensor grad norms, by flat param position. Two dtypes (the
+    kernels order tensors by dtype) and a param without a grad (not in the step) put the slots out of order."""
+    gen = torch.Generator().manual_seed(3)
+    shapes, dtypes = [(6,), (3, 4), (5,), (2, 2)], [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in zip(shapes, dtypes)]
+    frozen = torch.nn.Parameter(torch.randn(3))
+    order = [params[0], params[1], frozen, params[2], params[3]]  # param_groups order
+    opt = FusedAdamW([{"params": order[:2]}, {"params": order[2:]}], lr=1e-3, zscore_warmup=4, backend=backend)
+    spikes = {9: (2, 50.0), 13: (1, 20.0)}  # step -> (tensor, factor)
+    nan_at, poll_after = 15, (10, 14, 17)
+    worst = None  # (key, index, norm, per-tensor norms)
+    polled = []
+    for index in range(17):
+        step = index + 1
+        grads = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+        if step in spikes:
+            tensor, factor = spikes[step]
+            grads[tensor] = grads[tensor] * factor
+        if step == nan_at:
+            grads[3] = grads[3] * math.nan
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        norms = [float(g.double().norm()) for g in grads]
+        norm = math.sqrt(sum(n * n for n in norms))
+        key = math.inf if not math.isfinite(norm) else opt.last_zscore.item()
+        if worst is None or key > worst[0]:
+            worst = (key, index, norm, [norms[0], norms[1], 0.0, norms[2], norms[3]])
+        if step in poll_after:
+            key, where, worst_norm, per_tensor = worst
+            polled.append(where)
+            assert opt.worst_step.item() == where, step
+            assert opt.worst_step_zscore.item() == pytest.approx(key, rel=1e-6)
+            assert_close(opt.worst_step_norm, torch.tensor(worst_norm), 1e-5, 1e-6, f"worst norm at {step}")
+            assert_close(opt.worst_step_grad_norms(), torch.tensor(per_tensor), 1e-5, 1e-6, f"per-tensor at {step}")
+            opt.reset_max_zscore()
+            assert opt.worst_step.item() == -1 and opt.worst_step_zscore.item() == -math.inf
+            assert opt.worst_step_grad_norms().abs().sum().item() == 0
+            worst = None
+    assert polled == [8, 12, 14]  # the two spikes (steps 9 and 13) and the non-finite step 15, as indices from 0
+    assert opt.skipped_steps.item() == 1 and opt.applied_steps.item() == 16

@@ -93,6 +93,7 @@ class TorchLists:
         order = [i for indices in by_dtype.values() for i in indices]
         self.order = upload_int64(order, device) if len(by_dtype) > 1 else None
         self.positions = upload_int64(plan.positions, device)
+        self.all_positions = plan.members is None  # the plan holds every param, in order: positions is the identity
         self.per_tensor_sumsq: torch.Tensor | None = None
         self.lrs_key: tuple | None = None  # the groups' lrs that `base_lrs` holds (floats by value, tensors by id)
         self.base_lrs: torch.Tensor | None = None
@@ -132,7 +133,10 @@ def fused_step(
     sumsq = global_sumsq(per_tensor_sumsq, plan.params) if global_sumsq else per_tensor_sumsq.sum()
     lists.per_tensor_sumsq = per_tensor_sumsq
 
-    grad_mul, skip, lr_factor = decide(sumsq, buffers.fstate, buffers.istate, rules, hparams[0][0], grad_scale, found_inf)
+    grad_mul, skip, lr_factor, worse = decide(
+        sumsq, buffers.fstate, buffers.istate, rules, hparams[0][0], grad_scale, found_inf
+    )
+    keep_worst(buffers.worst_sumsq, per_tensor_sumsq, worse, None if lists.all_positions else lists.positions)
 
     if lists.meta:  # no values to update (the state exists now, as after torch's step); the ops below read scalars
         return
@@ -176,6 +180,18 @@ def show_next_lrs(lists: TorchLists, buffers: StepBuffers, hparams: list[tuple],
     torch.mul(base, factor, out=buffers.hparams[:, layout.H_SHOWN_LR])
 
 
+def keep_worst(
+    worst_sumsq: torch.Tensor, per_tensor_sumsq: torch.Tensor, worse: torch.Tensor, positions: torch.Tensor | None
+) -> None:
+    """The decision kernel's window copy: this step's per-tensor sums go to their params' slots when the step is
+    the window's worst (one op when the plan holds every param in order)."""
+    if positions is None:
+        torch.where(worse, per_tensor_sumsq, worst_sumsq, out=worst_sumsq)
+    else:
+        kept = worst_sumsq.index_select(0, positions)
+        worst_sumsq.index_copy_(0, positions, torch.where(worse, per_tensor_sumsq, kept))
+
+
 def decide(
     sumsq: torch.Tensor,
     fstate: torch.Tensor,
@@ -187,7 +203,8 @@ def decide(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decision kernel's rules with torch ops on 0-dim tensors (see kernels/adamw.py for the why).
 
-    Updates `fstate` / `istate` in place and returns (grad multiplier, skip flag as fp32, lr factor).
+    Updates `fstate` / `istate` in place and returns (grad multiplier, skip flag as fp32, lr factor, whether this
+    step is the window's new worst).
     """
     f = fstate.unbind()
     i = istate.unbind()
@@ -203,7 +220,7 @@ def decide(
     is_spike = ready & finite & (zscore > rules.zscore_threshold)
     spike_ceiling = mean + rules.zscore_threshold * std
     if rules.spike_skip_threshold:
-        spike_skip = is_spike & (zscore > rules.spike_skip_threshold)
+        spike_skip = is_spike & (zscore > rules.spike_skip_threshold) & (norm >= rules.spike_skip_ratio * mean)
     else:
         spike_skip = torch.zeros_like(is_spike)
     skip = nonfinite | spike_skip
@@ -242,6 +259,11 @@ def decide(
     new_max = ready & finite & (zscore > f[layout.F_MAX_ZSCORE])
     new_f[layout.F_MAX_ZSCORE] = torch.where(new_max, zscore, f[layout.F_MAX_ZSCORE])
     new_f[layout.F_MAX_ZSCORE_NORM] = torch.where(new_max, norm, f[layout.F_MAX_ZSCORE_NORM])
+    worst_key = f[layout.F_WORST_KEY]
+    key = torch.where(nonfinite, float("inf"), zscore)
+    worse = key > worst_key
+    new_f[layout.F_WORST_KEY] = torch.where(worse, key, worst_key)
+    new_f[layout.F_WORST_NORM] = torch.where(worse, norm, f[layout.F_WORST_NORM])
     new_f[layout.F_LAST_SPIKE_NORM] = torch.where(is_spike, norm, f[layout.F_LAST_SPIKE_NORM])
     new_f[layout.F_WARMUP_SUM] = torch.where(finite & in_warmup, warm_sum, f[layout.F_WARMUP_SUM])
     new_f[layout.F_WARMUP_SUMSQ] = torch.where(finite & in_warmup, warm_sumsq, f[layout.F_WARMUP_SUMSQ])
@@ -258,5 +280,7 @@ def decide(
     new_i[layout.I_LAST_STEP_SKIPPED] = skip.long()
     new_i[layout.I_STATS_COUNT] = torch.where(finite, new_count, count)
     new_i[layout.I_MAX_ZSCORE_STEP] = torch.where(new_max, applied_before, i[layout.I_MAX_ZSCORE_STEP])
+    steps_before = applied_before + i[layout.I_SKIPPED_STEPS] + i[layout.I_SPIKE_SKIPS]  # each step adds to one
+    new_i[layout.I_WORST_STEP] = torch.where(worse, steps_before, i[layout.I_WORST_STEP])
     istate.copy_(torch.stack(new_i))
-    return grad_mul, new_f[layout.F_SKIP], lr_factor
+    return grad_mul, new_f[layout.F_SKIP], lr_factor, worse

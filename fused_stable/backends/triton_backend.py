@@ -111,6 +111,8 @@ class TritonTables:
             chunk_owner=self.chunk_owner,
             tensor_num_chunks=upload_int64(counts, device),
             per_tensor_sumsq=self.per_tensor_sumsq,
+            worst_sumsq=buffers.worst_sumsq,
+            tensor_positions=self.positions,
             step_addrs=upload_int64([plan.steps[i].data_ptr() for i in self.kernel_order], device),
             fstate=buffers.fstate,
             istate=buffers.istate,

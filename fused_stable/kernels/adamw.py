@@ -3,7 +3,9 @@
 A step is three kinds of launch, in stream order, with no host read anywhere:
   1. norm pass (kernels/norm.py), one launch per grad dtype: per-chunk partial sums of squares;
   2. `_finalize_kernel`, one program: per-tensor and global sums of squares, the clip coefficient, the
-     skip decision, running norm statistics, the lr schedule, and the per-param `step` counters;
+     skip decision, running norm statistics, the lr schedule, the polling windows (the largest z-score and
+     the worst step with its per-tensor sums, for a guard that reads only at logging steps) and the
+     per-param `step` counters;
   3. `_adamw_kernel`, one launch per param dtype: reads those decisions and updates its chunk, or
      returns at once when the step is skipped.
 Keeping every decision in one single-program kernel is what makes the step race-free (no program reads a
@@ -85,6 +87,8 @@ def _finalize_kernel(
     tensor_num_chunks,  # int64 [num_tensors]
     num_tensors,
     per_tensor_sumsq,  # fp32 out [num_tensors]
+    worst_sumsq,  # fp32 [every param]: the per-tensor sums of the window's worst step, by flat param position
+    tensor_positions,  # int64 [num_tensors]: each tensor's flat param position (its slot in worst_sumsq)
     step_addrs,  # int64 [num_tensors]: addresses of the fp32 per-param `step` counters
     fstate,  # fp32 [layout.F_SIZE], read and written
     istate,  # int64 [layout.I_SIZE], read and written
@@ -98,6 +102,7 @@ def _finalize_kernel(
     zscore_threshold,
     zscore_warmup,
     spike_skip_threshold,  # <= 0 means never skip spikes
+    spike_skip_ratio,  # a skipped spike's norm is also at least this many times the running mean (0: no condition)
     schedule_total,
     schedule_warmup,
     schedule_min_ratio,
@@ -122,6 +127,8 @@ def _finalize_kernel(
     F_WARMUP_SUMSQ: tl.constexpr = layout.F_WARMUP_SUMSQ,
     F_MAX_ZSCORE: tl.constexpr = layout.F_MAX_ZSCORE,
     F_MAX_ZSCORE_NORM: tl.constexpr = layout.F_MAX_ZSCORE_NORM,
+    F_WORST_KEY: tl.constexpr = layout.F_WORST_KEY,
+    F_WORST_NORM: tl.constexpr = layout.F_WORST_NORM,
     I_APPLIED_STEPS: tl.constexpr = layout.I_APPLIED_STEPS,
     I_SKIPPED_STEPS: tl.constexpr = layout.I_SKIPPED_STEPS,
     I_SPIKE_SKIPS: tl.constexpr = layout.I_SPIKE_SKIPS,
@@ -130,6 +137,7 @@ def _finalize_kernel(
     I_LAST_STEP_SKIPPED: tl.constexpr = layout.I_LAST_STEP_SKIPPED,
     I_STATS_COUNT: tl.constexpr = layout.I_STATS_COUNT,
     I_MAX_ZSCORE_STEP: tl.constexpr = layout.I_MAX_ZSCORE_STEP,
+    I_WORST_STEP: tl.constexpr = layout.I_WORST_STEP,
     H_LR: tl.constexpr = layout.H_LR,
     H_SIZE: tl.constexpr = layout.H_SIZE,
     H_SHOWN_LR: tl.constexpr = layout.H_SHOWN_LR,
@@ -183,7 +191,10 @@ def _finalize_kernel(
     zscore = tl.where(stats_ready & ~nonfinite, tl.div_rn(norm - mean, std + ZSCORE_STD_EPS), 0.0)
     is_spike = stats_ready & ~nonfinite & (zscore > zscore_threshold)
     spike_ceiling = mean + zscore_threshold * std
+    # heavy tails: a small batch's normal steps reach z ~ 10 at only a few times the mean norm, so a skip can
+    # also ask for the norm itself to be far above its mean
     spike_skip = is_spike & (spike_skip_threshold > 0.0) & (zscore > spike_skip_threshold)
+    spike_skip = spike_skip & (norm >= spike_skip_ratio * mean)
     skip = nonfinite | spike_skip
 
     # clip coefficient, as torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + eps))
@@ -235,9 +246,11 @@ def _finalize_kernel(
 
     # 4. counters and the scalars the update kernel reads
     applied = tl.where(skip, 0, 1).to(tl.int64)
+    skipped_before = tl.load(istate + I_SKIPPED_STEPS)
+    spike_skips_before = tl.load(istate + I_SPIKE_SKIPS)
     tl.store(istate + I_APPLIED_STEPS, applied_before + applied)
-    tl.store(istate + I_SKIPPED_STEPS, tl.load(istate + I_SKIPPED_STEPS) + nonfinite.to(tl.int64))
-    tl.store(istate + I_SPIKE_SKIPS, tl.load(istate + I_SPIKE_SKIPS) + (spike_skip & ~nonfinite).to(tl.int64))
+    tl.store(istate + I_SKIPPED_STEPS, skipped_before + nonfinite.to(tl.int64))
+    tl.store(istate + I_SPIKE_SKIPS, spike_skips_before + (spike_skip & ~nonfinite).to(tl.int64))
     tl.store(istate + I_SPIKE_COUNT, tl.load(istate + I_SPIKE_COUNT) + is_spike.to(tl.int64))
     tl.store(istate + I_LAST_SPIKE_STEP, tl.where(is_spike, applied_before, tl.load(istate + I_LAST_SPIKE_STEP)))
     tl.store(istate + I_LAST_STEP_SKIPPED, skip.to(tl.int64))
@@ -254,7 +267,26 @@ def _finalize_kernel(
     tl.store(fstate + F_MAX_ZSCORE_NORM, tl.where(new_max, norm, tl.load(fstate + F_MAX_ZSCORE_NORM)))
     tl.store(istate + I_MAX_ZSCORE_STEP, tl.where(new_max, applied_before, tl.load(istate + I_MAX_ZSCORE_STEP)))
 
-    # 5. per-param step counters: bias correction advances only on applied steps
+    # 5. the worst step since the window was reset (a non-finite one counts as the worst): its index among all
+    # steps taken, its norm, and its per-tensor sums, so a guard that reads only at logging steps can name the
+    # tensors of a spike between two reads without any per-step work of its own
+    worst_key = tl.load(fstate + F_WORST_KEY)
+    key = tl.where(nonfinite, float("inf"), zscore)
+    worse = key > worst_key
+    tl.store(fstate + F_WORST_KEY, tl.where(worse, key, worst_key))
+    tl.store(fstate + F_WORST_NORM, tl.where(worse, norm, tl.load(fstate + F_WORST_NORM)))
+    steps_before = applied_before + skipped_before + spike_skips_before  # each step adds to exactly one of them
+    tl.store(istate + I_WORST_STEP, tl.where(worse, steps_before, tl.load(istate + I_WORST_STEP)))
+    if worse:
+        tl.debug_barrier()  # the per-tensor sums were stored by other threads of this program in step 1
+        for tensor_start in range(0, num_tensors, BLOCK_T):
+            tensors = tensor_start + lanes
+            in_range = tensors < num_tensors
+            sums = tl.load(per_tensor_sumsq + tensors, mask=in_range, other=0.0)
+            slots = tl.load(tensor_positions + tensors, mask=in_range, other=0)
+            tl.store(worst_sumsq + slots, sums, mask=in_range)
+
+    # 6. per-param step counters: bias correction advances only on applied steps
     increment = applied.to(tl.float32)
     for tensor_start in range(0, num_tensors, BLOCK_T):
         tensors = tensor_start + lanes
@@ -418,6 +450,8 @@ def prepare_finalize(
     chunk_owner: torch.Tensor,
     tensor_num_chunks: torch.Tensor,
     per_tensor_sumsq: torch.Tensor,
+    worst_sumsq: torch.Tensor,
+    tensor_positions: torch.Tensor,
     step_addrs: torch.Tensor,
     fstate: torch.Tensor,
     istate: torch.Tensor,
@@ -439,6 +473,8 @@ def prepare_finalize(
         tensor_num_chunks=tensor_num_chunks,
         num_tensors=per_tensor_sumsq.numel(),
         per_tensor_sumsq=per_tensor_sumsq,
+        worst_sumsq=worst_sumsq,
+        tensor_positions=tensor_positions,
         step_addrs=step_addrs,
         fstate=fstate,
         istate=istate,
@@ -452,6 +488,7 @@ def prepare_finalize(
         zscore_threshold=float(rules.zscore_threshold),
         zscore_warmup=int(rules.zscore_warmup),
         spike_skip_threshold=float(rules.spike_skip_threshold or 0.0),
+        spike_skip_ratio=float(rules.spike_skip_ratio),
         schedule_total=float(schedule.total_steps if schedule else 0),
         schedule_warmup=float(schedule.warmup_steps if schedule else 0),
         schedule_min_ratio=float(schedule.min_lr_ratio if schedule else 0.0),

@@ -42,11 +42,11 @@ _TYPES = {
     },
     "finalize": {
         "partials": _F32, "chunk_owner": _I64, "num_chunks": "i32", "tensor_num_chunks": _I64, "num_tensors": "i32",
-        "per_tensor_sumsq": _F32, "step_addrs": _I64, "fstate": _F32, "istate": "*i64", "hparams": _F32,
-        "num_groups": "i32",
-        "scale_ptr": _F32, "found_inf_ptr": _F32, "external_sumsq_ptr": _F32, "max_grad_norm": "fp32",
-        "zscore_alpha": "fp32", "zscore_threshold": "fp32", "zscore_warmup": "i32", "spike_skip_threshold": "fp32",
-        "schedule_total": "fp32", "schedule_warmup": "fp32", "schedule_min_ratio": "fp32",
+        "per_tensor_sumsq": _F32, "worst_sumsq": _F32, "tensor_positions": _I64, "step_addrs": _I64, "fstate": _F32,
+        "istate": "*i64", "hparams": _F32, "num_groups": "i32", "scale_ptr": _F32, "found_inf_ptr": _F32,
+        "external_sumsq_ptr": _F32, "max_grad_norm": "fp32", "zscore_alpha": "fp32", "zscore_threshold": "fp32",
+        "zscore_warmup": "i32", "spike_skip_threshold": "fp32", "spike_skip_ratio": "fp32", "schedule_total": "fp32",
+        "schedule_warmup": "fp32", "schedule_min_ratio": "fp32",
     },
 }  # fmt: skip
 _KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": adamw._adamw_kernel, "finalize": adamw._finalize_kernel}

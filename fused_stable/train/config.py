@@ -86,7 +86,8 @@ class TrainConfig:
     guard: str = _key("warn", "what to do on an alert: warn (record it) | skip (the optimizer also skips grad-norm spikes) | stop (checkpoint, exit code 3) | rollback (restore the last good checkpoint, lower the lr, skip the data window)", "guard")
     guard_grad_z: float = _key(6.0, "alert when the grad norm's z-score (against its running statistics) exceeds this...", "guard", Range(0, low_open=True))
     guard_grad_ratio: float = _key(5.0, "...and the norm is at least this many times its running mean (0 = z-score alone)", "guard")
-    guard_skip_z: float = _key(20.0, "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this", "guard", Range(0, low_open=True))
+    guard_skip_z: float = _key(6.0, "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this...", "guard", Range(0, low_open=True))
+    guard_skip_ratio: float = _key(5.0, "...and whose norm is at least this many times its running mean (0 = z-score alone)", "guard")
     guard_loss_z: float = _key(6.0, "alert when a step's loss z-score (against its running statistics) exceeds this", "guard", Range(0, low_open=True))
     guard_loss_rise: float = _key(1.5, "alert when a logging interval's median loss exceeds this x the best so far (0 = off)", "guard")
     guard_nonfinite_storm: int = _key(3, "non-finite-gradient steps in one logging interval that escalate to the policy (fewer are skipped and recorded)", "guard", POSITIVE_COUNT)
@@ -343,8 +344,8 @@ def guard_config(cfg: TrainConfig):
 
     return GuardConfig(
         policy=cfg.guard, grad_z=cfg.guard_grad_z, grad_ratio=cfg.guard_grad_ratio, skip_z=cfg.guard_skip_z,
-        loss_z=cfg.guard_loss_z, loss_rise=cfg.guard_loss_rise, nonfinite_storm=cfg.guard_nonfinite_storm,
-        lr_factor=cfg.guard_lr_factor, max_rollbacks=cfg.guard_max_rollbacks,
+        skip_ratio=cfg.guard_skip_ratio, loss_z=cfg.guard_loss_z, loss_rise=cfg.guard_loss_rise,
+        nonfinite_storm=cfg.guard_nonfinite_storm, lr_factor=cfg.guard_lr_factor, max_rollbacks=cfg.guard_max_rollbacks,
     )  # fmt: skip
 
 

@@ -163,17 +163,15 @@ class Trainer:
                 opt.skipped_steps.float() + opt.spike_skips.float(),
             ]))  # fmt: skip
             pending_meta.append((self.state.step, self.elapsed(), window_tokens))
-            if self.guard is not None:
-                self.guard.observe_step(self.state.step, opt)  # device-only: keeps the worst step of the interval
             # torchrun: a signal on any rank stops every rank after this same step (a CPU all-reduce)
             signum = parallel.agree_signal(self.interrupts.signum if self.interrupts is not None else 0)
             if signum and self.interrupts is not None:
                 self.interrupts.signum = self.interrupts.signum or signum
 
             if self._logging_step() or signum:  # an interrupt logs the steps since the last log first
-                # torchrun: the loss averaged and the tokens summed over the ranks (one all-reduce)
-                stacked, tokens_since_log = parallel.reduce_for_logging(torch.stack(pending), tokens_since_log)
-                values = stacked.tolist()      # the one device read of this interval
+                # the one device read of this interval (torchrun: with the loss averaged and the tokens summed
+                # over the ranks by one all-reduce)
+                values, tokens_since_log = parallel.read_for_logging(torch.stack(pending), tokens_since_log)
                 now = time.perf_counter()
                 tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
                 rows = [

@@ -10,8 +10,8 @@ in a single process (no process group, or a group of one), so the single-process
 - only rank 0 writes output_dir; collectives that gather sharded state (FSDP2's full model and optimizer
   state) run on every rank, and every rank waits for rank 0's checkpoint before going on, so a rollback on
   any rank finds the same newest checkpoint;
-- the logged loss is the mean over ranks and the throughput counts every rank's tokens, one all-reduce per
-  logging step (no extra host read);
+- the logged loss is the mean over ranks and the throughput counts every rank's tokens, one all-reduce and
+  one device read per logging step (`read_for_logging`);
 - an interrupt (SIGINT / SIGTERM) seen by any rank stops every rank after the same step (`agree_signal`:
   a tiny all-reduce on the CPU per step, never a device read).
 
@@ -189,18 +189,23 @@ def set_grad_sync(model, sync: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ logging
-def reduce_for_logging(values: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
-    """`values` (one row per step, the loss in column 0) with the loss averaged over ranks, and `tokens`
-    summed over ranks: one all-reduce per logging step. The other columns (grad norm, lr, skip flags) are the
-    same on every rank already (DDP all-reduces the grads, FSDP2's norm is global), so every rank's
-    callbacks see the same numbers and take the same decision."""
+def read_for_logging(values: torch.Tensor, tokens: int) -> tuple[list[list[float]], int]:
+    """The logging interval's rows on the host, read from the device once: `values` (one row per step, the loss
+    in column 0) with the loss averaged over ranks, and `tokens` summed over ranks (one all-reduce). The other
+    columns (grad norm, lr, skip flags) are the same on every rank already (DDP all-reduces the grads, FSDP2's
+    norm is global), so every rank's callbacks see the same numbers and take the same decision."""
     if not active():
-        return values, tokens
-    buf = torch.cat([values[:, 0].double(), torch.tensor([float(tokens)], dtype=torch.float64, device=values.device)])
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-    out = values.clone()
-    out[:, 0] = (buf[:-1] / dist.get_world_size()).to(out.dtype)
-    return out, int(buf[-1].item())
+        return values.tolist(), tokens
+    steps, width = values.shape
+    reduced = torch.cat([values[:, 0].double(), torch.tensor([float(tokens)], dtype=torch.float64, device=values.device)])
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    # the reduced losses and tokens travel with this rank's other columns: one device read for everything
+    host = torch.cat([reduced, values[:, 1:].double().flatten()]).tolist()
+    losses, total_tokens, rest = host[:steps], host[steps], host[steps + 1 :]
+    world = dist.get_world_size()
+    other = width - 1
+    rows = [[losses[i] / world, *rest[i * other : (i + 1) * other]] for i in range(steps)]
+    return rows, int(total_tokens)
 
 
 class QuietReporter:
