@@ -185,7 +185,8 @@ def _plain_text(messages: list[dict], generation_prompt: bool) -> str:
     parts = []
     for m in messages:
         if m["role"] == "assistant":
-            parts.append(m["content"] + "\n\n")  # the end-of-sequence token goes in as an id, see render
+            # a past answer under its header, as it was trained; its end-of-sequence id goes in as an id, see render
+            parts.append(PLAIN_RESPONSE + m["content"] + "\n\n")
         else:
             parts.append(PLAIN_HEADERS[m["role"]] + m["content"] + "\n\n")
     if generation_prompt:

@@ -265,8 +265,8 @@ def test_sharegpt_learns_every_assistant_turn_and_nothing_else(tmp_path, style):
     eos = tok.eos_token
     assert _trained_text(item, tok) == f"4{eos}6!{eos}"  # both answers (+ </s>), no prompt, no system text
     # and the trainer sees those label tokens in its batches
-    setup = setup_run(*SHORT, "--dataset", path, "--batch_size", "1", "--grad_accum", "1",
-                      "--output_dir", tmp_path / "o")  # fmt: skip
+    setup = setup_run(*SHORT, "--dataset", path, "--batch_size", "1", "--grad_accum", "1", "--max_length", "512",
+                      "--output_dir", tmp_path / "o")  # fmt: skip  (512: the short runs' 96 tokens cut the second answer)
     assert setup.trainer.batches.batch(0).num_label_tokens == len("4") + 1 + len("6!") + 1
 
 
@@ -321,10 +321,11 @@ def test_an_interrupt_before_training_starts_stops_at_once_and_writes_nothing(tm
         return setup
 
     monkeypatch.setattr(cli, "setup_run", setup_then_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or "ignore" in an xdist worker
     out = tmp_path / "run"
     code = cli.main([str(a) for a in (*SHORT, "--output_dir", out)])
     err = capsys.readouterr().err
     assert code == 130
     assert "interrupted before training started; nothing was written" in err
     assert not out.exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
