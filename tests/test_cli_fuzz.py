@@ -307,7 +307,8 @@ def _parser_cases(parser, words):
 
 
 STRESS_ACCEPTED = {("--pretrain-steps", "0"), ("--max-rollbacks", "0"), ("--seed", "0")}
-STRESS_WORDS = {"--scenarios": ["bogus", "", "clean,meteor", "lr_to_high"], "--output-dir": ["{t}/a-file", "{t}/a-file/x"]}
+STRESS_WORDS = {"--scenarios": ["bogus", "", "clean,meteor", "lr_to_high"], "--output-dir": ["{t}/a-file", "{t}/a-file/x"],
+                "--model": ["{t}/missing", "{t}/missing.gguf", "{t}/a-file"]}
 
 
 @pytest.mark.parametrize("flag,value", list(_parser_cases(stress.build_parser(), STRESS_WORDS)))
