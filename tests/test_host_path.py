@@ -38,6 +38,16 @@ def test_a_guarded_step_launches_and_dispatches_what_an_unguarded_one_does(seen)
     assert seen["guarded steps: torch ops"] == seen["unguarded steps: torch ops"]
 
 
+def test_the_stand_in_benchmarker_times_the_host_work_of_real_launches(seen):
+    """kernels/standin.py: the driver's benchmarker (Triton's autotuner calls it) runs the function and times it
+    on the host clock, in milliseconds."""
+    assert 0 < seen["benchmarker: median ms"] < 1e3
+    launches = seen["benchmarker: launches"]
+    assert launches >= 2 * 3 and launches % 3 == 0  # the untimed first call and at least one timed step, 3 each
+    low, high = seen["benchmarker: quantiles"]
+    assert 0 < low <= high
+
+
 def test_steps_launch_the_cached_compiled_kernels_not_the_dispatcher(seen):
     for name in ("3 fp32", "300 fp32", "30 fp32+bf16"):
         assert seen[f"dispatches after the first step, {name}"] == 0, name

@@ -16,6 +16,8 @@ Nothing runs on the device, so tensors' contents never change. Use in a process 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -112,13 +114,36 @@ class StandInDriver(DriverBase):
         return torch.cuda
 
     def get_benchmarker(self):
-        raise NotImplementedError("the stand-in driver runs nothing: there is nothing to time on the device")
+        return host_benchmarker
 
     def get_empty_cache_for_benchmark(self):
         return torch.empty(1)
 
     def clear_cache(self, cache):
         pass
+
+
+def host_benchmarker(fn, warmup: float = 25, rep: float = 100, grad_to_none=None, quantiles=None, return_mode="mean"):
+    """Triton's benchmarker interface (what an autotuner or `triton.testing.do_bench` calls), timed on the host's
+    clock: under this driver a launch is only its host work, so that is the time there is to measure. `warmup`
+    and `rep` are milliseconds of calls, the result is in milliseconds, as in Triton's."""
+    if return_mode not in ("min", "max", "mean", "median", "all"):
+        raise ValueError(f"return_mode must be min, max, mean, median or all, not {return_mode!r}")
+    fn()
+    warm_until = time.perf_counter() + warmup / 1e3
+    while time.perf_counter() < warm_until:
+        fn()
+    times, stop_at = [], time.perf_counter() + rep / 1e3
+    while not times or time.perf_counter() < stop_at:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if quantiles is not None:
+        found = torch.quantile(torch.tensor(times, dtype=torch.float64), torch.tensor(quantiles, dtype=torch.float64))
+        return found.item() if len(quantiles) == 1 else found.tolist()
+    if return_mode == "all":
+        return times
+    return {"min": min, "max": max, "mean": statistics.mean, "median": statistics.median}[return_mode](times)
 
 
 @contextlib.contextmanager
