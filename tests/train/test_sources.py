@@ -1,6 +1,7 @@
 """`--model` resolution (alias, tiny, directory, GGUF file), the one-line hint when the embedded model's package
 is missing, the GGUF conversion cache (atomic, reused, one converter at a time), and CPU threads."""
 import importlib.util
+import io
 import os
 
 import pytest
@@ -74,9 +75,37 @@ def test_threads(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS")
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         assert runtime.set_threads(0) == runtime.physical_cores() == torch.get_num_threads()
-        assert 1 <= runtime.physical_cores() <= (os.cpu_count() or 1)
     finally:
         torch.set_num_threads(before)
+
+
+def _cpuinfo(cores_of_cpus):
+    """A /proc/cpuinfo text: one block per logical CPU, `cores_of_cpus[cpu]` = (physical id, core id)."""
+    return "".join(f"processor\t: {cpu}\nmodel name\t: fake\nphysical id\t: {socket}\ncore id\t\t: {core}\n\n"
+                   for cpu, (socket, core) in enumerate(cores_of_cpus))
+
+
+@pytest.mark.parametrize("allowed, expected", [
+    ({0, 1, 2, 3, 4, 5, 6, 7}, 4),  # 2 sockets x 2 cores x 2 hyper-threads
+    ({0, 4}, 1),                     # both hyper-threads of socket 0's core 0
+    ({0, 1, 4}, 2),
+    ({1, 2}, 2),                     # same core id on two sockets: two cores
+])
+def test_physical_cores_counts_the_hyper_threads_of_one_core_once(monkeypatch, allowed, expected):
+    # logical CPUs 0-3 are the first hyper-thread of (socket, core) (0,0) (0,1) (1,0) (1,1), CPUs 4-7 the second
+    text = _cpuinfo([(0, 0), (0, 1), (1, 0), (1, 1)] * 2)
+    monkeypatch.setattr(runtime, "open", lambda path, *a, **k: io.StringIO(text), raising=False)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(allowed), raising=False)
+    assert runtime.physical_cores() == expected
+
+
+def test_physical_cores_without_cpuinfo_counts_the_allowed_cpus(monkeypatch):
+    def missing(path, *a, **k):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(runtime, "open", missing, raising=False)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert runtime.physical_cores() == 3
 
 
 def test_sft_threads_flag(tmp_path):

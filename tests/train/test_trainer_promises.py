@@ -123,18 +123,23 @@ def test_pruned_checkpoints_are_renamed_away_before_they_are_deleted(tmp_path, m
     real_rmtree = shutil.rmtree
 
     def rmtree(path, *args, **kwargs):
-        # what the checkpoints folder shows while a directory is being deleted
-        deleted.append((os.path.basename(str(path)), [s for s, _ in checkpoint.list_checkpoints(str(out))]))
+        # while a directory is being deleted: every step-N folder there is, complete or not, and whether the
+        # doomed folder still holds the whole checkpoint (moved away in one rename, not copied or emptied first)
+        on_disk = [s for s, _ in checkpoint.list_checkpoints(str(out), include_incomplete=True)]
+        if os.path.isdir(path):  # (the save also clears a temporary folder that is not there)
+            whole = os.path.isfile(os.path.join(str(path), checkpoint.COMPLETE_MARKER))
+            deleted.append((os.path.basename(str(path)), on_disk, whole))
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
     for step in (1, 2, 3):
         _save_small_checkpoint(out, step, keep=2)
-    pruned = [(name, visible) for name, visible in deleted if "step-1" in name]
+    pruned = [entry for entry in deleted if "step-1" in entry[0]]
     assert pruned, "step-1 was not pruned"
-    for name, visible in pruned:
+    for name, on_disk, whole in pruned:
         assert not name.startswith("step-"), f"{name} deleted in place"
-        assert 1 not in visible  # no longer listed as a checkpoint while its files go
+        assert 1 not in on_disk, "a step-1 folder was still there while the pruned copy was deleted"
+        assert whole, "the pruned checkpoint was not moved away whole before its files went"
     assert [s for s, _ in checkpoint.list_checkpoints(str(out))] == [2, 3]
 
 
