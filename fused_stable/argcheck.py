@@ -5,7 +5,8 @@
   from other tools (`suggestion`: `--learning_rate` -> `--lr`), never a far-fetched guess;
 - numbers are checked where they are parsed: finite, and inside the range that makes sense (`number`);
 - an output folder is checked writable before any work starts, without writing anything (`check_writable`);
-- a mistake is one line on stderr and exit code 2 (`OneLineParser`, `UserError`), and help fits 100 columns.
+- a mistake is one line on stderr and exit code 2 (`OneLineParser`, `UserError`, `parse_command`), and help
+  fits 100 columns.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import difflib
 import math
 import os
 import re
+import sys
 from typing import Callable, Iterable, Optional
 
 from fused_stable.train.errors import UserError
@@ -177,3 +179,15 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         # argparse's own wording, on one line: "argument --steps: invalid integer value: 'x'"
         raise UserError(re.sub(r"\s+", " ", message).strip())
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str], command: str):
+    """(args, None), or (None, exit code) when there is nothing to run: 0 after --help, 2 after a bad option
+    (reported on one line on stderr as `fused-stable COMMAND: error: ...`)."""
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as exc:  # --help
+        return None, int(exc.code or 0)
+    except UserError as exc:
+        print(f"fused-stable {command}: error: {exc}", file=sys.stderr)
+        return None, 2

@@ -24,7 +24,6 @@ on stdout, `stress.json` and `stress.png` (loss curves, usual vs guarded, one pa
 """
 from __future__ import annotations
 
-import copy
 import io
 import json
 import math
@@ -41,7 +40,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from fused_stable.argcheck import OneLineParser, check_writable, number, suggestion  # noqa: E402
+from fused_stable.argcheck import OneLineParser, check_writable, number, parse_command, suggestion  # noqa: E402
 from fused_stable.train.errors import UserError  # noqa: E402
 
 RECIPES = ("usual", "guarded")
@@ -561,13 +560,9 @@ def config_from_args(args) -> StressConfig:
 
 def main(argv: list[str]) -> int:
     """`fused-stable stress`; a bad option is one line on stderr and exit code 2, before anything is written."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UserError as exc:
-        print(f"fused-stable stress: error: {exc}", file=sys.stderr)
-        return 2
+    args, code = parse_command(build_parser(), argv, "stress")
+    if args is None:
+        return code
     cfg = config_from_args(args)
     known = scenarios(cfg)
     names = list(known) if args.scenarios == "all" else [s.strip() for s in args.scenarios.split(",") if s.strip()]

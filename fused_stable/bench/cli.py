@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fused_stable.argcheck import OneLineParser, check_file_name, check_writable, number, suggestion
+from fused_stable.argcheck import OneLineParser, check_file_name, check_writable, number, parse_command, suggestion
 from fused_stable.train.errors import UserError
 
 from . import measure, report
@@ -101,13 +101,9 @@ def _select_sets(sets, selector: str, flag: str = "--sets"):
 
 def main(argv: list[str]) -> int:
     """`fused-stable bench`; a bad option is one line on stderr and exit code 2, before anything is written."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UserError as e:
-        print(f"fused-stable bench: error: {e}", file=sys.stderr)
-        return 2
+    args, code = parse_command(build_parser(), argv, "bench")
+    if args is None:
+        return code
     from rich.console import Console
 
     console = Console(width=max(200, Console().width))

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
-from .tables import CHUNK_SIZE, ChunkMap
+from .tables import ChunkMap
 
 # 8 warps x 32 threads x 8 elements: each thread keeps two 128-bit fp32 loads (one for 16-bit grads) in flight
 # per iteration. Candidates for a GPU to decide between: benchmarks/gpu_probe.py.

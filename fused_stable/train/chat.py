@@ -15,6 +15,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from fused_stable.argcheck import parse_command  # noqa: E402
 from fused_stable.train.errors import UserError  # noqa: E402
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -124,13 +125,9 @@ def _interactive(model, tokenizer, system: str | None, args) -> None:
 def main(argv: list[str]) -> int:
     """`fused-stable chat`; a bad option, model or adapter is one line on stderr and exit code 2, before any
     model is loaded."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UserError as exc:
-        print(f"fused-stable chat: error: {exc}", file=sys.stderr)
-        return 2
+    args, code = parse_command(build_parser(), argv, "chat")
+    if args is None:
+        return code
     try:
         check_args(args)
         from fused_stable.train.cli import _quiet_third_party_noise

@@ -19,6 +19,7 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from fused_stable.argcheck import parse_command  # noqa: E402
 from fused_stable.train.errors import UserError  # noqa: E402
 
 
@@ -141,13 +142,9 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
 def main(argv: list[str]) -> int:
     """`fused-stable export`; a bad option, adapter or target is one line on stderr and exit code 2, with
     nothing written."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UserError as exc:
-        print(f"fused-stable export: error: {exc}", file=sys.stderr)
-        return 2
+    args, code = parse_command(build_parser(), argv, "export")
+    if args is None:
+        return code
     from fused_stable.train.cli import _quiet_third_party_noise
     from fused_stable.train.runtime import set_threads
 

@@ -4,13 +4,12 @@ what is checked is which model produced them."""
 import json
 
 import pytest
-import torch
 
 from fused_stable.train import tasks
 from fused_stable.train.evaluate import contains_answer, eval_report, evaluate, format_table, generate_answers
 from fused_stable.train.model import build_tiny_model
 from fused_stable.train.tokenizer import build_byte_tokenizer
-from sft_helpers import TINY, fit, setup_run
+from sft_helpers import TINY
 
 # the identity task on the tiny model: a few steps at a high lr so that the answers change
 IDENTITY_TINY = ["--model", "tiny", "--dataset", "identity", "--batch_size", "4", "--grad_accum", "1",

@@ -10,7 +10,6 @@ import signal
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fused_stable import GradScaler
 from fused_stable.train import checkpoint, data
