@@ -459,6 +459,8 @@ class FusedAdamW(Optimizer):
             self.state = ParamStates(self._version, self.state)
         group_params = [group["params"] for group in self.param_groups]
         all_params = [p for params in group_params for p in params]
+        if len(all_params) != self._worst_sumsq.numel() or len(group_params) != self._buffers.hparams.shape[0]:
+            self._renew_slots()  # params or groups added to param_groups in place, not through add_param_group
         groups = [index for index, params in enumerate(group_params) for _ in params]
         group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
         grads = [p.grad for p in all_params]
@@ -525,6 +527,14 @@ class FusedAdamW(Optimizer):
         hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
         return StepBuffers(self._fstate, self._istate, hparams, self._worst_sumsq)
 
+    def _renew_slots(self) -> None:
+        """The buffers with a slot per param (the worst-step window) or per group (the hyper-parameter table) made
+        anew for the current param_groups; the worst-step window starts over."""
+        self._worst_sumsq = self._new_worst_sumsq()
+        self.reset_max_zscore()
+        self._buffers = self._step_buffers()
+        self._show_lrs()
+
     def _new_worst_sumsq(self) -> torch.Tensor:
         count = sum(len(group["params"]) for group in self.param_groups)
         return torch.zeros(count, dtype=torch.float32, device=self.device)
@@ -560,12 +570,9 @@ class FusedAdamW(Optimizer):
             param_group["betas"] = _float_betas(param_group["betas"])
         super().add_param_group(param_group)
         if constructed:
-            self._worst_sumsq = self._new_worst_sumsq()  # one slot per param: the window starts over
-            self.reset_max_zscore()
-            self._buffers = self._step_buffers()
+            self._renew_slots()
             self._global_sumsq = self._sharded_norm_reducer()
             self._version.bump()
-            self._show_lrs()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
         """Refuses what the fused step cannot update; called before a group is added, so nothing changes."""

@@ -102,6 +102,34 @@ def test_a_param_replaced_in_a_group_list_is_the_one_updated(backend):
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("edit", ["append", "pop"])
+def test_params_added_to_a_group_list_rebuild_the_plan(backend, edit):
+    """A group's own list grown or shrunk in place (torch's optimizers allow it): the plan follows."""
+    ours, theirs = pair((9,), (12,), (5, 3))
+    n = 2 if edit == "append" else 3
+    opt = FusedAdamW(ours[:n], lr=1e-2, max_grad_norm=1.0, backend=backend)
+    ref = torch.optim.AdamW(theirs[:n], lr=1e-2)
+    step_both(opt, ref, ours[:n], theirs[:n], random_grads(ours[:n], 1))
+    plan = opt._plan
+    if edit == "append":
+        opt.param_groups[0]["params"].append(ours[2])
+        ref.param_groups[0]["params"].append(theirs[2])
+        n = 3
+    else:
+        opt.param_groups[0]["params"].pop()
+        ref.param_groups[0]["params"].pop()
+        n = 2
+    before = ours[2].detach().clone()
+    step_both(opt, ref, ours[:n], theirs[:n], random_grads(ours[:n], 2))
+    assert opt._plan is not plan
+    assert_params_equal(ours[:n], theirs[:n], f"after the {edit}")
+    # the worst-step window has one slot per param (the kernels write it at the params' positions)
+    assert opt.worst_step_grad_norms().numel() == n
+    if edit == "pop":
+        assert torch.equal(ours[2], before)  # no longer in the group: not updated
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_a_param_whose_storage_is_replaced_is_updated_in_its_new_storage(backend):
     """`p.data = t` with fresh grads (zero_grad(set_to_none=True)): the new grad storage makes the step look."""
     ours, theirs = pair((50,), (8,))

@@ -244,7 +244,11 @@ MUTATIONS: list[Mutation] = [
     M("plan-group-length-unchecked", "fused_stable/plan.py",
       "if group[\"params\"] is not params or len(params) != size or", "if group[\"params\"] is not params or",
       ["tests/test_plan.py"], "params added to a group's list rebuild the plan",
-      select="group_list or steady_steps"),
+      select="group_list or steady_steps",
+      survives="equivalent: an early exit. Every later check compares a per-tensor list with the plan's (the grads' "
+               "ids, addresses, then sizes in accept_grads; the present grads against `members`), and a group list of "
+               "another length gives lists of another length, so the plan is rebuilt all the same "
+               "(test_params_added_to_a_group_list_rebuild_the_plan checks the outcome, appended and popped)"),
     M("plan-same-grads-ignores-deaths", "fused_stable/plan.py",
       "            tracker.alive = False\n", "",
       ["tests/test_plan.py"], "the identity shortcut holds only while every accepted grad is alive",
