@@ -40,7 +40,7 @@ GRAD_SPIKE = "grad_spike"            # grad-norm z-score above grad_z (and norm 
 NONFINITE_GRADS = "nonfinite_grads"  # steps skipped for inf/NaN gradients in the interval
 LOSS_SPIKE = "loss_spike"            # loss z-score above loss_z
 NONFINITE_LOSS = "nonfinite_loss"    # a step's loss was inf/NaN
-LOSS_RISE = "loss_rise"              # a logging interval's median loss rose above loss_rise x the best one so far
+LOSS_RISE = "loss_rise"              # an interval's median loss (or its last 3's) rose above loss_rise x the best so far
 DATA_SHIFT = "data_shift"            # right after a rollback, the restored model finds the new data bad too
 
 # what happened (or will happen) because of an alert
@@ -54,6 +54,7 @@ ACTION_REBASELINE = "rebaseline"  # the loss statistics start over on the new da
 _LR_KINDS = (GRAD_SPIKE, LOSS_SPIKE, LOSS_RISE)
 
 _LOSS_STD_EPS = 1e-8
+RISE_TAIL = 3  # the loss rise also looks at the median of an interval's last 3 losses (one spike does not move it)
 
 
 @dataclass
@@ -336,21 +337,24 @@ class Guard:
         return self._decide(alerts, in_grace=step <= self.grace_until)
 
     def _check_rise(self, rows: list[dict], step: int, top: list) -> list[Alert]:
-        """The interval's median loss (finite, applied steps: one spike does not move it) against the best
-        interval median so far."""
+        """The interval's median loss (finite, applied steps: one spike does not move it), and the median of its
+        last RISE_TAIL losses, against the best interval median so far. The tail catches a divergence that starts
+        late in an interval: the whole interval's median would pass it, and the weights a checkpoint (a rollback
+        target) saves at this check are the diverging ones."""
         kept = [float(r["loss"]) for r in rows if math.isfinite(float(r["loss"])) and not r.get("skipped")]
         if not kept:
             return []
         mean = _median(kept)
+        latest = max(mean, _median(kept[-RISE_TAIL:]))
         best = self.best_interval_loss
         if best is None:
             # the very first interval: its first steps show the starting model (the lr is still warming up),
             # the reference a too-high lr must not get to move before the first check
             best = min(mean, _median(kept[: max(1, len(kept) // 2)]))
         self.best_interval_loss = min(best, mean)
-        if self.config.loss_rise and best > 0 and mean > self.config.loss_rise * best:
-            return [Alert(int(rows[-1]["step"]), LOSS_RISE, mean / best, self.config.loss_rise, "", step, loss=mean,
-                          top_tensors=top)]
+        if self.config.loss_rise and best > 0 and latest > self.config.loss_rise * best:
+            return [Alert(int(rows[-1]["step"]), LOSS_RISE, latest / best, self.config.loss_rise, "", step,
+                          loss=latest, top_tensors=top)]
         return []
 
     def _check_data_shift(self, first: dict, step: int) -> list[Alert]:

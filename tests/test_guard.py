@@ -227,6 +227,21 @@ def test_loss_spike_and_loss_rise():
     assert len(rise) == 1 and rise[0].value > 1.5 and rise[0].step == 50
 
 
+@pytest.mark.parametrize("late_steps, rises", [(1, False), (2, True)])
+def test_a_rise_late_in_an_interval_is_caught_at_its_check(late_steps, rises):
+    """A divergence that starts in the last steps of an interval: the interval's median passes it, the median of
+    its last 3 losses does not (the weights saved at that check are the diverging ones). One bad step alone,
+    a spike, is not a rise."""
+    run = Run("warn", log_every=5)
+    run.run(40)
+    run.run(5, loss_at={s: 8.0 for s in range(46 - late_steps, 46)})
+    rise = [a for a in run.alerts if a.kind == LOSS_RISE]
+    if rises:
+        assert len(rise) == 1 and rise[0].step == 45 and rise[0].loss == 8.0 and rise[0].value > 3
+    else:
+        assert not rise
+
+
 def test_data_shift_after_a_rollback_rebaselines_instead_of_rolling_back_again():
     run = Run("rollback", log_every=5)
     run.run(40)

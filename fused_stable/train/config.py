@@ -89,7 +89,7 @@ class TrainConfig:
     guard_skip_z: float = _key(6.0, "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this...", "guard", Range(0, low_open=True))
     guard_skip_ratio: float = _key(5.0, "...and whose norm is at least this many times its running mean (0 = z-score alone)", "guard")
     guard_loss_z: float = _key(6.0, "alert when a step's loss z-score (against its running statistics) exceeds this", "guard", Range(0, low_open=True))
-    guard_loss_rise: float = _key(1.5, "alert when a logging interval's median loss exceeds this x the best so far (0 = off)", "guard")
+    guard_loss_rise: float = _key(1.5, "alert when a logging interval's median loss (or its last 3's) exceeds this x the best so far (0 = off)", "guard")
     guard_nonfinite_storm: int = _key(3, "non-finite-gradient steps in one logging interval that escalate to the policy (fewer are skipped and recorded)", "guard", POSITIVE_COUNT)
     guard_lr_factor: float = _key(0.5, "guard=rollback: multiply the lr by this on each rollback for a spike", "guard", Range(0, 1, low_open=True))
     guard_max_rollbacks: int = _key(3, "guard=rollback: give up (stop, exit code 3) when this many rollbacks did not help", "guard")
