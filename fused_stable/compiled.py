@@ -63,7 +63,9 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
     """Trace time (eager): fills the op's argument lists for `opt`'s next step; returns the TracedStep key, -1 when
     no parameter has a grad (nothing to do, as in an eager step)."""
     if getattr(opt, "_global_sumsq", None) is not None:
-        raise NotImplementedError(
+        # the op would need the DTensors' local shards as graph inputs and an all-reduce inside it; refused
+        # before anything is built, so the optimizer is left exactly as it was
+        raise RuntimeError(
             "a compiled step with sharded (DTensor / FSDP2) parameters is not supported: compile the model and "
             "call opt.step() outside the compiled function"
         )

@@ -122,6 +122,20 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     train(model3, opt3, local_batches[2:], [])
     out["api_last_lr"] = float(opt3.last_lr)
     out["api_resume_max_diff"] = max_diff(model3)
+
+    # a compiled step over DTensor params is refused at trace time and leaves the optimizer as it was
+    model3(input_ids=local_batches[0], labels=local_batches[0]).loss.backward()
+    before = [p.full_tensor().clone() for p in model3.parameters()]
+    steps_before = int(opt3.applied_steps)
+    try:
+        torch.compile(lambda: opt3.step(), fullgraph=True)()
+        out["compiled_refusal"] = None
+    except Exception as exc:  # noqa: BLE001 - dynamo wraps what the trace raised
+        out["compiled_refusal"] = str(exc).splitlines()[0]
+    out["compiled_refusal_kept"] = int(opt3.applied_steps) == steps_before and all(
+        torch.equal(p.full_tensor(), b) for p, b in zip(model3.parameters(), before))
+    opt3.step()  # the eager step still works
+    out["eager_after_refusal"] = int(opt3.applied_steps) - steps_before
     return out
 
 
@@ -183,3 +197,12 @@ def test_fsdp2_checkpoint_round_trip_with_dcp(ranks):
         assert r["api_resume_max_diff"] == 0.0
         assert r["api_applied_steps_loaded"] == 2
         assert r["api_last_lr"] == pytest.approx(LR * schedules.warmup_linear(10, 0).factor(2), rel=1e-6)
+
+
+def test_a_compiled_step_over_sharded_params_is_refused_and_changes_nothing(ranks):
+    """README: a compiled step with FSDP2 (DTensor) params is refused with a clear error, not a wrong step."""
+    for r in ranks:
+        assert "compiled step with sharded (DTensor / FSDP2) parameters is not supported" in r["compiled_refusal"]
+        assert "RuntimeError" in r["compiled_refusal"]
+        assert r["compiled_refusal_kept"]
+        assert r["eager_after_refusal"] == 1
