@@ -32,7 +32,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -53,7 +53,7 @@ class StressConfig:
     model: str = "tiny"        # tiny (the embedded scratch Llama, full fine-tuning) or any sft --model (LoRA)
     steps: int = 120           # optimizer steps per run (one micro-batch each)
     batch_size: int = 8
-    max_length: int = 96
+    max_length: int = 96       # TINY_MIN_LENGTH on the tiny model
     lr: float = 1e-3           # a sane peak lr for fine-tuning the pre-trained tiny model
     pretrain_steps: int = 200  # the base: the embedded tiny Llama first trained on the task (shared by every run)
     pretrain_lr: float = 3e-3
@@ -69,11 +69,14 @@ class StressConfig:
     examples: int = 2000       # tiny: built-in examples; a pretrained model: general examples mixed into its task
 
 
+TINY_MIN_LENGTH = 96  # the tiny model's built-in prompts are this long
+
 # the real-model suite's setup (`--model` other than tiny): LoRA on the identity task of `fused-stable sft`, sized to
-# fit about 15 minutes on 2 CPU cores (12 runs and their evaluations); the faults sit in the middle, after the
-# guarded optimizer's norm statistics have warmed up
+# fit about 15 minutes on 2 CPU cores (12 runs and their evaluations; measured on this project's machine: a step of
+# 2 x 64 tokens ~1.5 s, an evaluation ~25 s); the faults sit in the middle, after the guarded optimizer's norm
+# statistics have warmed up
 REAL_MODEL_DEFAULTS = dict(
-    steps=30, batch_size=4, max_length=128, lr=1e-3, pretrain_steps=0, warmup_steps=3, log_every=5,
+    steps=24, batch_size=2, max_length=64, lr=1e-3, pretrain_steps=0, warmup_steps=3, log_every=5,
     snapshot_every=5, max_rollbacks=3, zscore_warmup=8, lr_multiplier=30.0, poison_weight=1e3, examples=50,
 )  # fmt: skip
 
@@ -402,13 +405,15 @@ def _restore(snapshot: dict, trainable: list, opt, scaler) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the suite
-def judge(results: list[RunResult]) -> None:
-    """Mark each run diverged (non-finite or > 2x its recipe's clean final loss) unless the guard stopped it."""
+def judge(results: list[RunResult], other_data: Iterable[str] = ("distribution_shift",)) -> None:
+    """Mark each run diverged (non-finite, or > 2x its recipe's clean final loss) unless the guard stopped it.
+    The scenarios in `other_data` end on other data than the clean run, so their loss is not compared with it
+    (non-finite only; on a pretrained model the evaluation after the run says what it kept)."""
     clean = {r.recipe: r.final_loss for r in results if r.scenario == "clean"}
     for r in results:
         if r.status == "stopped":
             continue
-        reference = clean.get(r.recipe)
+        reference = None if r.scenario in other_data else clean.get(r.recipe)
         bad = not math.isfinite(r.final_loss) or (reference is not None and r.final_loss > 2.0 * reference)
         r.status = "diverged" if bad else "ok"
 
@@ -505,7 +510,7 @@ _RANGES = {
     "steps": dict(low=20, high=100_000, integer=True),
     "pretrain_steps": dict(low=0, high=100_000, integer=True),
     "batch_size": dict(low=1, high=4096, integer=True),
-    "max_length": dict(low=96, high=65536, integer=True),
+    "max_length": dict(low=32, high=65536, integer=True),
     "lr": dict(low=0, high=1, low_open=True),
     "log_every": dict(low=1, high=100_000, integer=True),
     "max_rollbacks": dict(low=0, high=1000, integer=True),
@@ -518,7 +523,7 @@ _HELPS = {
     "steps": "optimizer steps per run, one micro-batch each; faults sit at the middle",
     "pretrain_steps": "tiny: steps of plain training that make the shared base model (0: the random tiny Llama)",
     "batch_size": "sequences per step",
-    "max_length": "token limit per sequence (the tiny model's built-in prompts need 96)",
+    "max_length": f"token limit per sequence (tiny: at least {TINY_MIN_LENGTH}, its built-in prompts need it)",
     "lr": "the sane peak lr of both recipes",
     "lr_multiplier": "lr_too_high: the peak lr this many times too high",
     "poison_weight": "poisoned_batch: the loss weight of the batch with random labels",
@@ -573,6 +578,9 @@ def main(argv: list[str]) -> int:
             hint = f"did you mean {close!r}? " if close else ""
             what = f"unknown scenario {unknown[0]!r}" if unknown else "--scenarios names no scenario"
             raise UserError(f"{what}; {hint}choose from {', '.join(known)} or all")
+        if not is_real(cfg) and cfg.max_length < TINY_MIN_LENGTH:
+            raise UserError(f"--max-length must be at least {TINY_MIN_LENGTH} on the tiny model (its built-in prompts "
+                            f"need it), got {cfg.max_length}")
         if cfg.steps < 2 * cfg.log_every:
             raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
         if is_real(cfg):

@@ -100,12 +100,15 @@ def test_the_verdict_rule_at_its_boundaries():
         result("at_2x", "usual", 4.0), result("above_2x", "usual", math.nextafter(4.0, math.inf)),
         result("at_2x", "guarded", 6.0), result("nan", "usual", math.nan), result("inf", "guarded", math.inf),
         result("gave_up", "guarded", math.nan, status="stopped"),
+        # a scenario that ends on other data is not compared with the clean run's loss: non-finite only
+        result("distribution_shift", "usual", 5.0), result("distribution_shift", "guarded", math.nan),
     ]
     stress.judge(results)
     assert {(r.scenario, r.recipe): r.status for r in results} == {
         ("clean", "usual"): "ok", ("clean", "guarded"): "ok",
         ("at_2x", "usual"): "ok", ("above_2x", "usual"): "diverged", ("at_2x", "guarded"): "ok",
         ("nan", "usual"): "diverged", ("inf", "guarded"): "diverged", ("gave_up", "guarded"): "stopped",
+        ("distribution_shift", "usual"): "ok", ("distribution_shift", "guarded"): "diverged",
     }
 
 
