@@ -154,6 +154,16 @@ def test_schedule_mapping_matches_transformers(tmp_path):
             ref.step()
 
 
+@pytest.mark.parametrize("trainer_max_grad_norm, fused_max_grad_norm", [(1.0, 1.0), (0.0, None)])
+def test_fused_trainer_optimizers_moves_clipping_into_the_step(tmp_path, trainer_max_grad_norm, fused_max_grad_norm):
+    """Without the callback too: the Trainer's max_grad_norm goes to FusedAdamW and is set to 0 in args, so a
+    plain Trainer does not clip a second time."""
+    args = make_args(tmp_path, max_grad_norm=trainer_max_grad_norm)
+    opt, _ = fused_trainer_optimizers(tiny_llama(), args)
+    assert opt.rules.max_grad_norm == fused_max_grad_norm
+    assert args.max_grad_norm == 0.0
+
+
 def test_bad_arguments_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="no device-side equivalent"):
         schedule_from_training_args(make_args(tmp_path, lr_scheduler_type="polynomial"))

@@ -326,7 +326,7 @@ MUTATIONS: list[Mutation] = [
       "        # The fused step now owns clipping; a Trainer clip on top would be a second, wasted pass.\n        args.max_grad_norm = 0.0\n",
       "        pass\n",
       ["tests/integrations/test_integ_hf_trainer.py"], "the Trainer does not clip again (args.max_grad_norm set to 0)",
-      select="same_trajectory"),
+      select="same_trajectory or moves_clipping"),
     # ------------------------------------------------------------------ stress suite
     M("stress-verdict-threshold", "fused_stable/stress.py",
       "r.final_loss > 2.0 * reference", "r.final_loss > 4.0 * reference",
