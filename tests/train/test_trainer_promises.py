@@ -118,28 +118,26 @@ def test_pruned_checkpoints_are_renamed_away_before_they_are_deleted(tmp_path, m
     """docs/trainer.md: older checkpoints are renamed away before they are deleted, so a kill during the
     clean-up never leaves a half-deleted `step-N` that looks complete."""
     out = tmp_path / "run"
-    deleted = []
-    real_rmtree = shutil.rmtree
+    for step in (1, 2):
+        _save_small_checkpoint(out, step)
+    real_rmtree, deleting = shutil.rmtree, []
 
-    def rmtree(path, *args, **kwargs):
-        # while a directory is being deleted: every step-N folder there is, complete or not, and whether the
-        # doomed folder still holds the whole checkpoint (moved away in one rename, not copied or emptied first)
-        on_disk = [s for s, _ in checkpoint.list_checkpoints(str(out), include_incomplete=True)]
-        if os.path.isdir(path):  # (the save also clears a temporary folder that is not there)
-            whole = os.path.isfile(os.path.join(str(path), checkpoint.COMPLETE_MARKER))
-            deleted.append((os.path.basename(str(path)), on_disk, whole))
+    def killed_mid_removal(path, *args, **kwargs):
+        # the process dies half-way through deleting the pruned checkpoint: one file gone, the rest left behind
+        if os.path.isdir(path) and "step-1" in os.path.basename(str(path)):
+            deleting.append(os.path.basename(str(path)))
+            os.remove(os.path.join(str(path), "weights.safetensors"))
+            raise KeyboardInterrupt
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
-    for step in (1, 2, 3):
-        _save_small_checkpoint(out, step, keep=2)
-    pruned = [entry for entry in deleted if "step-1" in entry[0]]
-    assert pruned, "step-1 was not pruned"
-    for name, on_disk, whole in pruned:
-        assert not name.startswith("step-"), f"{name} deleted in place"
-        assert 1 not in on_disk, "a step-1 folder was still there while the pruned copy was deleted"
-        assert whole, "the pruned checkpoint was not moved away whole before its files went"
-    assert [s for s, _ in checkpoint.list_checkpoints(str(out))] == [2, 3]
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_mid_removal)
+    with pytest.raises(KeyboardInterrupt):
+        _save_small_checkpoint(out, 3, keep=2)
+    assert deleting and not deleting[0].startswith("step-"), f"{deleting} deleted in place"
+    # what a later run sees: no half-deleted step-1, complete or not, and nothing passed over on resume
+    assert [s for s, _ in checkpoint.list_checkpoints(str(out), include_incomplete=True)] == [2, 3]
+    path, passed_over = checkpoint.latest_verified_checkpoint(str(out))
+    assert path == str(out / "checkpoints" / "step-3") and passed_over == []
 
 
 # ------------------------------------------------------------------------------------------- weight decay
