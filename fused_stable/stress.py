@@ -99,6 +99,11 @@ class Scenario:
     storm_exponent: int = 40
     shift_at: Optional[int] = None           # from this micro-batch on, batches come from the shifted task
 
+    @property
+    def ends_on_other_data(self) -> bool:
+        """Its final loss is measured on other data than the clean run's: not comparable with it."""
+        return self.shift_at is not None
+
 
 def scenarios(cfg: StressConfig) -> dict[str, Scenario]:
     mid = cfg.steps // 2
@@ -405,10 +410,12 @@ def _restore(snapshot: dict, trainable: list, opt, scaler) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the suite
-def judge(results: list[RunResult], other_data: Iterable[str] = ("distribution_shift",)) -> None:
+def judge(results: list[RunResult], other_data: Iterable[str] = ()) -> None:
     """Mark each run diverged (non-finite, or > 2x its recipe's clean final loss) unless the guard stopped it.
-    The scenarios in `other_data` end on other data than the clean run, so their loss is not compared with it
-    (non-finite only; on a pretrained model the evaluation after the run says what it kept)."""
+    The scenarios named in `other_data` end on other data than the clean run (`Scenario.ends_on_other_data`),
+    so their loss is not compared with it (non-finite only; on a pretrained model the evaluation after the run
+    says what it kept)."""
+    other_data = set(other_data)
     clean = {r.recipe: r.final_loss for r in results if r.scenario == "clean"}
     for r in results:
         if r.status == "stopped":
@@ -499,7 +506,7 @@ def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], Non
             progress(f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}{knows}  skipped {r.skipped_steps}  "
                      f"rollbacks {r.rolled_back}  {r.wall_s:.1f}s" + (f"  [{r.message}]" if r.message else ""))
             results.append(r)
-            judge(results)
+            judge(results, other_data=[n for n, s in available.items() if s.ends_on_other_data])
             if on_result is not None:
                 on_result(results)
     return results

@@ -103,7 +103,8 @@ def test_the_verdict_rule_at_its_boundaries():
         # a scenario that ends on other data is not compared with the clean run's loss: non-finite only
         result("distribution_shift", "usual", 5.0), result("distribution_shift", "guarded", math.nan),
     ]
-    stress.judge(results)
+    stress.judge(results, other_data=[n for n, s in stress.scenarios(stress.StressConfig()).items()
+                                      if s.ends_on_other_data])
     assert {(r.scenario, r.recipe): r.status for r in results} == {
         ("clean", "usual"): "ok", ("clean", "guarded"): "ok",
         ("at_2x", "usual"): "ok", ("above_2x", "usual"): "diverged", ("at_2x", "guarded"): "ok",
