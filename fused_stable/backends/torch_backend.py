@@ -200,7 +200,7 @@ def decide(
     lr0: float | torch.Tensor,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decision kernel's rules with torch ops on 0-dim tensors (see kernels/adamw.py for the why).
 
     Updates `fstate` / `istate` in place and returns (grad multiplier, skip flag as fp32, lr factor, whether this
