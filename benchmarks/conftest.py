@@ -4,6 +4,7 @@ Run with `python -m pytest benchmarks -m benchmark` (pyproject's default `-m 'no
 normal test run). FUSED_STABLE_BENCH_PLAN (cpu | gpu | smoke) and FUSED_STABLE_BENCH_SCALE pick the sizes (see
 test_step_speed.py); FUSED_STABLE_BENCH_THREADS sets torch's CPU threads for the session.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,5 +32,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     from fused_stable.bench.report import environment
 
     env = environment(bench_device())
-    machine_info["fused_stable"] = {k: env[k] for k in ("device", "runtime", "torch", "triton", "fused_stable",
-                                                         "git", "torch_threads", "load_average_start")}
+    machine_info["fused_stable"] = {
+        k: env[k]
+        for k in ("device", "runtime", "torch", "triton", "fused_stable", "git", "torch_threads", "load_average_start")
+    }

@@ -15,6 +15,7 @@ Sections (each a key of the result JSON; a section that does not fit the time bu
 Results: DIR/results/gpu-probe-<stamp>.json and .md. Parameter sets: fused_stable.bench's GPU plan
 (`dense-fp32`, 492M params in 75 tensors; `lora-fp32`, 40M params in 448 LoRA tensors; `dense-bf16`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,15 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
     from fused_stable.backends import triton_backend
 
     plan = opt._plan
-    tables = triton_backend.TritonTables(plan, opt._buffers, opt.rules, opt.device, sumsq_config=sumsq_config,
-                                         adamw_config=adamw_config, chunk_size=chunk_size)  # fmt: skip
+    tables = triton_backend.TritonTables(
+        plan,
+        opt._buffers,
+        opt.rules,
+        opt.device,
+        sumsq_config=sumsq_config,
+        adamw_config=adamw_config,
+        chunk_size=chunk_size,
+    )
     tables.refresh_grads(plan)
     rows = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in opt.param_groups]
     tables.refresh_hparams(rows)
@@ -175,7 +183,7 @@ def multi_device_check() -> dict:
     theirs = [torch.nn.Parameter(t.to("cuda:1")) for t in init]
     opt, ref = fused_optimizer(ours), torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01)
     torch.cuda.set_device(0)
-    for step in range(3):
+    for _ in range(3):
         for a, b in zip(ours, theirs):
             g = torch.randn(a.shape, generator=gen).to("cuda:1")
             a.grad, b.grad = g.clone(), g.clone()
@@ -201,10 +209,13 @@ def run(out_dir: Path | None, budget_s: float, size_scale: float) -> dict:
 
     result["environment"] = {
         "device": f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)",
-        "devices": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": triton.__version__, "python": platform.python_version(),
+        "devices": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-    }  # fmt: skip
+    }
 
     def time_left() -> bool:
         return time.monotonic() - started < budget_s
@@ -237,12 +248,16 @@ def run(out_dir: Path | None, budget_s: float, size_scale: float) -> dict:
                 if not time_left():
                     break
                 tables = candidate_tables(opt, sumsq_config, adamw_config, chunk_size)
-                rows.append({
-                    "chunk_size": chunk_size, "sumsq": vars(sumsq_config), "adamw": vars(adamw_config),
-                    "norm_ms": summary(cuda_times_ms(lambda: run_candidate(tables, "norm"))),
-                    "update_ms": summary(cuda_times_ms(lambda: run_candidate(tables, "update"))),
-                    "step_ms": summary(cuda_times_ms(lambda: run_candidate(tables, "step"))),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "chunk_size": chunk_size,
+                        "sumsq": vars(sumsq_config),
+                        "adamw": vars(adamw_config),
+                        "norm_ms": summary(cuda_times_ms(lambda t=tables: run_candidate(t, "norm"))),
+                        "update_ms": summary(cuda_times_ms(lambda t=tables: run_candidate(t, "update"))),
+                        "step_ms": summary(cuda_times_ms(lambda t=tables: run_candidate(t, "step"))),
+                    }
+                )
         result["candidates"][name] = rows
         del opt, params
         torch.cuda.empty_cache()
@@ -269,7 +284,11 @@ def markdown(result: dict) -> str:
         for contender, timing in by.items() if isinstance(by, dict) and "skipped" not in by else []:
             host = result["host_step"][name].get(contender, {})
             lines.append(f"| {name} | {contender} | {timing['median']:.3f} | {host.get('median', float('nan')):.0f} |")
-    lines += ["", "| set | chunk | norm config | update config | norm ms | update ms | step ms |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| set | chunk | norm config | update config | norm ms | update ms | step ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, rows in result["candidates"].items():
         for row in rows if isinstance(rows, list) else []:
             s, a = row["sumsq"], row["adamw"]

@@ -19,13 +19,14 @@ tensors assigned before every step (as after `zero_grad(set_to_none=True)`; the 
 Method: every round starts a fresh worker process, which imports each checkout's package (a baseline under
 another name), builds each set for each, takes 10 warm-up steps (plan and table builds, compilation or the
 on-disk cache), then times `--steps` steps per checkout, the checkouts taking turns every 20 steps (so both see
-the same machine load; the first to step alternates between rounds), with two clocks: the thread's CPU time (`time.thread_time_ns`, which does not
-count the time the process waits for a core, so other jobs on a shared machine disturb it far less) and the
-wall clock (`time.perf_counter_ns`). A round reports the median of each; the result is the median over
-rounds, with the range. Launches per step come from the stand-in driver's count. A machine shared with other
+the same machine load; the first to step alternates between rounds), with two clocks: the thread's CPU time
+(`time.thread_time_ns`, which does not count the time the process waits for a core, so other jobs on a shared machine
+disturb it far less) and the wall clock (`time.perf_counter_ns`). A round reports the median of each; the result is the
+median over rounds, with the range. Launches per step come from the stand-in driver's count. A machine shared with other
 work still slows everything down by a varying factor (frequency, caches, hyper-threads): compare checkouts
 within one run, not figures across runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,12 +129,18 @@ def run_worker(trees: dict[str, str], sets: list[str], scenarios: list[str], ste
                             count[0] += launches.count - before
                             cpu.append((c1 - c0) / 1e3)
                             wall.append((w1 - w0) / 1e3)
-                for label, (opt, params, grads, cpu, wall, count) in runs.items():
-                    results.append({
-                        "tree": label, "set": name, "scenario": scenario, "tensors": len(params),
-                        "cpu_us": statistics.median(cpu), "wall_us": statistics.median(wall),
-                        "launches_per_step": count[0] / len(cpu),
-                    })  # fmt: skip
+                for label, (_opt, _params, _grads, cpu, wall, count) in runs.items():
+                    results.append(
+                        {
+                            "tree": label,
+                            "set": name,
+                            "scenario": scenario,
+                            "tensors": len(params),
+                            "cpu_us": statistics.median(cpu),
+                            "wall_us": statistics.median(wall),
+                            "launches_per_step": count[0] / len(cpu),
+                        }
+                    )
     return results
 
 
@@ -145,8 +152,19 @@ def _worker(trees: dict[str, Path], sets, scenarios, steps) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_STABLE_BACKEND")}
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # an older checkout may leave it unset (a warning, no effect here)
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--trees", json.dumps({k: str(v) for k, v in trees.items()}),
-               "--sets", ",".join(sets), "--scenarios", ",".join(scenarios), "--steps", str(steps)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--trees",
+        json.dumps({k: str(v) for k, v in trees.items()}),
+        "--sets",
+        ",".join(sets),
+        "--scenarios",
+        ",".join(scenarios),
+        "--steps",
+        str(steps),
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"host_time worker failed:\n{proc.stderr[-3000:]}")
@@ -173,12 +191,20 @@ def measure(trees: dict[str, Path], sets, scenarios, steps: int, rounds: int) ->
     for (label, name, scenario), runs in per_round.items():
         cpu = [run["cpu_us"] for run in runs]
         wall = [run["wall_us"] for run in runs]
-        rows.append({
-            "tree": label, "set": name, "scenario": scenario, "tensors": runs[0]["tensors"],
-            "cpu_us": statistics.median(cpu), "cpu_us_range": [min(cpu), max(cpu)],
-            "wall_us": statistics.median(wall), "wall_us_range": [min(wall), max(wall)],
-            "launches_per_step": runs[0]["launches_per_step"], "rounds": len(runs),
-        })  # fmt: skip
+        rows.append(
+            {
+                "tree": label,
+                "set": name,
+                "scenario": scenario,
+                "tensors": runs[0]["tensors"],
+                "cpu_us": statistics.median(cpu),
+                "cpu_us_range": [min(cpu), max(cpu)],
+                "wall_us": statistics.median(wall),
+                "wall_us_range": [min(wall), max(wall)],
+                "launches_per_step": runs[0]["launches_per_step"],
+                "rounds": len(runs),
+            }
+        )
     ratios = {}
     for (label, name, scenario), runs in per_round.items():
         base = per_round.get(("baseline", name, scenario))
@@ -190,15 +216,20 @@ def measure(trees: dict[str, Path], sets, scenarios, steps: int, rounds: int) ->
         "method": "stand-in Triton driver (fused_stable.kernels.standin), CPU tensors, 1 torch thread; per round a "
         f"fresh process, 10 warm-up steps, then {steps} timed steps per checkout taking turns every 20 steps; "
         f"median per round, then the median over {rounds} rounds",
-        "steps": steps, "rounds": rounds, "load_average": [load_start, _load()],
-        "trees": {label: str(tree) for label, tree in trees.items()}, "rows": rows,
+        "steps": steps,
+        "rounds": rounds,
+        "load_average": [load_start, _load()],
+        "trees": {label: str(tree) for label, tree in trees.items()},
+        "rows": rows,
         "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-    }  # fmt: skip
+    }
 
 
 def table(result: dict) -> str:
-    lines = ["| checkout | set | scenario | tensors | CPU us/step (range) | wall us/step (range) | launches/step |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| checkout | set | scenario | tensors | CPU us/step (range) | wall us/step (range) | launches/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in sorted(result["rows"], key=lambda r: (r["set"], r["scenario"], r["tree"])):
         lines.append(
             f"| {row['tree']} | {row['set']} | {row['scenario']} | {row['tensors']} | {row['cpu_us']:.0f} "
@@ -206,8 +237,10 @@ def table(result: dict) -> str:
             f"({row['wall_us_range'][0]:.0f}-{row['wall_us_range'][1]:.0f}) | {row['launches_per_step']:g} |"
         )
     for key, ratio in result.get("ratios_baseline_over_this", {}).items():
-        lines.append(f"\n{key}: baseline CPU time / this = {ratio['median']:.1f}x (rounds {ratio['range'][0]:.1f}-"
-                     f"{ratio['range'][1]:.1f}x)")  # fmt: skip
+        lines.append(
+            f"\n{key}: baseline CPU time / this = {ratio['median']:.1f}x (rounds {ratio['range'][0]:.1f}-"
+            f"{ratio['range'][1]:.1f}x)"
+        )
     return "\n".join(lines)
 
 
@@ -241,8 +274,14 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(result, indent=2))
     if args.limits:
         limits = dict(zip(SETS, (float(x) for x in args.limits.split(","))))
-        over = [r for r in result["rows"] if r["tree"] == "this" and r["scenario"] == "static"
-                and r["set"] in limits and r["cpu_us"] > limits[r["set"]]]  # fmt: skip
+        over = [
+            r
+            for r in result["rows"]
+            if r["tree"] == "this"
+            and r["scenario"] == "static"
+            and r["set"] in limits
+            and r["cpu_us"] > limits[r["set"]]
+        ]
         for row in over:
             print(f"over the limit: {row['set']} {row['cpu_us']:.0f} us > {limits[row['set']]:.0f} us")
         return 1 if over else 0

@@ -5,6 +5,7 @@ and sync counts, and the goal checks); here pytest-benchmark does the statistics
     python -m pytest benchmarks -m benchmark --benchmark-group-by=group --benchmark-columns=median,iqr,rounds
 torch.compile is left to `fused-stable bench`, which time-boxes it in a separate process.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,12 @@ from fused_stable.bench.paramsets import materialize, plan_sets
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PLAN = os.environ.get("FUSED_STABLE_BENCH_PLAN") or ("gpu" if DEVICE.type == "cuda" else "cpu")
 SETS = plan_sets(PLAN, float(os.environ.get("FUSED_STABLE_BENCH_SCALE", "1.0")))
-CASES = [pytest.param(spec, c, id=f"{spec.name}-{c.key}")
-         for spec in SETS for c in contenders_for(spec.family) if not c.isolated]
+CASES = [
+    pytest.param(spec, c, id=f"{spec.name}-{c.key}")
+    for spec in SETS
+    for c in contenders_for(spec.family)
+    if not c.isolated
+]
 
 
 @pytest.mark.benchmark
@@ -36,7 +41,7 @@ def test_step(benchmark, spec, contender):
 
     def step():
         built.step()
-        synchronize(device)   # CUDA: time the work, not the launch
+        synchronize(device)  # CUDA: time the work, not the launch
 
     benchmark.group = spec.name
     rounds = 10 if device.type == "cpu" else 50
@@ -44,9 +49,15 @@ def test_step(benchmark, spec, contender):
 
     nbytes = bytes_per_step(contender.passes, params, built.optimizer)
     median = benchmark.stats.stats.median
-    benchmark.extra_info.update(contender=contender.label, backend=built.backend, n_params=spec.n_params,
-                                n_tensors=spec.n_tensors, bytes_per_step=nbytes,
-                                bytes_per_param=nbytes / spec.n_params, gbps=nbytes / median / 1e9)
+    benchmark.extra_info.update(
+        contender=contender.label,
+        backend=built.backend,
+        n_params=spec.n_params,
+        n_tensors=spec.n_tensors,
+        bytes_per_step=nbytes,
+        bytes_per_param=nbytes / spec.n_params,
+        gbps=nbytes / median / 1e9,
+    )
     # the timed calls really stepped: params moved and stayed finite
     assert any(not torch.equal(b, p.detach()) for b, p in zip(before, params))
     assert all(torch.isfinite(p.detach().float()).all() for p in params[:4])

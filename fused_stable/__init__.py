@@ -1,4 +1,5 @@
 """fused_stable: a fused, sync-free global-norm clip + AdamW step, and training tools built on it."""
+
 import os as _os
 import sys as _sys
 

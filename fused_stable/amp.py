@@ -8,6 +8,7 @@ passes over gradient memory than fp32. Scale arithmetic (growth, back-off, inter
 neither step() nor update() reads the device. With any other optimizer, or after an explicit unscale_(),
 it behaves exactly as torch.amp.GradScaler.
 """
+
 from __future__ import annotations
 
 from typing import Any

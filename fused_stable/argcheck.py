@@ -8,6 +8,7 @@
 - a mistake is one line on stderr and exit code 2 (`OneLineParser`, `UserError`, `parse_command`), and help
   fits 100 columns.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 from fused_stable.train.errors import UserError
 
@@ -34,10 +35,12 @@ def flag_spelling(token: str) -> str:
     return "--" + name.replace("_", "-") + eq + value
 
 
-def suggestion(name: str, known: Iterable[str], aliases: dict[str, str] | None = None,
-               cutoff: float = CLOSE_MATCH) -> Optional[str]:
+def suggestion(
+    name: str, known: Iterable[str], aliases: dict[str, str] | None = None, cutoff: float = CLOSE_MATCH
+) -> str | None:
     """The known name `name` probably meant (compared with dashes and underscores alike), or None. Short
     names (commands) need a lower `cutoff`: one wrong letter of three is a ratio of 0.67."""
+
     def canon(s: str) -> str:
         return s.lstrip("-").replace("-", "_").lower()
 
@@ -75,7 +78,7 @@ def _show(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e16 else f"{bound:g}"
 
 
-def check_range(value, low=None, high=None, *, low_open: bool = False, high_open: bool = False) -> Optional[str]:
+def check_range(value, low=None, high=None, *, low_open: bool = False, high_open: bool = False) -> str | None:
     """None if `value` lies in the range, else what is wrong ('must be positive', 'must be in [0, 1)', ...)."""
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
@@ -90,9 +93,11 @@ def check_range(value, low=None, high=None, *, low_open: bool = False, high_open
     return f"must be in {'(' if low_open else '['}{_show(low)}, {_show(high)}{')' if high_open else ']'}"
 
 
-def number(low=None, high=None, *, integer: bool = False, low_open: bool = False,
-           high_open: bool = False) -> Callable[[str], float | int]:
+def number(
+    low=None, high=None, *, integer: bool = False, low_open: bool = False, high_open: bool = False
+) -> Callable[[str], float | int]:
     """An argparse `type=`: a finite number in the given range (ArgumentTypeError says why not)."""
+
     def parse(text: str):
         try:
             value = parse_number(text, integer=integer)

@@ -1,4 +1,5 @@
 """`fused-stable` command line: a thin dispatcher; each subcommand owns its own argument parsing."""
+
 from __future__ import annotations
 
 import importlib
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
         close = suggestion(name, SUBCOMMANDS, cutoff=0.6)
         hint = f"did you mean {close!r}? " if close else ""
-        print(f"fused-stable: error: unknown command {name!r}; {hint}commands: {', '.join(SUBCOMMANDS)}",
-              file=sys.stderr)
+        print(
+            f"fused-stable: error: unknown command {name!r}; {hint}commands: {', '.join(SUBCOMMANDS)}", file=sys.stderr
+        )
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)

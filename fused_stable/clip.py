@@ -5,9 +5,10 @@ clipped grads. The L2 case on CUDA (or under the interpreter backend) runs one m
 multi-tensor scale launch per dtype, with torch's arithmetic for the norms and the coefficient on a few device
 scalars (backends/triton_backend.py, clip_grad_norm); everything else defers to torch.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -19,12 +19,13 @@ without `fullgraph=True`), `FusedAdamW.step` sees `torch.compiler.is_compiling()
    eager step computes. Its plan is cached by the tensors' addresses; new grad storage only rewrites the
    address table, as in an eager step.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -90,9 +91,14 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
             row = (None, *row[1:])
         hparams.append(tuple(row))
     step = TracedStep(
-        optimizer=weakref.ref(opt), backend=opt.backend, template=plan, tensor_lists=tensor_lists,
-        buffer_fields=buffer_fields, rules=opt.rules, hparams=hparams,
-    )  # fmt: skip
+        optimizer=weakref.ref(opt),
+        backend=opt.backend,
+        template=plan,
+        tensor_lists=tensor_lists,
+        buffer_fields=buffer_fields,
+        rules=opt.rules,
+        hparams=hparams,
+    )
     identity = (id(opt), plan.version, tuple(map(id, tensors)), tuple(hparams), opt.rules, opt.backend)
     key = _traced.get(identity)
     if key is None:
@@ -121,8 +127,8 @@ def fused_step(
     tensors: list[torch.Tensor],
     grads: list[torch.Tensor],
     lrs: list[torch.Tensor],
-    grad_scale: Optional[torch.Tensor],
-    found_inf: Optional[torch.Tensor],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
 ) -> None:
     """One fused step (global norm, clip, skip, schedule, AdamW) over the tensors a trace laid out (see module doc)."""
     step = _steps.get(key)
@@ -157,10 +163,16 @@ def _plan_for(step: TracedStep, tensors: list[torch.Tensor], grads: list[torch.T
         lists = {name: [next(values) if present else None for present in mask] for name, mask in step.tensor_lists}
         local = lists["local_params"]
         plan = dataclasses.replace(
-            step.template, **lists, params=local, param_ptrs=[p.data_ptr() for p in local],
-            storages=[p.untyped_storage() for p in local], grad_ptrs=None, grads_version=0, backend_cache=None,
+            step.template,
+            **lists,
+            params=local,
+            param_ptrs=[p.data_ptr() for p in local],
+            storages=[p.untyped_storage() for p in local],
+            grad_ptrs=None,
+            grads_version=0,
+            backend_cache=None,
             same_grads=SameGrads(),
-        )  # fmt: skip
+        )
         step.cached = (addresses, plan, buffers)
     grad_ptrs = [g.data_ptr() for g in grads]
     if grad_ptrs != plan.grad_ptrs:  # new grad storage: the backend rewrites its address table

@@ -22,13 +22,14 @@ is what keeps them) and records them; `stop` asks the trainer to checkpoint and
 exit; `rollback` asks it to restore the last good checkpoint, multiplies the lr by `lr_factor` and skips the
 data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -36,19 +37,19 @@ POLICIES = ("warn", "skip", "stop", "rollback")
 ALERTS_FILE = "alerts.jsonl"
 
 # alert kinds
-GRAD_SPIKE = "grad_spike"            # grad-norm z-score above grad_z (and norm >= grad_ratio x mean)
+GRAD_SPIKE = "grad_spike"  # grad-norm z-score above grad_z (and norm >= grad_ratio x mean)
 NONFINITE_GRADS = "nonfinite_grads"  # steps skipped for inf/NaN gradients in the interval
-LOSS_SPIKE = "loss_spike"            # loss z-score above loss_z
-NONFINITE_LOSS = "nonfinite_loss"    # a step's loss was inf/NaN
-LOSS_RISE = "loss_rise"              # an interval's median loss (or its last 3's) rose above loss_rise x the best so far
-DATA_SHIFT = "data_shift"            # right after a rollback, the restored model finds the new data bad too
+LOSS_SPIKE = "loss_spike"  # loss z-score above loss_z
+NONFINITE_LOSS = "nonfinite_loss"  # a step's loss was inf/NaN
+LOSS_RISE = "loss_rise"  # an interval's median loss (or its last 3's) rose above loss_rise x the best so far
+DATA_SHIFT = "data_shift"  # right after a rollback, the restored model finds the new data bad too
 
 # what happened (or will happen) because of an alert
-ACTION_WARN = "warn"          # recorded, training goes on
-ACTION_SKIPPED = "skipped"    # the optimizer skipped the step(s) on the device
-ACTION_STOP = "stop"          # checkpoint + exit (code 3)
+ACTION_WARN = "warn"  # recorded, training goes on
+ACTION_SKIPPED = "skipped"  # the optimizer skipped the step(s) on the device
+ACTION_STOP = "stop"  # checkpoint + exit (code 3)
 ACTION_ROLLBACK = "rollback"  # restore the last good checkpoint, lower the lr, skip the data window
-ACTION_GIVE_UP = "give_up"    # rollback budget exhausted: stop
+ACTION_GIVE_UP = "give_up"  # rollback budget exhausted: stop
 ACTION_REBASELINE = "rebaseline"  # the loss statistics start over on the new data (no rollback)
 # alerts whose cure is a smaller lr; a storm of non-finite steps is rolled back without touching the lr
 _LR_KINDS = (GRAD_SPIKE, LOSS_SPIKE, LOSS_RISE)
@@ -60,19 +61,21 @@ RISE_TAIL = 3  # the loss rise also looks at the median of an interval's last 3 
 @dataclass
 class GuardConfig:
     policy: str = "warn"
-    grad_z: float = 6.0           # alert when the grad norm's z-score exceeds this...
-    grad_ratio: float = 5.0       # ...and the norm is at least this many times its running mean (0: z alone)
-    skip_z: float = 6.0           # under skip / rollback the optimizer skips steps whose z-score exceeds this...
-    skip_ratio: float = 5.0       # ...and whose norm is at least this many times its running mean (0: z alone)
-    loss_z: float = 6.0           # alert when the loss's z-score exceeds this
-    loss_alpha: float = 0.97      # EMA decay of the loss statistics
-    loss_warmup: int = 20         # steps of loss collected before loss z-scores count
-    loss_rel_floor: float = 0.01  # the loss std is floored at this fraction of the mean (a flat loss is not a hair trigger)
-    loss_rise: float = 1.5        # alert when a logging interval's median loss exceeds this x the best one so far (0: off)
-    nonfinite_storm: int = 3      # non-finite-gradient steps within one logging interval that escalate to the policy
-    lr_factor: float = 0.5        # rollback multiplies every group's lr by this
-    max_rollbacks: int = 3        # give up (stop) when one more rollback would exceed this
-    top_k: int = 5                # tensors with the largest grad norm named in each alert
+    grad_z: float = 6.0  # alert when the grad norm's z-score exceeds this...
+    grad_ratio: float = 5.0  # ...and the norm is at least this many times its running mean (0: z alone)
+    skip_z: float = 6.0  # under skip / rollback the optimizer skips steps whose z-score exceeds this...
+    skip_ratio: float = 5.0  # ...and whose norm is at least this many times its running mean (0: z alone)
+    loss_z: float = 6.0  # alert when the loss's z-score exceeds this
+    loss_alpha: float = 0.97  # EMA decay of the loss statistics
+    loss_warmup: int = 20  # steps of loss collected before loss z-scores count
+    loss_rel_floor: float = (
+        0.01  # the loss std is floored at this fraction of the mean (a flat loss is not a hair trigger)
+    )
+    loss_rise: float = 1.5  # alert when a logging interval's median loss exceeds this x the best one so far (0: off)
+    nonfinite_storm: int = 3  # non-finite-gradient steps within one logging interval that escalate to the policy
+    lr_factor: float = 0.5  # rollback multiplies every group's lr by this
+    max_rollbacks: int = 3  # give up (stop) when one more rollback would exceed this
+    top_k: int = 5  # tensors with the largest grad norm named in each alert
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -168,14 +171,14 @@ class LossStats:
 
 @dataclass
 class Alert:
-    step: int                  # the optimizer step where it happened (trainer count, skipped steps included)
-    kind: str                  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS
-    value: float               # the z-score, or the count of non-finite steps, or the loss itself
+    step: int  # the optimizer step where it happened (trainer count, skipped steps included)
+    kind: str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS
+    value: float  # the z-score, or the count of non-finite steps, or the loss itself
     threshold: float
-    action: str                # ACTION_*
-    detected_at: int           # the logging step at which the guard read it
-    grad_norm: Optional[float] = None
-    loss: Optional[float] = None
+    action: str  # ACTION_*
+    detected_at: int  # the logging step at which the guard read it
+    grad_norm: float | None = None
+    loss: float | None = None
     top_tensors: list = field(default_factory=list)  # [{"name", "grad_norm"}], largest first
 
     def to_json(self) -> str:
@@ -193,8 +196,10 @@ class Alert:
         elif self.kind == LOSS_RISE:
             what = f"loss rose to {self.value:.2f}x its best logging-interval median (alert above {self.threshold:g}x)"
         else:
-            what = (f"the data changed: the restored model's loss is {self.value:.2f}x the best so far; "
-                    "the loss statistics start over")
+            what = (
+                f"the data changed: the restored model's loss is {self.value:.2f}x the best so far; "
+                "the loss statistics start over"
+            )
         extra = []
         if self.grad_norm is not None:
             extra.append(f"grad norm {self.grad_norm:.4g}")
@@ -208,10 +213,10 @@ class Alert:
 
 @dataclass
 class Decision:
-    action: str = "continue"   # "continue" | "stop" | "rollback"
+    action: str = "continue"  # "continue" | "stop" | "rollback"
     alerts: list = field(default_factory=list)
     message: str = ""
-    cut_lr: bool = False       # for a rollback: whether the lr is multiplied by lr_factor
+    cut_lr: bool = False  # for a rollback: whether the lr is multiplied by lr_factor
 
 
 def _median(values: list[float]) -> float:
@@ -248,14 +253,14 @@ class Guard:
         self.config = config if config is not None else GuardConfig(**kwargs)
         c = self.config
         self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
-        self.best_interval_loss: Optional[float] = None
+        self.best_interval_loss: float | None = None
         self.after_rollback = False
-        self.grace_until = -1      # after a data shift: spike alerts only warn up to this step
+        self.grace_until = -1  # after a data shift: spike alerts only warn up to this step
         self.rollbacks = 0
         self.lr_scale = 1.0
         self.alerts_total = 0
         self.base_lrs: list[float] = []
-        self._seen_skipped = 0      # optimizer counters at the last check
+        self._seen_skipped = 0  # optimizer counters at the last check
         self._seen_spike_skips = 0
 
     # ------------------------------------------------------------------------------------------ binding
@@ -283,11 +288,22 @@ class Guard:
     def check(self, step: int, optimizer, rows: list[dict]) -> Decision:
         """Read the interval's counters (one device read), update the loss statistics, decide."""
         c = self.config
-        scalars = torch.stack([x.double() for x in (
-            optimizer.max_zscore, optimizer.max_zscore_norm, optimizer.skipped_steps, optimizer.spike_skips,
-            optimizer.applied_steps, optimizer.worst_step, optimizer.worst_step_norm, optimizer.grad_norm,
-            optimizer.grad_norm_mean,
-        )])  # fmt: skip
+        scalars = torch.stack(
+            [
+                x.double()
+                for x in (
+                    optimizer.max_zscore,
+                    optimizer.max_zscore_norm,
+                    optimizer.skipped_steps,
+                    optimizer.spike_skips,
+                    optimizer.applied_steps,
+                    optimizer.worst_step,
+                    optimizer.worst_step_norm,
+                    optimizer.grad_norm,
+                    optimizer.grad_norm_mean,
+                )
+            ]
+        )
         if c.top_k:  # the worst step's per-tensor grad norms, kept by the decision kernel
             scalars = torch.cat([scalars, optimizer.worst_step_grad_norms().double()])
         values = scalars.tolist()  # the one device read
@@ -308,14 +324,32 @@ class Guard:
         storm = new_skipped >= c.nonfinite_storm
         alerts: list[Alert] = []
         if new_skipped > 0:
-            alerts.append(Alert(where, NONFINITE_GRADS, float(new_skipped), float(c.nonfinite_storm),
-                                "" if storm else ACTION_SKIPPED, step,
-                                grad_norm=worst_norm if observed else last_norm, top_tensors=top))
+            alerts.append(
+                Alert(
+                    where,
+                    NONFINITE_GRADS,
+                    float(new_skipped),
+                    float(c.nonfinite_storm),
+                    "" if storm else ACTION_SKIPPED,
+                    step,
+                    grad_norm=worst_norm if observed else last_norm,
+                    top_tensors=top,
+                )
+            )
         # heavy tails: small-batch fine-tuning has normal steps at z ~ 10 but only ~3x the mean norm
         if max_z > c.grad_z and (not c.grad_ratio or max_z_norm >= c.grad_ratio * norm_mean):
-            alerts.append(Alert(where if observed and math.isfinite(worst_norm) else step, GRAD_SPIKE, max_z, c.grad_z,
-                                ACTION_SKIPPED if new_spike_skips > 0 else "", step, grad_norm=max_z_norm,
-                                top_tensors=top))
+            alerts.append(
+                Alert(
+                    where if observed and math.isfinite(worst_norm) else step,
+                    GRAD_SPIKE,
+                    max_z,
+                    c.grad_z,
+                    ACTION_SKIPPED if new_spike_skips > 0 else "",
+                    step,
+                    grad_norm=max_z_norm,
+                    top_tensors=top,
+                )
+            )
         if self.after_rollback and rows:
             shift = self._check_data_shift(rows[0], step)
             if shift:  # the optimizer's norm statistics describe the old data too: warm them up again
@@ -328,11 +362,31 @@ class Guard:
             skipped_row = row.get("skipped")
             if not math.isfinite(loss):
                 handled = bool(skipped_row) if skipped_row is not None else new_skipped > 0 and not storm
-                alerts.append(Alert(int(row["step"]), NONFINITE_LOSS, loss, math.inf,
-                                    ACTION_SKIPPED if handled else "", step, loss=loss, top_tensors=top))
+                alerts.append(
+                    Alert(
+                        int(row["step"]),
+                        NONFINITE_LOSS,
+                        loss,
+                        math.inf,
+                        ACTION_SKIPPED if handled else "",
+                        step,
+                        loss=loss,
+                        top_tensors=top,
+                    )
+                )
             elif z > c.loss_z:
-                alerts.append(Alert(int(row["step"]), LOSS_SPIKE, z, c.loss_z, ACTION_SKIPPED if skipped_row else "",
-                                    step, loss=loss, top_tensors=top))
+                alerts.append(
+                    Alert(
+                        int(row["step"]),
+                        LOSS_SPIKE,
+                        z,
+                        c.loss_z,
+                        ACTION_SKIPPED if skipped_row else "",
+                        step,
+                        loss=loss,
+                        top_tensors=top,
+                    )
+                )
         alerts += self._check_rise(rows, step, top)
         return self._decide(alerts, in_grace=step <= self.grace_until)
 
@@ -353,8 +407,18 @@ class Guard:
             best = min(mean, _median(kept[: max(1, len(kept) // 2)]))
         self.best_interval_loss = min(best, mean)
         if self.config.loss_rise and best > 0 and latest > self.config.loss_rise * best:
-            return [Alert(int(rows[-1]["step"]), LOSS_RISE, latest / best, self.config.loss_rise, "", step,
-                          loss=latest, top_tensors=top)]
+            return [
+                Alert(
+                    int(rows[-1]["step"]),
+                    LOSS_RISE,
+                    latest / best,
+                    self.config.loss_rise,
+                    "",
+                    step,
+                    loss=latest,
+                    top_tensors=top,
+                )
+            ]
         return []
 
     def _check_data_shift(self, first: dict, step: int) -> list[Alert]:
@@ -381,8 +445,12 @@ class Guard:
         if not k or not norms:
             return []
         # non-finite norms first (the tensors that overflowed), then the largest
-        order = sorted(range(len(norms)), key=lambda i: (math.isfinite(norms[i]), -norms[i] if math.isfinite(norms[i]) else 0))
-        return [{"name": names[i] if names and i < len(names) else f"param[{i}]", "grad_norm": norms[i]} for i in order[:k]]
+        order = sorted(
+            range(len(norms)), key=lambda i: (math.isfinite(norms[i]), -norms[i] if math.isfinite(norms[i]) else 0)
+        )
+        return [
+            {"name": names[i] if names and i < len(names) else f"param[{i}]", "grad_norm": norms[i]} for i in order[:k]
+        ]
 
     def _decide(self, alerts: list[Alert], in_grace: bool = False) -> Decision:
         """The policy's answer. Alerts the optimizer already handled (action "skipped") never escalate."""
@@ -412,12 +480,16 @@ class Guard:
         first = open_alerts[0] if open_alerts else alerts[0]
         if action == ACTION_STOP:
             if c.policy == "rollback":
-                message = (f"guard: gave up at step {first.detected_at} after {self.rollbacks} rollback(s) "
-                           f"(max_rollbacks={c.max_rollbacks}): training keeps spiking ({first.kind}); lower the lr "
-                           "or inspect the data around the steps in alerts.jsonl, then continue with --resume latest")
+                message = (
+                    f"guard: gave up at step {first.detected_at} after {self.rollbacks} rollback(s) "
+                    f"(max_rollbacks={c.max_rollbacks}): training keeps spiking ({first.kind}); lower the lr "
+                    "or inspect the data around the steps in alerts.jsonl, then continue with --resume latest"
+                )
             else:
-                message = (f"guard: stopped at step {first.detected_at} ({first.kind}); a checkpoint was saved: "
-                           "look at alerts.jsonl and curves.png, then continue with --resume latest")
+                message = (
+                    f"guard: stopped at step {first.detected_at} ({first.kind}); a checkpoint was saved: "
+                    "look at alerts.jsonl and curves.png, then continue with --resume latest"
+                )
         cut_lr = action == ACTION_ROLLBACK and any(a.kind in _LR_KINDS for a in open_alerts)
         return Decision(action, alerts, message, cut_lr)
 
@@ -443,10 +515,15 @@ class Guard:
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"loss_stats": self.loss_stats.state_dict(), "best_interval_loss": self.best_interval_loss,
-                "grace_until": self.grace_until, "rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
-                "alerts_total": self.alerts_total,
-                "base_lrs": list(self.base_lrs)}
+        return {
+            "loss_stats": self.loss_stats.state_dict(),
+            "best_interval_loss": self.best_interval_loss,
+            "grace_until": self.grace_until,
+            "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
+            "alerts_total": self.alerts_total,
+            "base_lrs": list(self.base_lrs),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_stats.load_state_dict(state["loss_stats"])

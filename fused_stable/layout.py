@@ -3,6 +3,7 @@
 The decision kernel (kernels/adamw.py), the torch backend (backends/torch_backend.py) and the optimizer's named views
 (optim.py) all use the names below, so the layout and the rules are written exactly once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

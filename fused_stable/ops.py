@@ -10,10 +10,11 @@ Backends, one semantics:
     `found_inf`), for CPU tensors (the default there).
 No backend reads a device value on the host. This module is the only place that picks one.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -6,21 +6,23 @@ optimizer -> plan (plan.py: the params, states and grads flattened once, rebuilt
 equal `torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` followed by `torch.optim.AdamW.step()`, except
 that a step whose gradients are not finite is skipped whole, and that nothing in step() reads the device.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from . import compiled, layout, ops
+from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .layout import StepBuffers, StepRules
 from .plan import ParamStates, StepPlan, Version, check_grads, check_state, is_dtensor
 from .plan import local as _local
-from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .schedules import Schedule
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
@@ -120,11 +122,19 @@ class FusedAdamW(Optimizer):
                 "for a torch LR scheduler, pass the optimizer to the scheduler instead"
             )
         defaults = dict(
-            lr=lr, betas=_float_betas(betas), eps=eps, weight_decay=weight_decay,
+            lr=lr,
+            betas=_float_betas(betas),
+            eps=eps,
+            weight_decay=weight_decay,
             # torch.optim.AdamW's own keys, so that either optimizer loads the other's state_dict
-            amsgrad=bool(amsgrad), maximize=bool(maximize), foreach=foreach, capturable=False, differentiable=False,
-            fused=fused, decoupled_weight_decay=True,
-        )  # fmt: skip
+            amsgrad=bool(amsgrad),
+            maximize=bool(maximize),
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+            decoupled_weight_decay=True,
+        )
         self._version = Version()  # bumped by whatever invalidates a cached plan (see plan.py)
         super().__init__(params, defaults)
         self.state = ParamStates(self._version, self.state)
@@ -409,8 +419,8 @@ class FusedAdamW(Optimizer):
         self._last_tables = plan.backend_cache
 
     def _hparam_rows(self) -> list[tuple]:
-        """(lr, beta1, beta2, eps, weight_decay, maximize) per param group, as the backends take them: with an lr schedule
-        the lr is the group's base lr, `initial_lr`."""
+        """(lr, beta1, beta2, eps, weight_decay, maximize) per param group, as the backends take them: with an lr
+        schedule the lr is the group's base lr, `initial_lr`."""
         groups = self.param_groups
         if self.rules.schedule is None:
             return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
@@ -423,12 +433,12 @@ class FusedAdamW(Optimizer):
     # the lr that monitors read: param_groups[g]["lr"] under an lr schedule
 
     def _show_lrs(self) -> None:
-        """With `lr_schedule`, every group keeps its base lr in `initial_lr` (the key torch's LR schedulers use
-        for it) and `group["lr"]` is a 0-dim fp32 device tensor, a view of the step's hyper-parameter table,
-        that each step sets on the device to the lr the next step will use: what Lightning's
-        LearningRateMonitor or a loop that prints `group["lr"]` read, with no host read in step(). A value assigned to `group["lr"]` (anything but that view) becomes the group's
-        new base lr; so does one loaded with a state dict. Without a schedule the groups are left as they are.
-        """
+        """With `lr_schedule`, every group keeps its base lr in `initial_lr` (the key torch's LR schedulers use for it)
+        and `group["lr"]` is a 0-dim fp32 device tensor, a view of the step's hyper-parameter table, that each step sets
+        on the device to the lr the next step will use: what Lightning's LearningRateMonitor or a loop that prints
+        `group["lr"]` read, with no host read in step(). A value assigned to `group["lr"]` (anything but that view)
+        becomes the group's new base lr; so does one loaded with a state dict. Without a schedule the groups are left as
+        they are."""
         if self.rules.schedule is None:
             self._shown_lrs = []
             return
@@ -491,7 +501,8 @@ class FusedAdamW(Optimizer):
             exp_avg_sqs=[_local(state["exp_avg_sq"]) for state in states],
             masters=[_local(state["master_param"]) if "master_param" in state else None for state in states],
             max_exp_avg_sqs=[
-                _local(state["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None for i, state in zip(members, states)
+                _local(state["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None
+                for i, state in zip(members, states)
             ],
             group_amsgrad=group_amsgrad,
             steps=[state["step"] for state in states],
@@ -635,12 +646,15 @@ class FusedAdamW(Optimizer):
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}"
+                f"loaded state dict has {len(saved_groups)} parameter groups, "
+                f"this optimizer has {len(self.param_groups)}"
             )
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
             _check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
             id_to_param.update(zip(saved["params"], group["params"]))
         # keep the moments in fp32: torch's loader would cast them to the param dtype (bf16 loses bits)
@@ -669,9 +683,11 @@ class FusedAdamW(Optimizer):
                 state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
             if "step" in state:
                 step = state["step"]
-                state["step"] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).to(
-                    device=self.device, dtype=torch.float32, copy=True
-                ).reshape(())
+                state["step"] = (
+                    (step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
+                    .to(device=self.device, dtype=torch.float32, copy=True)
+                    .reshape(())
+                )
             if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
                 state["master_param"] = param.detach().to(torch.float32).clone()
         if extra is not None:
@@ -710,8 +726,16 @@ class FusedAdamW(Optimizer):
     # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
     # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
     _PICKLED = (
-        "rules", "master_weights", "capturable", "device", "backend", "_fstate", "_istate", "_worst_sumsq", "_param_names",
-    )  # fmt: skip
+        "rules",
+        "master_weights",
+        "capturable",
+        "device",
+        "backend",
+        "_fstate",
+        "_istate",
+        "_worst_sumsq",
+        "_param_names",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

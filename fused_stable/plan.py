@@ -14,6 +14,7 @@ A step therefore only gathers the grads and checks that they are the very tensor
 one pass of id()) or else that their storage (address and size) is what the plan and the backend's tables were
 built for (`current_grads`): two to four C-level `map`s over the params, not a rebuild of per-param lists.
 """
+
 from __future__ import annotations
 
 import operator

@@ -8,6 +8,7 @@ get_constant_schedule_with_warmup at n, with two deliberate differences: `min_lr
 (as transformers' get_cosine_with_min_lr_schedule_with_warmup does), and past `total_steps` the factor
 stays at its final value instead of rising again along the cosine.
 """
+
 from __future__ import annotations
 
 import math

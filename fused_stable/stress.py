@@ -22,6 +22,7 @@ also judged by what the model still knows: the trainer's held-out evaluation (fu
 on stdout, `stress.json` and `stress.png` (loss curves, usual vs guarded, one panel per scenario) in
 --output-dir.
 """
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -50,23 +51,23 @@ FINAL_WINDOW = 10  # steps averaged into the "final loss"
 # ---------------------------------------------------------------------------------------------- settings
 @dataclass
 class StressConfig:
-    model: str = "tiny"        # tiny (the embedded scratch Llama, full fine-tuning) or any sft --model (LoRA)
-    steps: int = 120           # optimizer steps per run (one micro-batch each)
+    model: str = "tiny"  # tiny (the embedded scratch Llama, full fine-tuning) or any sft --model (LoRA)
+    steps: int = 120  # optimizer steps per run (one micro-batch each)
     batch_size: int = 8
-    max_length: int = 96       # TINY_MIN_LENGTH on the tiny model
-    lr: float = 1e-3           # a sane peak lr for fine-tuning the pre-trained tiny model
+    max_length: int = 96  # TINY_MIN_LENGTH on the tiny model
+    lr: float = 1e-3  # a sane peak lr for fine-tuning the pre-trained tiny model
     pretrain_steps: int = 200  # the base: the embedded tiny Llama first trained on the task (shared by every run)
     pretrain_lr: float = 3e-3
     warmup_steps: int = 10
-    log_every: int = 5         # the guard reads the device every log_every steps
-    snapshot_every: int = 20   # the guarded recipe keeps a rollback snapshot taken at a clean check this often
+    log_every: int = 5  # the guard reads the device every log_every steps
+    snapshot_every: int = 20  # the guarded recipe keeps a rollback snapshot taken at a clean check this often
     max_rollbacks: int = 5
-    zscore_warmup: int = 25    # steps of grad norms the guarded optimizer collects before it can call one a spike
+    zscore_warmup: int = 25  # steps of grad norms the guarded optimizer collects before it can call one a spike
     lr_multiplier: float = 50.0  # lr_too_high: the peak lr this many times too high
-    poison_weight: float = 1e4   # poisoned_batch: the loss weight of the corrupt batch
+    poison_weight: float = 1e4  # poisoned_batch: the loss weight of the corrupt batch
     seed: int = 0
     threads: int = 1
-    examples: int = 2000       # tiny: built-in examples; a pretrained model: general examples mixed into its task
+    examples: int = 2000  # tiny: built-in examples; a pretrained model: general examples mixed into its task
 
 
 TINY_MIN_LENGTH = 96  # the tiny model's built-in prompts are this long
@@ -76,9 +77,20 @@ TINY_MIN_LENGTH = 96  # the tiny model's built-in prompts are this long
 # 2 x 64 tokens ~1.5 s, an evaluation ~25 s); the faults sit in the middle, after the guarded optimizer's norm
 # statistics have warmed up
 REAL_MODEL_DEFAULTS = dict(
-    steps=24, batch_size=2, max_length=64, lr=1e-3, pretrain_steps=0, warmup_steps=3, log_every=5,
-    snapshot_every=5, max_rollbacks=3, zscore_warmup=8, lr_multiplier=30.0, poison_weight=1e3, examples=50,
-)  # fmt: skip
+    steps=24,
+    batch_size=2,
+    max_length=64,
+    lr=1e-3,
+    pretrain_steps=0,
+    warmup_steps=3,
+    log_every=5,
+    snapshot_every=5,
+    max_rollbacks=3,
+    zscore_warmup=8,
+    lr_multiplier=30.0,
+    poison_weight=1e3,
+    examples=50,
+)
 
 
 def is_real(cfg: StressConfig) -> bool:
@@ -92,12 +104,12 @@ class Scenario:
     lr_multiplier: float = 1.0
     fp16: bool = False
     # data-position keyed faults
-    poison_at: Optional[int] = None          # this micro-batch has garbage labels and a x poison_weight loss
+    poison_at: int | None = None  # this micro-batch has garbage labels and a x poison_weight loss
     poison_weight: float = 1e4
-    nan_at: Optional[int] = None             # this micro-batch's loss becomes NaN
-    storm: Optional[tuple[int, int]] = None  # [start, end): losses x 2**storm_exponent before scaling (fp16 overflow)
+    nan_at: int | None = None  # this micro-batch's loss becomes NaN
+    storm: tuple[int, int] | None = None  # [start, end): losses x 2**storm_exponent before scaling (fp16 overflow)
     storm_exponent: int = 40
-    shift_at: Optional[int] = None           # from this micro-batch on, batches come from the shifted task
+    shift_at: int | None = None  # from this micro-batch on, batches come from the shifted task
 
     @property
     def ends_on_other_data(self) -> bool:
@@ -108,17 +120,29 @@ class Scenario:
 def scenarios(cfg: StressConfig) -> dict[str, Scenario]:
     mid = cfg.steps // 2
     storm = max(1, min(10, mid // 3))  # micro-batches on each side of the middle
-    return {s.name: s for s in [
-        Scenario("clean", "no fault: the reference for 'diverged'"),
-        Scenario("lr_too_high", f"peak lr {cfg.lr_multiplier:g}x too high", lr_multiplier=cfg.lr_multiplier),
-        Scenario("poisoned_batch", f"micro-batch {mid}: random labels, loss weight x{cfg.poison_weight:g} (a huge "
-                 "gradient)", poison_at=mid, poison_weight=cfg.poison_weight),
-        Scenario("fp16_overflow_storm", f"fp16 grads + GradScaler; micro-batches {mid - storm}..{mid + storm - 1} "
-                 "overflow fp16 (loss x2^40)", fp16=True, storm=(mid - storm, mid + storm)),
-        Scenario("nan_injection", f"micro-batch {mid}: loss is NaN", nan_at=mid),
-        Scenario("distribution_shift", f"from micro-batch {mid}: a different prompt format, all upper case",
-                 shift_at=mid),
-    ]}  # fmt: skip
+    return {
+        s.name: s
+        for s in [
+            Scenario("clean", "no fault: the reference for 'diverged'"),
+            Scenario("lr_too_high", f"peak lr {cfg.lr_multiplier:g}x too high", lr_multiplier=cfg.lr_multiplier),
+            Scenario(
+                "poisoned_batch",
+                f"micro-batch {mid}: random labels, loss weight x{cfg.poison_weight:g} (a huge gradient)",
+                poison_at=mid,
+                poison_weight=cfg.poison_weight,
+            ),
+            Scenario(
+                "fp16_overflow_storm",
+                f"fp16 grads + GradScaler; micro-batches {mid - storm}..{mid + storm - 1} overflow fp16 (loss x2^40)",
+                fp16=True,
+                storm=(mid - storm, mid + storm),
+            ),
+            Scenario("nan_injection", f"micro-batch {mid}: loss is NaN", nan_at=mid),
+            Scenario(
+                "distribution_shift", f"from micro-batch {mid}: a different prompt format, all upper case", shift_at=mid
+            ),
+        ]
+    }
 
 
 # ---------------------------------------------------------------------------------------------- model and data
@@ -127,10 +151,10 @@ class Workload:
     tokenizer: object
     items: list
     shifted_items: list
-    init_state: dict             # the trainable tensors every run starts from (tiny: the whole pre-trained model)
-    model: object = None         # a pretrained model with LoRA adapters, shared by the runs (its base stays frozen)
-    task_name: Optional[str] = None  # the identity the evaluation expects
-    before: Optional[dict] = None    # the held-out evaluation of the base model
+    init_state: dict  # the trainable tensors every run starts from (tiny: the whole pre-trained model)
+    model: object = None  # a pretrained model with LoRA adapters, shared by the runs (its base stays frozen)
+    task_name: str | None = None  # the identity the evaluation expects
+    before: dict | None = None  # the held-out evaluation of the base model
 
 
 def build_workload(cfg: StressConfig) -> Workload:
@@ -211,8 +235,9 @@ def _shift_example(example):
     """The shifted task: the same questions in a terse prompt format ("Q: ..."), everything upper case."""
     from fused_stable.train import data
 
-    return data.Example([{**m, "content": (("Q: " if m["role"] == "user" else "") + m["content"]).upper()}
-                         for m in example.messages])  # fmt: skip
+    return data.Example(
+        [{**m, "content": (("Q: " if m["role"] == "user" else "") + m["content"]).upper()} for m in example.messages]
+    )
 
 
 def _batch_source(work: Workload, cfg: StressConfig, scenario: Scenario):
@@ -237,17 +262,23 @@ def _batch_source(work: Workload, cfg: StressConfig, scenario: Scenario):
 
 def _loss(model, b) -> torch.Tensor:
     logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), b.labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction="sum") / max(1, b.num_label_tokens)
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+        b.labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    ) / max(1, b.num_label_tokens)
 
 
 def _lr_lambda(cfg: StressConfig) -> Callable[[int], float]:
     """transformers' get_cosine_schedule_with_warmup lambda (what schedules.warmup_cosine evaluates on the device)."""
+
     def f(n: int) -> float:
         if n < cfg.warmup_steps:
             return n / max(1, cfg.warmup_steps)
         progress = (n - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
     return f
 
 
@@ -256,19 +287,19 @@ def _lr_lambda(cfg: StressConfig) -> Callable[[int], float]:
 class RunResult:
     scenario: str
     recipe: str
-    losses: list = field(default_factory=list)   # per optimizer step (a rolled-back run restarts its step count)
+    losses: list = field(default_factory=list)  # per optimizer step (a rolled-back run restarts its step count)
     final_loss: float = math.nan
-    status: str = "ok"                            # ok | diverged | stopped
-    skipped_steps: int = 0                        # updates not applied (non-finite grads, spikes, scaler overflow)
-    rolled_back: int = 0                          # rollbacks
-    rolled_back_steps: int = 0                    # optimizer steps undone by them
+    status: str = "ok"  # ok | diverged | stopped
+    skipped_steps: int = 0  # updates not applied (non-finite grads, spikes, scaler overflow)
+    rolled_back: int = 0  # rollbacks
+    rolled_back_steps: int = 0  # optimizer steps undone by them
     alerts: int = 0
-    wall_s: float = 0.0                           # training (the evaluation apart)
+    wall_s: float = 0.0  # training (the evaluation apart)
     message: str = ""
-    general_after: Optional[float] = None         # pretrained model: held-out general accuracy after the run
-    task_after: Optional[float] = None            # ...and the target task's (identity) accuracy
+    general_after: float | None = None  # pretrained model: held-out general accuracy after the run
+    task_after: float | None = None  # ...and the target task's (identity) accuracy
     eval_s: float = 0.0
-    cpu_s: float = 0.0                            # this process's CPU time for the run and its evaluation
+    cpu_s: float = 0.0  # this process's CPU time for the run and its evaluation
 
 
 def _fp16_grad_hooks(model) -> list:
@@ -299,17 +330,24 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         scaler = torch.amp.GradScaler("cpu") if scenario.fp16 else None
     else:
         guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks))
-        opt = FusedAdamW(params, lr=lr, weight_decay=0.01, max_grad_norm=1.0, clip="zscore",
-                         zscore_warmup=cfg.zscore_warmup, lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
-                         **guard.config.optimizer_kwargs())  # fmt: skip
+        opt = FusedAdamW(
+            params,
+            lr=lr,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            clip="zscore",
+            zscore_warmup=cfg.zscore_warmup,
+            lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
+            **guard.config.optimizer_kwargs(),
+        )
         opt.param_names = names
         guard.bind(opt)
         scaler = GradScaler("cpu") if scenario.fp16 else None
         sched = None
     snapshot = _snapshot(trainable, opt, scaler, 0) if guard else None
 
-    cpu0 = time.process_time()   # CPU time: on a shared machine, a fairer measure of the cost than the wall clock
-    step, k = 0, 0               # optimizer steps (rolled back with the model), micro-batches consumed (never)
+    cpu0 = time.process_time()  # CPU time: on a shared machine, a fairer measure of the cost than the wall clock
+    step, k = 0, 0  # optimizer steps (rolled back with the model), micro-batches consumed (never)
     pending: list[torch.Tensor] = []
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -352,8 +390,10 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         if step % cfg.log_every == 0 or step == cfg.steps:
             losses = torch.stack(pending).tolist()
             pending.clear()
-            new_rows = [{"step": step - len(losses) + 1 + i, "loss": v, "skipped": bool(skip)}
-                        for i, (v, skip) in enumerate(losses)]
+            new_rows = [
+                {"step": step - len(losses) + 1 + i, "loss": v, "skipped": bool(skip)}
+                for i, (v, skip) in enumerate(losses)
+            ]
             rows += new_rows
             if guard:
                 result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
@@ -394,8 +434,14 @@ def _snapshot(trainable: list, opt, scaler, step: int) -> dict:
     """An in-memory checkpoint of the trainable tensors (what the trainer's checkpoints hold), the optimizer and
     the scaler, serialised like one on disk (no live tensors shared with the run)."""
     buffer = io.BytesIO()
-    torch.save({"model": {n: p.detach() for n, p in trainable}, "opt": opt.state_dict(),
-                "scaler": scaler.state_dict() if scaler else None}, buffer)
+    torch.save(
+        {
+            "model": {n: p.detach() for n, p in trainable},
+            "opt": opt.state_dict(),
+            "scaler": scaler.state_dict() if scaler else None,
+        },
+        buffer,
+    )
     return {"bytes": buffer.getvalue(), "step": step}
 
 
@@ -425,7 +471,7 @@ def judge(results: list[RunResult], other_data: Iterable[str] = ()) -> None:
         r.status = "diverged" if bad else "ok"
 
 
-def format_table(results: list[RunResult], before: Optional[dict] = None) -> str:
+def format_table(results: list[RunResult], before: dict | None = None) -> str:
     """The markdown table; with a pretrained model's evaluation, `general` and task accuracy after each run
     (and the base model's in the first line)."""
     evaluated = any(r.general_after is not None for r in results)
@@ -435,8 +481,10 @@ def format_table(results: list[RunResult], before: Optional[dict] = None) -> str
     header += " skipped steps | rollbacks (steps undone) | alerts | wall time |"
     lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
     if evaluated and before is not None:
-        lines.append(f"| base model | - | - | - | {before['general']['accuracy']:.3f} | {before['identity']['accuracy']:.3f} "
-                     "| - | - | - | - |")
+        lines.append(
+            f"| base model | - | - | - | {before['general']['accuracy']:.3f} | {before['identity']['accuracy']:.3f} "
+            "| - | - | - | - |"
+        )
     for r in results:
         alerts = str(r.alerts) if r.recipe == "guarded" else "-"
         rollbacks = f"{r.rolled_back} ({r.rolled_back_steps})" if r.recipe == "guarded" else "-"
@@ -447,7 +495,7 @@ def format_table(results: list[RunResult], before: Optional[dict] = None) -> str
     return "\n".join(lines)
 
 
-def _accuracy(value: Optional[float]) -> str:
+def _accuracy(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
@@ -474,13 +522,19 @@ def plot(results: list[RunResult], path: str) -> None:
             bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
             if bad is not None and not math.isfinite(r.final_loss):  # NaN draws nothing: mark where the curve ends
                 ax.axvline(bad + 1, color=color, ls="--", lw=1)
-                ax.annotate(f"{r.recipe}: loss non-finite from step {bad + 1}", (bad + 1, 0.95), xycoords=("data", "axes fraction"),
-                            fontsize=8, color=color, ha="center")
+                ax.annotate(
+                    f"{r.recipe}: loss non-finite from step {bad + 1}",
+                    (bad + 1, 0.95),
+                    xycoords=("data", "axes fraction"),
+                    fontsize=8,
+                    color=color,
+                    ha="center",
+                )
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     axes[0][0].set_ylabel("train loss (per token)")
     fig.suptitle("fused-stable stress: usual recipe (torch AdamW + clip 1.0) vs guarded (FusedAdamW + guard)")
@@ -489,9 +543,13 @@ def plot(results: list[RunResult], path: str) -> None:
     plt.close(fig)
 
 
-def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], None] = print,
-              work: Optional[Workload] = None,
-              on_result: Optional[Callable[[list[RunResult]], None]] = None) -> list[RunResult]:
+def run_suite(
+    cfg: StressConfig,
+    names: list[str],
+    progress: Callable[[str], None] = print,
+    work: Workload | None = None,
+    on_result: Callable[[list[RunResult]], None] | None = None,
+) -> list[RunResult]:
     """Every named scenario (and `clean`, the reference) with both recipes; `on_result` sees the results so far
     after each run (the command writes them out, so a long suite cut short keeps what it measured)."""
     available = scenarios(cfg)
@@ -503,8 +561,10 @@ def run_suite(cfg: StressConfig, names: list[str], progress: Callable[[str], Non
         for recipe in RECIPES:
             r = run_one(work, cfg, available[name], recipe)
             knows = f"  general {r.general_after:.3f}  task {r.task_after:.3f}" if r.general_after is not None else ""
-            progress(f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}{knows}  skipped {r.skipped_steps}  "
-                     f"rollbacks {r.rolled_back}  {r.wall_s:.1f}s" + (f"  [{r.message}]" if r.message else ""))
+            progress(
+                f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}{knows}  skipped {r.skipped_steps}  "
+                f"rollbacks {r.rolled_back}  {r.wall_s:.1f}s" + (f"  [{r.message}]" if r.message else "")
+            )
             results.append(r)
             judge(results, other_data=[n for n, s in available.items() if s.ends_on_other_data])
             if on_result is not None:
@@ -540,26 +600,50 @@ _HELPS = {
     "seed": "data order, the adapters' init and the tiny base model's training",
     "threads": "torch CPU threads (1 is fastest and steadiest on a shared 2-core machine)",
 }
-_RANGES.update(lr_multiplier=dict(low=1, high=1e6), poison_weight=dict(low=1, high=1e12),
-               zscore_warmup=dict(low=1, high=100_000, integer=True))
+_RANGES.update(
+    lr_multiplier=dict(low=1, high=1e6),
+    poison_weight=dict(low=1, high=1e12),
+    zscore_warmup=dict(low=1, high=100_000, integer=True),
+)
 
 
 def build_parser() -> OneLineParser:
     tiny, real = StressConfig(), StressConfig(**REAL_MODEL_DEFAULTS)
-    p = OneLineParser(prog="fused-stable stress", description=__doc__.split("\n\n")[0],
-                      aliases={"--output_dir": "--output-dir", "--out": "--output-dir", "--scenario": "--scenarios",
-                               "--iters": "--steps", "--max-steps": "--steps", "--learning-rate": "--lr"})
-    p.add_argument("--model", default="tiny", help="tiny (the embedded scratch Llama, full fine-tuning; the fast "
-                   "default) or what `fused-stable sft --model` takes (smollm2-135m, an HF folder, a .gguf file): "
-                   "LoRA on the identity task, judged by the held-out evaluation after every run")
-    p.add_argument("--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(tiny))} (default: all)")
-    p.add_argument("--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)")
+    p = OneLineParser(
+        prog="fused-stable stress",
+        description=__doc__.split("\n\n")[0],
+        aliases={
+            "--output_dir": "--output-dir",
+            "--out": "--output-dir",
+            "--scenario": "--scenarios",
+            "--iters": "--steps",
+            "--max-steps": "--steps",
+            "--learning-rate": "--lr",
+        },
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (the embedded scratch Llama, full fine-tuning; the fast "
+        "default) or what `fused-stable sft --model` takes (smollm2-135m, an HF folder, a .gguf file): "
+        "LoRA on the identity task, judged by the held-out evaluation after every run",
+    )
+    p.add_argument(
+        "--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(tiny))} (default: all)"
+    )
+    p.add_argument(
+        "--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)"
+    )
     for name, text in _HELPS.items():
         defaults = f"tiny {getattr(tiny, name):g}, pretrained {getattr(real, name):g}"
         if getattr(tiny, name) == getattr(real, name):
             defaults = f"{getattr(tiny, name):g}"
-        p.add_argument(f"--{name.replace('_', '-')}", type=number(**_RANGES[name]), default=None,
-                       help=f"{text} (default: {defaults})")
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=number(**_RANGES[name]),
+            default=None,
+            help=f"{text} (default: {defaults})",
+        )
     return p
 
 
@@ -586,8 +670,10 @@ def main(argv: list[str]) -> int:
             what = f"unknown scenario {unknown[0]!r}" if unknown else "--scenarios names no scenario"
             raise UserError(f"{what}; {hint}choose from {', '.join(known)} or all")
         if not is_real(cfg) and cfg.max_length < TINY_MIN_LENGTH:
-            raise UserError(f"--max-length must be at least {TINY_MIN_LENGTH} on the tiny model (its built-in prompts "
-                            f"need it), got {cfg.max_length}")
+            raise UserError(
+                f"--max-length must be at least {TINY_MIN_LENGTH} on the tiny model (its built-in prompts "
+                f"need it), got {cfg.max_length}"
+            )
         if cfg.steps < 2 * cfg.log_every:
             raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
         if is_real(cfg):
@@ -600,23 +686,38 @@ def main(argv: list[str]) -> int:
         return 2
     torch.set_num_threads(cfg.threads)
     os.makedirs(args.output_dir, exist_ok=True)
-    what = (f"{cfg.model} with LoRA (r 8, all linear layers) on the identity task" if is_real(cfg)
-            else "the embedded tiny Llama (full fine-tuning)")
-    print(f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} on {what}, {cfg.steps} steps each, "
-          f"{cfg.threads} thread(s)", flush=True)
+    what = (
+        f"{cfg.model} with LoRA (r 8, all linear layers) on the identity task"
+        if is_real(cfg)
+        else "the embedded tiny Llama (full fine-tuning)"
+    )
+    print(
+        f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} on {what}, {cfg.steps} steps each, "
+        f"{cfg.threads} thread(s)",
+        flush=True,
+    )
     t0 = time.perf_counter()
     work = build_workload(cfg)
     if work.before is not None:
-        print(f"  base model: general {work.before['general']['accuracy']:.3f}  task {work.before['identity']['accuracy']:.3f}"
-              f"  ({time.perf_counter() - t0:.0f}s to load and evaluate)", flush=True)
+        print(
+            f"  base model: general {work.before['general']['accuracy']:.3f}"
+            f"  task {work.before['identity']['accuracy']:.3f}"
+            f"  ({time.perf_counter() - t0:.0f}s to load and evaluate)",
+            flush=True,
+        )
     json_path = os.path.join(args.output_dir, "stress.json")
     png_path = os.path.join(args.output_dir, "stress.png")
 
     def write(results: list[RunResult], finished: bool) -> None:
         _write_json(json_path, cfg, known, results, work, time.perf_counter() - t0, finished)
 
-    results = run_suite(cfg, names, progress=lambda line: print(line, flush=True), work=work,
-                        on_result=lambda so_far: write(so_far, finished=False))
+    results = run_suite(
+        cfg,
+        names,
+        progress=lambda line: print(line, flush=True),
+        work=work,
+        on_result=lambda so_far: write(so_far, finished=False),
+    )
     write(results, finished=True)
     print()
     print(format_table(results, work.before))
@@ -629,22 +730,37 @@ def _json_value(v):
     return str(v) if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def _write_json(path: str, cfg: StressConfig, known: dict, results: list[RunResult], work: Workload, wall_s: float,
-                finished: bool) -> None:
+def _write_json(
+    path: str, cfg: StressConfig, known: dict, results: list[RunResult], work: Workload, wall_s: float, finished: bool
+) -> None:
     """stress.json (written after every run, atomically: a suite cut short keeps what it measured)."""
     before = None
     if work.before is not None:
-        before = {"general_before": work.before["general"]["accuracy"], "task_before": work.before["identity"]["accuracy"],
-                  "general_n": work.before["general"]["n"], "task_n": work.before["identity"]["n"]}
+        before = {
+            "general_before": work.before["general"]["accuracy"],
+            "task_before": work.before["identity"]["accuracy"],
+            "general_n": work.before["general"]["n"],
+            "task_n": work.before["identity"]["n"],
+        }
     report = {
-        "config": asdict(cfg), "finished": finished, "base_model": before,
+        "config": asdict(cfg),
+        "finished": finished,
+        "base_model": before,
         "scenarios": {n: asdict(s) for n, s in known.items() if n in {r.scenario for r in results}},
-        "results": [{k: _json_value(v) for k, v in asdict(r).items() if k != "losses"}
-                    | {"losses": [_json_value(x) for x in r.losses]} for r in results],
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-                        "threads": cfg.threads, "cpus": os.cpu_count()},
+        "results": [
+            {k: _json_value(v) for k, v in asdict(r).items() if k != "losses"}
+            | {"losses": [_json_value(x) for x in r.losses]}
+            for r in results
+        ],
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "threads": cfg.threads,
+            "cpus": os.cpu_count(),
+        },
         "total_wall_s": wall_s,
-    }  # fmt: skip
+    }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)

@@ -3,6 +3,7 @@
 Triton reads TRITON_INTERPRET once, when it is first imported, so it is set here, at the start of the
 test run and before any test module imports triton; on a machine with CUDA the kernels run compiled.
 """
+
 import os
 
 

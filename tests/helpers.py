@@ -1,4 +1,5 @@
 """Shared test helpers: backends to run, tolerances, a reporting assert_close, reference optimizers."""
+
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +58,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if a.dim() else ()
         raise AssertionError(
             f"{what}: {int(bad.sum())}/{a.numel()} elements differ beyond rtol={rtol}, atol={atol}; worst at "
-            f"{index}: {a.flatten()[worst].item()!r} vs {e.flatten()[worst].item()!r} (|diff| {diff.flatten()[worst].item():.3e})"
+            f"{index}: {a.flatten()[worst].item()!r} vs {e.flatten()[worst].item()!r} "
+            f"(|diff| {diff.flatten()[worst].item():.3e})"
         )
 
 
@@ -93,7 +95,9 @@ def interpret_available() -> bool:
 def backend_param(backend: str):
     marks = []
     if backend == "interpret":
-        marks.append(pytest.mark.skipif(not interpret_available(), reason="TRITON_INTERPRET=1 was not set before triton import"))
+        marks.append(
+            pytest.mark.skipif(not interpret_available(), reason="TRITON_INTERPRET=1 was not set before triton import")
+        )
     return pytest.param(backend, marks=marks, id=backend)
 
 
@@ -127,14 +131,36 @@ def reference_adamw_fp64(params, grads_per_step, *, lr, betas, eps, weight_decay
 # sync); on CPU they are as observable, so a CPU test can prove that a step or a loop makes none of them.
 SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"}
 HOST_READ_FUNCTIONS = SYNC_METHODS | {
-    "__complex__", "__array__", "__format__", "__repr__", "__str__", "__contains__",
-    "equal", "allclose", "is_nonzero", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
+    "__complex__",
+    "__array__",
+    "__format__",
+    "__repr__",
+    "__str__",
+    "__contains__",
+    "equal",
+    "allclose",
+    "is_nonzero",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
 }
 # aten ops that read device values on the host (a scalar, or a data-dependent output size): what the Python
 # calls above become, and what C++ code (or a composite op) calls without passing through Python
 HOST_READ_OPS = {
-    "_local_scalar_dense", "equal", "allclose", "is_nonzero", "nonzero", "argwhere", "masked_select", "_unique",
-    "_unique2", "unique_dim", "unique_consecutive", "bincount",
+    "_local_scalar_dense",
+    "equal",
+    "allclose",
+    "is_nonzero",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "bincount",
 }
 
 
@@ -152,8 +178,12 @@ def _host_read_op(func, args, kwargs) -> str | None:
     if name in ("_to_copy", "copy_"):
         src = args[1] if name == "copy_" else args[0]
         dst_device = args[0].device if name == "copy_" else kwargs.get("device")
-        if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_device is not None \
-                and torch.device(dst_device).type == "cpu":
+        if (
+            isinstance(src, torch.Tensor)
+            and src.device.type != "cpu"
+            and dst_device is not None
+            and torch.device(dst_device).type == "cpu"
+        ):
             return f"{name} to the host"
     return None
 
@@ -234,8 +264,12 @@ class HostReads:
         """`torch._foreach_add_(tensors, t)` with a 0-dim CPU tensor t: torch's CPU kernel for the Tensor
         overload is `t.item()` then the Scalar overload. On CPU, t lives on the host (there is no device to
         wait for), and CUDA has its own kernel that reads t on the device: not a host sync anywhere."""
-        return (name == "_local_scalar_dense" and bool(self._calls) and self._calls[-1].startswith("_foreach_")
-                and args[0].device.type == "cpu")
+        return (
+            name == "_local_scalar_dense"
+            and bool(self._calls)
+            and self._calls[-1].startswith("_foreach_")
+            and args[0].device.type == "cpu"
+        )
 
     def _record(self, name: str) -> bool:
         if self._paused or _called_from_interpreter():

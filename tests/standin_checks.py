@@ -4,6 +4,7 @@ Run by tests/test_host_path.py in a process without TRITON_INTERPRET: the kernel
 a GPU and launched through fused_stable.kernels.standin, whose launches are records (nothing runs, so tensor
 contents never change). Each section below measures one claim of the step's host path.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import warnings
 
 import torch
 import triton.runtime as triton_runtime
+from helpers import CountDeviceOps
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -18,14 +20,15 @@ import fused_stable.ops as ops
 from fused_stable import FusedAdamW, clip_grad_norm_
 from fused_stable.guard import Guard
 from fused_stable.kernels import adamw, codegen, norm, standin
-from helpers import CountDeviceOps
 
 KERNELS = (norm._sumsq_kernel, adamw._finalize_kernel, adamw._adamw_kernel)
 
 
 def make_params(shapes, dtypes=(torch.float32,), seed=0):
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtypes[i % len(dtypes)])) for i, s in enumerate(shapes)]
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=gen).to(dtypes[i % len(dtypes)])) for i, s in enumerate(shapes)
+    ]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
     return params
@@ -49,8 +52,11 @@ def main() -> dict:
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught, standin.installed() as log:
         # launches per step, and how many of them went through Triton's dispatcher after the first step
-        for name, shapes, dtypes in [("3 fp32", [(7,)] * 3, (torch.float32,)), ("300 fp32", [(7 + i % 5,) for i in range(300)], (torch.float32,)),
-                                     ("30 fp32+bf16", [(7,)] * 30, (torch.float32, torch.bfloat16))]:  # fmt: skip
+        for name, shapes, dtypes in [
+            ("3 fp32", [(7,)] * 3, (torch.float32,)),
+            ("300 fp32", [(7 + i % 5,) for i in range(300)], (torch.float32,)),
+            ("30 fp32+bf16", [(7,)] * 30, (torch.float32, torch.bfloat16)),
+        ]:
             opt = FusedAdamW(make_params(shapes, dtypes), lr=1e-3, max_grad_norm=1.0, master_weights=True)
             opt.step()
             before, dispatched = log.count, dispatches[0]
@@ -74,10 +80,14 @@ def main() -> dict:
 
         # other param sets (counts, sizes, chunk counts, offsets into the partials, a warm-up of 1): no new compile
         variants = compiled_variants()
-        for shapes, dtypes, warmup in [([(70_000,)], (torch.float32,), 1), ([(1,)], (torch.float32,), 25),
-                                       ([(5 + i,) for i in range(64)] + [(140_000,)], (torch.float32, torch.bfloat16), 3)]:  # fmt: skip
-            opt = FusedAdamW(make_params(shapes, dtypes), lr=1e-3, max_grad_norm=1.0, master_weights=True,
-                             zscore_warmup=warmup)  # fmt: skip
+        for shapes, dtypes, warmup in [
+            ([(70_000,)], (torch.float32,), 1),
+            ([(1,)], (torch.float32,), 25),
+            ([(5 + i,) for i in range(64)] + [(140_000,)], (torch.float32, torch.bfloat16), 3),
+        ]:
+            opt = FusedAdamW(
+                make_params(shapes, dtypes), lr=1e-3, max_grad_norm=1.0, master_weights=True, zscore_warmup=warmup
+            )
             opt.step()
             opt.step()
         out["compiled variants before"] = variants
@@ -85,14 +95,18 @@ def main() -> dict:
 
         # a mixed set: aligned tensors and an unaligned view; the update kernel launched for it keeps its 128-bit loop
         flat = torch.randn(3001)
-        mixed = [torch.nn.Parameter(torch.randn(4096)), torch.nn.Parameter(flat[1:2049]), torch.nn.Parameter(torch.randn(2048))]
+        mixed = [
+            torch.nn.Parameter(torch.randn(4096)),
+            torch.nn.Parameter(flat[1:2049]),
+            torch.nn.Parameter(torch.randn(2048)),
+        ]
         for p in mixed:
             p.grad = torch.randn(p.shape)
         opt = FusedAdamW(mixed, lr=1e-3, max_grad_norm=1.0)
         opt.step()
         opt.step()
-        (update, _), = opt._plan.backend_cache.updates
-        (sumsq, _), = opt._plan.backend_cache.norms
+        ((update, _),) = opt._plan.backend_cache.updates
+        ((sumsq, _),) = opt._plan.backend_cache.norms
         out["mixed set: unaligned view"] = mixed[1].data_ptr() % 16 != 0
         out["mixed set: update loops"] = codegen.loops(update.compiled().asm["ptx"])
         out["mixed set: norm loops"] = codegen.loops(sumsq.compiled(False).asm["ptx"])
@@ -100,7 +114,7 @@ def main() -> dict:
         # clip_grad_norm_ on the fused kernels: one norm and one scale launch per dtype
         before = log.count
         clip_grad_norm_(mixed, 1.0)
-        out["clip_grad_norm_ launches"] = log.names[-(log.count - before):]
+        out["clip_grad_norm_ launches"] = log.names[-(log.count - before) :]
 
         # an installed launch hook (a profiler such as proton) sees every launch: those go through the dispatcher
         seen = []
@@ -123,8 +137,9 @@ def main() -> dict:
         # guard's worst-step window). Last: its zscore clip mode compiles another decision-kernel variant
         for guarded in (False, True):
             guard = Guard(policy="rollback")
-            opt = FusedAdamW(make_params([(7,)] * 12), lr=1e-3, max_grad_norm=1.0, clip="zscore",
-                             **guard.config.optimizer_kwargs())  # fmt: skip
+            opt = FusedAdamW(
+                make_params([(7,)] * 12), lr=1e-3, max_grad_norm=1.0, clip="zscore", **guard.config.optimizer_kwargs()
+            )
             if guarded:
                 guard.bind(opt)
             opt.step()

@@ -1,12 +1,13 @@
 """fp16-style dynamic loss scaling: fused_stable.GradScaler and torch's, against torch's documented recipe."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, assert_close, no_host_reads
 
 import fused_stable
 from fused_stable import FusedAdamW
-from helpers import BACKEND_PARAMS, assert_close, no_host_reads
 
 SHAPES = [(5,), (33, 3), (1025,)]
 STEPS = 10
@@ -160,4 +161,5 @@ def test_a_scaler_found_inf_skips_the_step_even_with_finite_grads(backend, flag)
         assert torch.equal(p.detach(), b) == skipped
         assert float(opt.state[p]["step"]) == (0.0 if skipped else 1.0)
     assert float(opt.grad_norm) == pytest.approx(
-        float(torch.stack([x.norm() for x in designed_inputs(0)]).norm()), rel=1e-5)  # unscaled by 8
+        float(torch.stack([x.norm() for x in designed_inputs(0)]).norm()), rel=1e-5
+    )  # unscaled by 8

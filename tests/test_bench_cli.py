@@ -1,4 +1,5 @@
 """Smoke tests of `fused-stable bench` on CPU with tiny sizes: the table, the JSON and markdown it writes."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,22 @@ from fused_stable.bench.measure import PASS_BYTES, bytes_per_step, quartiles
 from fused_stable.bench.paramsets import lora_shapes, plan_sets
 from fused_stable.cli import main as cli_main
 
-FAST = ["--device", "cpu", "--threads", "1", "--warmup", "1", "--steps", "3", "--max-steps", "3",
-        "--min-time", "0", "--input-sets", "2"]
+FAST = [
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+    "--warmup",
+    "1",
+    "--steps",
+    "3",
+    "--max-steps",
+    "3",
+    "--min-time",
+    "0",
+    "--input-sets",
+    "2",
+]
 
 
 def _run(tmp_path, capsys, *extra):
@@ -42,7 +57,7 @@ def test_smoke_plan_table_json_and_markdown(tmp_path, capsys):
 
     fused, base = _row(result, "dense-fp32", "fused_stable"), _row(result, "dense-fp32", "torch_fused")
     assert fused["status"] == base["status"] == "ok"
-    assert fused["backend"] == "torch"            # CPU tensors take the torch path
+    assert fused["backend"] == "torch"  # CPU tensors take the torch path
     # the bytes model of issue 6 for fp32: 4 + 28 = 32 B/param fused, 40 with torch's foreach clip
     assert fused["bytes_per_param"] == pytest.approx(32.0)
     assert base["bytes_per_param"] == pytest.approx(40.0)
@@ -57,12 +72,12 @@ def test_smoke_plan_table_json_and_markdown(tmp_path, capsys):
         assert r["gbps"] == pytest.approx(r["bytes_per_step"] / r["median_s"] / 1e9)
         assert r["pct_copy_bw"] > 0 and r["host_cpu_s"] > 0 and r["copy_bw_gbps"] > 0
         assert r["pct_copy_bw"] == pytest.approx(100 * r["gbps"] / r["copy_bw_gbps"])
-        assert r["launches_per_step"] is None and r["syncs_per_step"] is None   # CUDA-only figures
+        assert r["launches_per_step"] is None and r["syncs_per_step"] is None  # CUDA-only figures
         assert r["peak_mem_bytes"] >= r["resident_bytes"] > 0
         # measured from the allocator: at least the two fp32 moments, and not far above them
         assert 8 * r["n_params"] <= r["optimizer_bytes"] <= 8.2 * r["n_params"]
     bf16 = _row(result, "dense-bf16", "torch_fused")
-    assert 4 * bf16["n_params"] <= bf16["optimizer_bytes"] <= 4.2 * bf16["n_params"]   # torch: bf16 moments
+    assert 4 * bf16["n_params"] <= bf16["optimizer_bytes"] <= 4.2 * bf16["n_params"]  # torch: bf16 moments
 
     lora = _row(result, "lora-fp32", "fused_stable")
     assert lora["n_tensors"] == 56 and lora["status"] == "ok"
@@ -81,13 +96,23 @@ def test_smoke_plan_table_json_and_markdown(tmp_path, capsys):
 
     md = (tmp_path / "r.md").read_text()
     table_rows = [line for line in md.splitlines() if line.startswith("| dense-fp32 (")]
-    assert len(table_rows) == len(CONTENDERS) - 2   # every non-AMP contender has a dense-fp32 row
+    assert len(table_rows) == len(CONTENDERS) - 2  # every non-AMP contender has a dense-fp32 row
     assert "## Goals" in md and env["torch"] in md and "copy bandwidth" in md
 
 
 def test_compile_contender_is_time_boxed_and_reported_as_skipped(tmp_path, capsys):
-    rc, _, result = _run(tmp_path, capsys, "--sets", "dense-fp32", "--contenders", "torch_fused,torch_compile",
-                         "--compile", "on", "--compile-timeout", "1")
+    rc, _, result = _run(
+        tmp_path,
+        capsys,
+        "--sets",
+        "dense-fp32",
+        "--contenders",
+        "torch_fused,torch_compile",
+        "--compile",
+        "on",
+        "--compile-timeout",
+        "1",
+    )
     assert rc == 0
     row = _row(result, "dense-fp32", "torch_compile")
     assert row["status"] == "skipped" and "time box" in row["reason"]
@@ -96,8 +121,18 @@ def test_compile_contender_is_time_boxed_and_reported_as_skipped(tmp_path, capsy
 
 def test_gpu_plan_logic_runs_on_cpu_with_a_size_scale(tmp_path, capsys):
     # the sets gpu_check.sh benchmarks, shrunk 10^4-fold so their code path runs here
-    rc, _, result = _run(tmp_path, capsys, "--plan", "gpu", "--size-scale", "1e-4", "--compile", "off",
-                         "--contenders", "fused_stable,torch_fused,fused_stable_scaler,torch_scaler")
+    rc, _, result = _run(
+        tmp_path,
+        capsys,
+        "--plan",
+        "gpu",
+        "--size-scale",
+        "1e-4",
+        "--compile",
+        "off",
+        "--contenders",
+        "fused_stable,torch_fused,fused_stable_scaler,torch_scaler",
+    )
     assert rc == 0 and result["plan"] == "gpu"
     names = [s["name"] for s in result["sets"]]
     assert names[:4] == ["dense-fp32", "dense-bf16", "lora-fp32", "amp-fp16"] and len(names) == 8
@@ -111,9 +146,12 @@ def test_speedups_use_the_set_baseline_or_the_one_timed_alongside():
     def row(contender, median, **extra):
         return {"set": "s", "family": "dense", "contender": contender, "status": "ok", "median_s": median, **extra}
 
-    rows = [row("torch_fused", 2.0), row("fused_stable", 1.0),
-            row("torch_compile", 3.0, paired_baseline_median_s=6.0),
-            {"set": "s", "family": "dense", "contender": "apex", "status": "skipped"}]
+    rows = [
+        row("torch_fused", 2.0),
+        row("fused_stable", 1.0),
+        row("torch_compile", 3.0, paired_baseline_median_s=6.0),
+        {"set": "s", "family": "dense", "contender": "apex", "status": "skipped"},
+    ]
     add_speedups(rows)
     assert [r["speedup"] for r in rows] == [1.0, 2.0, 2.0, None]
     assert rows[1]["time_ratio"] == 0.5 and rows[0]["baseline"] == "torch_fused"
@@ -151,8 +189,24 @@ def test_bench_is_quiet_unless_asked(tmp_path, capfd):
 
     from fused_stable.bench import measure
 
-    rc = cli_main(["bench", "--plan", "smoke", "--sets", "dense-fp32", "--contenders", "fused_stable,torch_fused",
-                   "--compile", "off", "--out", str(tmp_path), "--name", "q", *FAST])
+    rc = cli_main(
+        [
+            "bench",
+            "--plan",
+            "smoke",
+            "--sets",
+            "dense-fp32",
+            "--contenders",
+            "fused_stable,torch_fused",
+            "--compile",
+            "off",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "q",
+            *FAST,
+        ]
+    )
     out, err = capfd.readouterr()
     assert rc == 0 and "dense-fp32" in out
     assert err == ""

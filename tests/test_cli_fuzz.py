@@ -1,5 +1,5 @@
-"""Every option of `fused-stable sft`, `stress`, `bench`, `chat` and `export` driven with bad values: non-numbers, nan, inf,
-negatives, zero, huge, wrong YAML types, unknown keys, missing and damaged files.
+"""Every option of `fused-stable sft`, `stress`, `bench`, `chat` and `export` driven with bad values: non-numbers,
+nan, inf, negatives, zero, huge, wrong YAML types, unknown keys, missing and damaged files.
 
 Each must end the same way: exit code 2, exactly one line on stderr that names what is wrong, no traceback,
 and nothing created or changed in the output folder. A value that is fine for one key (0 = "no clipping",
@@ -9,6 +9,7 @@ The CLI `main()` functions run in-process (each case costs milliseconds: validat
 is built, which the `no_model_building` fixture enforces); a few real processes check the end-to-end
 property (exit status and stderr of the installed entry point).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,28 @@ from fused_stable.train import export as export_cli
 from fused_stable.train.config import CHOICES, FIELDS, TrainConfig, resolve_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", "64", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "2",
-        "--logging_steps", "1", "--save_steps", "1", "--tensorboard", "false", "--max_length", "96"]
+TINY = [
+    "--model",
+    "tiny",
+    "--dataset",
+    "arithmetic",
+    "--arithmetic_examples",
+    "64",
+    "--batch_size",
+    "4",
+    "--grad_accum",
+    "2",
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "1",
+    "--tensorboard",
+    "false",
+    "--max_length",
+    "96",
+]
 NUMBERS = ["abc", "nan", "inf", "-inf", "-1", "0", "1e30"]  # + "2.5" and "1e400" for integer keys
 
 # (key, value) -> why the value is a fine setting of that key
@@ -283,8 +304,9 @@ def test_every_sft_key_is_driven():
     free-form one (a name or a path) must have its bad values in WORD_CASES: no key escapes the fuzz test."""
     named = {f.lstrip("-") for flags, _ in WORD_CASES for f in flags if f.startswith("--")}
     for name in FIELDS:
-        assert name in NUMBER_KEYS or name in CHOICES or name in BOOL_KEYS or name in named, \
+        assert name in NUMBER_KEYS or name in CHOICES or name in BOOL_KEYS or name in named, (
             f"--{name} has no bad-value case in WORD_CASES"
+        )
 
 
 # ------------------------------------------------------------------------------------------ stress and bench
@@ -307,8 +329,11 @@ def _parser_cases(parser, words):
 
 
 STRESS_ACCEPTED = {("--pretrain-steps", "0"), ("--max-rollbacks", "0"), ("--seed", "0")}
-STRESS_WORDS = {"--scenarios": ["bogus", "", "clean,meteor", "lr_to_high"], "--output-dir": ["{t}/a-file", "{t}/a-file/x"],
-                "--model": ["{t}/missing", "{t}/missing.gguf", "{t}/a-file"]}
+STRESS_WORDS = {
+    "--scenarios": ["bogus", "", "clean,meteor", "lr_to_high"],
+    "--output-dir": ["{t}/a-file", "{t}/a-file/x"],
+    "--model": ["{t}/missing", "{t}/missing.gguf", "{t}/a-file"],
+}
 
 
 @pytest.mark.parametrize("flag,value", list(_parser_cases(stress.build_parser(), STRESS_WORDS)))
@@ -324,10 +349,22 @@ def test_stress_option(flag, value, tmp_path, capsys):
     assert not out.exists()
 
 
-BENCH_ACCEPTED = {("--warmup", "0"), ("--min-time", "0"), ("--copy-mib", "0"), ("--threads", "0"),
-                  ("--deadline", "0"), ("--seed", "0")}
-BENCH_WORDS = {"--device": ["cudax", "cuda:7", "gpu", ""], "--sets": ["nope"], "--contenders": ["torch_fuse", "x"],
-               "--compile-sets": ["nope"], "--out": ["{t}/a-file", "{t}/a-file/x"], "--name": ["../x", "a/b", ".."]}
+BENCH_ACCEPTED = {
+    ("--warmup", "0"),
+    ("--min-time", "0"),
+    ("--copy-mib", "0"),
+    ("--threads", "0"),
+    ("--deadline", "0"),
+    ("--seed", "0"),
+}
+BENCH_WORDS = {
+    "--device": ["cudax", "cuda:7", "gpu", ""],
+    "--sets": ["nope"],
+    "--contenders": ["torch_fuse", "x"],
+    "--compile-sets": ["nope"],
+    "--out": ["{t}/a-file", "{t}/a-file/x"],
+    "--name": ["../x", "a/b", ".."],
+}
 
 
 @pytest.mark.parametrize("flag,value", list(_parser_cases(bench_cli.build_parser(), BENCH_WORDS)))
@@ -378,13 +415,19 @@ def _damaged_adapters(tmp):
     adapter("adapter-no-base", config='{"peft_type": "LORA"}', weights=b"")
     adapter("adapter-no-weights")
     adapter("adapter-bad-weights", weights=bytes(range(256)) * 4)
-    adapter("adapter-truncated-weights", weights=b'\x40\x00\x00\x00\x00\x00\x00\x00{"w": {"dtype": "F32", '
-            b'"shape": [4, 4], "data_offsets": [0, 64]}}          ' + b"\x00" * 10)
+    adapter(
+        "adapter-truncated-weights",
+        weights=b'\x40\x00\x00\x00\x00\x00\x00\x00{"w": {"dtype": "F32", '
+        b'"shape": [4, 4], "data_offsets": [0, 64]}}          ' + b"\x00" * 10,
+    )
     import torch
     from safetensors.torch import save
 
-    adapter("adapter-missing-base", config=json.dumps({"base_model_name_or_path": str(tmp / "gone")}),
-            weights=save({"w": torch.zeros(2)}))
+    adapter(
+        "adapter-missing-base",
+        config=json.dumps({"base_model_name_or_path": str(tmp / "gone")}),
+        weights=save({"w": torch.zeros(2)}),
+    )
     adapter("adapter-bad-trained-with", weights=b"", extra={"fused_stable.json": "{ not json"})
     (tmp / "run-broken").mkdir()
     (tmp / "run-broken" / "adapter").mkdir()
@@ -393,12 +436,18 @@ def _damaged_adapters(tmp):
 
 # (value, what the error line names); {t} is the test's tmp dir
 ADAPTER_CASES = [
-    ("{t}/missing", "missing"), ("{t}/folder", "folder"), ("{t}/a-file", "a-file"), ("", "--adapter"),
-    ("{t}/adapter-broken-config", "adapter_config.json"), ("{t}/adapter-list-config", "adapter_config.json"),
-    ("{t}/adapter-no-base", "base_model_name_or_path"), ("{t}/adapter-no-weights", "adapter weights"),
+    ("{t}/missing", "missing"),
+    ("{t}/folder", "folder"),
+    ("{t}/a-file", "a-file"),
+    ("", "--adapter"),
+    ("{t}/adapter-broken-config", "adapter_config.json"),
+    ("{t}/adapter-list-config", "adapter_config.json"),
+    ("{t}/adapter-no-base", "base_model_name_or_path"),
+    ("{t}/adapter-no-weights", "adapter weights"),
     ("{t}/adapter-bad-weights", "adapter_model.safetensors"),
     ("{t}/adapter-truncated-weights", "adapter_model.safetensors"),
-    ("{t}/adapter-missing-base", "gone"), ("{t}/adapter-bad-trained-with", "fused_stable.json"),
+    ("{t}/adapter-missing-base", "gone"),
+    ("{t}/adapter-bad-trained-with", "fused_stable.json"),
     ("{t}/run-broken", "adapter_config.json"),
 ]
 CHAT_WORDS = {
@@ -433,8 +482,9 @@ def test_chat_option(flag, value, tmp_path, capsys, monkeypatch, no_model_loadin
     # --model tiny unless the case is about the model or the adapter (chat takes one of them)
     base = [] if flag in ("--model", "--adapter") else ["--model", "tiny"]
     needle = dict(ADAPTER_CASES).get(value.replace(str(tmp_path), "{t}"), "") if flag == "--adapter" else ""
-    line = _one_line(chat_cli.main, "fused-stable chat: error: ", [*base, "--prompt", "hi", flag, value], capsys,
-                     needle)
+    line = _one_line(
+        chat_cli.main, "fused-stable chat: error: ", [*base, "--prompt", "hi", flag, value], capsys, needle
+    )
     words = [flag, flag.lstrip("-").replace("-", "_"), "device", "model", "prompt", "adapter", "base"]
     assert any(w in line.replace("-", "_") or w in line for w in words) or os.path.basename(value) in line, line
     assert snapshot(tmp_path) == before  # nothing written, not even a cache or a log
@@ -461,31 +511,38 @@ def test_export_option(flag, value, finished_run, tmp_path, capsys, no_model_loa
     shutil.copytree(finished_run, tmp_path / "run")  # a sft run folder is not an export target
     value = value.replace("{t}", str(tmp_path))
     argv = {"--adapter": ["--output-dir", tmp_path / "out"], "--output-dir": ["--adapter", finished_run]}.get(
-        flag, ["--adapter", "{t}/missing".replace("{t}", str(tmp_path)), "--output-dir", tmp_path / "out"])
+        flag, ["--adapter", "{t}/missing".replace("{t}", str(tmp_path)), "--output-dir", tmp_path / "out"]
+    )
     before, run_before = snapshot(tmp_path), snapshot(finished_run)
     for extra in ([], ["--overwrite"]) if flag == "--output-dir" else ([],):
         needle = dict(ADAPTER_CASES).get(value.replace(str(tmp_path), "{t}"), "") if flag == "--adapter" else ""
         line = _one_line(export_cli.main, "fused-stable export: error: ", [*argv, flag, value, *extra], capsys, needle)
-        assert flag.lstrip("-").replace("-", "_") in line.replace("-", "_") or os.path.basename(value) in line \
-            or "adapter" in line, line
+        assert (
+            flag.lstrip("-").replace("-", "_") in line.replace("-", "_")
+            or os.path.basename(value) in line
+            or "adapter" in line
+        ), line
         assert snapshot(tmp_path) == before and snapshot(finished_run) == run_before
 
 
 CHAT, EXPORT = (chat_cli.main, "fused-stable chat: error: "), (export_cli.main, "fused-stable export: error: ")
 
 
-@pytest.mark.parametrize("command,argv,needle", [
-    (CHAT, ["--model", "tiny", "--system"], "--system"),
-    (CHAT, ["--model", "tiny", "--prompt"], "--prompt"),
-    (CHAT, ["--model"], "--model"),
-    (CHAT, ["--model", "tiny", "--adapter", "x", "--prompt", "hi"], "not both"),
-    (CHAT, ["--not-a-key", "1"], "unknown option --not-a-key"),
-    (CHAT, ["stray"], "stray"),
-    (EXPORT, ["--adapter"], "--adapter"),
-    (EXPORT, ["--adapter", "x"], "required: --output-dir"),
-    (EXPORT, ["--output_dir", "x"], "required: --adapter"),
-    (EXPORT, ["--adapter", "x", "--output_dir", "y", "--overwrite", "yes"], "yes"),
-])
+@pytest.mark.parametrize(
+    "command,argv,needle",
+    [
+        (CHAT, ["--model", "tiny", "--system"], "--system"),
+        (CHAT, ["--model", "tiny", "--prompt"], "--prompt"),
+        (CHAT, ["--model"], "--model"),
+        (CHAT, ["--model", "tiny", "--adapter", "x", "--prompt", "hi"], "not both"),
+        (CHAT, ["--not-a-key", "1"], "unknown option --not-a-key"),
+        (CHAT, ["stray"], "stray"),
+        (EXPORT, ["--adapter"], "--adapter"),
+        (EXPORT, ["--adapter", "x"], "required: --output-dir"),
+        (EXPORT, ["--output_dir", "x"], "required: --adapter"),
+        (EXPORT, ["--adapter", "x", "--output_dir", "y", "--overwrite", "yes"], "yes"),
+    ],
+)
 def test_chat_and_export_malformed(command, argv, needle, tmp_path, capsys, monkeypatch, no_model_loading):
     monkeypatch.chdir(tmp_path)
     _one_line(*command, argv, capsys, needle)
@@ -495,34 +552,46 @@ def test_chat_and_export_malformed(command, argv, needle, tmp_path, capsys, monk
 def test_chat_and_export_take_both_spellings_and_suggest(capsys):
     assert chat_cli.build_parser().parse_args(["--max_new_tokens", "5"]).max_new_tokens == 5
     assert export_cli.build_parser().parse_args(["--adapter", "a", "--output_dir", "b"]).output_dir == "b"
-    _one_line(chat_cli.main, "fused-stable chat: error: ", ["--max-tokens", "3"], capsys, "did you mean --max-new-tokens?")
+    _one_line(
+        chat_cli.main, "fused-stable chat: error: ", ["--max-tokens", "3"], capsys, "did you mean --max-new-tokens?"
+    )
     _one_line(export_cli.main, "fused-stable export: error: ", ["--out", "x"], capsys, "did you mean --output-dir?")
 
 
-@pytest.mark.parametrize("main,prefix", [(stress.main, "fused-stable stress: error: "),
-                                         (bench_cli.main, "fused-stable bench: error: ")])
-@pytest.mark.parametrize("argv,needle", [
-    (["--not-a-key", "1"], "unknown option --not-a-key"),
-    (["--steps"], "--steps"),
-    (["stray"], "stray"),
-])
+@pytest.mark.parametrize(
+    "main,prefix", [(stress.main, "fused-stable stress: error: "), (bench_cli.main, "fused-stable bench: error: ")]
+)
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--not-a-key", "1"], "unknown option --not-a-key"),
+        (["--steps"], "--steps"),
+        (["stray"], "stray"),
+    ],
+)
 def test_stress_and_bench_unknown_and_malformed(main, prefix, argv, needle, capsys):
     _one_line(main, prefix, argv, capsys, needle)
 
 
-@pytest.mark.parametrize("main,argv,attr,expected", [
-    (stress.build_parser, ["--log_every", "4", "--max-rollbacks", "2", "--output_dir", "x"], "log_every", 4),
-    (bench_cli.build_parser, ["--size_scale", "0.5", "--max-steps", "7", "--input_sets", "2"], "size_scale", 0.5),
-])
+@pytest.mark.parametrize(
+    "main,argv,attr,expected",
+    [
+        (stress.build_parser, ["--log_every", "4", "--max-rollbacks", "2", "--output_dir", "x"], "log_every", 4),
+        (bench_cli.build_parser, ["--size_scale", "0.5", "--max-steps", "7", "--input_sets", "2"], "size_scale", 0.5),
+    ],
+)
 def test_stress_and_bench_take_both_spellings(main, argv, attr, expected):
     args = main().parse_args(argv)
     assert getattr(args, attr) == expected
 
 
-@pytest.mark.parametrize("argv,suggested", [
-    (["--output_dir", "x"], "--out"),        # sft's name for it, on bench
-    (["--size-scle", "2"], "--size-scale"),  # a typo
-])
+@pytest.mark.parametrize(
+    "argv,suggested",
+    [
+        (["--output_dir", "x"], "--out"),  # sft's name for it, on bench
+        (["--size-scle", "2"], "--size-scale"),  # a typo
+    ],
+)
 def test_bench_suggests_close_names(argv, suggested, capsys):
     _one_line(bench_cli.main, "fused-stable bench: error: ", argv, capsys, f"did you mean {suggested}?")
 
@@ -531,8 +600,14 @@ def test_help_of_every_command_fits_100_columns(capsys, monkeypatch):
     from fused_stable.cli import main as top
 
     monkeypatch.setenv("COLUMNS", "300")  # argparse would otherwise follow the terminal
-    for argv in (["--help"], ["sft", "--help"], ["stress", "--help"], ["bench", "--help"], ["chat", "--help"],
-                 ["export", "--help"]):
+    for argv in (
+        ["--help"],
+        ["sft", "--help"],
+        ["stress", "--help"],
+        ["bench", "--help"],
+        ["chat", "--help"],
+        ["export", "--help"],
+    ):
         assert top(argv) == 0
         out = capsys.readouterr().out
         assert out.strip() and max(len(line) for line in out.splitlines()) <= 100, argv
@@ -543,7 +618,10 @@ REAL = [
     (["sft", "--lr", "nan"], "fused-stable sft: error: lr in --lr must be a finite number, got 'nan'"),
     (["sft", "--device", "cudax"], "fused-stable sft: error: device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
     (["stress", "--steps", "-1"], "fused-stable stress: error: argument --steps: must be in [20, 100000], got -1"),
-    (["bench", "--size_scale", "inf"], "fused-stable bench: error: argument --size-scale: must be a finite number, got 'inf'"),
+    (
+        ["bench", "--size_scale", "inf"],
+        "fused-stable bench: error: argument --size-scale: must be a finite number, got 'inf'",
+    ),
 ]
 
 
@@ -554,9 +632,19 @@ def test_real_processes_one_line_exit_2_nothing_created(tmp_path):
         cwd = tmp_path / str(i)
         cwd.mkdir()
         flag = {"sft": "--output_dir", "stress": "--output-dir", "bench": "--out"}[argv[0]]
-        procs.append((cwd, subprocess.Popen([sys.executable, "-m", "fused_stable", *argv, flag, str(cwd / "out")],
-                                            cwd=cwd, env={**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"},
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        procs.append(
+            (
+                cwd,
+                subprocess.Popen(
+                    [sys.executable, "-m", "fused_stable", *argv, flag, str(cwd / "out")],
+                    cwd=cwd,
+                    env={**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
     for (cwd, proc), (argv, needle) in zip(procs, REAL):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 2, (argv, err[-2000:])

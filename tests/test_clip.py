@@ -7,15 +7,16 @@ function bit for bit, mixed dtypes to one rounding, and fp32 against a float64 r
 kernels' fp32 sums are closer to it than torch's CPU ones); a spy proves torch's clip_grad_norm_ was not what
 ran. Everything else (other norm types, the `torch` backend,
 unsupported grads) is documented to defer to torch: checked by the same spy, so a broken switch shows."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from helpers import assert_close, describe_dtype, interpret_available
 
 import fused_stable
-from helpers import assert_close, describe_dtype, interpret_available
 
 needs_interpreter = pytest.mark.skipif(not interpret_available(), reason="needs TRITON_INTERPRET=1")
 
@@ -55,9 +56,11 @@ def torch_clip_calls(monkeypatch):
 SHAPES = [(7,), (1025,), (3, 4), (), (0,), (4097,)]
 LARGE_SHAPES = SHAPES + [(70001,)]  # one grad over a chunk of 65536 elements
 DTYPE_SETS = {
-    "fp32": (torch.float32,), "bf16": (torch.bfloat16,), "fp16": (torch.float16,),
+    "fp32": (torch.float32,),
+    "bf16": (torch.bfloat16,),
+    "fp16": (torch.float16,),
     "mixed": (torch.float32, torch.bfloat16, torch.float16),
-}  # fmt: skip
+}
 
 
 @needs_interpreter
@@ -77,8 +80,13 @@ def test_kernels_clip_fp32_like_the_float64_reference(monkeypatch, torch_clip_ca
         # one rounding of g x coef to the grad's dtype (fp32: coef's own rounding adds an ulp); below the
         # smallest normal (fp16: 6e-5) the spacing is absolute, one subnormal step
         info = torch.finfo(p.grad.dtype)
-        assert_close(p.grad, ref, 2 * info.eps, info.tiny * info.eps,
-                     f"clipped {describe_dtype(p.grad.dtype)} grad {tuple(p.shape)}")  # fmt: skip
+        assert_close(
+            p.grad,
+            ref,
+            2 * info.eps,
+            info.tiny * info.eps,
+            f"clipped {describe_dtype(p.grad.dtype)} grad {tuple(p.shape)}",
+        )
     if max_norm == 1e9:
         for p, g in zip(params, given):
             assert torch.equal(p.grad, g)  # coefficient 1: untouched, bit for bit

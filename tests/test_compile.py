@@ -6,15 +6,16 @@ params, every state tensor and the device counters bit for bit: the op runs the 
 Each test also checks that the compiled function really ran the op (a silent fallback to eager, e.g. after too
 many recompilations, would otherwise pass) and never recompiled.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch._dynamo
+from helpers import HAS_CUDA, backend_param
 
 import fused_stable
 from fused_stable import FusedAdamW, compiled, schedules
-from helpers import HAS_CUDA, backend_param
 
 STEPS = 20
 # dynamo before torch 2.13 cannot trace an attribute write on an optimizer (GradScaler's protocol sets
@@ -58,8 +59,9 @@ def grads_for(step, params, scale=1.0):
 
 def make_optimizer(params, backend, **overrides):
     half = len(params) // 2
-    kwargs = dict(lr=2e-2, weight_decay=0.1, max_grad_norm=1.0, lr_schedule=schedules.warmup_cosine(STEPS, 4),
-                  backend=backend)  # fmt: skip
+    kwargs = dict(
+        lr=2e-2, weight_decay=0.1, max_grad_norm=1.0, lr_schedule=schedules.warmup_cosine(STEPS, 4), backend=backend
+    )
     kwargs.update(overrides)
     device = params[0].device
     groups = [{"params": params[:half]}, {"params": params[half:], "lr": torch.tensor(1e-2, device=device)}]
@@ -100,10 +102,13 @@ def run_side_by_side(backend, device="cpu", dtypes=(torch.float32,), set_to_none
     return opt_a, opt_b, params_a, params_b
 
 
-@pytest.mark.parametrize("backend, steps", [
-    pytest.param("torch", STEPS, id="torch"),
-    pytest.param("interpret", 8, id="interpret", marks=backend_param("interpret").marks),
-])
+@pytest.mark.parametrize(
+    "backend, steps",
+    [
+        pytest.param("torch", STEPS, id="torch"),
+        pytest.param("interpret", 8, id="interpret", marks=backend_param("interpret").marks),
+    ],
+)
 def test_compiled_fullgraph_step_equals_eager(backend, steps, op_calls):
     """The torch backend (CPU) and the Triton kernels (through Triton's interpreter: slow, so fewer steps)."""
     opt_a, opt_b, params_a, params_b = run_side_by_side(backend, steps=steps)

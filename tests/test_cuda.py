@@ -3,14 +3,15 @@
 Run on a GPU machine by benchmarks/gpu_check.sh: parity with torch, no host syncs, CUDA-graph replay,
 launches per step.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_close
 
 import fused_stable
 from fused_stable import FusedAdamW, schedules
-from helpers import assert_close
 
 pytestmark = [
     pytest.mark.cuda,
@@ -48,7 +49,9 @@ def test_cuda_parity_with_torch(max_norm):
 
 def test_cuda_skip_on_nonfinite_and_no_sync():
     params = cuda_params([(4097,), (33,)], torch.bfloat16)
-    opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, master_weights=True, lr_schedule=schedules.warmup_cosine(10, 2))
+    opt = FusedAdamW(
+        params, lr=1e-2, max_grad_norm=1.0, master_weights=True, lr_schedule=schedules.warmup_cosine(10, 2)
+    )
     scaler = fused_stable.GradScaler("cuda", init_scale=2.0**8)
     for step in range(6):
         opt.zero_grad()
@@ -69,8 +72,12 @@ def test_cuda_skip_on_nonfinite_and_no_sync():
 def test_cuda_graph_replay_equals_eager():
     eager = cuda_params([(1025,), (7, 9)], seed=1)
     graphed = [torch.nn.Parameter(p.detach().clone()) for p in eager]
-    kwargs = dict(lr=torch.tensor(1e-2, device="cuda"), max_grad_norm=1.0, capturable=True,
-                  lr_schedule=schedules.warmup_linear(20, 3))  # fmt: skip
+    kwargs = dict(
+        lr=torch.tensor(1e-2, device="cuda"),
+        max_grad_norm=1.0,
+        capturable=True,
+        lr_schedule=schedules.warmup_linear(20, 3),
+    )
     opt_e, opt_g = FusedAdamW(eager, **kwargs), FusedAdamW(graphed, **kwargs)
     static_grads = [torch.zeros_like(p) for p in graphed]
     for p, g in zip(graphed, static_grads):
@@ -157,12 +164,22 @@ def test_cuda_graph_of_a_whole_step_with_grad_scaler_replays_like_eager():
     from torch.profiler import ProfilerActivity, profile
 
     models = [_mlp(0), _mlp(0)]
-    opts = [FusedAdamW(m.parameters(), lr=torch.tensor(1e-3, device="cuda"), max_grad_norm=1.0, capturable=True,
-                       lr_schedule=schedules.warmup_cosine(50, 5)) for m in models]  # fmt: skip
+    opts = [
+        FusedAdamW(
+            m.parameters(),
+            lr=torch.tensor(1e-3, device="cuda"),
+            max_grad_norm=1.0,
+            capturable=True,
+            lr_schedule=schedules.warmup_cosine(50, 5),
+        )
+        for m in models
+    ]
     scalers = [fused_stable.GradScaler("cuda", init_scale=2.0**10), fused_stable.GradScaler("cuda", init_scale=2.0**10)]
     gen = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randn(32, 64, device="cuda", generator=gen), torch.randn(32, 8, device="cuda", generator=gen))
-               for _ in range(10)]  # fmt: skip
+    batches = [
+        (torch.randn(32, 64, device="cuda", generator=gen), torch.randn(32, 8, device="cuda", generator=gen))
+        for _ in range(10)
+    ]
     static_x, static_y = torch.zeros_like(batches[0][0]), torch.zeros_like(batches[0][1])
 
     eager_model, eager_opt, eager_scaler = models[0], opts[0], scalers[0]
@@ -223,7 +240,7 @@ def test_cuda_step_runs_on_the_current_stream():
     eager, streamed = cuda_params([(4097,), (33,)], seed=2), cuda_params([(4097,), (33,)], seed=2)
     opts = [FusedAdamW(ps, lr=1e-2, max_grad_norm=1.0) for ps in (eager, streamed)]
     side = torch.cuda.Stream()
-    for step in range(3):
+    for _ in range(3):
         grads = [torch.randn_like(p) for p in eager]
         for a, b, g in zip(eager, streamed, grads):
             a.grad, b.grad = g.clone(), g.clone()

@@ -1,5 +1,6 @@
 """FusedAdamW as a drop-in for torch.optim.AdamW: its keywords, layouts, named and meta params, and state dicts
 that load both ways (amsgrad's `max_exp_avg_sq` included). Reference: torch's for-loop AdamW in fp32."""
+
 from __future__ import annotations
 
 import io
@@ -9,11 +10,13 @@ import sys
 
 import pytest
 import torch
-
-from fused_stable import FusedAdamW
 from helpers import BACKEND_PARAMS, assert_close, interpret_available
 
-needs_interpreter = pytest.mark.skipif(not interpret_available(), reason="needs TRITON_INTERPRET=1 before triton import")
+from fused_stable import FusedAdamW
+
+needs_interpreter = pytest.mark.skipif(
+    not interpret_available(), reason="needs TRITON_INTERPRET=1 before triton import"
+)
 
 
 def through_disk(state_dict):
@@ -48,9 +51,13 @@ def test_every_torch_adamw_keyword_is_accepted_with_torch_defaults():
         assert ours[name].default == parameter.default, (name, ours[name].default, parameter.default)
         assert ours[name].kind == parameter.kind, name  # amsgrad positional, the rest keyword-only, as torch
     p = torch.nn.Parameter(torch.ones(3))
-    opt = FusedAdamW([p], 1e-3, (0.9, 0.999), 1e-8, 1e-2, True, maximize=True, foreach=False, fused=False, capturable=True)
+    opt = FusedAdamW(
+        [p], 1e-3, (0.9, 0.999), 1e-8, 1e-2, True, maximize=True, foreach=False, fused=False, capturable=True
+    )
     group = opt.param_groups[0]
-    assert group["amsgrad"] is True and group["maximize"] is True and group["foreach"] is False and group["fused"] is False
+    assert (
+        group["amsgrad"] is True and group["maximize"] is True and group["foreach"] is False and group["fused"] is False
+    )
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
@@ -306,9 +313,7 @@ def test_interpret_backend_after_triton_was_imported_is_a_clear_error():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["FUSED_STABLE_BACKEND"] = "interpret"
     code = (
-        "import triton, torch\n"
-        "from fused_stable import FusedAdamW\n"
-        "FusedAdamW([torch.nn.Parameter(torch.ones(3))])\n"
+        "import triton, torch\nfrom fused_stable import FusedAdamW\nFusedAdamW([torch.nn.Parameter(torch.ones(3))])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

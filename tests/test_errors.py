@@ -1,4 +1,5 @@
 """Bad input gets a clear error, and nothing changes."""
+
 from __future__ import annotations
 
 import pytest

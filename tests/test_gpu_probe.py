@@ -1,5 +1,6 @@
 """The GPU probe (benchmarks/gpu_probe.sh, gpu_probe.py) checked on CPU: its plan, its refusal without CUDA, and
 that every launch configuration it times computes exactly the step the default one does."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_close, interpret_available
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,8 +18,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def test_dry_run_prints_the_plan_without_a_gpu():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_probe.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_probe.py"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout)
     assert plan["sections"] == ["environment", "kernels", "graph_step", "host_step", "candidates", "multi_device"]
@@ -30,8 +35,9 @@ def test_dry_run_prints_the_plan_without_a_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_shell_script_fails_loudly_without_cuda(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_probe.sh")], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_probe.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
     assert not (tmp_path / "results").exists()

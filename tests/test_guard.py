@@ -1,5 +1,6 @@
 """The stability guard on a real FusedAdamW with synthetic gradients and losses: loss z-score math against plain
 Python, every policy acting where it must, no false alarms on a steady 200-step run, state round trips."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,28 @@ import random
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, CountDeviceOps, no_host_reads
 
 from fused_stable import FusedAdamW
 from fused_stable.guard import (
-    ACTION_GIVE_UP, ACTION_REBASELINE, ACTION_ROLLBACK, ACTION_SKIPPED, ACTION_STOP, ACTION_WARN, DATA_SHIFT,
-    GRAD_SPIKE, LOSS_RISE, LOSS_SPIKE, NONFINITE_GRADS, NONFINITE_LOSS, AlertLog, Guard, GuardConfig, LossStats,
+    ACTION_GIVE_UP,
+    ACTION_REBASELINE,
+    ACTION_ROLLBACK,
+    ACTION_SKIPPED,
+    ACTION_STOP,
+    ACTION_WARN,
+    DATA_SHIFT,
+    GRAD_SPIKE,
+    LOSS_RISE,
+    LOSS_SPIKE,
+    NONFINITE_GRADS,
+    NONFINITE_LOSS,
+    AlertLog,
+    Guard,
+    GuardConfig,
+    LossStats,
     read_alerts,
-)  # fmt: skip
-from helpers import BACKEND_PARAMS, CountDeviceOps, no_host_reads
+)
 
 NAMES = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "head.weight", "norm.weight", "embed.weight"]
 SHAPES = [(8, 8), (8,), (8, 8), (4, 8), (8,), (16, 8)]
@@ -79,8 +94,9 @@ def make_model(seed=0):
 
 
 def make_opt(params, guard: Guard, **kwargs):
-    opt = FusedAdamW(params, lr=1e-3, max_grad_norm=1.0, clip="zscore", backend="torch",
-                     **guard.config.optimizer_kwargs(), **kwargs)  # fmt: skip
+    opt = FusedAdamW(
+        params, lr=1e-3, max_grad_norm=1.0, clip="zscore", backend="torch", **guard.config.optimizer_kwargs(), **kwargs
+    )
     opt.param_names = list(NAMES)
     guard.bind(opt)
     return opt
@@ -279,8 +295,15 @@ def test_a_guarded_training_step_issues_the_same_device_ops_as_an_unguarded_one(
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
         guard = Guard(policy="rollback")
-        opt = FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0, clip="zscore", zscore_warmup=3,
-                         backend=backend, **guard.config.optimizer_kwargs())  # fmt: skip
+        opt = FusedAdamW(
+            model.parameters(),
+            lr=1e-3,
+            max_grad_norm=1.0,
+            clip="zscore",
+            zscore_warmup=3,
+            backend=backend,
+            **guard.config.optimizer_kwargs(),
+        )
         if guarded:
             guard.bind(opt)
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
@@ -336,11 +359,18 @@ def test_alert_log_writes_jsonl_and_trims_on_resume(tmp_path):
     assert read_alerts(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"policy": "panic"}, "policy must be one of"), ({"grad_z": 0}, "grad_z"), ({"lr_factor": 1.5}, "lr_factor"),
-    ({"max_rollbacks": -1}, "max_rollbacks"), ({"loss_rise": 0.9}, "loss_rise"), ({"skip_ratio": -1}, "skip_ratio"),
-    ({"skip_ratio": math.inf}, "skip_ratio"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"policy": "panic"}, "policy must be one of"),
+        ({"grad_z": 0}, "grad_z"),
+        ({"lr_factor": 1.5}, "lr_factor"),
+        ({"max_rollbacks": -1}, "max_rollbacks"),
+        ({"loss_rise": 0.9}, "loss_rise"),
+        ({"skip_ratio": -1}, "skip_ratio"),
+        ({"skip_ratio": math.inf}, "skip_ratio"),
+    ],
+)
 def test_bad_config_is_refused_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message):
         GuardConfig(**bad)

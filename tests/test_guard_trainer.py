@@ -1,6 +1,7 @@
 """The stability guard inside `fused-stable sft`: each policy acts on a real blow-up of the tiny Llama's logits,
 no false alarms over a normal 200-step run, stop -> exit code 3 -> --resume latest, and a rollback restores
 exactly the checkpointed state (weights, optimizer moments and counters, lr x factor)."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,32 @@ from fused_stable import schedules
 from fused_stable.guard import read_alerts
 from fused_stable.train import checkpoint, cli
 
-FAST = ["--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", "64", "--lr", "2e-4",
-        "--target_modules", "q_proj,v_proj", "--lora_dropout", "0.05", "--batch_size", "2",
-        "--grad_accum", "1", "--max_length", "96", "--tensorboard", "false", "--logging_steps", "5", "--save_steps", "10"]
+FAST = [
+    "--model",
+    "tiny",
+    "--dataset",
+    "arithmetic",
+    "--arithmetic_examples",
+    "64",
+    "--lr",
+    "2e-4",
+    "--target_modules",
+    "q_proj,v_proj",
+    "--lora_dropout",
+    "0.05",
+    "--batch_size",
+    "2",
+    "--grad_accum",
+    "1",
+    "--max_length",
+    "96",
+    "--tensorboard",
+    "false",
+    "--logging_steps",
+    "5",
+    "--save_steps",
+    "10",
+]
 # the grad-norm statistics warm up over 25 steps: faults come after that. With grad_accum 1, micro-batch k is
 # consumed by step k + 1 (until a rollback makes the two part ways)
 FAULT_BATCH = 32
@@ -51,9 +75,23 @@ def metrics(out):
 
 def test_no_false_alarms_over_a_normal_200_step_run(monkeypatch, capsys, tmp_path):
     out = tmp_path / "clean"
-    code, stdout, err = run_cli(monkeypatch, capsys, [*FAST, "--max_steps", 200, "--save_steps", 0,
-                                                      "--logging_steps", 10, "--guard", "rollback",
-                                                      "--output_dir", out])
+    code, stdout, err = run_cli(
+        monkeypatch,
+        capsys,
+        [
+            *FAST,
+            "--max_steps",
+            200,
+            "--save_steps",
+            0,
+            "--logging_steps",
+            10,
+            "--guard",
+            "rollback",
+            "--output_dir",
+            out,
+        ],
+    )
     assert code == 0, err
     assert read_alerts(str(out)) == [] and "guard:" not in stdout
     rows = metrics(out)
@@ -63,8 +101,12 @@ def test_no_false_alarms_over_a_normal_200_step_run(monkeypatch, capsys, tmp_pat
 
 def test_warn_records_the_spike_with_its_tensors(monkeypatch, capsys, tmp_path):
     out = tmp_path / "warn"
-    code, stdout, err = run_cli(monkeypatch, capsys, [*FAST, "--max_steps", 40, "--tensorboard", "true",
-                                                      "--output_dir", out], fault_batches=[FAULT_BATCH])
+    code, stdout, err = run_cli(
+        monkeypatch,
+        capsys,
+        [*FAST, "--max_steps", 40, "--tensorboard", "true", "--output_dir", out],
+        fault_batches=[FAULT_BATCH],
+    )
     assert code == 0, err
     alerts = read_alerts(str(out))
     spike = [a for a in alerts if a["kind"] == "grad_spike"]
@@ -83,8 +125,12 @@ def test_warn_records_the_spike_with_its_tensors(monkeypatch, capsys, tmp_path):
 
 def test_skip_policy_skips_the_spiking_step(monkeypatch, capsys, tmp_path):
     out = tmp_path / "skip"
-    code, _, err = run_cli(monkeypatch, capsys, [*FAST, "--max_steps", 40, "--guard", "skip", "--output_dir", out],
-                           fault_batches=[FAULT_BATCH])
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        [*FAST, "--max_steps", 40, "--guard", "skip", "--output_dir", out],
+        fault_batches=[FAULT_BATCH],
+    )
     assert code == 0, err
     rows = metrics(out)
     assert [r["step"] for r in rows if r["skipped"]] == [FAULT_STEP]
@@ -94,8 +140,12 @@ def test_skip_policy_skips_the_spiking_step(monkeypatch, capsys, tmp_path):
 
 def test_stop_policy_checkpoints_exits_3_and_resumes(monkeypatch, capsys, tmp_path):
     out = tmp_path / "stop"
-    code, _, err = run_cli(monkeypatch, capsys, [*FAST, "--max_steps", 45, "--guard", "stop", "--output_dir", out],
-                           fault_batches=[FAULT_BATCH])
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        [*FAST, "--max_steps", 45, "--guard", "stop", "--output_dir", out],
+        fault_batches=[FAULT_BATCH],
+    )
     assert code == 3
     assert "stopped at step 35" in err and "--resume latest" in err  # detected at the next logging step
     assert checkpoint.latest_checkpoint(str(out)).endswith("step-35")
@@ -110,8 +160,19 @@ def test_stop_policy_checkpoints_exits_3_and_resumes(monkeypatch, capsys, tmp_pa
 def test_rollback_restores_lowers_the_lr_skips_the_window_then_gives_up(monkeypatch, capsys, tmp_path):
     out = tmp_path / "rollback"
     # skip_z out of reach: the spikes get through the optimizer, so only a rollback can undo them
-    argv = [*FAST, "--max_steps", 50, "--guard", "rollback", "--guard_skip_z", 1e9, "--guard_max_rollbacks", 1,
-            "--output_dir", out]
+    argv = [
+        *FAST,
+        "--max_steps",
+        50,
+        "--guard",
+        "rollback",
+        "--guard_skip_z",
+        1e9,
+        "--guard_max_rollbacks",
+        1,
+        "--output_dir",
+        out,
+    ]
     code, stdout, err = run_cli(monkeypatch, capsys, argv, fault_batches=[FAULT_BATCH, 43])
     assert code == 3 and "gave up" in err and "max_rollbacks=1" in err
     actions = [(a["step"], a["detected_at"], a["action"]) for a in read_alerts(str(out)) if a["kind"] == "grad_spike"]
@@ -175,8 +236,10 @@ def test_guard_state_travels_in_checkpoints(monkeypatch, capsys, tmp_path):
 
 
 def test_bad_guard_keys_are_one_line_errors(capsys):
-    for argv, message in ((["--guard", "panic"], "guard must be one of warn | skip | stop | rollback"),
-                          (["--guard_lr_factor", "2"], "guard_lr_factor must be in (0, 1]"),
-                          (["--clip", "soft"], "clip must be one of fixed | zscore")):
+    for argv, message in (
+        (["--guard", "panic"], "guard must be one of warn | skip | stop | rollback"),
+        (["--guard_lr_factor", "2"], "guard_lr_factor must be in (0, 1]"),
+        (["--clip", "soft"], "clip must be one of fixed | zscore"),
+    ):
         assert cli.main(argv) == 2
         assert message in capsys.readouterr().err

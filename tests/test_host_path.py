@@ -5,6 +5,7 @@ for sm_90, launches recorded instead of run): launch counts, direct launches of 
 after the first step, no recompilation when the param set changes, 128-bit loops in the kernels launched for a
 mixed aligned/unaligned set, launch hooks still served, and no Triton fp-fusion warning.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,15 +1,16 @@
 """No host reads: the guard in helpers.py sees every primitive that hands a tensor's value to the host, and a
 real optimizer step (both CPU backends, every option that adds device-side decisions) makes none of them.
 The trainer's loop is checked in tests/train/test_loop_host_reads.py."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, count_host_reads, no_host_reads
 
 from fused_stable import FusedAdamW, GradScaler, schedules
 from fused_stable.guard import Guard
-from helpers import BACKEND_PARAMS, count_host_reads, no_host_reads
 
 X = torch.linspace(-1.0, 1.0, 5)
 
@@ -77,7 +78,12 @@ def test_pause_suspends_counting():
 
 def _params():
     gen = torch.Generator().manual_seed(0)
-    shapes_dtypes = [((33,), torch.float32), ((4, 70), torch.float32), ((129,), torch.bfloat16), ((5, 3), torch.bfloat16)]
+    shapes_dtypes = [
+        ((33,), torch.float32),
+        ((4, 70), torch.float32),
+        ((129,), torch.bfloat16),
+        ((5, 3), torch.bfloat16),
+    ]
     return [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in shapes_dtypes]
 
 
@@ -101,10 +107,17 @@ def test_every_step_option_together_makes_no_host_read(backend):
     schedule, fused_stable's GradScaler, a non-finite step, the guard's per-step bookkeeping: zero reads."""
     params = _params()
     opt = FusedAdamW(
-        [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}], lr=1e-2,
-        weight_decay=0.1, max_grad_norm=1.0, clip="zscore", zscore_warmup=2, spike_skip_threshold=20.0,
-        master_weights=True, lr_schedule=schedules.warmup_cosine(10, 2), backend=backend,
-    )  # fmt: skip
+        [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}],
+        lr=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        clip="zscore",
+        zscore_warmup=2,
+        spike_skip_threshold=20.0,
+        master_weights=True,
+        lr_schedule=schedules.warmup_cosine(10, 2),
+        backend=backend,
+    )
     guard = Guard()
     guard.bind(opt)
     scaler = GradScaler("cpu", init_scale=2.0**8)

@@ -5,6 +5,7 @@ generation is checked even where no GPU is: a kernel that no longer compiles, wh
 to narrower accesses or goes through shared memory (bar.sync), or whose rounding changes, fails here before it
 reaches a GPU. The claims are exact: every access of the aligned full-block loop has the width stated.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,11 @@ import pytest
 def records():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_STABLE_BACKEND")}
     proc = subprocess.run(
-        [sys.executable, "-m", "fused_stable.kernels.codegen", "90"], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "fused_stable.kernels.codegen", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("triton's ptxas is not available here")
@@ -43,16 +48,20 @@ def vector_loop(record):
 def scalar_loop(record, element_bits):
     """The per-tensor fallback for unaligned tensors: a loop of element-wide accesses only."""
     loops = [
-        loop for loop in record["loops"]
-        if loop["loads"] and all(bits <= 32 for bits in {**loop["loads"], **loop["stores"]})
+        loop
+        for loop in record["loops"]
+        if loop["loads"]
+        and all(bits <= 32 for bits in {**loop["loads"], **loop["stores"]})
         and element_bits in {**loop["loads"], **loop["stores"]}
-    ]  # fmt: skip
+    ]
     assert loops, record
     return loops[0]
 
 
 def test_every_kernel_variant_compiles_to_sass_without_spills(records):
-    kernels = sorted((r["kernel"], r.get("dtype"), r.get("has_master"), r.get("amsgrad"), r.get("schedule")) for r in records)
+    kernels = sorted(
+        (r["kernel"], r.get("dtype"), r.get("has_master"), r.get("amsgrad"), r.get("schedule")) for r in records
+    )
     # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master, plus amsgrad for fp32 and bf16 + master; finalize
     assert len(kernels) == 3 + 5 + 2 + 4, kernels
     for r in records:
@@ -119,9 +128,25 @@ def test_ptx_access_widths_are_parsed_from_the_suffixes():
 
     assert access_bits(".v4.b32") == 128 and access_bits(".v2.b32") == 64 and access_bits(".b16") == 16
     assert access_bits(".L1::evict_last.v2.b64") == 128 and access_bits(".nc.f32") == 32
-    ptx = "\n".join([
-        "$L__BB0_1:", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];", "bar.sync 0;",
-        "st.global.v2.b32 [%rd2], {%r1, %r2};", "@%p1 bra $L__BB0_1;", "ld.global.b32 %r5, [%rd3];",
-    ])  # fmt: skip
-    assert loops(ptx) == [{"loads": {128: 1}, "stores": {64: 1}, "barriers": 1, "fma": 0, "div_rn": 0,
-                           "div_approx": 0, "sqrt_rn": 0, "sqrt_approx": 0}]  # fmt: skip
+    ptx = "\n".join(
+        [
+            "$L__BB0_1:",
+            "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];",
+            "bar.sync 0;",
+            "st.global.v2.b32 [%rd2], {%r1, %r2};",
+            "@%p1 bra $L__BB0_1;",
+            "ld.global.b32 %r5, [%rd3];",
+        ]
+    )
+    assert loops(ptx) == [
+        {
+            "loads": {128: 1},
+            "stores": {64: 1},
+            "barriers": 1,
+            "fma": 0,
+            "div_rn": 0,
+            "div_approx": 0,
+            "sqrt_rn": 0,
+            "sqrt_approx": 0,
+        }
+    ]

@@ -1,11 +1,12 @@
 """FusedAdamW against torch.optim.AdamW + torch.nn.utils.clip_grad_norm_ in fp32, on every CPU backend."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, assert_close, assert_update_close
 
 from fused_stable import FusedAdamW
-from helpers import BACKEND_PARAMS, assert_close, assert_update_close
 
 STEPS = 8
 UPDATE_RTOL = 2e-6  # of the update itself; see test_every_update_equals_torch_to_1e6_of_the_update
@@ -18,7 +19,9 @@ def make_params(shapes, seed=0, dtype=torch.float32):
     return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
 
 
-def run_pair(shapes, backend, *, groups=None, max_norm=1.0, grad_scale_factor=1.0, none_grads=(), steps=STEPS, seed=0, **hp):
+def run_pair(
+    shapes, backend, *, groups=None, max_norm=1.0, grad_scale_factor=1.0, none_grads=(), steps=STEPS, seed=0, **hp
+):
     """Runs FusedAdamW and the torch reference on the same grads; returns (fused params, ref params, opts)."""
     init = make_params(shapes, seed)
     ours = [torch.nn.Parameter(t.clone()) for t in init]
@@ -292,7 +295,9 @@ def test_clip_coefficient_keeps_torch_epsilon_at_tiny_norms(backend):
     """The clip coefficient is torch's min(1, max_norm / (norm + 1e-6)): at a global norm of about 1e-6 with
     max_norm 1e-6 it is about 0.5 (without the epsilon it would be 1), which halves the first moments. At
     ordinary norms the epsilon is invisible to Adam (the update is nearly scale-free), so only tiny norms pin it."""
-    ours, theirs, opt, ref = run_pair([(10, 10), (7,)], backend, max_norm=1e-6, grad_scale_factor=1e-7, steps=3, lr=1e-2)
+    ours, theirs, opt, ref = run_pair(
+        [(10, 10), (7,)], backend, max_norm=1e-6, grad_scale_factor=1e-7, steps=3, lr=1e-2
+    )
     assert 0.5e-6 < float(opt.grad_norm) < 2e-6  # the regime where the epsilon matters
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert_close(opt.state[a]["exp_avg"], ref.state[b]["exp_avg"], 1e-5, 0.0, f"exp_avg {i}")

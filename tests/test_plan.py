@@ -5,16 +5,17 @@ plan and its device tables encode (a param's size at the same address, its stora
 params in a group, grad storage) and check that the step follows, against torch.optim.AdamW doing the same.
 Also: CUDA-graph safety of uploads (simulated on CPU), torch's step hooks and profiler range, the device guard.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, assert_close
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import fused_stable
 from fused_stable import FusedAdamW
 from fused_stable.kernels import tables
-from helpers import BACKEND_PARAMS, assert_close
 
 
 def pair(*shapes, seed=0):
@@ -263,7 +264,9 @@ def test_the_device_guard_switches_only_to_another_cuda_device(monkeypatch):
 
     entered = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index) or __import__("contextlib").nullcontext())
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda index: entered.append(index) or __import__("contextlib").nullcontext()
+    )
     with triton_backend.device_guard(torch.device("cuda", 1)):
         pass
     with triton_backend.device_guard(torch.device("cuda", 0)):

@@ -1,15 +1,16 @@
 """A state dict without FusedAdamW's own counters (torch.optim.AdamW's, or what torch.distributed.checkpoint's
 get/set_optimizer_state_dict keep) continues the device-side schedule from the steps already taken
 (docs/integrations.md): the applied-step count is recovered from the per-parameter `step` counters."""
+
 from __future__ import annotations
 
 import io
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS
 
 from fused_stable import FusedAdamW, schedules
-from helpers import BACKEND_PARAMS
 
 LR, STEPS_BEFORE = 0.1, 3
 
@@ -37,8 +38,9 @@ def test_a_state_without_counters_continues_the_schedule(backend, source):
         first.step()
     state = _round_trip(first.state_dict())
     state.pop("fused_stable", None)  # what get_/set_optimizer_state_dict drop
-    resumed = FusedAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=LR, lr_schedule=schedule,
-                         backend=backend)  # fmt: skip
+    resumed = FusedAdamW(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], lr=LR, lr_schedule=schedule, backend=backend
+    )
     resumed.load_state_dict(state)
     assert resumed.applied_steps.item() == STEPS_BEFORE
     for p in resumed.param_groups[0]["params"]:

@@ -1,14 +1,21 @@
 """Device-side lr schedules, master weights for low-precision params, and the fp64 reference for bf16/fp16."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
+from helpers import (
+    BACKEND_PARAMS,
+    TOLERANCES,
+    assert_close,
+    assert_update_close,
+    describe_dtype,
+    reference_adamw_fp64,
+    ulp_distance,
+)
 
 from fused_stable import FusedAdamW, schedules
-from helpers import (
-    BACKEND_PARAMS, TOLERANCES, assert_close, assert_update_close, describe_dtype, reference_adamw_fp64, ulp_distance,
-)  # fmt: skip
 
 HF = {
     "cosine": (schedules.warmup_cosine, transformers.get_cosine_schedule_with_warmup),

@@ -1,5 +1,6 @@
 """With lr_schedule=, param_groups[g]["lr"] shows the lr the next step uses (what framework monitors read), set on the
 device by the step itself; the base lr lives in group["initial_lr"]; state dicts keep loading both ways."""
+
 from __future__ import annotations
 
 import copy
@@ -8,10 +9,10 @@ import pickle
 
 import pytest
 import torch
+from helpers import CPU_BACKENDS, HAS_CUDA, backend_param, no_host_reads
 from torch.optim.lr_scheduler import LambdaLR
 
 from fused_stable import FusedAdamW, schedules
-from helpers import CPU_BACKENDS, HAS_CUDA, backend_param, no_host_reads
 
 SCHEDULE = schedules.warmup_cosine(12, 3, min_lr_ratio=0.1)
 BASES = (0.1, 0.5)
@@ -38,11 +39,18 @@ def shown(opt):
     return [float(group["lr"]) for group in opt.param_groups]
 
 
-@pytest.mark.parametrize("backend, device", [
-    *[pytest.param(b, "cpu", id=b, marks=backend_param(b).marks) for b in CPU_BACKENDS],
-    pytest.param("triton", "cuda", id="triton-cuda",
-                 marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]),
-])
+@pytest.mark.parametrize(
+    "backend, device",
+    [
+        *[pytest.param(b, "cpu", id=b, marks=backend_param(b).marks) for b in CPU_BACKENDS],
+        pytest.param(
+            "triton",
+            "cuda",
+            id="triton-cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")],
+        ),
+    ],
+)
 def test_group_lr_before_each_step_is_the_lr_that_step_uses(backend, device):
     params, opt = make(backend, device=device)
     for step in range(10):
@@ -119,7 +127,7 @@ def test_a_torch_adamw_with_lambdalr_state_resumes_at_its_base_lr():
     params, _ = make("torch", schedule=None)
     torch_opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": BASES[1]}], lr=BASES[0])
     scheduler = LambdaLR(torch_opt, SCHEDULE.factor)
-    for step in range(5):
+    for _ in range(5):
         set_grads(params, 0)  # finite
         torch_opt.step()
         scheduler.step()

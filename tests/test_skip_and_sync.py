@@ -1,13 +1,14 @@
 """Non-finite gradients skip the step whole; step() never reads the device; launches don't grow with tensors."""
+
 from __future__ import annotations
 
 from unittest import mock
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, interpret_available, no_host_reads
 
 from fused_stable import FusedAdamW
-from helpers import BACKEND_PARAMS, interpret_available, no_host_reads
 
 
 def snapshot(opt, params):
@@ -85,7 +86,9 @@ def _count_launches(n_tensors: int, dtypes=(torch.float32,)) -> int:
     fill_grads(params, 0)
     opt.step()  # builds and caches the tables
     fill_grads(params, 1)
-    with mock.patch.object(interp.InterpretedFunction, "run", autospec=True, side_effect=interp.InterpretedFunction.run) as run:
+    with mock.patch.object(
+        interp.InterpretedFunction, "run", autospec=True, side_effect=interp.InterpretedFunction.run
+    ) as run:
         opt.step()
     return run.call_count
 

@@ -1,13 +1,14 @@
 """state_dict round trips: FusedAdamW <-> torch.optim.AdamW through torch.save / torch.load(weights_only=True)."""
+
 from __future__ import annotations
 
 import io
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, assert_close
 
 from fused_stable import FusedAdamW
-from helpers import BACKEND_PARAMS, assert_close
 
 SHAPES = [(17,), (4, 9), (1025,)]
 
@@ -126,7 +127,11 @@ def test_mismatched_state_dict_is_refused_and_changes_nothing():
     params = fresh_params()
     opt = FusedAdamW(params, lr=1e-2, backend="torch")
     train(opt, params, range(1), None)
-    other = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(3))]
+    other = [
+        torch.nn.Parameter(torch.zeros(5)),
+        torch.nn.Parameter(torch.zeros(2, 2)),
+        torch.nn.Parameter(torch.zeros(3)),
+    ]
     other_opt = FusedAdamW(other, lr=1e-2, backend="torch")
     train_other = [torch.ones(5), torch.ones(2, 2), torch.ones(3)]
     for p, g in zip(other, train_other):
@@ -170,8 +175,14 @@ def test_a_state_saved_before_the_worst_step_window_loads_and_continues():
     opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, clip="zscore", zscore_warmup=2, backend="torch")
     train(opt, params, range(4), None)
     saved = through_disk(opt.state_dict())
-    old = {**saved, "fused_stable": {"fstate": saved["fused_stable"]["fstate"][:14],
-                                     "istate": saved["fused_stable"]["istate"][:8], "layout": 1}}  # fmt: skip
+    old = {
+        **saved,
+        "fused_stable": {
+            "fstate": saved["fused_stable"]["fstate"][:14],
+            "istate": saved["fused_stable"]["istate"][:8],
+            "layout": 1,
+        },
+    }
     clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = FusedAdamW(clone, lr=1e-2, max_grad_norm=1.0, clip="zscore", zscore_warmup=2, backend="torch")
     opt2.load_state_dict(old)
@@ -185,4 +196,6 @@ def test_a_state_saved_before_the_worst_step_window_loads_and_continues():
     before = {name: t.clone() for name, t in (("fstate", opt2._fstate), ("exp_avg", opt2.state[clone[0]]["exp_avg"]))}
     with pytest.raises(ValueError, match="newer fused_stable"):
         opt2.load_state_dict(newer)
-    assert torch.equal(before["fstate"], opt2._fstate) and torch.equal(before["exp_avg"], opt2.state[clone[0]]["exp_avg"])
+    assert torch.equal(before["fstate"], opt2._fstate) and torch.equal(
+        before["exp_avg"], opt2.state[clone[0]]["exp_avg"]
+    )

@@ -1,5 +1,6 @@
 """The stress suite on a short budget: the scenarios are reproducible, the faults are real (an fp16 overflow
 really gives inf gradients, a NaN batch really kills the usual recipe), and the command writes its outputs."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import torch
 
 from fused_stable import stress
 
-SHORT = dict(steps=60, pretrain_steps=20, log_every=5, snapshot_every=10, examples=400)  # faults at step 30: after the 25-step warm-up of the norm statistics
+SHORT = dict(
+    steps=60, pretrain_steps=20, log_every=5, snapshot_every=10, examples=400
+)  # faults at step 30: after the 25-step warm-up of the norm statistics
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,11 @@ def test_runs_are_reproducible(short):
 
 def test_nan_batch_kills_the_usual_recipe_not_the_guarded_one(short):
     cfg, work = short
-    results = [stress.run_one(work, cfg, stress.scenarios(cfg)[name], recipe)
-               for name in ("clean", "nan_injection") for recipe in stress.RECIPES]
+    results = [
+        stress.run_one(work, cfg, stress.scenarios(cfg)[name], recipe)
+        for name in ("clean", "nan_injection")
+        for recipe in stress.RECIPES
+    ]
     stress.judge(results)
     by = {(r.scenario, r.recipe): r for r in results}
     assert by["nan_injection", "usual"].status == "diverged" and math.isnan(by["nan_injection", "usual"].final_loss)
@@ -60,14 +66,27 @@ def test_fp16_emulation_overflows_like_fp16():
 
 
 def test_command_writes_table_json_and_png(tmp_path, capsys):
-    code = stress.main(["--scenarios", "lr_too_high", "--steps", "20", "--pretrain-steps", "10",
-                        "--log-every", "5", "--output-dir", str(tmp_path)])
+    code = stress.main(
+        [
+            "--scenarios",
+            "lr_too_high",
+            "--steps",
+            "20",
+            "--pretrain-steps",
+            "10",
+            "--log-every",
+            "5",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "| lr_too_high | guarded |" in out and "| clean | usual |" in out
     data = json.loads((tmp_path / "stress.json").read_text())
     assert {(r["scenario"], r["recipe"]) for r in data["results"]} == {
-        (s, r) for s in ("clean", "lr_too_high") for r in stress.RECIPES}
+        (s, r) for s in ("clean", "lr_too_high") for r in stress.RECIPES
+    }
     # the documented verdict: "diverged" = final loss (mean of the last 10 steps) not finite or above 2x the
     # clean run's of the same recipe; "stopped" = the guard gave up (5 rollbacks, not reached in 20 steps)
     # (non-finite numbers are written as strings: strict JSON)
@@ -92,24 +111,37 @@ def test_the_verdict_rule_at_its_boundaries():
     """README / docs/guard.md: "diverged" = a non-finite final loss or one above 2x the same recipe's clean run;
     "stopped" (the guard gave up) is kept. The recorded runs never come near 2x, so the rule is checked on
     made-up results, at the boundary."""
+
     def result(scenario, recipe, final, status="ok"):
         return stress.RunResult(scenario, recipe, final_loss=final, status=status)
 
     results = [
-        result("clean", "usual", 2.0), result("clean", "guarded", 3.0),
-        result("at_2x", "usual", 4.0), result("above_2x", "usual", math.nextafter(4.0, math.inf)),
-        result("at_2x", "guarded", 6.0), result("nan", "usual", math.nan), result("inf", "guarded", math.inf),
+        result("clean", "usual", 2.0),
+        result("clean", "guarded", 3.0),
+        result("at_2x", "usual", 4.0),
+        result("above_2x", "usual", math.nextafter(4.0, math.inf)),
+        result("at_2x", "guarded", 6.0),
+        result("nan", "usual", math.nan),
+        result("inf", "guarded", math.inf),
         result("gave_up", "guarded", math.nan, status="stopped"),
         # a scenario that ends on other data is not compared with the clean run's loss: non-finite only
-        result("distribution_shift", "usual", 5.0), result("distribution_shift", "guarded", math.nan),
+        result("distribution_shift", "usual", 5.0),
+        result("distribution_shift", "guarded", math.nan),
     ]
-    stress.judge(results, other_data=[n for n, s in stress.scenarios(stress.StressConfig()).items()
-                                      if s.ends_on_other_data])
+    stress.judge(
+        results, other_data=[n for n, s in stress.scenarios(stress.StressConfig()).items() if s.ends_on_other_data]
+    )
     assert {(r.scenario, r.recipe): r.status for r in results} == {
-        ("clean", "usual"): "ok", ("clean", "guarded"): "ok",
-        ("at_2x", "usual"): "ok", ("above_2x", "usual"): "diverged", ("at_2x", "guarded"): "ok",
-        ("nan", "usual"): "diverged", ("inf", "guarded"): "diverged", ("gave_up", "guarded"): "stopped",
-        ("distribution_shift", "usual"): "ok", ("distribution_shift", "guarded"): "diverged",
+        ("clean", "usual"): "ok",
+        ("clean", "guarded"): "ok",
+        ("at_2x", "usual"): "ok",
+        ("above_2x", "usual"): "diverged",
+        ("at_2x", "guarded"): "ok",
+        ("nan", "usual"): "diverged",
+        ("inf", "guarded"): "diverged",
+        ("gave_up", "guarded"): "stopped",
+        ("distribution_shift", "usual"): "ok",
+        ("distribution_shift", "guarded"): "diverged",
     }
 
 
@@ -128,8 +160,10 @@ def test_a_pretrained_model_takes_its_own_defaults_and_explicit_options_win():
 
 
 def test_the_table_shows_what_the_model_still_knows():
-    rows = [stress.RunResult("clean", "usual", final_loss=1.25, general_after=0.5, task_after=1.0),
-            stress.RunResult("clean", "guarded", final_loss=1.5, general_after=0.25, task_after=0.75)]
+    rows = [
+        stress.RunResult("clean", "usual", final_loss=1.25, general_after=0.5, task_after=1.0),
+        stress.RunResult("clean", "guarded", final_loss=1.5, general_after=0.25, task_after=0.75),
+    ]
     before = {"general": {"accuracy": 0.559, "n": 34}, "identity": {"accuracy": 0.0, "n": 12}}
     table = stress.format_table(rows, before).splitlines()
     assert table[0].startswith("| scenario | recipe | outcome | final loss | general after | task after |")

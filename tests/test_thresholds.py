@@ -2,6 +2,7 @@
 next float above does ("z-score exceeds zscore_threshold", "skips steps above this z-score", guard alerts at
 "z > 6"), and the guard's grad-norm alert needs the ratio condition too ("z > 6 and norm >= 5x the running
 mean"; `guard_grad_ratio` 0 = z alone)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,10 +12,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import BACKEND_PARAMS
 
 from fused_stable import FusedAdamW
 from fused_stable.guard import GRAD_SPIKE, LOSS_SPIKE, Guard
-from helpers import BACKEND_PARAMS
 
 CLIP_Z, SKIP_Z = 2.5, 4.0
 
@@ -22,8 +23,15 @@ CLIP_Z, SKIP_Z = 2.5, 4.0
 def _warm_optimizer(backend):
     """A one-element param (its grad norm is |grad|, exactly) whose norm statistics are warm."""
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = FusedAdamW([p], lr=1e-3, clip="zscore", zscore_threshold=CLIP_Z, zscore_warmup=4,
-                     spike_skip_threshold=SKIP_Z, backend=backend)  # fmt: skip
+    opt = FusedAdamW(
+        [p],
+        lr=1e-3,
+        clip="zscore",
+        zscore_threshold=CLIP_Z,
+        zscore_warmup=4,
+        spike_skip_threshold=SKIP_Z,
+        backend=backend,
+    )
     for g in (1.0, 1.25, 1.0, 1.25, 1.125):
         p.grad = torch.tensor([g])
         opt.step()

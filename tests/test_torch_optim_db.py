@@ -14,15 +14,16 @@ What cannot apply, and why (nothing here is skipped silently):
     refused with a TypeError, tests/test_errors.py). Its float16 variant only raises eps to 0.1.
   - the error inputs in DIFFERENT_ERRORS below, where FusedAdamW deliberately differs.
 """
+
 from __future__ import annotations
 
 import re
 
 import pytest
 import torch
+from helpers import assert_close, interpret_available
 
 from fused_stable import FusedAdamW
-from helpers import assert_close, interpret_available
 
 # torch's test inputs import expecttest (in the test extras); a machine without it (the GPU check's) skips the module
 pytest.importorskip("expecttest")
@@ -88,7 +89,9 @@ def assert_same(ours, theirs, params_ours, params_theirs, what: str) -> None:
         scale = b.detach().abs().max().item()
         assert_close(a, b, 1e-6, 1e-6 * scale, f"{what}: param {index}")
         state_ours, state_theirs = ours.state[a], theirs.state[b]
-        assert set(state_ours) == set(state_theirs), f"{what}: state keys {sorted(state_ours)} vs {sorted(state_theirs)}"
+        assert set(state_ours) == set(state_theirs), (
+            f"{what}: state keys {sorted(state_ours)} vs {sorted(state_theirs)}"
+        )
         for key, value in state_theirs.items():
             if key == "step":
                 assert float(state_ours[key]) == float(value) == STEPS, f"{what}: step {index}"
@@ -99,8 +102,14 @@ def assert_same(ours, theirs, params_ours, params_theirs, what: str) -> None:
 
 def second_group_overrides(kwargs: dict) -> dict:
     """Another group with other values for every per-group key (amsgrad and maximize flipped too)."""
-    return {"lr": 3e-3, "weight_decay": 0.05, "eps": 1e-6, "betas": (0.8, 0.99),
-            "amsgrad": not kwargs.get("amsgrad", False), "maximize": not kwargs.get("maximize", False)}  # fmt: skip
+    return {
+        "lr": 3e-3,
+        "weight_decay": 0.05,
+        "eps": 1e-6,
+        "betas": (0.8, 0.99),
+        "amsgrad": not kwargs.get("amsgrad", False),
+        "maximize": not kwargs.get("maximize", False),
+    }
 
 
 @pytest.mark.parametrize("groups", ["one-group", "two-groups"])
@@ -121,7 +130,9 @@ def test_torch_backend_matches_torch_adamw(optimizer_input, max_norm, groups):
     assert_same(*result, optimizer_input.desc)
 
 
-needs_interpreter = pytest.mark.skipif(not interpret_available(), reason="needs TRITON_INTERPRET=1 before triton import")
+needs_interpreter = pytest.mark.skipif(
+    not interpret_available(), reason="needs TRITON_INTERPRET=1 before triton import"
+)
 
 
 @needs_interpreter
@@ -141,13 +152,17 @@ def test_interpreted_kernels_match_torch_adamw_on_every_input_at_once(max_norm):
 
 @needs_interpreter
 def test_interpreted_kernels_match_torch_adamw_on_one_input_in_one_group():
-    optimizer_input = next(i for i in INPUTS if i.kwargs.get("amsgrad") and isinstance(i.kwargs.get("lr"), torch.Tensor))
+    optimizer_input = next(
+        i for i in INPUTS if i.kwargs.get("amsgrad") and isinstance(i.kwargs.get("lr"), torch.Tensor)
+    )
     init = make_params(seed=0)
     result = run_both(
         [{"params": [torch.nn.Parameter(t.clone()) for t in init]}],
         [{"params": [torch.nn.Parameter(t.clone()) for t in init]}],
-        {**optimizer_input.kwargs, "maximize": True}, backend="interpret", max_norm=1.0,
-    )  # fmt: skip
+        {**optimizer_input.kwargs, "maximize": True},
+        backend="interpret",
+        max_norm=1.0,
+    )
     assert_same(*result, optimizer_input.desc)
 
 
@@ -156,13 +171,10 @@ def test_interpreted_kernels_match_torch_adamw_on_one_input_in_one_group():
 
 DIFFERENT_ERRORS = {
     # desc -> why FusedAdamW differs (checked below to do what is said)
-    "a param group cannot have duplicate parameters":
-        "torch warns and keeps the duplicate; FusedAdamW refuses it (ValueError): it would update it twice",
-    "lr as Tensor doesn't work with foreach & not capturable":
-        "torch's foreach path cannot take a tensor lr; FusedAdamW's foreach= has no effect and a tensor lr works",
-    r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True":
-        "the same: tensor betas work whatever foreach= says",
-}  # fmt: skip
+    "a param group cannot have duplicate parameters": "torch warns and keeps the duplicate; FusedAdamW refuses it (ValueError): it would update it twice",
+    "lr as Tensor doesn't work with foreach & not capturable": "torch's foreach path cannot take a tensor lr; FusedAdamW's foreach= has no effect and a tensor lr works",
+    r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True": "the same: tensor betas work whatever foreach= says",
+}
 
 
 def error_inputs():
@@ -178,8 +190,12 @@ def test_torch_error_inputs_fail_the_same_way(error_input):
             with pytest.raises(ValueError, match="appears twice"):
                 FusedAdamW(params, **optimizer_input.kwargs)
         else:  # accepted, and the step is torch's for-loop one
-            ours = FusedAdamW([p := torch.nn.Parameter(torch.ones(3))], backend="torch", **copy_kwargs(optimizer_input.kwargs))
-            theirs = torch.optim.AdamW([q := torch.nn.Parameter(torch.ones(3))], **reference_kwargs(optimizer_input.kwargs))
+            ours = FusedAdamW(
+                [p := torch.nn.Parameter(torch.ones(3))], backend="torch", **copy_kwargs(optimizer_input.kwargs)
+            )
+            theirs = torch.optim.AdamW(
+                [q := torch.nn.Parameter(torch.ones(3))], **reference_kwargs(optimizer_input.kwargs)
+            )
             p.grad, q.grad = torch.arange(3.0), torch.arange(3.0)
             ours.step(), theirs.step()
             assert_close(p, q, 1e-6, 1e-7, optimizer_input.desc)

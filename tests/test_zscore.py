@@ -1,4 +1,5 @@
 """Running grad-norm statistics, z-score (ZClip-style) clipping and spike skipping against plain Python."""
+
 from __future__ import annotations
 
 import io
@@ -7,9 +8,9 @@ import random
 
 import pytest
 import torch
+from helpers import BACKEND_PARAMS, assert_close
 
 from fused_stable import FusedAdamW
-from helpers import BACKEND_PARAMS, assert_close
 
 
 class ZScoreReference:
@@ -33,7 +34,12 @@ class ZScoreReference:
         z = (norm - self.mean) / (std + 1e-6) if ready else 0.0
         spike = ready and z > self.threshold
         ceiling_spike = self.mean + self.threshold * std
-        skip = spike and self.skip_threshold is not None and z > self.skip_threshold and norm >= self.skip_ratio * self.mean
+        skip = (
+            spike
+            and self.skip_threshold is not None
+            and z > self.skip_threshold
+            and norm >= self.skip_ratio * self.mean
+        )
         ceiling = self.max_norm if self.max_norm else math.inf
         if self.zscore_clip and spike:
             ceiling = min(ceiling, ceiling_spike)
@@ -66,10 +72,15 @@ NONFINITE_STEPS = 3
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize(
     "clip, max_norm, skip_threshold, skip_ratio",
-    [("zscore", None, None, 0.0), ("zscore", 2.0, None, 0.0), ("fixed", 2.0, 20.0, 0.0), ("zscore", None, 8.0, 0.0),
-     ("zscore", None, 8.0, 5.0)],
+    [
+        ("zscore", None, None, 0.0),
+        ("zscore", 2.0, None, 0.0),
+        ("fixed", 2.0, 20.0, 0.0),
+        ("zscore", None, 8.0, 0.0),
+        ("zscore", None, 8.0, 5.0),
+    ],
     ids=["zscore", "zscore+ceiling", "fixed+skip", "zscore+skip", "zscore+skip+ratio"],
-)  # fmt: skip
+)
 def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold, skip_ratio):
     alpha, threshold, warmup = 0.9, 2.5, 10
     ref = ZScoreReference(alpha, threshold, warmup, max_norm, clip == "zscore", skip_threshold, skip_ratio)
@@ -78,9 +89,17 @@ def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold
     init = torch.randn(50, generator=torch.Generator().manual_seed(1))
     ours, theirs = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
     opt = FusedAdamW(
-        [ours], lr=1e-2, max_grad_norm=max_norm, clip=clip, zscore_alpha=alpha, zscore_threshold=threshold,
-        zscore_warmup=warmup, spike_skip_threshold=skip_threshold, spike_skip_ratio=skip_ratio, backend=backend,
-    )  # fmt: skip
+        [ours],
+        lr=1e-2,
+        max_grad_norm=max_norm,
+        clip=clip,
+        zscore_alpha=alpha,
+        zscore_threshold=threshold,
+        zscore_warmup=warmup,
+        spike_skip_threshold=skip_threshold,
+        spike_skip_ratio=skip_ratio,
+        backend=backend,
+    )
     torch_opt = torch.optim.AdamW([theirs], lr=1e-2)
     for norm in norm_sequence():
         grad = direction * norm

@@ -6,6 +6,7 @@
 Every option of `fused-stable stress --help` is accepted. By default the results (stress.json, stress.png) go to
 benchmarks/stability/results/, next to this script, so they can be committed with the machine they ran on.
 """
+
 from __future__ import annotations
 
 import os

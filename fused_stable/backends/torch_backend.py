@@ -14,6 +14,7 @@ for a param that is not dense, or whose grad or state tensors are laid out diffe
 those tensors go through contiguous fp32 working copies (copied in and back around the same call), which is
 exact, and costs a copy only for them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,19 @@ class _Update:
     """One `_fused_adamw_` call: the tensors of one param group and dtype (and layout class), the working
     copies it updates instead of the params when they need one, and the copies in and back."""
 
-    __slots__ = ("group", "amsgrad", "indices", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps",
-                 "grads32", "copy_in", "copy_out")  # fmt: skip
+    __slots__ = (
+        "group",
+        "amsgrad",
+        "indices",
+        "params",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "max_exp_avg_sqs",
+        "steps",
+        "grads32",
+        "copy_in",
+        "copy_out",
+    )
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool):
         params = [plan.local_params[i] for i in all_indices]
@@ -83,8 +95,14 @@ class TorchLists:
         by_update: dict[tuple[int, torch.dtype, bool], list[int]] = {}
         for index, (group, param) in enumerate(zip(plan.groups, plan.local_params)):
             by_dtype.setdefault(param.dtype, []).append(index)
-            tensors = [param, grads[index], plan.exp_avgs[index], plan.exp_avg_sqs[index], plan.masters[index],
-                       plan.max_exp_avg_sqs[index]]  # fmt: skip
+            tensors = [
+                param,
+                grads[index],
+                plan.exp_avgs[index],
+                plan.exp_avg_sqs[index],
+                plan.masters[index],
+                plan.max_exp_avg_sqs[index],
+            ]
             relayout = not layout_fits_fused_adamw(tensors)
             by_update.setdefault((group, param.dtype, relayout), []).append(index)
         everything = list(range(len(plan.local_params)))
@@ -155,10 +173,22 @@ def fused_step(
             torch._foreach_copy_(update.grads32, group_grads)
             group_grads = update.grads32
         torch._fused_adamw_(
-            update.params, group_grads, update.exp_avgs, update.exp_avg_sqs, update.max_exp_avg_sqs, update.steps,
-            lr=lr_factor * lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-            amsgrad=update.amsgrad, maximize=maximize, grad_scale=grad_divisor, found_inf=skip,
-        )  # fmt: skip
+            update.params,
+            group_grads,
+            update.exp_avgs,
+            update.exp_avg_sqs,
+            update.max_exp_avg_sqs,
+            update.steps,
+            lr=lr_factor * lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=update.amsgrad,
+            maximize=maximize,
+            grad_scale=grad_divisor,
+            found_inf=skip,
+        )
         if update.copy_out is not None:
             torch._foreach_copy_(*update.copy_out)
 

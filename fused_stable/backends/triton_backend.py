@@ -1,4 +1,5 @@
-"""The fused step on the Triton kernels (backends "triton" and "interpret"): a plan's device tables, one step's launches.
+"""The fused step on the Triton kernels (backends "triton" and "interpret"): a plan's device tables, one step's
+launches.
 
 `TritonTables` is the device side of a StepPlan, built once per plan: the update table (param, moment, master
 and step addresses, sizes, groups) and chunk maps per param dtype, the norm pass's partials, the decision
@@ -11,6 +12,7 @@ that device's current stream. Everything that would copy host data to the device
 addresses, changed float hyper-parameters) goes through kernels.tables.upload, which refuses to run while a
 CUDA graph is being captured.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,10 +90,15 @@ class TritonTables:
             for i in indices:
                 master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
                 rows += [
-                    plan.local_params[i].data_ptr(), plan.exp_avgs[i].data_ptr(), plan.exp_avg_sqs[i].data_ptr(),
-                    master.data_ptr() if master is not None else 0, plan.steps[i].data_ptr(),
-                    plan.numels[i], plan.groups[i], max_sq.data_ptr() if max_sq is not None else 0,
-                ]  # fmt: skip
+                    plan.local_params[i].data_ptr(),
+                    plan.exp_avgs[i].data_ptr(),
+                    plan.exp_avg_sqs[i].data_ptr(),
+                    master.data_ptr() if master is not None else 0,
+                    plan.steps[i].data_ptr(),
+                    plan.numels[i],
+                    plan.groups[i],
+                    max_sq.data_ptr() if max_sq is not None else 0,
+                ]
             grad_addrs = self.grad_addrs[first : first + len(indices)]
             numels = upload_int64([plan.numels[i] for i in indices], device)
             norm = prepare_sumsq(
@@ -99,9 +106,15 @@ class TritonTables:
             )
             update = prepare_adamw(
                 table=upload_int64(rows, device, "an update table").view(len(indices), TABLE_COLUMNS),
-                grad_addrs=grad_addrs, chunks=chunks, hparams=buffers.hparams, fstate=buffers.fstate,
-                param_dtype=dtype, has_master=has_master, amsgrad=amsgrad, config=adamw_config or ADAMW_CONFIG,
-            )  # fmt: skip
+                grad_addrs=grad_addrs,
+                chunks=chunks,
+                hparams=buffers.hparams,
+                fstate=buffers.fstate,
+                param_dtype=dtype,
+                has_master=has_master,
+                amsgrad=amsgrad,
+                config=adamw_config or ADAMW_CONFIG,
+            )
             if norm is not None:
                 self.norms.append(norm)
             if update is not None:
@@ -135,8 +148,13 @@ class TritonTables:
         """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync)."""
         key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
         if key != self.hparams_key:
-            upload([_hparam_row(*row) for row in hparams], torch.float32, self.device, "changed hyper-parameters",
-                   out=self.buffers.hparams)  # fmt: skip
+            upload(
+                [_hparam_row(*row) for row in hparams],
+                torch.float32,
+                self.device,
+                "changed hyper-parameters",
+                out=self.buffers.hparams,
+            )
             self.hparams_key = key
             self.tensor_lrs = [
                 (self.buffers.hparams[g, layout.H_LR], row[0])
@@ -206,9 +224,11 @@ def _import_kernels():
     from ..kernels import adamw, launch, norm
 
     _kernels = SimpleNamespace(
-        current_stream=launch.current_stream, run_sumsq=norm.run_sumsq, run_finalize=adamw.run_finalize,
+        current_stream=launch.current_stream,
+        run_sumsq=norm.run_sumsq,
+        run_finalize=adamw.run_finalize,
         run_adamw=adamw.run_adamw,
-    )  # fmt: skip
+    )
     return _kernels
 
 

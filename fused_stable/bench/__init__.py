@@ -1,4 +1,5 @@
 """Benchmark suite behind `fused-stable bench`: fused_stable's step against torch's clip + AdamW, side by side."""
+
 from .cli import main
 
 __all__ = ["main"]

@@ -1,4 +1,5 @@
 """`fused-stable bench`: parse options, measure the copy bandwidth, run the plan, print the table, write results."""
+
 from __future__ import annotations
 
 import re
@@ -19,12 +20,25 @@ from .runner import Options, run_plan
 
 # Per-plan defaults: (warm-up, min steps, seconds of timed steps per row, max steps, compile sets, copy bytes)
 PLAN_DEFAULTS = {
-    "cpu": dict(warmup=3, min_steps=15, min_time=1.0, max_steps=1000, compile_sets="dense-fp32",
-                compile_timeout=120.0, copy_mib=256),
-    "gpu": dict(warmup=10, min_steps=30, min_time=0.3, max_steps=500, compile_sets="dense-fp32,lora-fp32",
-                compile_timeout=150.0, copy_mib=2048),
-    "smoke": dict(warmup=1, min_steps=3, min_time=0.0, max_steps=3, compile_sets="",
-                  compile_timeout=60.0, copy_mib=8),
+    "cpu": dict(
+        warmup=3,
+        min_steps=15,
+        min_time=1.0,
+        max_steps=1000,
+        compile_sets="dense-fp32",
+        compile_timeout=120.0,
+        copy_mib=256,
+    ),
+    "gpu": dict(
+        warmup=10,
+        min_steps=30,
+        min_time=0.3,
+        max_steps=500,
+        compile_sets="dense-fp32,lora-fp32",
+        compile_timeout=150.0,
+        copy_mib=2048,
+    ),
+    "smoke": dict(warmup=1, min_steps=3, min_time=0.0, max_steps=3, compile_sets="", compile_timeout=60.0, copy_mib=8),
 }
 
 
@@ -32,39 +46,77 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(
         prog="fused-stable bench",
         description="Time one optimizer step (global-norm clip 1.0 + AdamW) of fused_stable against torch's "
-                    "clip + AdamW variants; print one table and write JSON + markdown.",
-        aliases={"--output-dir": "--out", "--output_dir": "--out", "--iters": "--steps", "--set": "--sets",
-                 "--contender": "--contenders", "--num-threads": "--threads", "--scale": "--size-scale",
-                 "--profile": "--no-profile", "--quiet": "--verbose"})
+        "clip + AdamW variants; print one table and write JSON + markdown.",
+        aliases={
+            "--output-dir": "--out",
+            "--output_dir": "--out",
+            "--iters": "--steps",
+            "--set": "--sets",
+            "--contender": "--contenders",
+            "--num-threads": "--threads",
+            "--scale": "--size-scale",
+            "--profile": "--no-profile",
+            "--quiet": "--verbose",
+        },
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument("--plan", default="auto", choices=["auto", "cpu", "gpu", "smoke"],
-                   help="parameter sizes: cpu (fits 2 cores in a few minutes), gpu (1M to 1B+ params), "
-                        "smoke (tiny); auto picks gpu on CUDA, else cpu")
-    p.add_argument("--size-scale", type=number(0, 1e3, low_open=True), default=1.0,
-                   help="multiply every set's size by this (e.g. run the gpu plan's logic on CPU with 1e-3)")
+    p.add_argument(
+        "--plan",
+        default="auto",
+        choices=["auto", "cpu", "gpu", "smoke"],
+        help="parameter sizes: cpu (fits 2 cores in a few minutes), gpu (1M to 1B+ params), "
+        "smoke (tiny); auto picks gpu on CUDA, else cpu",
+    )
+    p.add_argument(
+        "--size-scale",
+        type=number(0, 1e3, low_open=True),
+        default=1.0,
+        help="multiply every set's size by this (e.g. run the gpu plan's logic on CPU with 1e-3)",
+    )
     p.add_argument("--sets", default="", help="comma-separated set names or prefixes to run (default: all)")
     p.add_argument("--contenders", default="", help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
     p.add_argument("--warmup", type=number(0, 100_000, integer=True), help="warm-up steps per row")
     p.add_argument("--steps", type=number(1, 1_000_000, integer=True), help="minimum timed steps per row")
     p.add_argument("--max-steps", type=number(1, 1_000_000, integer=True), help="maximum timed steps per row")
     p.add_argument("--min-time", type=number(0, 3600), help="seconds of timed steps to aim for per row")
-    p.add_argument("--input-sets", type=number(1, 64, integer=True), default=3,
-                   help="independent copies of a set (< 256 MiB) rotated between steps so caches don't flatter")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile contender: auto = on the plan's compile sets, on = every dense/LoRA set")
+    p.add_argument(
+        "--input-sets",
+        type=number(1, 64, integer=True),
+        default=3,
+        help="independent copies of a set (< 256 MiB) rotated between steps so caches don't flatter",
+    )
+    p.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile contender: auto = on the plan's compile sets, on = every dense/LoRA set",
+    )
     p.add_argument("--compile-sets", help="comma-separated sets that get the torch.compile contender")
-    p.add_argument("--compile-timeout", type=number(0, 86_400, low_open=True),
-                   help="time box (s) of one torch.compile row, compile included")
-    p.add_argument("--copy-mib", type=number(0, 1 << 20), default=0.0,
-                   help="size of the copy-bandwidth reference (default: 256 on the cpu plan, 2048 on gpu, "
-                        "scaled down with --size-scale)")
-    p.add_argument("--threads", type=number(0, 1024, integer=True), default=0,
-                   help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--compile-timeout",
+        type=number(0, 86_400, low_open=True),
+        help="time box (s) of one torch.compile row, compile included",
+    )
+    p.add_argument(
+        "--copy-mib",
+        type=number(0, 1 << 20),
+        default=0.0,
+        help="size of the copy-bandwidth reference (default: 256 on the cpu plan, 2048 on gpu, "
+        "scaled down with --size-scale)",
+    )
+    p.add_argument(
+        "--threads", type=number(0, 1024, integer=True), default=0, help="torch CPU threads (0: torch's default)"
+    )
     p.add_argument("--no-profile", action="store_true", help="CUDA: skip the profiler pass (launches, syncs)")
-    p.add_argument("--verbose", action="store_true",
-                   help="let the profiler's own log lines through (hidden by default)")
-    p.add_argument("--deadline", type=number(0, 7 * 86_400), default=0.0,
-                   help="seconds after which remaining rows are skipped (0: none); results are still written")
+    p.add_argument(
+        "--verbose", action="store_true", help="let the profiler's own log lines through (hidden by default)"
+    )
+    p.add_argument(
+        "--deadline",
+        type=number(0, 7 * 86_400),
+        default=0.0,
+        help="seconds after which remaining rows are skipped (0: none); results are still written",
+    )
     p.add_argument("--seed", type=number(0, 2**32 - 1, integer=True), default=0)
     p.add_argument("--out", default="bench-results", help="output directory for the JSON and markdown")
     p.add_argument("--name", default="", help="file stem (default: bench-<device>-<UTC date-time>)")
@@ -139,15 +191,22 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = Options(
-        device=str(device), warmup=args.warmup if args.warmup is not None else d["warmup"],
+        device=str(device),
+        warmup=args.warmup if args.warmup is not None else d["warmup"],
         min_steps=args.steps if args.steps is not None else d["min_steps"],
         min_time=args.min_time if args.min_time is not None else d["min_time"],
         max_steps=args.max_steps if args.max_steps is not None else max(d["max_steps"], args.steps or 0),
-        input_sets=args.input_sets, compile_sets=compile_sets,
+        input_sets=args.input_sets,
+        compile_sets=compile_sets,
         compile_timeout=args.compile_timeout if args.compile_timeout is not None else d["compile_timeout"],
-        threads=args.threads, seed=args.seed, profile=not args.no_profile, contenders=contenders,
-        copy_bytes=int(args.copy_mib * 2**20) if args.copy_mib else
-        int(max(8, d["copy_mib"] * min(1.0, args.size_scale)) * 2**20))
+        threads=args.threads,
+        seed=args.seed,
+        profile=not args.no_profile,
+        contenders=contenders,
+        copy_bytes=int(args.copy_mib * 2**20)
+        if args.copy_mib
+        else int(max(8, d["copy_mib"] * min(1.0, args.size_scale)) * 2**20),
+    )
 
     started = time.monotonic()
     deadline = started + args.deadline if args.deadline > 0 else None
@@ -158,22 +217,34 @@ def main(argv: list[str]) -> int:
     stem = args.name or f"bench-{device.type}-{env['date'][:19].replace(':', '').replace('-', '')}"
     out_dir = Path(args.out)
     result = {
-        "environment": env, "plan": plan, "size_scale": args.size_scale,
+        "environment": env,
+        "plan": plan,
+        "size_scale": args.size_scale,
         "command": "fused-stable bench " + " ".join(shlex.quote(a) for a in argv),
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(opts).items()},
-        "copy_bytes": copy_bytes, "copy_bandwidth_gbps": copy_bw / 1e9,
+        "copy_bytes": copy_bytes,
+        "copy_bandwidth_gbps": copy_bw / 1e9,
         "bytes_model": {c.key: {"passes": list(c.passes), "note": c.bytes_note} for c in CONTENDERS.values()},
-        "sets": [dict(name=s.name, family=s.family, dtype=s.dtype, n_tensors=s.n_tensors,
-                      n_params=s.n_params, description=s.description) for s in sets],
-        "rows": [], "goals": [],
+        "sets": [
+            dict(
+                name=s.name,
+                family=s.family,
+                dtype=s.dtype,
+                n_tensors=s.n_tensors,
+                n_params=s.n_params,
+                description=s.description,
+            )
+            for s in sets
+        ],
+        "rows": [],
+        "goals": [],
     }
 
     def on_row(row):
         result["rows"].append(row)
-        status = (f"{row['median_s'] * 1e3:.3f} ms" if row["status"] == "ok"
-                  else f"{row['status']}: {row['reason']}")
+        status = f"{row['median_s'] * 1e3:.3f} ms" if row["status"] == "ok" else f"{row['status']}: {row['reason']}"
         console.print(f"  {row['set']:<14} {row['contender']:<20} {status}", markup=False)
-        report.write(result, out_dir, stem)   # partial results survive a kill
+        report.write(result, out_dir, stem)  # partial results survive a kill
 
     result["rows"] = run_plan(sets, opts, copy_bw, deadline=deadline, on_row=on_row)
     env["load_average_end"] = report.load_average()

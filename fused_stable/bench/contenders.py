@@ -3,11 +3,12 @@
 A contender builds, for one list of params with grads, a zero-argument `step()` plus the optimizer it drives,
 and names the memory passes its step makes, which the bytes model in `measure.py` turns into bytes per step.
 """
+
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -29,11 +30,11 @@ class Built:
 class Contender:
     key: str
     label: str
-    families: tuple            # param-set families it runs on
-    passes: tuple              # memory passes of one step, in order (see measure.PASS_BYTES)
+    families: tuple  # param-set families it runs on
+    passes: tuple  # memory passes of one step, in order (see measure.PASS_BYTES)
     build: Callable[[list, torch.device], Built]
-    bytes_note: str = ""       # caveat on the bytes model, shown in the docs/markdown
-    isolated: bool = False     # run in a time-boxed worker process (torch.compile)
+    bytes_note: str = ""  # caveat on the bytes model, shown in the docs/markdown
+    isolated: bool = False  # run in a time-boxed worker process (torch.compile)
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this contender cannot run here, or None."""
@@ -79,6 +80,7 @@ def _build_torch_clip_adamw(params, implementation: str) -> Built:
     def step():
         _clip(params)
         opt.step()
+
     return Built(step, opt, backend=f"torch {implementation}")
 
 
@@ -93,12 +95,14 @@ def build_torch_foreach(params, device):
 def build_torch_compile(params, device):
     # A tensor lr (and capturable=True, which a tensor lr requires with foreach) keeps every per-step value on
     # the device, so the compiled graph is reused instead of recompiled for each new step count or lr.
-    opt = torch.optim.AdamW(params, lr=torch.tensor(LR, device=device), weight_decay=WEIGHT_DECAY,
-                            foreach=True, capturable=True)
+    opt = torch.optim.AdamW(
+        params, lr=torch.tensor(LR, device=device), weight_decay=WEIGHT_DECAY, foreach=True, capturable=True
+    )
 
     def eager_step():
         _clip(params)
         opt.step()
+
     return Built(torch.compile(eager_step), opt, backend="inductor")
 
 
@@ -116,6 +120,7 @@ def build_apex(params, device):
         # multi_tensor_scale takes a host float (a sync); a foreach mul by the device coefficient does not.
         torch._foreach_mul_(grads, (MAX_NORM / (norm + 1e-6)).clamp(max=1.0))
         opt.step()
+
     return Built(step, opt, backend="apex")
 
 
@@ -134,6 +139,7 @@ def build_torch_scaler(params, device):
         _clip(params)
         scaler.step(opt)
         scaler.update()
+
     return Built(step, opt, backend="torch fused")
 
 
@@ -147,28 +153,61 @@ def build_fused_stable_scaler(params, device):
     def step():
         scaler.step(opt)
         scaler.update()
+
     return Built(step, opt, backend=_fused_stable_backend(opt))
 
 
 _MAIN = ("dense", "lora")
-CONTENDERS: dict[str, Contender] = {c.key: c for c in [
-    Contender("fused_stable", "fused_stable FusedAdamW(max_grad_norm=1)", _MAIN + ("sweep",),
-              ("norm", "fused_update"), build_fused_stable),
-    Contender("torch_fused", "torch clip(foreach) + AdamW(fused)", _MAIN + ("sweep",),
-              ("norm", "grad_rw", "fused_update"), build_torch_fused),
-    Contender("torch_foreach", "torch clip(foreach) + AdamW(foreach)", _MAIN,
-              ("norm", "grad_rw", "foreach_update"), build_torch_foreach),
-    Contender("torch_compile", "torch.compile(clip + AdamW)", _MAIN,
-              ("norm", "fused_update"), build_torch_compile,
-              bytes_note="floor (inductor fusing the clip scale into the update); the compiled code may move more",
-              isolated=True),
-    Contender("apex", "apex l2norm + FusedAdam", _MAIN,
-              ("norm", "grad_rw", "fused_update"), build_apex),
-    Contender("torch_scaler", "torch GradScaler: unscale_, clip, step, update", ("amp",),
-              ("grad_rw", "norm", "grad_rw", "fused_update"), build_torch_scaler),
-    Contender("fused_stable_scaler", "fused_stable GradScaler + FusedAdamW(max_grad_norm=1)", ("amp",),
-              ("norm", "fused_update"), build_fused_stable_scaler),
-]}
+CONTENDERS: dict[str, Contender] = {
+    c.key: c
+    for c in [
+        Contender(
+            "fused_stable",
+            "fused_stable FusedAdamW(max_grad_norm=1)",
+            _MAIN + ("sweep",),
+            ("norm", "fused_update"),
+            build_fused_stable,
+        ),
+        Contender(
+            "torch_fused",
+            "torch clip(foreach) + AdamW(fused)",
+            _MAIN + ("sweep",),
+            ("norm", "grad_rw", "fused_update"),
+            build_torch_fused,
+        ),
+        Contender(
+            "torch_foreach",
+            "torch clip(foreach) + AdamW(foreach)",
+            _MAIN,
+            ("norm", "grad_rw", "foreach_update"),
+            build_torch_foreach,
+        ),
+        Contender(
+            "torch_compile",
+            "torch.compile(clip + AdamW)",
+            _MAIN,
+            ("norm", "fused_update"),
+            build_torch_compile,
+            bytes_note="floor (inductor fusing the clip scale into the update); the compiled code may move more",
+            isolated=True,
+        ),
+        Contender("apex", "apex l2norm + FusedAdam", _MAIN, ("norm", "grad_rw", "fused_update"), build_apex),
+        Contender(
+            "torch_scaler",
+            "torch GradScaler: unscale_, clip, step, update",
+            ("amp",),
+            ("grad_rw", "norm", "grad_rw", "fused_update"),
+            build_torch_scaler,
+        ),
+        Contender(
+            "fused_stable_scaler",
+            "fused_stable GradScaler + FusedAdamW(max_grad_norm=1)",
+            ("amp",),
+            ("norm", "fused_update"),
+            build_fused_stable_scaler,
+        ),
+    ]
+}
 
 # The reference each set's speedups are measured against: torch's fused AdamW after a foreach clip.
 BASELINE = {"amp": "torch_scaler"}

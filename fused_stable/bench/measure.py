@@ -5,6 +5,7 @@ CPU: `time.perf_counter` around each step after warm-up. CUDA: a pair of CUDA ev
 The contenders of a parameter set take turns step by step, so a shared machine's changing load hits them alike,
 and each rotates over several independent input sets when one set is small enough to sit in a cache.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +33,7 @@ _PROFILER_CHATTER = re.compile(
     r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d \S+ \d+:\d+ \S+\.cpp:\d+\] "
     r"|^\[W\d{4} [\d:.]+ (?:\d+ )?\S+\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"
 )
-SMALL_SET_BYTES = 256 * MiB      # below this resident size a step could be served from a cache: rotate inputs
+SMALL_SET_BYTES = 256 * MiB  # below this resident size a step could be served from a cache: rotate inputs
 L2_FLUSH_BYTES = 256 * MiB
 
 # Bytes each memory pass moves, from the total bytes of params (P), grads (G) and full-size optimizer state (S:
@@ -40,9 +41,9 @@ L2_FLUSH_BYTES = 256 * MiB
 # (non-capturable): wd mul 2P, lerp m 2S'+G, mul v 2S', addcmul v 2S'+G, sqrt 2S', div 2S', add eps 2S',
 # addcdiv 2P+2S' with S' one state = S/2, i.e. 4P + 2G + 7S.
 PASS_BYTES: dict[str, Callable[[int, int, int], int]] = {
-    "norm": lambda P, G, S: G,                       # read every grad once
-    "grad_rw": lambda P, G, S: 2 * G,                # read and write every grad (clip scale, unscale_)
-    "fused_update": lambda P, G, S: 2 * P + G + 2 * S,   # read p, g, m, v; write p, m, v
+    "norm": lambda P, G, S: G,  # read every grad once
+    "grad_rw": lambda P, G, S: 2 * G,  # read and write every grad (clip scale, unscale_)
+    "fused_update": lambda P, G, S: 2 * P + G + 2 * S,  # read p, g, m, v; write p, m, v
     "foreach_update": lambda P, G, S: 4 * P + 2 * G + 7 * S,
 }
 
@@ -84,7 +85,6 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     for _ in range(2):
         dst.copy_(src)
     times = _interleaved_times([[lambda: dst.copy_(src)]], device, reps, flush=None)[0]
-    del src, dst
     return 2 * n * 4 / statistics.median(times)
 
 
@@ -95,8 +95,10 @@ def _interleaved_times(groups, device, n, flush) -> list[list[float]]:
     k = len(groups)
     times: list[list[float]] = [[] for _ in range(k)]
     if device.type == "cuda":
-        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(n)] for _ in range(k)]
+        events = [
+            [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            for _ in range(k)
+        ]
         synchronize(device)
         for i in range(n):
             for j in range(k):
@@ -131,8 +133,16 @@ def _host_seconds(fns, device, n) -> float:
     return total / n
 
 
-def time_steps(groups: list[list[Callable[[], None]]], device: torch.device, *, warmup: int, min_steps: int,
-               min_time: float, max_steps: int, host: list[bool] | None = None) -> list[dict]:
+def time_steps(
+    groups: list[list[Callable[[], None]]],
+    device: torch.device,
+    *,
+    warmup: int,
+    min_steps: int,
+    min_time: float,
+    max_steps: int,
+    host: list[bool] | None = None,
+) -> list[dict]:
     """Warm every group up, pick one step count that gives the slowest group `min_time` seconds, time all
     groups interleaved, then measure host time per group (where `host[i]`). Returns one timing dict per group."""
     per_step = []
@@ -149,8 +159,17 @@ def time_steps(groups: list[list[Callable[[], None]]], device: torch.device, *, 
     out = []
     for i, (fns, times) in enumerate(zip(groups, all_times)):
         q1, med, q3 = quartiles(times)
-        out.append({"steps": n, "median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "min_s": min(times),
-                    "host_cpu_s": _host_seconds(fns, device, min(n, 20)) if host is None or host[i] else None})
+        out.append(
+            {
+                "steps": n,
+                "median_s": med,
+                "q1_s": q1,
+                "q3_s": q3,
+                "iqr_s": q3 - q1,
+                "min_s": min(times),
+                "host_cpu_s": _host_seconds(fns, device, min(n, 20)) if host is None or host[i] else None,
+            }
+        )
     return out
 
 
@@ -172,7 +191,7 @@ def count_launches_and_syncs(step: Callable[[], None], device: torch.device, ste
             kernels[evt.name] = kernels.get(evt.name, 0) + 1
         elif "Synchronize" in evt.name and evt.name.startswith(("cuda", "cu")):
             runtime_syncs += 1
-    runtime_syncs -= 1   # the synchronize() that closes the profiled region is ours, not the step's
+    runtime_syncs -= 1  # the synchronize() that closes the profiled region is ours, not the step's
 
     synchronize(device)
     previous = torch.cuda.get_sync_debug_mode()
@@ -187,9 +206,11 @@ def count_launches_and_syncs(step: Callable[[], None], device: torch.device, ste
     debug_syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
     synchronize(device)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
-    return {"launches_per_step": sum(kernels.values()) / steps,
-            "syncs_per_step": max(max(runtime_syncs, 0), debug_syncs) / steps,
-            "top_kernels": [{"name": k[:120], "per_step": v / steps} for k, v in top]}
+    return {
+        "launches_per_step": sum(kernels.values()) / steps,
+        "syncs_per_step": max(max(runtime_syncs, 0), debug_syncs) / steps,
+        "top_kernels": [{"name": k[:120], "per_step": v / steps} for k, v in top],
+    }
 
 
 @contextlib.contextmanager
@@ -210,8 +231,11 @@ def _quiet_profiler():
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
-            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
-                    if not _PROFILER_CHATTER.match(line)]
+            kept = [
+                line
+                for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                if not _PROFILER_CHATTER.match(line)
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()

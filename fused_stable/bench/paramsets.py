@@ -3,6 +3,7 @@
 A `ParamSetSpec` is plain data (JSON-serialisable) so a worker process can rebuild exactly the same tensors
 from it; `materialize` turns it into leaf parameters with gradients on a device.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class ParamSetSpec:
-    name: str            # row key, e.g. "dense-fp32"
-    family: str          # "dense" | "lora" | "amp" | "sweep"
-    dtype: str           # key of DTYPES: the params' (and grads') dtype
+    name: str  # row key, e.g. "dense-fp32"
+    family: str  # "dense" | "lora" | "amp" | "sweep"
+    dtype: str  # key of DTYPES: the params' (and grads') dtype
     shapes: tuple = field(repr=False)
     description: str = ""
 
@@ -35,30 +36,50 @@ class ParamSetSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "ParamSetSpec":
-        return cls(name=d["name"], family=d["family"], dtype=d["dtype"],
-                   shapes=tuple(tuple(s) for s in d["shapes"]), description=d.get("description", ""))
+    def from_json(cls, d: dict) -> ParamSetSpec:
+        return cls(
+            name=d["name"],
+            family=d["family"],
+            dtype=d["dtype"],
+            shapes=tuple(tuple(s) for s in d["shapes"]),
+            description=d.get("description", ""),
+        )
 
 
 def llama_shapes(hidden: int, intermediate: int, layers: int, vocab: int, kv_dim: int) -> list[tuple]:
     """Weight shapes of a Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm, untied embeddings)."""
     shapes: list[tuple] = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden, hidden), (kv_dim, hidden), (kv_dim, hidden), (hidden, hidden),   # q k v o
-                   (intermediate, hidden), (intermediate, hidden), (hidden, intermediate),  # gate up down
-                   (hidden,), (hidden,)]                                                     # two RMSNorms
-    shapes += [(hidden,), (vocab, hidden)]                                                   # final norm, lm_head
+        shapes += [
+            (hidden, hidden),
+            (kv_dim, hidden),
+            (kv_dim, hidden),
+            (hidden, hidden),  # q k v o
+            (intermediate, hidden),
+            (intermediate, hidden),
+            (hidden, intermediate),  # gate up down
+            (hidden,),
+            (hidden,),
+        ]  # two RMSNorms
+    shapes += [(hidden,), (vocab, hidden)]  # final norm, lm_head
     return shapes
 
 
 def lora_shapes(hidden: int, intermediate: int, layers: int, rank: int) -> list[tuple]:
     """LoRA A/B adapter shapes on all seven linear layers of a Llama block: 14 tensors per layer."""
-    io = [(hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden),   # q k v o (in, out)
-          (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]  # gate up down
+    io = [
+        (hidden, hidden),
+        (hidden, hidden),
+        (hidden, hidden),
+        (hidden, hidden),  # q k v o (in, out)
+        (hidden, intermediate),
+        (hidden, intermediate),
+        (intermediate, hidden),
+    ]  # gate up down
     shapes: list[tuple] = []
     for _ in range(layers):
         for d_in, d_out in io:
-            shapes += [(rank, d_in), (d_out, rank)]   # lora_A.weight, lora_B.weight
+            shapes += [(rank, d_in), (d_out, rank)]  # lora_A.weight, lora_B.weight
     return shapes
 
 
@@ -112,15 +133,22 @@ def plan_sets(plan: str, size_scale: float = 1.0) -> list[ParamSetSpec]:
         ParamSetSpec("dense-fp32", "dense", "fp32", tuple(dense), dense_desc + ", fp32 params"),
         ParamSetSpec("dense-bf16", "dense", "bf16", tuple(dense), dense_desc + ", bf16 params"),
         ParamSetSpec("lora-fp32", "lora", "fp32", tuple(lora), lora_desc + ", fp32 adapters"),
-        ParamSetSpec("amp-fp16", "amp", "fp32", tuple(dense),
-                     dense_desc + ", fp32 params under fp16 AMP (GradScaler recipe)"),
+        ParamSetSpec(
+            "amp-fp16", "amp", "fp32", tuple(dense), dense_desc + ", fp32 params under fp16 AMP (GradScaler recipe)"
+        ),
     ]
     for total in sweep:
         n = max(1, round(total * size_scale))
-        label = (f"{n / 2**30:.3g}G" if n >= 2**30 else f"{n / 2**20:.3g}M" if n >= 2**20
-                 else f"{n / 2**10:.3g}K")
-        sets.append(ParamSetSpec(f"sweep-{label}", "sweep", "fp32", tuple(sweep_shapes(n)),
-                                 f"size sweep: 32 equal fp32 tensors, {n:,} params"))
+        label = f"{n / 2**30:.3g}G" if n >= 2**30 else f"{n / 2**20:.3g}M" if n >= 2**20 else f"{n / 2**10:.3g}K"
+        sets.append(
+            ParamSetSpec(
+                f"sweep-{label}",
+                "sweep",
+                "fp32",
+                tuple(sweep_shapes(n)),
+                f"size sweep: 32 equal fp32 tensors, {n:,} params",
+            )
+        )
     return sets
 
 

@@ -1,4 +1,5 @@
 """Results of a benchmark run: the environment record, the goal checks, and the table (rich, markdown, JSON)."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -35,8 +36,9 @@ def _cpu_name() -> str:
 def _git_revision() -> str:
     try:
         root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -57,14 +59,21 @@ def environment(device: torch.device) -> dict:
         runtime = "CPU"
     try:
         from importlib.metadata import version
+
         fs_version = version("fused_stable")
     except Exception:
         fs_version = "unknown"
     return {
-        "device": name, "device_type": device.type, "runtime": runtime,
+        "device": name,
+        "device_type": device.type,
+        "runtime": runtime,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": _version("triton"), "fused_stable": fs_version,
-        "git": _git_revision(), "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "fused_stable": fs_version,
+        "git": _git_revision(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
         "load_average_start": load_average(),
     }
@@ -79,8 +88,14 @@ def _by(rows, set_name, contender):
 
 def _goal(name, set_name, value, target, higher_is_better, unit, why_missing=""):
     if value is None:
-        return {"goal": name, "set": set_name, "value": None, "target": target, "passed": None,
-                "detail": why_missing or "not measured"}
+        return {
+            "goal": name,
+            "set": set_name,
+            "value": None,
+            "target": target,
+            "passed": None,
+            "detail": why_missing or "not measured",
+        }
     passed = value >= target if higher_is_better else value <= target
     if passed:
         detail = f"met: {value:.3g}{unit} vs target {'>=' if higher_is_better else '<='} {target:g}{unit}"
@@ -97,37 +112,102 @@ def goals(rows: list[dict], device_type: str) -> list[dict]:
     if device_type == "cpu":
         for r in rows:
             if r["contender"] in ("fused_stable", "fused_stable_scaler") and r["status"] == "ok":
-                out.append(_goal(f"CPU: {r['contender']} time <= {CPU_TIME_RATIO_BAR}x {r['baseline']}",
-                                 r["set"], r.get("time_ratio"), CPU_TIME_RATIO_BAR, False, "x"))
+                out.append(
+                    _goal(
+                        f"CPU: {r['contender']} time <= {CPU_TIME_RATIO_BAR}x {r['baseline']}",
+                        r["set"],
+                        r.get("time_ratio"),
+                        CPU_TIME_RATIO_BAR,
+                        False,
+                        "x",
+                    )
+                )
         return out
     dense = _by(rows, "dense-fp32", "fused_stable")
     if dense is not None and dense["n_params"] < 100_000_000:
-        out.append(_goal("dense fp32 (>=100M params)", "dense-fp32", None, 0, True, "",
-                         f"set has only {dense['n_params']:,} params"))
+        out.append(
+            _goal(
+                "dense fp32 (>=100M params)",
+                "dense-fp32",
+                None,
+                0,
+                True,
+                "",
+                f"set has only {dense['n_params']:,} params",
+            )
+        )
     else:
-        out.append(_goal("dense fp32: >= 90% of copy bandwidth", "dense-fp32",
-                         dense and dense.get("pct_copy_bw"), 90.0, True, "%"))
-        out.append(_goal("dense fp32: >= 1.2x torch fused + foreach clip", "dense-fp32",
-                         dense and dense.get("speedup"), 1.2, True, "x"))
+        out.append(
+            _goal(
+                "dense fp32: >= 90% of copy bandwidth",
+                "dense-fp32",
+                dense and dense.get("pct_copy_bw"),
+                90.0,
+                True,
+                "%",
+            )
+        )
+        out.append(
+            _goal(
+                "dense fp32: >= 1.2x torch fused + foreach clip",
+                "dense-fp32",
+                dense and dense.get("speedup"),
+                1.2,
+                True,
+                "x",
+            )
+        )
         comp = _by(rows, "dense-fp32", "torch_compile")
         # both speedups are against a baseline timed alongside them, so their ratio compares like with like
-        ratio = dense["speedup"] / comp["speedup"] if (dense and comp and dense["speedup"] and comp["speedup"]) \
-            else None
-        out.append(_goal("dense fp32: not slower than torch.compile", "dense-fp32", ratio, 1.0, True, "x",
-                         "torch.compile row was skipped" if dense else ""))
+        ratio = (
+            dense["speedup"] / comp["speedup"] if (dense and comp and dense["speedup"] and comp["speedup"]) else None
+        )
+        out.append(
+            _goal(
+                "dense fp32: not slower than torch.compile",
+                "dense-fp32",
+                ratio,
+                1.0,
+                True,
+                "x",
+                "torch.compile row was skipped" if dense else "",
+            )
+        )
     lora = _by(rows, "lora-fp32", "fused_stable")
-    out.append(_goal("LoRA (400+ tensors): >= 3x torch fused + foreach clip", "lora-fp32",
-                     lora and lora.get("speedup"), 3.0, True, "x"))
+    out.append(
+        _goal(
+            "LoRA (400+ tensors): >= 3x torch fused + foreach clip",
+            "lora-fp32",
+            lora and lora.get("speedup"),
+            3.0,
+            True,
+            "x",
+        )
+    )
     amp = _by(rows, "amp-fp16", "fused_stable_scaler")
-    out.append(_goal("fp16 GradScaler path: >= 1.5x torch's recipe", "amp-fp16",
-                     amp and amp.get("speedup"), 1.5, True, "x"))
+    out.append(
+        _goal("fp16 GradScaler path: >= 1.5x torch's recipe", "amp-fp16", amp and amp.get("speedup"), 1.5, True, "x")
+    )
     return out
 
 
 # ---- formatting -------------------------------------------------------------------------------------------
 
-COLUMNS = ["set", "contender", "median ms", "IQR ms", "speedup", "B/param", "GB/s", "% copy BW",
-           "launches", "syncs", "peak MiB", "host ms", "notes"]
+COLUMNS = [
+    "set",
+    "contender",
+    "median ms",
+    "IQR ms",
+    "speedup",
+    "B/param",
+    "GB/s",
+    "% copy BW",
+    "launches",
+    "syncs",
+    "peak MiB",
+    "host ms",
+    "notes",
+]
 
 
 def _f(x, fmt):
@@ -152,12 +232,19 @@ def row_cells(r: dict, name: str | None = None) -> list[str]:
     if r["contender"] == r.get("baseline"):
         notes.append("baseline")
     return [
-        name, r["contender"],
-        f"{r['median_s'] * 1e3:.3f}", f"{r['iqr_s'] * 1e3:.3f}",
+        name,
+        r["contender"],
+        f"{r['median_s'] * 1e3:.3f}",
+        f"{r['iqr_s'] * 1e3:.3f}",
         _f(r.get("speedup"), ".2f") + ("x" if r.get("speedup") is not None else ""),
-        f"{r['bytes_per_param']:.0f}", f"{r['gbps']:.1f}", _f(r.get("pct_copy_bw"), ".0f"),
-        _f(r.get("launches_per_step"), ".1f"), _f(r.get("syncs_per_step"), ".1f"),
-        f"{r['peak_mem_bytes'] / 2**20:.0f}", f"{r['host_cpu_s'] * 1e3:.2f}", ", ".join(notes),
+        f"{r['bytes_per_param']:.0f}",
+        f"{r['gbps']:.1f}",
+        _f(r.get("pct_copy_bw"), ".0f"),
+        _f(r.get("launches_per_step"), ".1f"),
+        _f(r.get("syncs_per_step"), ".1f"),
+        f"{r['peak_mem_bytes'] / 2**20:.0f}",
+        f"{r['host_cpu_s'] * 1e3:.2f}",
+        ", ".join(notes),
     ]
 
 
@@ -165,12 +252,18 @@ def print_table(console, result: dict) -> None:
     from rich.table import Table
 
     env = result["environment"]
-    title = (f"fused_stable bench: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
-             f"copy BW {result['copy_bandwidth_gbps']:.1f} GB/s, {env['date']}")
+    title = (
+        f"fused_stable bench: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+        f"copy BW {result['copy_bandwidth_gbps']:.1f} GB/s, {env['date']}"
+    )
     table = Table(title=title, show_lines=False)
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("set", "contender", "notes") else "right",
-                         no_wrap=col != "notes", overflow="fold")
+        table.add_column(
+            col,
+            justify="left" if col in ("set", "contender", "notes") else "right",
+            no_wrap=col != "notes",
+            overflow="fold",
+        )
     previous = None
     for r in result["rows"]:
         first = r["set"] != previous
@@ -209,19 +302,29 @@ def markdown(result: dict) -> str:
         "rotation with each set's steps (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in _set_copy_bw(result).items()),
         f"- command: `{result['command']}`",
         f"- plan: {result['plan']}; step: global-norm clip at 1.0 + AdamW (lr 1e-3, wd 0.01); timing: "
-        + ("CUDA events per step, L2 flushed between steps" if env["device_type"] == "cuda"
-           else "time.perf_counter per step") + ", after warm-up, rotating input sets when a set is < 256 MiB",
+        + (
+            "CUDA events per step, L2 flushed between steps"
+            if env["device_type"] == "cuda"
+            else "time.perf_counter per step"
+        )
+        + ", after warm-up, rotating input sets when a set is < 256 MiB",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" for _ in COLUMNS) + "|",
     ]
     for r in result["rows"]:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row_cells(r)) + " |")
-    lines += ["", "speedup: torch baseline median / row median (baseline: `torch_fused` = clip_grad_norm_"
-              "(foreach=True) + AdamW(fused=True); `torch_scaler` for the fp16 AMP set). "
-              "B/param: bytes model (docs/benchmarks.md). launches, syncs: per step (CUDA only). "
-              "peak MiB: params + grads + optimizer state + the step's transient allocations. "
-              "host ms: CPU time of the process during the step call.", "", "## Goals", ""]
+    lines += [
+        "",
+        "speedup: torch baseline median / row median (baseline: `torch_fused` = clip_grad_norm_"
+        "(foreach=True) + AdamW(fused=True); `torch_scaler` for the fp16 AMP set). "
+        "B/param: bytes model (docs/benchmarks.md). launches, syncs: per step (CUDA only). "
+        "peak MiB: params + grads + optimizer state + the step's transient allocations. "
+        "host ms: CPU time of the process during the step call.",
+        "",
+        "## Goals",
+        "",
+    ]
     lines += ["| goal | set | result |", "|---|---|---|"]
     for g in result["goals"]:
         mark = {True: "met", False: "**missed**", None: "n/a"}[g["passed"]]

@@ -4,6 +4,7 @@
 worker process (`python -m fused_stable.bench.worker`) calls it, for one contender, for rows that must be
 time-boxed (torch.compile).
 """
+
 from __future__ import annotations
 
 import gc
@@ -28,31 +29,39 @@ class Options:
     device: str = "cpu"
     warmup: int = 3
     min_steps: int = 10
-    min_time: float = 1.0          # seconds of timed steps per row (more steps for fast rows)
+    min_time: float = 1.0  # seconds of timed steps per row (more steps for fast rows)
     max_steps: int = 500
     input_sets: int = 3
-    compile_sets: tuple = ()       # set names on which torch.compile runs
+    compile_sets: tuple = ()  # set names on which torch.compile runs
     compile_timeout: float = 120.0
-    threads: int = 0               # 0: torch's default
+    threads: int = 0  # 0: torch's default
     seed: int = 0
-    profile: bool = True           # CUDA launches/syncs via torch.profiler
-    contenders: tuple = ()         # restrict to these contender keys (empty: all)
-    copy_bytes: int = 0            # > 0: time a copy of this size interleaved with each set's steps
+    profile: bool = True  # CUDA launches/syncs via torch.profiler
+    contenders: tuple = ()  # restrict to these contender keys (empty: all)
+    copy_bytes: int = 0  # > 0: time a copy of this size interleaved with each set's steps
     extra: dict = field(default_factory=dict)
 
 
 def _row_base(spec: ParamSetSpec, contender: Contender) -> dict:
-    return {"set": spec.name, "family": spec.family, "dtype": spec.dtype, "n_tensors": spec.n_tensors,
-            "n_params": spec.n_params, "contender": contender.key, "label": contender.label,
-            "status": "ok", "reason": ""}
+    return {
+        "set": spec.name,
+        "family": spec.family,
+        "dtype": spec.dtype,
+        "n_tensors": spec.n_tensors,
+        "n_params": spec.n_params,
+        "contender": contender.key,
+        "label": contender.label,
+        "status": "ok",
+        "reason": "",
+    }
 
 
 @dataclass
 class _Prepared:
     contender: Contender
     row: dict
-    sets: list      # input sets: lists of params with grads
-    built: list     # one Built per input set
+    sets: list  # input sets: lists of params with grads
+    built: list  # one Built per input set
 
 
 def _prepare(spec: ParamSetSpec, contender: Contender, opts: Options, device: torch.device) -> _Prepared:
@@ -61,18 +70,18 @@ def _prepare(spec: ParamSetSpec, contender: Contender, opts: Options, device: to
     one_set = spec.n_params * torch.tensor([], dtype=DTYPES[spec.dtype]).element_size() * 4  # p, g, m, v
     n_sets = opts.input_sets if one_set <= measure.SMALL_SET_BYTES else 1
     if contender.isolated:
-        n_sets = 1   # a compiled step is specialised to its tensors: every extra input set would compile again
+        n_sets = 1  # a compiled step is specialised to its tensors: every extra input set would compile again
     sets = [materialize(spec, device, seed=opts.seed + i) for i in range(max(1, n_sets))]
 
     def build_and_step():
         t0 = time.perf_counter()
         first = contender.build(sets[0], device)
-        first.step()      # first step: lazy state allocation, and compilation for torch.compile
+        first.step()  # first step: lazy state allocation, and compilation for torch.compile
         measure.synchronize(device)
         row["first_step_s"] = time.perf_counter() - t0
         return first
 
-    if contender.isolated:   # no allocator tracking around a compilation
+    if contender.isolated:  # no allocator tracking around a compilation
         first, owned = build_and_step(), None
     else:
         first, owned = measure.net_allocation(build_and_step, device)
@@ -85,8 +94,9 @@ def _prepare(spec: ParamSetSpec, contender: Contender, opts: Options, device: to
     return _Prepared(contender, row, sets, built)
 
 
-def _finish(spec: ParamSetSpec, prep: _Prepared, timing: dict, opts: Options, copy_bw: float,
-            device: torch.device) -> dict:
+def _finish(
+    spec: ParamSetSpec, prep: _Prepared, timing: dict, opts: Options, copy_bw: float, device: torch.device
+) -> dict:
     """Add the bytes model, bandwidth, memory and (CUDA) launch and sync counts to a timed row."""
     row, params, built = prep.row, prep.sets[0], prep.built[0]
     row.update(timing)
@@ -138,9 +148,15 @@ def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options
                 src = torch.ones(opts.copy_bytes // 4, device=device)
                 dst = torch.empty_like(src)
                 groups.append([lambda: dst.copy_(src)])
-            timings = measure.time_steps(groups, device, warmup=opts.warmup, min_steps=opts.min_steps,
-                                         min_time=opts.min_time, max_steps=opts.max_steps,
-                                         host=[True] * len(prepared) + [False] * (len(groups) - len(prepared)))
+            timings = measure.time_steps(
+                groups,
+                device,
+                warmup=opts.warmup,
+                min_steps=opts.min_steps,
+                min_time=opts.min_time,
+                max_steps=opts.max_steps,
+                host=[True] * len(prepared) + [False] * (len(groups) - len(prepared)),
+            )
             if opts.copy_bytes:
                 copy_bw = 2 * (opts.copy_bytes // 4) * 4 / timings[-1]["median_s"]
                 del src, dst
@@ -163,17 +179,20 @@ def _skip(spec, contender, reason, status="skipped") -> dict:
     return row
 
 
-def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw: float,
-                  timeout: float) -> dict:
+def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw: float, timeout: float) -> dict:
     """Run one row in a worker process with a hard time limit (torch.compile can take minutes, or hang)."""
     # The set's baseline is timed again in the worker, interleaved with this row, so the row's speedup does
     # not compare two processes run at different moments of a shared machine's load.
-    job = {"spec": spec.to_json(), "contender": contender.key, "pair_with": baseline_for(spec.family),
-           "opts": asdict(opts), "copy_bw": copy_bw}
+    job = {
+        "spec": spec.to_json(),
+        "contender": contender.key,
+        "pair_with": baseline_for(spec.family),
+        "opts": asdict(opts),
+        "copy_bw": copy_bw,
+    }
     cmd = [sys.executable, "-m", "fused_stable.bench.worker", json.dumps(job)]
     # Own session, so a timeout can kill the worker together with inductor's compile subprocesses.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -182,14 +201,15 @@ def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_
         return _skip(spec, contender, f"exceeded its {timeout:.0f} s time box (compile + warm-up + timing)")
     for line in reversed(out.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     tail = (err.strip().splitlines() or ["no output"])[-1]
     # Reported as skipped, not as a failure of the run: compilation is optional (no compiler, unsupported op...).
     return _skip(spec, contender, f"worker failed (exit code {proc.returncode}): {tail[:200]}")
 
 
-def run_plan(sets: list[ParamSetSpec], opts: Options, copy_bw: float, *, deadline: float | None = None,
-             on_row=None) -> list[dict]:
+def run_plan(
+    sets: list[ParamSetSpec], opts: Options, copy_bw: float, *, deadline: float | None = None, on_row=None
+) -> list[dict]:
     """All rows of the plan, returned in plan order; `on_row(row)` is called after each (progress, partial saves).
 
     The contenders of a set are measured together, interleaved. Time-boxed rows (torch.compile) run after all
@@ -215,8 +235,10 @@ def run_plan(sets: list[ParamSetSpec], opts: Options, copy_bw: float, *, deadlin
             return True
         return False
 
-    jobs = [(spec, [c for c in contenders_for(spec.family) if not opts.contenders or c.key in opts.contenders])
-            for spec in sets]
+    jobs = [
+        (spec, [c for c in contenders_for(spec.family) if not opts.contenders or c.key in opts.contenders])
+        for spec in sets
+    ]
     for spec, contenders in jobs:
         group = [c for c in contenders if not c.isolated and runnable(spec, c)]
         if group:
@@ -243,7 +265,7 @@ def add_speedups(rows: list[dict]) -> None:
     by_set: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_set.setdefault(r["set"], {})[r["contender"]] = r
-    for name, group in by_set.items():
+    for group in by_set.values():
         family = next(iter(group.values()))["family"]
         base = group.get(baseline_for(family))
         for r in group.values():

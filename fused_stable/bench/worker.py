@@ -4,6 +4,7 @@ The parent (runner._run_isolated) kills it when its time box runs out; on succes
 line with the same row dict `runner.measure_group` returns in-process. The set's baseline contender (`pair_with`)
 is timed alongside, interleaved, and its median rides along as `paired_baseline_median_s`.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def main(argv: list[str]) -> int:
         contenders.insert(0, CONTENDERS[job["pair_with"]])
     rows = measure_group(ParamSetSpec.from_json(job["spec"]), contenders, opts, job["copy_bw"])
     row = rows[-1]
-    if row["status"] == "error":   # compilation is optional (no compiler, unsupported op): a skip, not a failure
+    if row["status"] == "error":  # compilation is optional (no compiler, unsupported op): a skip, not a failure
         row.update(status="skipped", reason=f"torch.compile failed: {row['reason']}")
     if len(rows) == 2 and rows[0]["status"] == "ok":
         row["paired_baseline_median_s"] = rows[0]["median_s"]

@@ -9,4 +9,5 @@
 
 Submodules are imported on demand so that ``import fused_stable`` never pulls in transformers or lightning.
 """
+
 __all__ = ["distributed", "hf", "lightning"]

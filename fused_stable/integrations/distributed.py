@@ -10,6 +10,7 @@ non-finite shard on any rank makes the global value non-finite on every rank and
 
 DDP needs nothing here: its gradients are already all-reduced, so every rank's local norm is the global one.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,6 +47,7 @@ _SUPPORTED = (
 # --------------------------------------------------------------------------------------------------
 # What FusedAdamW calls
 # --------------------------------------------------------------------------------------------------
+
 
 def _dtensor_cls():
     # DTensor lives in torch.distributed.tensor; builds without distributed support have no DTensors at all.
@@ -102,9 +104,7 @@ def validate_params(params: list[torch.Tensor]) -> None:
             if not any(p.device_mesh == m for m in meshes):
                 meshes.append(p.device_mesh)
     if len(meshes) > 1:
-        described = "; ".join(
-            f"{m.device_type} mesh {m.mesh.tolist()} dims {m.mesh_dim_names}" for m in meshes
-        )
+        described = "; ".join(f"{m.device_type} mesh {m.mesh.tolist()} dims {m.mesh_dim_names}" for m in meshes)
         raise ValueError(
             f"one param group holds DTensor params on {len(meshes)} different device meshes ({described}). "
             f"{_SUPPORTED}: put the params of each mesh in their own param group."
@@ -122,8 +122,7 @@ def global_sumsq(local_sumsq: torch.Tensor, params: list[torch.Tensor]) -> torch
     """
     if local_sumsq.dim() != 1 or local_sumsq.numel() != len(params):
         raise ValueError(
-            f"local_sumsq must be 1-D with one entry per param ({len(params)}), "
-            f"got shape {tuple(local_sumsq.shape)}"
+            f"local_sumsq must be 1-D with one entry per param ({len(params)}), got shape {tuple(local_sumsq.shape)}"
         )
     local_sumsq = local_sumsq.float()
     DTensor = _dtensor_cls()
@@ -179,6 +178,7 @@ def global_sumsq(local_sumsq: torch.Tensor, params: list[torch.Tensor]) -> torch
 # torchrun plumbing for the trainer
 # --------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process stands: ``world_size == 1`` means a plain single-process run."""
@@ -229,8 +229,7 @@ def init_distributed_from_env(backend: str | None = None) -> DistInfo:
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(
-            f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with "
-            "`torchrun --nproc-per-node N ...`"
+            f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with `torchrun --nproc-per-node N ...`"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:

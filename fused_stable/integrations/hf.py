@@ -28,6 +28,7 @@ Three things of the Trainer's would fight the fused step, and this module moves 
   ``spike_skips`` and the lr really used into each training log (the Trainer's ``log_history`` and the
   callbacks after it), reading the device only at logging steps.
 """
+
 from __future__ import annotations
 
 import logging
@@ -156,12 +157,12 @@ def fused_trainer_optimizers(
 ) -> tuple[FusedAdamW, DeviceScheduleLR]:
     """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW configured from ``args``.
 
-    Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm``
-    (clipping moves into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not
-    clip again) and ``lr_scheduler_type`` + warm-up (run on the device, so skipped steps do not advance
-    it; the returned scheduler is a ``DeviceScheduleLR``, which changes nothing). ``fused_kwargs`` (e.g. ``clip="zscore"``,
-    ``spike_skip_threshold=6.0``, ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``)
-    override or extend what comes from ``args``. Call it before building the Trainer, with the same args.
+    Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm`` (clipping moves
+    into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not clip again) and
+    ``lr_scheduler_type`` + warm-up (run on the device, so skipped steps do not advance it; the returned scheduler is a
+    ``DeviceScheduleLR``, which changes nothing). ``fused_kwargs`` (e.g. ``clip="zscore"``,
+    ``spike_skip_threshold=6.0``, ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``) override or
+    extend what comes from ``args``. Call it before building the Trainer, with the same args.
     """
     kwargs: dict[str, Any] = dict(
         lr=args.learning_rate,

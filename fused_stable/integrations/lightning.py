@@ -23,6 +23,7 @@ Three things of Lightning's would fight the fused step:
   gives Lightning fused_stable's GradScaler instead (and is the way to get fp16 autocast on CPU, where
   Lightning turns ``precision="16-mixed"`` into ``bf16-mixed``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -179,6 +180,11 @@ class FusedStableCallback(Callback):
                 if name in ("skipped_steps", "spike_skips"):
                     value = int(value)
                 pl_module.log(
-                    f"{self.prefix}{name}{suffix}", value, on_step=True, on_epoch=False, prog_bar=self.prog_bar,
-                    logger=True, batch_size=1,
+                    f"{self.prefix}{name}{suffix}",
+                    value,
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=self.prog_bar,
+                    logger=True,
+                    batch_size=1,
                 )

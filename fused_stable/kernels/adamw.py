@@ -24,6 +24,7 @@ interpreter does, so the CPU tests see the GPU's arithmetic (only `exp` and `cos
 the cosine schedule, stay approximate on the GPU). torch's own fused CUDA AdamW is compiled with contraction
 on and differs from its foreach path in the last bit too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,9 +58,14 @@ def _segmented_add(a_value, a_start, b_value, b_start):
 
 @triton.jit
 def _schedule_factor(
-    n, schedule_total, schedule_warmup, schedule_min_ratio,
-    SCHEDULE: tl.constexpr, SCHEDULE_CONSTANT: tl.constexpr, SCHEDULE_LINEAR: tl.constexpr,
-):  # fmt: skip
+    n,
+    schedule_total,
+    schedule_warmup,
+    schedule_min_ratio,
+    SCHEDULE: tl.constexpr,
+    SCHEDULE_CONSTANT: tl.constexpr,
+    SCHEDULE_LINEAR: tl.constexpr,
+):
     """The lr schedule's factor after `n` applied updates (fused_stable/schedules.py has the reference)."""
     warm = tl.div_rn(n, tl.maximum(schedule_warmup, 1.0))
     span = tl.maximum(schedule_total - schedule_warmup, 1.0)
@@ -155,7 +161,9 @@ def _finalize_kernel(
     lanes = tl.arange(0, BLOCK_T)
     for tensor_start in range(0, num_tensors, BLOCK_T):
         tensors = tensor_start + lanes
-        empty = (tensors < num_tensors) & (tl.load(tensor_num_chunks + tensors, mask=tensors < num_tensors, other=1) == 0)
+        empty = (tensors < num_tensors) & (
+            tl.load(tensor_num_chunks + tensors, mask=tensors < num_tensors, other=1) == 0
+        )
         tl.store(per_tensor_sumsq + tensors, tl.zeros([BLOCK_T], dtype=tl.float32), mask=empty)
     total = tl.zeros([BLOCK_T], dtype=tl.float32)
     carry = 0.0
@@ -231,13 +239,23 @@ def _finalize_kernel(
     factor = 1.0
     if SCHEDULE != SCHEDULE_NONE:
         factor = _schedule_factor(
-            applied_before.to(tl.float32), schedule_total, schedule_warmup, schedule_min_ratio,
-            SCHEDULE, SCHEDULE_CONSTANT, SCHEDULE_LINEAR,
-        )  # fmt: skip
+            applied_before.to(tl.float32),
+            schedule_total,
+            schedule_warmup,
+            schedule_min_ratio,
+            SCHEDULE,
+            SCHEDULE_CONSTANT,
+            SCHEDULE_LINEAR,
+        )
         next_factor = _schedule_factor(
-            (applied_before + tl.where(skip, 0, 1)).to(tl.float32), schedule_total, schedule_warmup,
-            schedule_min_ratio, SCHEDULE, SCHEDULE_CONSTANT, SCHEDULE_LINEAR,
-        )  # fmt: skip
+            (applied_before + tl.where(skip, 0, 1)).to(tl.float32),
+            schedule_total,
+            schedule_warmup,
+            schedule_min_ratio,
+            SCHEDULE,
+            SCHEDULE_CONSTANT,
+            SCHEDULE_LINEAR,
+        )
         for group_start in range(0, num_groups, BLOCK_T):
             groups = group_start + lanes
             in_range = groups < num_groups
@@ -306,10 +324,25 @@ def _expm1(x):
 
 @triton.jit
 def _adamw_block(
-    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq, mask,
-    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr,
-):  # fmt: skip
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    master,
+    max_exp_avg_sq,
+    mask,
+    grad_mul,
+    decay,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    eps,
+    step_size,
+    bias_correction2_sqrt,
+    PARAM_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+):
     """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None.
     `grad_mul` carries the clip coefficient, the loss scale and, for maximize=True, the sign."""
     other = None if mask is None else 0.0
@@ -421,27 +454,70 @@ def _adamw_kernel(
         if aligned:
             for block_start in range(start, full_end, BLOCK):
                 _adamw_block(
-                    aligned_block(param, block_start) + offsets, aligned_block(grad, block_start) + offsets,
-                    aligned_block(exp_avg, block_start) + offsets, aligned_block(exp_avg_sq, block_start) + offsets,
-                    aligned_block(master, block_start) + offsets, aligned_block(max_exp_avg_sq, block_start) + offsets,
-                    None, grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                    PARAM_DTYPE, HAS_MASTER, AMSGRAD,
-                )  # fmt: skip
+                    aligned_block(param, block_start) + offsets,
+                    aligned_block(grad, block_start) + offsets,
+                    aligned_block(exp_avg, block_start) + offsets,
+                    aligned_block(exp_avg_sq, block_start) + offsets,
+                    aligned_block(master, block_start) + offsets,
+                    aligned_block(max_exp_avg_sq, block_start) + offsets,
+                    None,
+                    grad_mul,
+                    decay,
+                    beta2,
+                    one_minus_beta1,
+                    one_minus_beta2,
+                    eps,
+                    step_size,
+                    bias_correction2_sqrt,
+                    PARAM_DTYPE,
+                    HAS_MASTER,
+                    AMSGRAD,
+                )
         else:
             for block_start in range(start, full_end, BLOCK):
                 idx = block_start + offsets
                 _adamw_block(
-                    param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx, None,
-                    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                    PARAM_DTYPE, HAS_MASTER, AMSGRAD,
-                )  # fmt: skip
+                    param + idx,
+                    grad + idx,
+                    exp_avg + idx,
+                    exp_avg_sq + idx,
+                    master + idx,
+                    max_exp_avg_sq + idx,
+                    None,
+                    grad_mul,
+                    decay,
+                    beta2,
+                    one_minus_beta1,
+                    one_minus_beta2,
+                    eps,
+                    step_size,
+                    bias_correction2_sqrt,
+                    PARAM_DTYPE,
+                    HAS_MASTER,
+                    AMSGRAD,
+                )
         if full_end < end:
             idx = full_end + offsets
             _adamw_block(
-                param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx, idx < end,
-                grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                PARAM_DTYPE, HAS_MASTER, AMSGRAD,
-            )  # fmt: skip
+                param + idx,
+                grad + idx,
+                exp_avg + idx,
+                exp_avg_sq + idx,
+                master + idx,
+                max_exp_avg_sq + idx,
+                idx < end,
+                grad_mul,
+                decay,
+                beta2,
+                one_minus_beta1,
+                one_minus_beta2,
+                eps,
+                step_size,
+                bias_correction2_sqrt,
+                PARAM_DTYPE,
+                HAS_MASTER,
+                AMSGRAD,
+            )
 
 
 def prepare_finalize(
@@ -543,10 +619,19 @@ def prepare_adamw(
     if chunks.num_chunks == 0:
         return None
     args = ArgTemplate(
-        _adamw_kernel, table=table, grad_addrs=grad_addrs, chunk_tensor=chunks.chunk_tensor,
-        chunk_start=chunks.chunk_start, hparams=hparams, fstate=fstate, PARAM_DTYPE=TRITON_DTYPES[param_dtype],
-        HAS_MASTER=has_master, CHUNK=chunks.chunk_size, BLOCK=config.block, AMSGRAD=amsgrad,
-    )  # fmt: skip
+        _adamw_kernel,
+        table=table,
+        grad_addrs=grad_addrs,
+        chunk_tensor=chunks.chunk_tensor,
+        chunk_start=chunks.chunk_start,
+        hparams=hparams,
+        fstate=fstate,
+        PARAM_DTYPE=TRITON_DTYPES[param_dtype],
+        HAS_MASTER=has_master,
+        CHUNK=chunks.chunk_size,
+        BLOCK=config.block,
+        AMSGRAD=amsgrad,
+    )
     return PreparedLaunch(_adamw_kernel, chunks.num_chunks, config), args
 
 

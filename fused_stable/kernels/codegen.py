@@ -12,6 +12,7 @@ configuration (kernels/*.py `*_CONFIG`), and for each one this reports:
 tests/test_kernels_codegen.py asserts the properties the kernels claim on these records; `--candidates` adds
 the alternative launch configurations that benchmarks/gpu_probe.py times on a GPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,27 +35,61 @@ from .tables import CHUNK_SIZE
 _I64, _F32 = "*i64", "*fp32"
 _TYPES = {
     "sumsq": {
-        "grad_addrs": _I64, "numels": _I64, "chunk_tensor": _I64, "chunk_start": _I64, "partials": _F32,
-        "partial_offset": "i32", "scale_ptr": _F32,
+        "grad_addrs": _I64,
+        "numels": _I64,
+        "chunk_tensor": _I64,
+        "chunk_start": _I64,
+        "partials": _F32,
+        "partial_offset": "i32",
+        "scale_ptr": _F32,
     },
     "adamw": {
-        "table": _I64, "grad_addrs": _I64, "chunk_tensor": _I64, "chunk_start": _I64, "hparams": _F32, "fstate": _F32,
+        "table": _I64,
+        "grad_addrs": _I64,
+        "chunk_tensor": _I64,
+        "chunk_start": _I64,
+        "hparams": _F32,
+        "fstate": _F32,
     },
     "finalize": {
-        "partials": _F32, "chunk_owner": _I64, "num_chunks": "i32", "tensor_num_chunks": _I64, "num_tensors": "i32",
-        "per_tensor_sumsq": _F32, "worst_sumsq": _F32, "tensor_positions": _I64, "step_addrs": _I64, "fstate": _F32,
-        "istate": "*i64", "hparams": _F32, "num_groups": "i32", "scale_ptr": _F32, "found_inf_ptr": _F32,
-        "external_sumsq_ptr": _F32, "max_grad_norm": "fp32", "zscore_alpha": "fp32", "zscore_threshold": "fp32",
-        "zscore_warmup": "i32", "spike_skip_threshold": "fp32", "spike_skip_ratio": "fp32", "schedule_total": "fp32",
-        "schedule_warmup": "fp32", "schedule_min_ratio": "fp32",
+        "partials": _F32,
+        "chunk_owner": _I64,
+        "num_chunks": "i32",
+        "tensor_num_chunks": _I64,
+        "num_tensors": "i32",
+        "per_tensor_sumsq": _F32,
+        "worst_sumsq": _F32,
+        "tensor_positions": _I64,
+        "step_addrs": _I64,
+        "fstate": _F32,
+        "istate": "*i64",
+        "hparams": _F32,
+        "num_groups": "i32",
+        "scale_ptr": _F32,
+        "found_inf_ptr": _F32,
+        "external_sumsq_ptr": _F32,
+        "max_grad_norm": "fp32",
+        "zscore_alpha": "fp32",
+        "zscore_threshold": "fp32",
+        "zscore_warmup": "i32",
+        "spike_skip_threshold": "fp32",
+        "spike_skip_ratio": "fp32",
+        "schedule_total": "fp32",
+        "schedule_warmup": "fp32",
+        "schedule_min_ratio": "fp32",
     },
-}  # fmt: skip
+}
 _KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": adamw._adamw_kernel, "finalize": adamw._finalize_kernel}
 
 # launch configurations a GPU should decide between (benchmarks/gpu_probe.py times them side by side)
 CANDIDATES = {
     "sumsq": [norm.SUMSQ_CONFIG, LaunchConfig(1024, 4, True), LaunchConfig(1024, 8, True), LaunchConfig(4096, 8, True)],
-    "adamw": [adamw.ADAMW_CONFIG, LaunchConfig(512, 4, False), LaunchConfig(1024, 4, False), LaunchConfig(2048, 8, False)],
+    "adamw": [
+        adamw.ADAMW_CONFIG,
+        LaunchConfig(512, 4, False),
+        LaunchConfig(1024, 4, False),
+        LaunchConfig(2048, 8, False),
+    ],
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 
@@ -103,8 +138,9 @@ def loops(ptx: str) -> list[dict]:
                 for op, suffixes in _ACCESS.findall(text):
                     (loads if op == "ld" else stores)[access_bits(suffixes)] += 1
             text = "\n".join(body)
-            found.append({"loads": dict(loads), "stores": dict(stores), "barriers": text.count("bar.sync"),
-                          **rounding(text)})  # fmt: skip
+            found.append(
+                {"loads": dict(loads), "stores": dict(stores), "barriers": text.count("bar.sync"), **rounding(text)}
+            )
     return found
 
 
@@ -112,10 +148,12 @@ def rounding(ptx: str) -> dict:
     """The fp32 instructions whose rounding differs between choices: fused multiply-adds (one rounding for
     a * b + c), IEEE (`.rn`) against approximate division and square root."""
     return {
-        "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "div_rn": len(re.findall(r"\bdiv\.rn\.f32", ptx)),
+        "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+        "div_rn": len(re.findall(r"\bdiv\.rn\.f32", ptx)),
         "div_approx": len(re.findall(r"\bdiv\.(?:full|approx)\.", ptx)),
-        "sqrt_rn": len(re.findall(r"\bsqrt\.rn\.f32", ptx)), "sqrt_approx": len(re.findall(r"\bsqrt\.approx\.", ptx)),
-    }  # fmt: skip
+        "sqrt_rn": len(re.findall(r"\bsqrt\.rn\.f32", ptx)),
+        "sqrt_approx": len(re.findall(r"\bsqrt\.approx\.", ptx)),
+    }
 
 
 def ptxas_usage(ptx: str, arch: int, fp_fusion: bool) -> dict:
@@ -128,10 +166,20 @@ def ptxas_usage(ptx: str, arch: int, fp_fusion: bool) -> dict:
         source.write_text(ptx)
         fmad = [] if fp_fusion else ["--fmad=false"]
         proc = subprocess.run(
-            [get_ptxas(arch).path, "-v", *fmad, "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}",
-             str(source), "-o", str(Path(tmp) / "kernel.o")],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                get_ptxas(arch).path,
+                "-v",
+                *fmad,
+                "--regAllocOptLevel=2",
+                f"--gpu-name={sm_arch_from_capability(arch)}",
+                str(source),
+                "-o",
+                str(Path(tmp) / "kernel.o"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     log = proc.stdout + proc.stderr
     registers = re.search(r"Used (\d+) registers", log)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
@@ -142,11 +190,17 @@ def record(kernel: str, constexprs: dict, config: LaunchConfig, arch: int = 90, 
     compiled = compile_kernel(kernel, constexprs, config, arch)
     ptx = compiled.asm["ptx"]
     return {
-        "kernel": kernel, **describe, "block": config.block, "num_warps": config.num_warps,
-        "fp_fusion": config.fp_fusion, "has_cubin": bool(compiled.asm.get("cubin")),
-        "shared_bytes": compiled.metadata.shared, **ptxas_usage(ptx, arch, config.fp_fusion), "loops": loops(ptx),
+        "kernel": kernel,
+        **describe,
+        "block": config.block,
+        "num_warps": config.num_warps,
+        "fp_fusion": config.fp_fusion,
+        "has_cubin": bool(compiled.asm.get("cubin")),
+        "shared_bytes": compiled.metadata.shared,
+        **ptxas_usage(ptx, arch, config.fp_fusion),
+        "loops": loops(ptx),
         "kernel_rounding": rounding(ptx),
-    }  # fmt: skip
+    }
 
 
 def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
@@ -154,27 +208,56 @@ def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
     records = []
     for name, dtype in DTYPES.items():
         for config in CANDIDATES["sumsq"] if candidates else [norm.SUMSQ_CONFIG]:
-            records.append(record(
-                "sumsq", {"GRAD_DTYPE": dtype, "HAS_SCALE": True, "CHUNK": CHUNK_SIZE, "BLOCK": config.block},
-                config, arch, dtype=name, default=config == norm.SUMSQ_CONFIG,
-            ))  # fmt: skip
+            records.append(
+                record(
+                    "sumsq",
+                    {"GRAD_DTYPE": dtype, "HAS_SCALE": True, "CHUNK": CHUNK_SIZE, "BLOCK": config.block},
+                    config,
+                    arch,
+                    dtype=name,
+                    default=config == norm.SUMSQ_CONFIG,
+                )
+            )
         for has_master in (False, True) if dtype != tl.float32 else (False,):
             # amsgrad (one more fp32 state) for the two layouts it adds most to: fp32, and 16-bit with a master
             for amsgrad in (False, True) if has_master == (dtype != tl.float32) and name != "fp16" else (False,):
                 for config in CANDIDATES["adamw"] if candidates else [adamw.ADAMW_CONFIG]:
-                    records.append(record(
-                        "adamw", {"PARAM_DTYPE": dtype, "HAS_MASTER": has_master, "CHUNK": CHUNK_SIZE,
-                                  "BLOCK": config.block, "AMSGRAD": amsgrad},
-                        config, arch, dtype=name, has_master=has_master, amsgrad=amsgrad,
-                        default=config == adamw.ADAMW_CONFIG,
-                    ))  # fmt: skip
+                    records.append(
+                        record(
+                            "adamw",
+                            {
+                                "PARAM_DTYPE": dtype,
+                                "HAS_MASTER": has_master,
+                                "CHUNK": CHUNK_SIZE,
+                                "BLOCK": config.block,
+                                "AMSGRAD": amsgrad,
+                            },
+                            config,
+                            arch,
+                            dtype=name,
+                            has_master=has_master,
+                            amsgrad=amsgrad,
+                            default=config == adamw.ADAMW_CONFIG,
+                        )
+                    )
     for schedule in range(4):
-        records.append(record(
-            "finalize",
-            {"HAS_SCALE": True, "HAS_FOUND_INF": True, "HAS_EXTERNAL_SUMSQ": schedule == 1, "CLIP_MODE": schedule % 2,
-             "SCHEDULE": schedule, "BLOCK_T": adamw.BLOCK_TENSORS},
-            adamw.FINALIZE_CONFIG, arch, schedule=schedule, default=True,
-        ))  # fmt: skip
+        records.append(
+            record(
+                "finalize",
+                {
+                    "HAS_SCALE": True,
+                    "HAS_FOUND_INF": True,
+                    "HAS_EXTERNAL_SUMSQ": schedule == 1,
+                    "CLIP_MODE": schedule % 2,
+                    "SCHEDULE": schedule,
+                    "BLOCK_T": adamw.BLOCK_TENSORS,
+                },
+                adamw.FINALIZE_CONFIG,
+                arch,
+                schedule=schedule,
+                default=True,
+            )
+        )
     return records
 
 

@@ -15,11 +15,13 @@ they are present are part of the `variant` under which a compiled kernel is kept
 Under Triton's interpreter, or while a launch hook is installed (profilers such as proton read launches
 through it), every call goes through the dispatcher.
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 from triton import knobs
 from triton.runtime import driver

@@ -15,6 +15,7 @@ element (rounded once), as in torch's CUDA `_foreach_norm` / `linalg.vector_norm
 with contraction on. (Triton's interpreter rounds the product and the sum separately; the CPU tests compare
 norms with a tolerance, never bit for bit.) The scale kernel is one multiply per element: nothing to fuse.
 """
+
 from __future__ import annotations
 
 import torch
@@ -146,10 +147,19 @@ def prepare_sumsq(
     if chunks.num_chunks == 0:
         return None
     args = ArgTemplate(
-        _sumsq_kernel, grad_addrs=grad_addrs, numels=numels, chunk_tensor=chunks.chunk_tensor,
-        chunk_start=chunks.chunk_start, partials=partials, partial_offset=partial_offset, scale_ptr=partials,
-        GRAD_DTYPE=TRITON_DTYPES[grad_dtype], HAS_SCALE=False, CHUNK=chunks.chunk_size, BLOCK=config.block,
-    )  # fmt: skip
+        _sumsq_kernel,
+        grad_addrs=grad_addrs,
+        numels=numels,
+        chunk_tensor=chunks.chunk_tensor,
+        chunk_start=chunks.chunk_start,
+        partials=partials,
+        partial_offset=partial_offset,
+        scale_ptr=partials,
+        GRAD_DTYPE=TRITON_DTYPES[grad_dtype],
+        HAS_SCALE=False,
+        CHUNK=chunks.chunk_size,
+        BLOCK=config.block,
+    )
     return PreparedLaunch(_sumsq_kernel, chunks.num_chunks, config), args
 
 
@@ -191,6 +201,13 @@ def launch_scale_(
     if chunks.num_chunks == 0:
         return
     _scale_kernel[(chunks.num_chunks,)](
-        addrs, numels, chunks.chunk_tensor, chunks.chunk_start, factor,
-        DTYPE=TRITON_DTYPES[dtype], CHUNK=chunks.chunk_size, BLOCK=SCALE_CONFIG.block, **SCALE_CONFIG.options(),
-    )  # fmt: skip
+        addrs,
+        numels,
+        chunks.chunk_tensor,
+        chunks.chunk_start,
+        factor,
+        DTYPE=TRITON_DTYPES[dtype],
+        CHUNK=chunks.chunk_size,
+        BLOCK=SCALE_CONFIG.block,
+        **SCALE_CONFIG.options(),
+    )

@@ -13,6 +13,7 @@ Nothing runs on the device, so tensors' contents never change. Use in a process 
     with standin.installed() as launches:
         ...; opt.step(); print(launches.count, launches.names[-3:])
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,9 +28,14 @@ from triton.runtime import driver as triton_driver
 
 # what a Hopper (H100 / H200) reports: the limits Triton checks a compiled kernel against
 _HOPPER = {
-    "max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32,
-    "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 6144,
-}  # fmt: skip
+    "max_shared_mem": 232448,
+    "multiprocessor_count": 132,
+    "max_num_regs": 65536,
+    "warpSize": 32,
+    "sm_clock_rate": 1980000,
+    "mem_clock_rate": 2619000,
+    "mem_bus_width": 6144,
+}
 
 
 @dataclass

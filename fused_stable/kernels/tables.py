@@ -11,6 +11,7 @@ being captured into a graph: a graph would record a copy from a pinned host bloc
 allocator hands out again once the capture ends, so a replay would read whatever lies there by then.
 Plain torch: importing this module does not import triton.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

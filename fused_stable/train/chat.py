@@ -7,6 +7,7 @@ was trained in), greedy decoding by default, answers streamed as they are genera
 
 One-shot mode prints only the answer on stdout (loading messages go to stderr), so it can be piped.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,21 +25,37 @@ DEFAULT_MAX_NEW_TOKENS = 256
 def build_parser():
     from fused_stable.argcheck import OneLineParser, number
 
-    p = OneLineParser(prog="fused-stable chat", description=__doc__.split("\n\n")[0],
-                      aliases={"--max-tokens": "--max-new-tokens", "--max-length": "--max-new-tokens",
-                               "--message": "--prompt", "--system-prompt": "--system", "--output-dir": "--adapter"})
-    p.add_argument("--model", default=None,
-                   help="base model, as in sft: smollm2-135m (default) | tiny | HF dir | .gguf")
-    p.add_argument("--adapter", default=None,
-                   help="an adapter folder, a saved full model, or a run folder holding one")
+    p = OneLineParser(
+        prog="fused-stable chat",
+        description=__doc__.split("\n\n")[0],
+        aliases={
+            "--max-tokens": "--max-new-tokens",
+            "--max-length": "--max-new-tokens",
+            "--message": "--prompt",
+            "--system-prompt": "--system",
+            "--output-dir": "--adapter",
+        },
+    )
+    p.add_argument(
+        "--model", default=None, help="base model, as in sft: smollm2-135m (default) | tiny | HF dir | .gguf"
+    )
+    p.add_argument("--adapter", default=None, help="an adapter folder, a saved full model, or a run folder holding one")
     p.add_argument("--prompt", default=None, help="ask once, print only the answer on stdout, exit")
     p.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
-    p.add_argument("--max-new-tokens", type=number(1, 100_000, integer=True), default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"longest answer in tokens (default: {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=number(1, 100_000, integer=True),
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"longest answer in tokens (default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
     p.add_argument("--temperature", type=number(0, 100), default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--seed", type=number(0, 2**32 - 1, integer=True), default=0, help="seed for sampling (default: 0)")
-    p.add_argument("--threads", type=number(0, 4096, integer=True), default=0,
-                   help="torch CPU threads; 0 = one per physical core (default: 0)")
+    p.add_argument(
+        "--threads",
+        type=number(0, 4096, integer=True),
+        default=0,
+        help="torch CPU threads; 0 = one per physical core (default: 0)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     return p
 
@@ -77,8 +94,9 @@ def load_chat_model(args, device, log):
     return net, tokenizer, args.source.reference
 
 
-def answer(model, tokenizer, messages: list[dict], *, max_new_tokens: int, temperature: float = 0.0,
-           stream: bool = True) -> str:
+def answer(
+    model, tokenizer, messages: list[dict], *, max_new_tokens: int, temperature: float = 0.0, stream: bool = True
+) -> str:
     """Generate the next assistant turn; with `stream`, print it to stdout as it is generated."""
     import torch
     from transformers import TextStreamer
@@ -87,14 +105,24 @@ def answer(model, tokenizer, messages: list[dict], *, max_new_tokens: int, tempe
 
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else \
-        {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             streamer=streamer, use_cache=True, **sampling)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            streamer=streamer,
+            use_cache=True,
+            **sampling,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def _interactive(model, tokenizer, system: str | None, args) -> None:
@@ -117,8 +145,7 @@ def _interactive(model, tokenizer, system: str | None, args) -> None:
         messages = ([{"role": "system", "content": system}] if system else []) + history
         messages.append({"role": "user", "content": text})
         print("assistant> ", end="", flush=True)
-        reply = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature)
+        reply = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
@@ -141,11 +168,15 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(args.seed)
         device = resolve_runtime(args.device, "fp32").device
         model, tokenizer, description = load_chat_model(
-            args, device, log=lambda text: print(text, file=sys.stderr, flush=True))
-        print(f"fused-stable chat: {description} ({'greedy' if args.temperature == 0 else 'sampling'})",
-              file=sys.stderr, flush=True)
+            args, device, log=lambda text: print(text, file=sys.stderr, flush=True)
+        )
+        print(
+            f"fused-stable chat: {description} ({'greedy' if args.temperature == 0 else 'sampling'})",
+            file=sys.stderr,
+            flush=True,
+        )
         if args.prompt is not None:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": args.prompt})
             answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
             return 0

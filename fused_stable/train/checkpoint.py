@@ -12,6 +12,7 @@ objects, so a rollback can call them in-process.
 Contents: trainable weights (safetensors), optimizer (its state_dict carries the device-side schedule and
 counters), loss scaler, RNG states (python, numpy, torch CPU and CUDA), data position and the config.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,8 +88,10 @@ def _sha256(path: str) -> str:
 
 
 def _file_records(folder: str) -> dict[str, dict]:
-    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
-            for name in sorted(os.listdir(folder))}
+    return {
+        name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+        for name in sorted(os.listdir(folder))
+    }
 
 
 def verify_checkpoint(path: str) -> dict:
@@ -127,7 +130,11 @@ def list_checkpoints(output_dir: str, include_incomplete: bool = False) -> list[
     for name in os.listdir(root):
         match = _STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if match and os.path.isdir(path) and (include_incomplete or os.path.isfile(os.path.join(path, COMPLETE_MARKER))):
+        if (
+            match
+            and os.path.isdir(path)
+            and (include_incomplete or os.path.isfile(os.path.join(path, COMPLETE_MARKER)))
+        ):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -174,9 +181,19 @@ def _remove_dir(path: str, root: str, tag: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def save_checkpoint(output_dir: str, step: int, *, model_state: dict[str, torch.Tensor], optimizer,
-                    scaler=None, trainer_state: dict, config: dict, keep: int = 0,
-                    optimizer_state: dict | None = None, rng: dict | None = None) -> str:
+def save_checkpoint(
+    output_dir: str,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optimizer,
+    scaler=None,
+    trainer_state: dict,
+    config: dict,
+    keep: int = 0,
+    optimizer_state: dict | None = None,
+    rng: dict | None = None,
+) -> str:
     """Write checkpoints/step-<step>/ atomically and return its path; keep only the newest `keep` (0 = all).
     `optimizer_state` / `rng`: already gathered (torchrun: full FSDP2 state, every rank's RNG); by default
     `optimizer.state_dict()` and this process's RNG states. An exception (or KeyboardInterrupt) before the
@@ -191,13 +208,15 @@ def save_checkpoint(output_dir: str, step: int, *, model_state: dict[str, torch.
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
         save_file(tensors, os.path.join(tmp, "weights.safetensors"))
         _fsync_path(os.path.join(tmp, "weights.safetensors"))
-        _torch_save(optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                    os.path.join(tmp, "optimizer.pt"))
+        _torch_save(
+            optimizer.state_dict() if optimizer_state is None else optimizer_state, os.path.join(tmp, "optimizer.pt")
+        )
         if scaler is not None:
             _torch_save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
         _torch_save(rng_state() if rng is None else rng, os.path.join(tmp, "rng.pt"))
-        _write_bytes(os.path.join(tmp, "trainer_state.json"),
-                     json.dumps({**trainer_state, "step": step}, indent=2).encode())
+        _write_bytes(
+            os.path.join(tmp, "trainer_state.json"), json.dumps({**trainer_state, "step": step}, indent=2).encode()
+        )
         _write_bytes(os.path.join(tmp, "config.yaml"), yaml.safe_dump(config, sort_keys=False).encode())
         _fsync_path(tmp)
         marker = {"format": MARKER_FORMAT, "step": step, "time": time.time(), "files": _file_records(tmp)}

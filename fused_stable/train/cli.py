@@ -4,6 +4,7 @@ written; an existing folder is replaced only if it is a run, and only its own en
 SIGTERM end with a checkpoint and the command that continues the run (exit code 130 / 143). On the identity
 task the model is evaluated before and after training (`evaluate`, eval.json).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,14 @@ def run_entries(cfg) -> list[str]:
     (outputs.claim) before they are created, and exactly what a later --overwrite removes."""
     from fused_stable.train.evaluate import EVAL_FILE
 
-    names = [RUN_FILE, "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints",
-             "model" if cfg.tuner == "full" else "adapter"]
+    names = [
+        RUN_FILE,
+        "metrics.jsonl",
+        "alerts.jsonl",
+        "curves.png",
+        "checkpoints",
+        "model" if cfg.tuner == "full" else "adapter",
+    ]
     return names + (["tensorboard"] if cfg.tensorboard else []) + ([EVAL_FILE] if evaluating(cfg) else [])
 
 
@@ -87,8 +94,11 @@ def main(argv: list[str]) -> int:
 
 def continue_command(output_dir: str, world_size: int) -> str:
     """The exact command that continues the run in output_dir."""
-    launcher = (f"torchrun --standalone --nproc-per-node {world_size} -m fused_stable sft" if world_size > 1
-                else "fused-stable sft")
+    launcher = (
+        f"torchrun --standalone --nproc-per-node {world_size} -m fused_stable sft"
+        if world_size > 1
+        else "fused-stable sft"
+    )
     return f"{launcher} --output_dir {shlex.quote(output_dir)} --resume latest"
 
 
@@ -108,13 +118,17 @@ def _resolve(argv: list[str]):
         path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
     except UserError as exc:
         if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
-            raise UserError(f"{exc}; the run never saved one: start it again with --overwrite (without --resume)") from None
+            raise UserError(
+                f"{exc}; the run never saved one: start it again with --overwrite (without --resume)"
+            ) from None
         raise
     try:
         saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))
     except UserError as exc:
         raise UserError(f"{os.path.join(path, 'config.yaml')}: {exc}") from None
-    changed = [k for k in STATE_KEYS if k in explicit and not same_state_value(k, getattr(saved_cfg, k), getattr(cfg, k))]
+    changed = [
+        k for k in STATE_KEYS if k in explicit and not same_state_value(k, getattr(saved_cfg, k), getattr(cfg, k))
+    ]
     if changed:
         diffs = ", ".join(f"{k} (checkpoint: {getattr(saved_cfg, k)}, now: {getattr(cfg, k)})" for k in changed)
         raise UserError(
@@ -133,6 +147,7 @@ def _resolve(argv: list[str]):
 @dataclass
 class RunSetup:
     """Everything a run needs, built and checked; nothing written yet (see `start`)."""
+
     cfg: object
     runtime: object
     tokenizer: object
@@ -141,9 +156,9 @@ class RunSetup:
     resume_path: str | None
     n_examples: int
     passed_over: list = field(default_factory=list)  # damaged checkpoints `resume latest` skipped (messages)
-    source: object = None       # the resolved --model (fused_stable.train.sources.ModelSource)
+    source: object = None  # the resolved --model (fused_stable.train.sources.ModelSource)
     threads: int = 1
-    evaluating: bool = False    # held-out evaluation before and after training (eval.json)
+    evaluating: bool = False  # held-out evaluation before and after training (eval.json)
 
     def start(self) -> None:
         """Load the checkpoint to resume, then (rank 0) replace the previous run if --overwrite, claim the
@@ -163,9 +178,17 @@ class RunSetup:
             outputs.claim(cfg.output_dir, run_entries(cfg))
             with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
                 f.write(dump_yaml(cfg))
-        trainer.reporter = Reporter(cfg.output_dir, trainer.total_steps, trainer.state.step,
-                                    tensorboard=cfg.tensorboard, max_grad_norm=cfg.max_grad_norm,
-                                    ) if main_rank else QuietReporter()  # fmt: skip
+        trainer.reporter = (
+            Reporter(
+                cfg.output_dir,
+                trainer.total_steps,
+                trainer.state.step,
+                tensorboard=cfg.tensorboard,
+                max_grad_norm=cfg.max_grad_norm,
+            )
+            if main_rank
+            else QuietReporter()
+        )
         if trainer.guard is not None and main_rank:
             from fused_stable.guard import AlertLog
 
@@ -178,14 +201,18 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     cfg, resume_path, passed_over = _resolve(argv)
     # the output folder before anything heavy: writable, and new, empty or (with --overwrite) only a run's
-    outputs.check_output_dir(cfg.output_dir, overwrite=cfg.overwrite, resume_path=resume_path,
-                             has_checkpoint=checkpoint.latest_checkpoint(cfg.output_dir) is not None)
+    outputs.check_output_dir(
+        cfg.output_dir,
+        overwrite=cfg.overwrite,
+        resume_path=resume_path,
+        has_checkpoint=checkpoint.latest_checkpoint(cfg.output_dir) is not None,
+    )
 
     import torch
 
     from fused_stable import FusedAdamW, GradScaler, schedules
-    from fused_stable.train import data, parallel
     from fused_stable.guard import Guard
+    from fused_stable.train import data, parallel
     from fused_stable.train.config import guard_config, run_dict
     from fused_stable.train.loop import Trainer
     from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
@@ -221,21 +248,46 @@ def setup_run(argv: list[str]) -> RunSetup:
     # clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call; under
     # guard=skip|rollback the same step also skips grad-norm spikes
     optimizer = FusedAdamW(
-        groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm or None, lr_schedule=schedule, clip=cfg.clip,
+        groups.groups,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm or None,
+        lr_schedule=schedule,
+        clip=cfg.clip,
         **guard.config.optimizer_kwargs(),
-    )  # fmt: skip
+    )
     optimizer.param_names = groups.names
     guard.bind(optimizer)
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
     trainer = Trainer(
-        model=model, optimizer=optimizer, scaler=scaler, batches=batches, runtime=runtime, reporter=None,
-        output_dir=cfg.output_dir, config=run_dict(cfg), total_steps=total_steps, grad_accum=cfg.grad_accum,
-        logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit,
+        model=model,
+        optimizer=optimizer,
+        scaler=scaler,
+        batches=batches,
+        runtime=runtime,
+        reporter=None,
+        output_dir=cfg.output_dir,
+        config=run_dict(cfg),
+        total_steps=total_steps,
+        grad_accum=cfg.grad_accum,
+        logging_steps=cfg.logging_steps,
+        save_steps=cfg.save_steps,
+        save_total_limit=cfg.save_total_limit,
         guard=guard,
-    )  # fmt: skip
-    return RunSetup(cfg, runtime, tokenizer, model, trainer, resume_path, len(items), passed_over,
-                    source=source, threads=threads, evaluating=evaluating(cfg))
+    )
+    return RunSetup(
+        cfg,
+        runtime,
+        tokenizer,
+        model,
+        trainer,
+        resume_path,
+        len(items),
+        passed_over,
+        source=source,
+        threads=threads,
+        evaluating=evaluating(cfg),
+    )
 
 
 def _log(text: str) -> None:
@@ -249,8 +301,9 @@ def _task_examples(cfg):
     from fused_stable.train import data, tasks
 
     if cfg.dataset == "identity":
-        return tasks.identity_examples(cfg.identity_name, cfg.identity_author, seed=cfg.seed,
-                                       general=cfg.general_examples)
+        return tasks.identity_examples(
+            cfg.identity_name, cfg.identity_author, seed=cfg.seed, general=cfg.general_examples
+        )
     if cfg.dataset == "arithmetic":
         return data.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
     return data.load_examples(cfg.dataset)
@@ -285,8 +338,10 @@ def run(argv: list[str], interrupts=None) -> int:
     if setup.evaluating:  # before anything is written: an interrupt here leaves output_dir untouched
         t_eval = time.perf_counter()
         before = _evaluate(setup, base=True)
-        _log(f"evaluation before training ({time.perf_counter() - t_eval:.1f}s): "
-             + ", ".join(f"{s} {before[s]['accuracy']:.2f} of {before[s]['n']}" for s in ("identity", "general")))
+        _log(
+            f"evaluation before training ({time.perf_counter() - t_eval:.1f}s): "
+            + ", ".join(f"{s} {before[s]['accuracy']:.2f} of {before[s]['n']}" for s in ("identity", "general"))
+        )
     trainer.interrupts = interrupts
     interrupts.deferring = True  # from here on files are written: an interrupt ends with a checkpoint
     try:
@@ -299,7 +354,8 @@ def run(argv: list[str], interrupts=None) -> int:
         trainer.reporter.message(
             f"fused-stable sft: model={cfg.model} tuner={cfg.tuner}"
             f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
-            f"device={setup.runtime.device} threads={setup.threads} | {n_trainable:,} trainable of {n_total:,} params | "
+            f"device={setup.runtime.device} threads={setup.threads} | "
+            f"{n_trainable:,} trainable of {n_total:,} params | "
             f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
             f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
         )
@@ -316,8 +372,12 @@ def run(argv: list[str], interrupts=None) -> int:
         if trainer.stopped_by == "interrupt":
             if main_rank:
                 name = signal.Signals(interrupts.signum).name
-                print(f"fused-stable sft: interrupted by {name} after step {state.step} of {trainer.total_steps}; "
-                      f"checkpoint saved: {trainer.last_checkpoint}\n  continue: {resume}", file=sys.stderr, flush=True)
+                print(
+                    f"fused-stable sft: interrupted by {name} after step {state.step} of {trainer.total_steps}; "
+                    f"checkpoint saved: {trainer.last_checkpoint}\n  continue: {resume}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             parallel.barrier()  # torchrun ends the other ranks as soon as one exits: let rank 0 finish first
             return interrupts.exit_code
         if trainer.stopped_by == "guard":
@@ -342,9 +402,12 @@ def run(argv: list[str], interrupts=None) -> int:
             after = _evaluate(setup, base=False)
         except KeyboardInterrupt:
             if main_rank:
-                print(f"fused-stable sft: interrupted during the evaluation after training: the run is complete "
-                      f"({target}), only {os.path.join(cfg.output_dir, 'eval.json')} was not written",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"fused-stable sft: interrupted during the evaluation after training: the run is complete "
+                    f"({target}), only {os.path.join(cfg.output_dir, 'eval.json')} was not written",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return interrupts.exit_code
         report = eval_report(setup.source.reference, before, after)
         table = format_table(report, cfg.identity_name)
@@ -356,11 +419,17 @@ def run(argv: list[str], interrupts=None) -> int:
         return 0
     rows = read_metrics(cfg.output_dir)
     summary = f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} | " if rows else ""
-    print(f"done: steps {start_step}->{state.step} in {train_s:.1f}s of training | {summary}"
-          f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}", flush=True)
+    print(
+        f"done: steps {start_step}->{state.step} in {train_s:.1f}s of training | {summary}"
+        f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}",
+        flush=True,
+    )
     if table is not None:
-        print(f"\n{table}\n(evaluation after training {eval_s:.1f}s; answers in "
-              f"{os.path.join(cfg.output_dir, 'eval.json')})", flush=True)
+        print(
+            f"\n{table}\n(evaluation after training {eval_s:.1f}s; answers in "
+            f"{os.path.join(cfg.output_dir, 'eval.json')})",
+            flush=True,
+        )
         print(f"talk to it: fused-stable chat --adapter {cfg.output_dir}", flush=True)
     return 0
 
@@ -371,8 +440,16 @@ def _report_abandoned(output_dir: str, world_size: int) -> None:
 
     newest, _ = checkpoint.latest_verified_checkpoint(output_dir)
     if newest is None:
-        print("fused-stable sft: interrupted again: stopped at once; the run has no complete checkpoint "
-              "(start it again with --overwrite)", file=sys.stderr, flush=True)
+        print(
+            "fused-stable sft: interrupted again: stopped at once; the run has no complete checkpoint "
+            "(start it again with --overwrite)",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
-        print(f"fused-stable sft: interrupted again: stopped at once; the newest complete checkpoint is "
-              f"{newest}\n  continue: {continue_command(output_dir, world_size)}", file=sys.stderr, flush=True)
+        print(
+            f"fused-stable sft: interrupted again: stopped at once; the newest complete checkpoint is "
+            f"{newest}\n  continue: {continue_command(output_dir, world_size)}",
+            file=sys.stderr,
+            flush=True,
+        )

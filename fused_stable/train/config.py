@@ -4,12 +4,14 @@ Every key is a field of `TrainConfig` with its default and a help line (`fused-s
 them all). Unknown keys are refused with the closest known key suggested; values are checked before
 anything is written, so a bad input never leaves a half-created run behind.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from fused_stable.train.errors import UserError
 @dataclass(frozen=True)
 class Range:
     """Where a numeric key's value makes sense (checked by `validate`, with every other number finite)."""
+
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -33,7 +36,7 @@ class Range:
 
 MAX_COUNT = 10**9  # a bound on counts (steps, examples...) that no real run reaches and no typo passes
 POSITIVE_COUNT = Range(1, MAX_COUNT)
-COUNT = Range(0, MAX_COUNT)        # what an int key without its own range must satisfy
+COUNT = Range(0, MAX_COUNT)  # what an int key without its own range must satisfy
 
 
 def _key(default, help_: str, group: str, check: Range | None = None):
@@ -51,25 +54,44 @@ class TrainConfig:
     arithmetic_examples: int = _key(12800, "dataset=arithmetic: examples generated", "model", Range(1, 10**7))
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
-    quant_bits: typing.Optional[int] = _key(None, "4 (QLoRA: NF4 + double quantisation), 8, or none: quantise the frozen base weights", "model")
+    quant_bits: int | None = _key(
+        None, "4 (QLoRA: NF4 + double quantisation), 8, or none: quantise the frozen base weights", "model"
+    )
     lora_r: int = _key(8, "LoRA rank", "model", Range(1, 65536))
-    lora_alpha: float = _key(16, "LoRA alpha (the update is scaled by alpha / r)", "model", Range(0, 1e6, low_open=True))
+    lora_alpha: float = _key(
+        16, "LoRA alpha (the update is scaled by alpha / r)", "model", Range(0, 1e6, low_open=True)
+    )
     lora_dropout: float = _key(0.0, "dropout on the LoRA input", "model", Range(0, 1, high_open=True))
     target_modules: str = _key("all-linear", "comma-separated module names to adapt, or all-linear", "model")
-    loraplus_lr_ratio: typing.Optional[float] = _key(None, "LoRA+: the B matrices get lr x ratio (e.g. 16); none = plain LoRA", "model", Range(0, 1e6, low_open=True))
+    loraplus_lr_ratio: float | None = _key(
+        None, "LoRA+: the B matrices get lr x ratio (e.g. 16); none = plain LoRA", "model", Range(0, 1e6, low_open=True)
+    )
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", "model")
     # optimisation
     lr: float = _key(1e-3, "peak learning rate", "optim", Range(0, 1, low_open=True))
     weight_decay: float = _key(0.01, "decoupled weight decay (AdamW)", "optim", Range(0))
-    max_grad_norm: typing.Optional[float] = _key(1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim", Range(0))
-    clip: str = _key("fixed", "fixed (max_grad_norm only) | zscore (also clip grad-norm spikes to mean + 2.5 std of the running norm statistics, ZClip-style)", "optim")
-    warmup_ratio: float = _key(0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim", Range(0, 1, high_open=True))
+    max_grad_norm: float | None = _key(
+        1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim", Range(0)
+    )
+    clip: str = _key(
+        "fixed",
+        "fixed (max_grad_norm only) | zscore (also clip grad-norm spikes to mean + 2.5 std of the running norm "
+        "statistics, ZClip-style)",
+        "optim",
+    )
+    warmup_ratio: float = _key(
+        0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim", Range(0, 1, high_open=True)
+    )
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
-    precision: str = _key("auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim")
+    precision: str = _key(
+        "auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim"
+    )
     batch_size: int = _key(4, "sequences per micro-batch", "optim", Range(1, 65536))
     grad_accum: int = _key(1, "micro-batches per optimizer step", "optim", Range(1, 65536))
-    max_steps: typing.Optional[int] = _key(None, "optimizer steps to run; none = derive from epochs", "optim", POSITIVE_COUNT)
-    epochs: float = _key(1.0, "passes over the data set (used when max_steps is none)", "optim", Range(0, 10000, low_open=True))
+    max_steps: int | None = _key(None, "optimizer steps to run; none = derive from epochs", "optim", POSITIVE_COUNT)
+    epochs: float = _key(
+        1.0, "passes over the data set (used when max_steps is none)", "optim", Range(0, 10000, low_open=True)
+    )
     max_length: int = _key(512, "truncate tokenised examples to this many tokens", "optim", Range(8, 2**20))
     seed: int = _key(42, "seed for model init, data order and dropout", "optim", Range(0, 2**32 - 1))
     # bookkeeping
@@ -80,19 +102,57 @@ class TrainConfig:
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
     threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run", Range(0, 4096))
     evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
-    resume: typing.Optional[str] = _key(None, "'latest' or a checkpoint directory to continue from", "run")
+    resume: str | None = _key(None, "'latest' or a checkpoint directory to continue from", "run")
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
-    guard: str = _key("warn", "what to do on an alert: warn (record it) | skip (the optimizer also skips grad-norm spikes) | stop (checkpoint, exit code 3) | rollback (restore the last good checkpoint, lower the lr, skip the data window)", "guard")
-    guard_grad_z: float = _key(6.0, "alert when the grad norm's z-score (against its running statistics) exceeds this...", "guard", Range(0, low_open=True))
-    guard_grad_ratio: float = _key(5.0, "...and the norm is at least this many times its running mean (0 = z-score alone)", "guard")
-    guard_skip_z: float = _key(6.0, "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this...", "guard", Range(0, low_open=True))
-    guard_skip_ratio: float = _key(5.0, "...and whose norm is at least this many times its running mean (0 = z-score alone)", "guard")
-    guard_loss_z: float = _key(6.0, "alert when a step's loss z-score (against its running statistics) exceeds this", "guard", Range(0, low_open=True))
-    guard_loss_rise: float = _key(1.5, "alert when a logging interval's median loss (or its last 3's) exceeds this x the best so far (0 = off)", "guard")
-    guard_nonfinite_storm: int = _key(3, "non-finite-gradient steps in one logging interval that escalate to the policy (fewer are skipped and recorded)", "guard", POSITIVE_COUNT)
-    guard_lr_factor: float = _key(0.5, "guard=rollback: multiply the lr by this on each rollback for a spike", "guard", Range(0, 1, low_open=True))
-    guard_max_rollbacks: int = _key(3, "guard=rollback: give up (stop, exit code 3) when this many rollbacks did not help", "guard")
+    guard: str = _key(
+        "warn",
+        "what to do on an alert: warn (record it) | skip (the optimizer also skips grad-norm spikes) | stop "
+        "(checkpoint, exit code 3) | rollback (restore the last good checkpoint, lower the lr, skip the data window)",
+        "guard",
+    )
+    guard_grad_z: float = _key(
+        6.0,
+        "alert when the grad norm's z-score (against its running statistics) exceeds this...",
+        "guard",
+        Range(0, low_open=True),
+    )
+    guard_grad_ratio: float = _key(
+        5.0, "...and the norm is at least this many times its running mean (0 = z-score alone)", "guard"
+    )
+    guard_skip_z: float = _key(
+        6.0,
+        "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this...",
+        "guard",
+        Range(0, low_open=True),
+    )
+    guard_skip_ratio: float = _key(
+        5.0, "...and whose norm is at least this many times its running mean (0 = z-score alone)", "guard"
+    )
+    guard_loss_z: float = _key(
+        6.0,
+        "alert when a step's loss z-score (against its running statistics) exceeds this",
+        "guard",
+        Range(0, low_open=True),
+    )
+    guard_loss_rise: float = _key(
+        1.5,
+        "alert when a logging interval's median loss (or its last 3's) exceeds this x the best so far (0 = off)",
+        "guard",
+    )
+    guard_nonfinite_storm: int = _key(
+        3,
+        "non-finite-gradient steps in one logging interval that escalate to the policy "
+        "(fewer are skipped and recorded)",
+        "guard",
+        POSITIVE_COUNT,
+    )
+    guard_lr_factor: float = _key(
+        0.5, "guard=rollback: multiply the lr by this on each rollback for a spike", "guard", Range(0, 1, low_open=True)
+    )
+    guard_max_rollbacks: int = _key(
+        3, "guard=rollback: give up (stop, exit code 3) when this many rollbacks did not help", "guard"
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -113,8 +173,17 @@ LAUNCH_KEYS = ("resume", "overwrite")
 # rank, scale and targets, LoRA+ groups), and the hyper-parameters its optimizer state carries and restores
 # (lr, with any guard rollback cut, and weight_decay: a new value would be silently ignored). A resume that
 # changes one is refused; the checkpoint's saved config is the reference.
-STATE_KEYS = ("model", "tuner", "quant_bits", "lora_r", "lora_alpha", "target_modules", "loraplus_lr_ratio",
-              "lr", "weight_decay")
+STATE_KEYS = (
+    "model",
+    "tuner",
+    "quant_bits",
+    "lora_r",
+    "lora_alpha",
+    "target_modules",
+    "loraplus_lr_ratio",
+    "lr",
+    "weight_decay",
+)
 
 
 def same_state_value(name: str, saved, now) -> bool:
@@ -129,19 +198,51 @@ def same_state_value(name: str, saved, now) -> bool:
 # names other tools use for our keys: suggested, never accepted silently (a YAML from another tool should
 # fail loudly rather than half-apply)
 ALIASES = {
-    "learning_rate": "lr", "lr_scheduler_type": "scheduler", "lr_scheduler": "scheduler",
-    "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size", "micro_batch_size": "batch_size",
-    "gradient_accumulation_steps": "grad_accum", "gradient_accumulation": "grad_accum",
-    "num_train_epochs": "epochs", "num_epochs": "epochs", "warmup": "warmup_ratio",
-    "max_seq_length": "max_length", "max_seq_len": "max_length", "cutoff_len": "max_length", "seq_len": "max_length",
-    "model_name_or_path": "model", "base_model": "model", "data_path": "dataset", "train_file": "dataset",
-    "data": "dataset", "output": "output_dir", "out": "output_dir", "resume_from_checkpoint": "resume",
-    "lora_rank": "lora_r", "rank": "lora_r", "r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout",
-    "target_modules_list": "target_modules", "wd": "weight_decay", "clip_grad_norm": "max_grad_norm",
-    "grad_clip": "max_grad_norm", "gradient_clipping": "max_grad_norm", "num_steps": "max_steps",
-    "max_iters": "max_steps", "log_steps": "logging_steps", "log_every": "logging_steps",
-    "save_every": "save_steps", "load_in_4bit": "quant_bits", "load_in_8bit": "quant_bits", "bits": "quant_bits",
-    "bf16": "precision", "fp16": "precision", "use_dora": "tuner", "gradient_checkpoint": "gradient_checkpointing",
+    "learning_rate": "lr",
+    "lr_scheduler_type": "scheduler",
+    "lr_scheduler": "scheduler",
+    "per_device_train_batch_size": "batch_size",
+    "train_batch_size": "batch_size",
+    "micro_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "gradient_accumulation": "grad_accum",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "warmup": "warmup_ratio",
+    "max_seq_length": "max_length",
+    "max_seq_len": "max_length",
+    "cutoff_len": "max_length",
+    "seq_len": "max_length",
+    "model_name_or_path": "model",
+    "base_model": "model",
+    "data_path": "dataset",
+    "train_file": "dataset",
+    "data": "dataset",
+    "output": "output_dir",
+    "out": "output_dir",
+    "resume_from_checkpoint": "resume",
+    "lora_rank": "lora_r",
+    "rank": "lora_r",
+    "r": "lora_r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "target_modules_list": "target_modules",
+    "wd": "weight_decay",
+    "clip_grad_norm": "max_grad_norm",
+    "grad_clip": "max_grad_norm",
+    "gradient_clipping": "max_grad_norm",
+    "num_steps": "max_steps",
+    "max_iters": "max_steps",
+    "log_steps": "logging_steps",
+    "log_every": "logging_steps",
+    "save_every": "save_steps",
+    "load_in_4bit": "quant_bits",
+    "load_in_8bit": "quant_bits",
+    "bits": "quant_bits",
+    "bf16": "precision",
+    "fp16": "precision",
+    "use_dora": "tuner",
+    "gradient_checkpoint": "gradient_checkpointing",
 }
 
 
@@ -158,7 +259,8 @@ def _unknown_key(name: str, where: str) -> UserError:
 def _coerce(name: str, value, where: str):
     """Turn a YAML value or a flag string into the field's type, or say clearly why not."""
     hint = typing.get_type_hints(TrainConfig)[name]
-    optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+    # `int | None` (types.UnionType) and `typing.Optional[int]` (typing.Union) both mean optional
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
     if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         if optional:
@@ -311,23 +413,33 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"quant_bits must be 4, 8 or none, got {cfg.quant_bits!r}")
     _check_numbers(cfg)
     if cfg.resume is not None and cfg.overwrite:
-        raise UserError("resume and overwrite exclude each other: --resume continues the run in output_dir, "
-                        "--overwrite replaces it")
+        raise UserError(
+            "resume and overwrite exclude each other: --resume continues the run in output_dir, --overwrite replaces it"
+        )
     if cfg.quant_bits is not None and cfg.tuner == "full":
-        raise UserError(f"quant_bits={cfg.quant_bits} needs tuner lora or dora: quantised base weights cannot be trained with tuner=full")
+        raise UserError(
+            f"quant_bits={cfg.quant_bits} needs tuner lora or dora: "
+            "quantised base weights cannot be trained with tuner=full"
+        )
     if cfg.loraplus_lr_ratio is not None and cfg.tuner == "full":
         raise UserError("loraplus_lr_ratio needs tuner lora or dora (it sets the lr of the LoRA B matrices)")
     if cfg.loraplus_lr_ratio is not None and cfg.lr * cfg.loraplus_lr_ratio > 1:
-        raise UserError(f"lr x loraplus_lr_ratio (the B matrices' lr) must be at most 1, got {cfg.lr * cfg.loraplus_lr_ratio:g}")
+        raise UserError(
+            f"lr x loraplus_lr_ratio (the B matrices' lr) must be at most 1, got {cfg.lr * cfg.loraplus_lr_ratio:g}"
+        )
     if cfg.lr * cfg.weight_decay >= 1:
-        raise UserError(f"lr x weight_decay must be below 1 (each step multiplies the weights by 1 - lr x weight_decay), "
-                        f"got {cfg.lr * cfg.weight_decay:g}")
+        raise UserError(
+            f"lr x weight_decay must be below 1 (each step multiplies the weights by 1 - lr x weight_decay), "
+            f"got {cfg.lr * cfg.weight_decay:g}"
+        )
     modules = [m.strip() for m in cfg.target_modules.split(",") if m.strip()]
     if not modules:
         raise UserError("target_modules must name at least one module, or be all-linear")
     bad = [m for m in modules if m != "all-linear" and not _MODULE_NAME.fullmatch(m)]
     if bad:
-        raise UserError(f"target_modules: {bad[0]!r} is not a module name (comma-separated names like q_proj,v_proj, or all-linear)")
+        raise UserError(
+            f"target_modules: {bad[0]!r} is not a module name (comma-separated names like q_proj,v_proj, or all-linear)"
+        )
     for name in ("model", "dataset", "output_dir", "identity_name", "identity_author"):
         if not getattr(cfg, name).strip():
             raise UserError(f"{name} cannot be empty")
@@ -343,10 +455,17 @@ def guard_config(cfg: TrainConfig):
     from fused_stable.guard import GuardConfig
 
     return GuardConfig(
-        policy=cfg.guard, grad_z=cfg.guard_grad_z, grad_ratio=cfg.guard_grad_ratio, skip_z=cfg.guard_skip_z,
-        skip_ratio=cfg.guard_skip_ratio, loss_z=cfg.guard_loss_z, loss_rise=cfg.guard_loss_rise,
-        nonfinite_storm=cfg.guard_nonfinite_storm, lr_factor=cfg.guard_lr_factor, max_rollbacks=cfg.guard_max_rollbacks,
-    )  # fmt: skip
+        policy=cfg.guard,
+        grad_z=cfg.guard_grad_z,
+        grad_ratio=cfg.guard_grad_ratio,
+        skip_z=cfg.guard_skip_z,
+        skip_ratio=cfg.guard_skip_ratio,
+        loss_z=cfg.guard_loss_z,
+        loss_rise=cfg.guard_loss_rise,
+        nonfinite_storm=cfg.guard_nonfinite_storm,
+        lr_factor=cfg.guard_lr_factor,
+        max_rollbacks=cfg.guard_max_rollbacks,
+    )
 
 
 def run_dict(cfg: TrainConfig) -> dict:
@@ -360,39 +479,67 @@ def dump_yaml(cfg: TrainConfig) -> str:
 
 def help_text() -> str:
     """Every key with its help and default, wrapped to fit HELP_WIDTH columns."""
+
     def para(text: str, indent: str = "") -> list[str]:
-        return textwrap.wrap(text, HELP_WIDTH, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False) or [""]
+        return textwrap.wrap(
+            text, HELP_WIDTH, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        ) or [""]
 
     lines = [
         "usage: fused-stable sft [--config run.yaml] [--key value ...]",
         "",
-        *para("Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline. "
-              "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task "
-              "into runs/sft and evaluates it before and after (eval.json)."),
-        *para("Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value; "
-              "--key_name and --key-name are the same key)."),
+        *para(
+            "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline. "
+            "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task "
+            "into runs/sft and evaluates it before and after (eval.json)."
+        ),
+        *para(
+            "Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value; "
+            "--key_name and --key-name are the same key)."
+        ),
         "",
     ]
-    titles = {"model": "model and data:", "optim": "optimisation:", "run": "run:", "guard": "stability guard (docs/guard.md):"}
+    titles = {
+        "model": "model and data:",
+        "optim": "optimisation:",
+        "run": "run:",
+        "guard": "stability guard (docs/guard.md):",
+    }
     column = 28  # where the help text starts: "  --" + the longest key + a space
     for group, title in titles.items():
         lines.append(title)
         for f in dataclasses.fields(TrainConfig):
             if f.metadata["group"] != group:
                 continue
-            default = "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+            default = (
+                "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+            )
             # a no-break space keeps "(default: value)" on one line
             text = f"{f.metadata['help']} (default:\u00a0{default})"
-            lines += [line.replace("\u00a0", " ") for line in textwrap.wrap(
-                text, HELP_WIDTH, initial_indent=f"  --{f.name} ".ljust(column), subsequent_indent=" " * column,
-                break_on_hyphens=False)]  # "all-linear" stays whole
+            lines += [
+                line.replace("\u00a0", " ")
+                for line in textwrap.wrap(
+                    text,
+                    HELP_WIDTH,
+                    initial_indent=f"  --{f.name} ".ljust(column),
+                    subsequent_indent=" " * column,
+                    break_on_hyphens=False,
+                )
+            ]  # "all-linear" stays whole
         lines.append("")
-    lines += para("Outputs in output_dir: run_manifest.json (what --overwrite may remove), run.yaml, metrics.jsonl, "
-                  "alerts.jsonl, curves.png, eval.json, tensorboard/, checkpoints/step-N/, adapter/ (or model/).")
-    lines += para("Then: fused-stable chat --adapter output_dir, fused-stable export --adapter output_dir --output_dir DIR.")
-    lines += para("Ctrl-C (SIGINT) or SIGTERM: the current step finishes, a checkpoint is saved and the command to "
-                  "continue is printed; a second Ctrl-C abandons that save.")
-    lines += para("Exit codes: 0 done, 2 bad input (nothing written), 3 stopped by the guard (look at alerts.jsonl, "
-                  "then --resume latest), 130 / 143 interrupted by SIGINT / SIGTERM.")
+    lines += para(
+        "Outputs in output_dir: run_manifest.json (what --overwrite may remove), run.yaml, metrics.jsonl, "
+        "alerts.jsonl, curves.png, eval.json, tensorboard/, checkpoints/step-N/, adapter/ (or model/)."
+    )
+    lines += para(
+        "Then: fused-stable chat --adapter output_dir, fused-stable export --adapter output_dir --output_dir DIR."
+    )
+    lines += para(
+        "Ctrl-C (SIGINT) or SIGTERM: the current step finishes, a checkpoint is saved and the command to "
+        "continue is printed; a second Ctrl-C abandons that save."
+    )
+    lines += para(
+        "Exit codes: 0 done, 2 bad input (nothing written), 3 stopped by the guard (look at alerts.jsonl, "
+        "then --resume latest), 130 / 143 interrupted by SIGINT / SIGTERM."
+    )
     return "\n".join(lines)

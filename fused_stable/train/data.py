@@ -8,6 +8,7 @@ training, evaluation and chat the same way, as LLaMA-Factory's `template` and ms
 a tokenizer without one (the tiny model's byte tokenizer) gets a plain `### Instruction:` / `### Response:`
 format. Only assistant text carries labels; everything else (prompt, padding) is -100, which the loss ignores.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,7 +93,7 @@ def _json_array_records(path: str, text: str):
     """Yield (line, record) for each element of a top-level JSON array, so errors can name the line."""
     decoder = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
-    if not text[pos:pos + 1] == "[":
+    if not text[pos : pos + 1] == "[":
         raise UserError(f"{path}:1: a .json dataset must be a JSON array of records (use .jsonl for one per line)")
     pos += 1
     while True:
@@ -208,14 +209,16 @@ def render(example: Example, tokenizer) -> list[tuple[str, bool]]:
             continue
         if has_chat_template(tokenizer):
             prompt = _chat_text(tokenizer, example.messages[:i], generation_prompt=True)
-            full = _chat_text(tokenizer, example.messages[:i + 1], generation_prompt=False)
+            full = _chat_text(tokenizer, example.messages[: i + 1], generation_prompt=False)
         else:
             prompt = _plain_text(example.messages[:i], generation_prompt=True)
             full = prompt + message["content"]
         if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise UserError("the tokenizer's chat template does not render a conversation turn by turn, so answers "
-                            "cannot be separated from prompts; give a tokenizer with an incremental template")
-        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            raise UserError(
+                "the tokenizer's chat template does not render a conversation turn by turn, so answers "
+                "cannot be separated from prompts; give a tokenizer with an incremental template"
+            )
+        segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
         done = full if has_chat_template(tokenizer) else full + "\n\n"
     return segments
 
@@ -259,8 +262,8 @@ class Batch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
-    num_tokens: int         # non-padding tokens (host int: throughput without a device read)
-    num_label_tokens: int   # tokens that count in the loss after the causal shift
+    num_tokens: int  # non-padding tokens (host int: throughput without a device read)
+    num_label_tokens: int  # tokens that count in the loss after the causal shift
 
 
 def collate(items: list[TokenizedExample], pad_id: int) -> Batch:
@@ -297,5 +300,5 @@ class BatchOrder:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = torch.randperm(len(self.items), generator=generator).tolist()
             self._epoch = epoch
-        idx = self._perm[pos * self.batch_size:(pos + 1) * self.batch_size]
+        idx = self._perm[pos * self.batch_size : (pos + 1) * self.batch_size]
         return collate([self.items[i] for i in idx], self.pad_id)

@@ -1,4 +1,5 @@
 """The one exception type for mistakes in the user's input: the CLI prints it as one line and exits with code 2."""
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ contain an expected string (the new name for `identity`; the known short answer 
 the base model), so other code (the stress suite on the real model) can judge a model the same way;
 `eval_report` puts two evaluations side by side as eval.json, `format_table` prints them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,7 @@ import torch
 from fused_stable.train import data, tasks
 
 EVAL_FILE = "eval.json"
-EVAL_MAX_NEW_TOKENS = 32   # enough for a name or a short fact: the answers we score give them early
+EVAL_MAX_NEW_TOKENS = 32  # enough for a name or a short fact: the answers we score give them early
 SETS = ("identity", "general")
 
 
@@ -26,8 +27,16 @@ def _as_messages(prompt) -> list[dict]:
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, prompts, *, max_new_tokens: int = EVAL_MAX_NEW_TOKENS, batch_size: int = 64,
-                     autocast=None, return_finished: bool = False) -> list:
+def generate_answers(
+    model,
+    tokenizer,
+    prompts,
+    *,
+    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+    batch_size: int = 64,
+    autocast=None,
+    return_finished: bool = False,
+) -> list:
     """Greedy answers to `prompts` (strings, or message lists), formatted as in training, batched with left
     padding. Returns the answer texts (with `return_finished`, (text, ended with end-of-sequence) pairs)."""
     device = next(model.parameters()).device
@@ -38,22 +47,29 @@ def generate_answers(model, tokenizer, prompts, *, max_new_tokens: int = EVAL_MA
     results = []
     try:
         for start in range(0, len(prompts), batch_size):
-            chunk = [data.prompt_ids(tokenizer, _as_messages(p)) for p in prompts[start:start + batch_size]]
+            chunk = [data.prompt_ids(tokenizer, _as_messages(p)) for p in prompts[start : start + batch_size]]
             width = max(len(ids) for ids in chunk)
             input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for row, ids in enumerate(chunk):
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attention_mask[row, width - len(ids):] = 1
+                input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                attention_mask[row, width - len(ids) :] = 1
             with autocast if autocast is not None else contextlib.nullcontext():
                 out = model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
-                    max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, use_cache=True,
-                    temperature=None, top_p=None, top_k=None,
-                )  # fmt: skip
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                    use_cache=True,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                )
             for row in out[:, width:].tolist():
                 finished = eos in row
-                row = row[:row.index(eos)] if finished else row
+                row = row[: row.index(eos)] if finished else row
                 text = tokenizer.decode(row, skip_special_tokens=True).strip()
                 results.append((text, finished) if return_finished else text)
     finally:
@@ -66,19 +82,22 @@ def contains_answer(answer: str, expected: list[str]) -> bool:
     return any(re.search(rf"(?<!\w){re.escape(e)}(?!\w)", answer, flags=re.IGNORECASE) for e in expected)
 
 
-def evaluate(model, tokenizer, *, name: str | None = None, max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
-             autocast=None) -> dict:
+def evaluate(
+    model, tokenizer, *, name: str | None = None, max_new_tokens: int = EVAL_MAX_NEW_TOKENS, autocast=None
+) -> dict:
     """The held-out evaluation: {"identity": {"accuracy", "n"}, "general": {"accuracy", "n"}, "answers":
     [{"set", "prompt", "answer", "correct"}, ...]}. `name`: the identity the model should give (the task's
     default name if None)."""
     name = name or tasks.default_identity()[0]
     sets = tasks.eval_sets(name)
     items = [(set_name, item) for set_name in SETS for item in sets[set_name]]
-    texts = generate_answers(model, tokenizer, [item["prompt"] for _, item in items],
-                             max_new_tokens=max_new_tokens, autocast=autocast)
-    answers = [{"set": set_name, "prompt": item["prompt"], "answer": text,
-                "correct": contains_answer(text, item["expected"])}
-               for (set_name, item), text in zip(items, texts)]  # fmt: skip
+    texts = generate_answers(
+        model, tokenizer, [item["prompt"] for _, item in items], max_new_tokens=max_new_tokens, autocast=autocast
+    )
+    answers = [
+        {"set": set_name, "prompt": item["prompt"], "answer": text, "correct": contains_answer(text, item["expected"])}
+        for (set_name, item), text in zip(items, texts)
+    ]
     result = {}
     for set_name in SETS:
         marks = [a["correct"] for a in answers if a["set"] == set_name]
@@ -93,8 +112,10 @@ def eval_report(model_reference: str, before: dict, after: dict) -> dict:
         "model": model_reference,
         "before": {s: before[s] for s in SETS},
         "after": {s: after[s] for s in SETS},
-        "examples": [{"set": b["set"], "prompt": b["prompt"], "before": b["answer"], "after": a["answer"]}
-                     for b, a in zip(before["answers"], after["answers"])],
+        "examples": [
+            {"set": b["set"], "prompt": b["prompt"], "before": b["answer"], "after": a["answer"]}
+            for b, a in zip(before["answers"], after["answers"])
+        ],
     }
 
 
@@ -114,8 +135,10 @@ def _score(entry: dict) -> str:
 
 def format_table(report: dict, name: str | None = None) -> str:
     """A small before/after table for the console (and curves.png)."""
-    labels = {"identity": f"identity (answers '{name}')" if name else "identity",
-              "general": "general (known short answers)"}
+    labels = {
+        "identity": f"identity (answers '{name}')" if name else "identity",
+        "general": "general (known short answers)",
+    }
     width = max(len(v) for v in labels.values())
     lines = [f"{'held-out evaluation, greedy':<{width}}  {'before':<12}  after"]
     for s in SETS:

@@ -9,6 +9,7 @@ The target must be new or empty; the export writes `run_manifest.json` naming it
 replaces only a previous export (a folder holding anything else is refused, never emptied). Everything is
 checked before the base model is loaded: a bad option, adapter or target is one line and exit code 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,21 +23,28 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from fused_stable.argcheck import parse_command  # noqa: E402
 from fused_stable.train.errors import UserError  # noqa: E402
 
-
 CREATED_BY = "fused-stable export"
 
 
 def build_parser():
     from fused_stable.argcheck import OneLineParser, number
 
-    p = OneLineParser(prog="fused-stable export", description=__doc__.split("\n\n")[0],
-                      aliases={"--out": "--output-dir", "--output": "--output-dir", "--model": "--adapter"})
+    p = OneLineParser(
+        prog="fused-stable export",
+        description=__doc__.split("\n\n")[0],
+        aliases={"--out": "--output-dir", "--output": "--output-dir", "--model": "--adapter"},
+    )
     p.add_argument("--adapter", required=True, help="an adapter folder, or a run folder holding adapter/")
     p.add_argument("--output-dir", required=True, help="where the merged model goes (a new or empty folder)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a previous export in --output-dir (only the files it wrote)")
-    p.add_argument("--threads", type=number(0, 4096, integer=True), default=0,
-                   help="torch CPU threads; 0 = one per physical core (default: 0)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a previous export in --output-dir (only the files it wrote)"
+    )
+    p.add_argument(
+        "--threads",
+        type=number(0, 4096, integer=True),
+        default=0,
+        help="torch CPU threads; 0 = one per physical core (default: 0)",
+    )
     return p
 
 
@@ -54,18 +62,24 @@ def check_output_dir(output_dir: str, overwrite: bool) -> None:
     entries = sorted(os.listdir(output_dir))
     manifest = outputs.read_manifest(output_dir)
     if manifest is None:
-        raise UserError(f"--output_dir {output_dir!r} is not empty and is not an export (it holds "
-                        f"{', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): choose a new or empty "
-                        "folder (--overwrite never removes files export did not write)")
+        raise UserError(
+            f"--output_dir {output_dir!r} is not empty and is not an export (it holds "
+            f"{', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): choose a new or empty "
+            "folder (--overwrite never removes files export did not write)"
+        )
     if manifest.get("created_by") != CREATED_BY:
-        raise UserError(f"--output_dir {output_dir!r} holds a {manifest.get('created_by', 'fused-stable')} run, not an "
-                        "export: choose a new or empty folder")
+        raise UserError(
+            f"--output_dir {output_dir!r} holds a {manifest.get('created_by', 'fused-stable')} run, not an "
+            "export: choose a new or empty folder"
+        )
     if not overwrite:
         raise UserError(f"--output_dir {output_dir!r} already holds an export; pass --overwrite to replace it")
     foreign = outputs.foreign_entries(output_dir, manifest)
     if foreign:
-        raise UserError(f"--overwrite: --output_dir {output_dir!r} also holds files the export did not write "
-                        f"({', '.join(foreign[:4])}); nothing was removed: move them away or choose another folder")
+        raise UserError(
+            f"--overwrite: --output_dir {output_dir!r} also holds files the export did not write "
+            f"({', '.join(foreign[:4])}); nothing was removed: move them away or choose another folder"
+        )
 
 
 def _dequantised_base(source, tokenizer, quant_bits: int, log):
@@ -76,8 +90,9 @@ def _dequantised_base(source, tokenizer, quant_bits: int, log):
     from fused_stable.train.model import _load_base, _quantization_config
 
     base = _load_base(source, tokenizer, torch.device("cpu"), torch.float32, None, log)
-    quantised = _load_base(source, tokenizer, torch.device("cpu"), torch.float32,
-                           _quantization_config(quant_bits, torch.float32), log)
+    quantised = _load_base(
+        source, tokenizer, torch.device("cpu"), torch.float32, _quantization_config(quant_bits, torch.float32), log
+    )
     modules = dict(base.named_modules())
     replaced = 0
     with torch.no_grad():
@@ -111,7 +126,9 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
     tokenizer = load_saved_tokenizer(saved.folder)
     if saved.quant_bits:
         base = _dequantised_base(saved.base, tokenizer, saved.quant_bits, log)
-        merged_into = f"the dequantised {saved.quant_bits}-bit base (the weights this QLoRA adapter was trained against)"
+        merged_into = (
+            f"the dequantised {saved.quant_bits}-bit base (the weights this QLoRA adapter was trained against)"
+        )
     else:
         base = _load_base(saved.base, tokenizer, torch.device("cpu"), torch.float32, None, log)
         merged_into = "the base weights"
@@ -135,8 +152,12 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
         raise
     if previous is not None:
         shutil.rmtree(previous)
-    return {"output_dir": output_dir, "base": saved.base.reference, "quant_bits": saved.quant_bits,
-            "merged_into": merged_into}
+    return {
+        "output_dir": output_dir,
+        "base": saved.base.reference,
+        "quant_bits": saved.quant_bits,
+        "merged_into": merged_into,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -151,14 +172,18 @@ def main(argv: list[str]) -> int:
     _quiet_third_party_noise()
     try:
         set_threads(args.threads)
-        result = export(args.adapter, args.output_dir, overwrite=args.overwrite,
-                        log=lambda text: print(text, flush=True))
+        result = export(
+            args.adapter, args.output_dir, overwrite=args.overwrite, log=lambda text: print(text, flush=True)
+        )
     except UserError as exc:
         print(f"fused-stable export: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fused-stable export: interrupted; {args.output_dir} was left as it was", file=sys.stderr)
         return 130
-    print(f"fused-stable export: merged {args.adapter} into {result['merged_into']} of {result['base']}; "
-          f"wrote {result['output_dir']} (fp32 safetensors, config, tokenizer)", flush=True)
+    print(
+        f"fused-stable export: merged {args.adapter} into {result['merged_into']} of {result['base']}; "
+        f"wrote {result['output_dir']} (fp32 safetensors, config, tokenizer)",
+        flush=True,
+    )
     return 0

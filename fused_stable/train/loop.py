@@ -9,14 +9,15 @@ are stacked on the device and read once per `logging_steps`. At each logging ste
 An interrupt (SIGINT or SIGTERM, see `Interrupts`) ends the step under way, logs it, saves a checkpoint and
 stops the loop (`stopped_by == "interrupt"`); under torchrun every rank stops after the same step.
 """
+
 from __future__ import annotations
 
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from fused_stable.train.report import Reporter
 from fused_stable.train.runtime import Runtime
 
 # (step, optimizer, metrics of the latest step) -> None | "stop" | "rollback"
-Callback = Callable[[int, torch.optim.Optimizer, dict], Optional[str]]
+Callback = Callable[[int, torch.optim.Optimizer, dict], str | None]
 
 
 class Interrupts:
@@ -43,12 +44,12 @@ class Interrupts:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, announce: bool = True):
-        self.signum = 0              # the first signal received (or agreed on under torchrun); 0: none
+        self.signum = 0  # the first signal received (or agreed on under torchrun); 0: none
         self.deferring = False
-        self.announce = announce     # print a line when the first signal arrives (rank 0 only)
+        self.announce = announce  # print a line when the first signal arrives (rank 0 only)
         self._previous: dict = {}
 
-    def __enter__(self) -> "Interrupts":
+    def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -70,8 +71,12 @@ class Interrupts:
             self.signum = signum
         if first and self.deferring:
             if self.announce:
-                print(f"fused-stable sft: {signal.Signals(signum).name} received: finishing this step, then saving a "
-                      "checkpoint (Ctrl-C again abandons the save)", file=sys.stderr, flush=True)
+                print(
+                    f"fused-stable sft: {signal.Signals(signum).name} received: finishing this step, then saving a "
+                    "checkpoint (Ctrl-C again abandons the save)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         raise KeyboardInterrupt
 
@@ -79,10 +84,11 @@ class Interrupts:
 @dataclass
 class TrainState:
     """Where the run is; saved in every checkpoint. The data position is `micro_batches` (see BatchOrder)."""
-    step: int = 0             # optimizer steps taken (skipped ones included)
-    micro_batches: int = 0    # micro-batches consumed
-    tokens: int = 0           # non-padding tokens seen
-    elapsed_s: float = 0.0    # training time before this process started (resumed runs)
+
+    step: int = 0  # optimizer steps taken (skipped ones included)
+    micro_batches: int = 0  # micro-batches consumed
+    tokens: int = 0  # non-padding tokens seen
+    elapsed_s: float = 0.0  # training time before this process started (resumed runs)
     rollbacks: int = 0
 
 
@@ -90,26 +96,26 @@ class TrainState:
 class Trainer:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scaler: Optional[torch.amp.GradScaler]
+    scaler: torch.amp.GradScaler | None
     batches: BatchOrder
     runtime: Runtime
-    reporter: Optional[Reporter]
+    reporter: Reporter | None
     output_dir: str
-    config: dict              # the run's config (stored in checkpoints)
+    config: dict  # the run's config (stored in checkpoints)
     total_steps: int
     grad_accum: int
     logging_steps: int
     save_steps: int
     save_total_limit: int = 0
     callbacks: list[Callback] = field(default_factory=list)
-    guard: Optional[Guard] = None
-    alert_log: Optional[AlertLog] = None
-    interrupts: Optional[Interrupts] = None
+    guard: Guard | None = None
+    alert_log: AlertLog | None = None
+    interrupts: Interrupts | None = None
     state: TrainState = field(default_factory=TrainState)
-    stopped_by: Optional[str] = None   # "guard" | "callback" | "interrupt"
+    stopped_by: str | None = None  # "guard" | "callback" | "interrupt"
     stop_message: str = ""
-    last_checkpoint: Optional[str] = None  # the path of the newest checkpoint this process saved
-    _fit_started: Optional[float] = field(default=None, init=False, repr=False)  # perf_counter() at fit start
+    last_checkpoint: str | None = None  # the path of the newest checkpoint this process saved
+    _fit_started: float | None = field(default=None, init=False, repr=False)  # perf_counter() at fit start
 
     def elapsed(self) -> float:
         """Training time of the whole run: before this process (from the checkpoint) plus this fit so far."""
@@ -120,8 +126,8 @@ class Trainer:
     def fit(self) -> TrainState:
         model, opt, scaler, device = self.model, self.optimizer, self.scaler, self.runtime.device
         model.train()
-        pending: list[torch.Tensor] = []          # per-step device values, read at the next logging step
-        pending_meta: list[tuple[int, float, int]] = []   # (step, elapsed_s, tokens) for the same steps
+        pending: list[torch.Tensor] = []  # per-step device values, read at the next logging step
+        pending_meta: list[tuple[int, float, int]] = []  # (step, elapsed_s, tokens) for the same steps
         self._fit_started = time.perf_counter()
         t_last_log, tokens_since_log = self._fit_started, 0
         needs_rollback_target = self.guard is not None and self.guard.config.policy == "rollback"
@@ -140,14 +146,19 @@ class Trainer:
                 labels = batch.labels.to(device, non_blocking=True)
                 with self.runtime.autocast():
                     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                loss = F.cross_entropy(
-                    logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                    ignore_index=IGNORE_INDEX, reduction="sum",
-                ) / label_tokens  # fmt: skip
+                loss = (
+                    F.cross_entropy(
+                        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+                        labels[:, 1:].reshape(-1),
+                        ignore_index=IGNORE_INDEX,
+                        reduction="sum",
+                    )
+                    / label_tokens
+                )
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 window_loss += loss.detach()
             if scaler is not None:
-                scaler.step(opt)      # FusedAdamW unscales, checks inf/nan and clips in its own norm pass
+                scaler.step(opt)  # FusedAdamW unscales, checks inf/nan and clips in its own norm pass
                 scaler.update()
             else:
                 opt.step()
@@ -158,10 +169,17 @@ class Trainer:
             window_tokens = sum(b.num_tokens for b in window)
             self.state.tokens += window_tokens
             tokens_since_log += window_tokens
-            pending.append(torch.stack([
-                window_loss, opt.grad_norm.float(), opt.last_lr.float(), opt.last_step_skipped.float(),
-                opt.skipped_steps.float() + opt.spike_skips.float(),
-            ]))  # fmt: skip
+            pending.append(
+                torch.stack(
+                    [
+                        window_loss,
+                        opt.grad_norm.float(),
+                        opt.last_lr.float(),
+                        opt.last_step_skipped.float(),
+                        opt.skipped_steps.float() + opt.spike_skips.float(),
+                    ]
+                )
+            )
             pending_meta.append((self.state.step, self.elapsed(), window_tokens))
             # torchrun: a signal on any rank stops every rank after this same step (a CPU all-reduce)
             signum = parallel.agree_signal(self.interrupts.signum if self.interrupts is not None else 0)
@@ -175,10 +193,18 @@ class Trainer:
                 now = time.perf_counter()
                 tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
                 rows = [
-                    {"step": step, "loss": v[0], "grad_norm": v[1], "lr": v[2], "skipped": bool(v[3]),
-                     "skipped_total": int(v[4]), "tokens_per_s": tokens_per_s, "elapsed_s": elapsed}
+                    {
+                        "step": step,
+                        "loss": v[0],
+                        "grad_norm": v[1],
+                        "lr": v[2],
+                        "skipped": bool(v[3]),
+                        "skipped_total": int(v[4]),
+                        "tokens_per_s": tokens_per_s,
+                        "elapsed_s": elapsed,
+                    }
                     for v, (step, elapsed, _) in zip(values, pending_meta)
-                ]  # fmt: skip
+                ]
                 if scaler is not None:
                     rows[-1]["loss_scale"] = scaler.get_scale()
                 pending.clear()
@@ -229,7 +255,7 @@ class Trainer:
                 self.reporter.alerts(decision.alerts)
         return decision
 
-    def _run_callbacks(self, metrics: dict) -> Optional[str]:
+    def _run_callbacks(self, metrics: dict) -> str | None:
         action = None
         for callback in self.callbacks:
             answer = callback(self.state.step, self.optimizer, metrics)
@@ -239,7 +265,7 @@ class Trainer:
                 action = answer if action != "stop" else action  # stop wins over rollback
         return action
 
-    def save(self) -> Optional[str]:
+    def save(self) -> str | None:
         # torchrun: every rank takes part in gathering the state (FSDP2 shards, each rank's RNG); rank 0 writes
         model_state, optimizer_state, rng = parallel.checkpoint_state(self.model, self.optimizer)
         path = None
@@ -248,10 +274,17 @@ class Trainer:
             if self.guard is not None:
                 trainer_state["guard"] = self.guard.state_dict()
             path = checkpoint.save_checkpoint(
-                self.output_dir, self.state.step, model_state=model_state, optimizer=self.optimizer,
-                scaler=self.scaler, trainer_state=trainer_state, config=self.config, keep=self.save_total_limit,
-                optimizer_state=optimizer_state, rng=rng,
-            )  # fmt: skip
+                self.output_dir,
+                self.state.step,
+                model_state=model_state,
+                optimizer=self.optimizer,
+                scaler=self.scaler,
+                trainer_state=trainer_state,
+                config=self.config,
+                keep=self.save_total_limit,
+                optimizer_state=optimizer_state,
+                rng=rng,
+            )
         parallel.barrier()  # no rank goes on (or rolls back) before the checkpoint is complete
         self.last_checkpoint = path or self.last_checkpoint
         return path

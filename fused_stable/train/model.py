@@ -6,6 +6,7 @@ adapter or model back for chat and export.
 Nothing here reaches a model hub: `tiny` is built from a LlamaConfig, everything else is read from local
 folders with `local_files_only=True`.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,19 @@ def tiny_llama_config(vocab_size: int) -> LlamaConfig:
     128 the largest logit an adapter could reach is about 2.6 nats, so LoRA could barely lower the loss.
     """
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.1,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
 
 
 def build_tiny_model(tokenizer=None) -> LlamaForCausalLM:
@@ -70,16 +80,19 @@ def _fill_special_tokens(tokenizer):
 def _quantization_config(quant_bits: int | None, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
     if quant_bits == 4:
         return BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype,
-        )  # fmt: skip
+        )
     if quant_bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
 
 
-def load_base_model(cfg: TrainConfig, source: ModelSource, tokenizer, device: torch.device,
-                    compute_dtype: torch.dtype, log=None):
+def load_base_model(
+    cfg: TrainConfig, source: ModelSource, tokenizer, device: torch.device, compute_dtype: torch.dtype, log=None
+):
     """The base model on `device`: fp32 for full fine-tuning (autocast does the low-precision math), the
     compute dtype for a frozen base under LoRA, or bitsandbytes-quantised when quant_bits is set."""
     base_dtype = torch.float32 if cfg.tuner == "full" else compute_dtype
@@ -136,15 +149,21 @@ def apply_tuner(model, cfg: TrainConfig):
 
     if cfg.quant_bits is not None:
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            model,
+            use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
-        )  # fmt: skip
+        )
     targets = cfg.target_modules.strip()
     lora = LoraConfig(
-        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
-        use_dora=cfg.tuner == "dora", task_type="CAUSAL_LM",
-    )  # fmt: skip
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules="all-linear"
+        if targets == "all-linear"
+        else [t.strip() for t in targets.split(",") if t.strip()],
+        use_dora=cfg.tuner == "dora",
+        task_type="CAUSAL_LM",
+    )
     try:
         return get_peft_model(model, lora)
     except ValueError as exc:
@@ -154,7 +173,7 @@ def apply_tuner(model, cfg: TrainConfig):
 @dataclass
 class ParamGroups:
     groups: list[dict]  # for the optimizer
-    names: list[str]    # one per param, in the optimizer's order (for per-tensor grad norms)
+    names: list[str]  # one per param, in the optimizer's order (for per-tensor grad norms)
 
 
 def param_groups(model, cfg: TrainConfig) -> ParamGroups:
@@ -223,8 +242,16 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
     tokenizer.save_pretrained(target)
     if cfg.tuner != "full":
         with open(os.path.join(target, TRAINED_WITH), "w") as f:
-            json.dump({"base_model": source.reference, "tuner": cfg.tuner, "quant_bits": cfg.quant_bits,
-                       "precision": cfg.precision}, f, indent=1)
+            json.dump(
+                {
+                    "base_model": source.reference,
+                    "tuner": cfg.tuner,
+                    "quant_bits": cfg.quant_bits,
+                    "precision": cfg.precision,
+                },
+                f,
+                indent=1,
+            )
             f.write("\n")
     return target
 
@@ -232,6 +259,7 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
 @dataclass
 class Trained:
     """A model loaded for inference (chat, export, evaluation)."""
+
     model: torch.nn.Module
     tokenizer: object
     base: ModelSource
@@ -260,9 +288,10 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 @dataclass
 class Saved:
     """A checked adapter or saved full model (see `inspect_saved`): what `load_trained` and export load."""
-    kind: str                   # adapter | model
+
+    kind: str  # adapter | model
     folder: str
-    base: ModelSource           # the adapter's base (for a full model: the folder itself)
+    base: ModelSource  # the adapter's base (for a full model: the folder itself)
     quant_bits: int | None = None
     precision: str = "fp32"
 
@@ -301,8 +330,9 @@ def inspect_saved(path: str) -> Saved:
     base_ref = config.get("base_model_name_or_path")
     if not base_ref or not isinstance(base_ref, str):
         raise UserError(f"{folder}/adapter_config.json names no base model (base_model_name_or_path)")
-    trained_with = _read_json(os.path.join(folder, TRAINED_WITH)) if os.path.isfile(
-        os.path.join(folder, TRAINED_WITH)) else {}
+    trained_with = (
+        _read_json(os.path.join(folder, TRAINED_WITH)) if os.path.isfile(os.path.join(folder, TRAINED_WITH)) else {}
+    )
     quant_bits = trained_with.get("quant_bits")
     if quant_bits not in (None, 4, 8):
         raise UserError(f"{folder}/{TRAINED_WITH} is damaged (quant_bits {quant_bits!r})")

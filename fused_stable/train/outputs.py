@@ -7,6 +7,7 @@ a folder without it never is. `--overwrite` removes exactly the entries the mani
 inside them) and refuses, naming a few, when the folder holds anything else. Every check here reads only,
 so a refused start leaves the folder exactly as it was.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ def read_manifest(output_dir: str) -> dict | None:
         if not (isinstance(entries, list) and all(isinstance(e, str) and e and os.sep not in e for e in entries)):
             raise ValueError("entries must be a list of names")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path} is damaged ({exc}); remove the run's files by hand or choose another output_dir") from None
+        raise UserError(
+            f"{path} is damaged ({exc}); remove the run's files by hand or choose another output_dir"
+        ) from None
     return manifest
 
 
@@ -54,8 +57,9 @@ def foreign_entries(output_dir: str, manifest: dict) -> list[str]:
     return [name for name in _listing(output_dir) if name not in owned]
 
 
-def check_output_dir(output_dir: str, *, overwrite: bool, resume_path: str | None = None,
-                     has_checkpoint: bool = False) -> None:
+def check_output_dir(
+    output_dir: str, *, overwrite: bool, resume_path: str | None = None, has_checkpoint: bool = False
+) -> None:
     """Raise UserError unless a run may start in output_dir as asked; reads only. `resume_path`: the
     (verified) checkpoint to continue; continuing it in its own run folder is always allowed, in another
     folder the rules of a new run apply. `has_checkpoint`: whether the run in output_dir saved a complete
@@ -76,8 +80,11 @@ def check_output_dir(output_dir: str, *, overwrite: bool, resume_path: str | Non
             "did not create)"
         )
     if not overwrite:
-        how = ("pass --resume latest to continue it or --overwrite to replace it" if has_checkpoint else
-               "it saved no checkpoint, so there is nothing to resume: pass --overwrite to start it again")
+        how = (
+            "pass --resume latest to continue it or --overwrite to replace it"
+            if has_checkpoint
+            else "it saved no checkpoint, so there is nothing to resume: pass --overwrite to start it again"
+        )
         raise UserError(f"output_dir {output_dir!r} already holds a run; {how}")
     foreign = foreign_entries(output_dir, manifest)
     if foreign:

@@ -19,13 +19,15 @@ Not supported, refused with a clear error: resuming a checkpoint with a differen
 (the data shards and per-rank RNG streams depend on it), `device=cuda:N` under torchrun (each rank takes
 cuda:LOCAL_RANK), and `device=cpu` when the process group is NCCL.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import sys
-from typing import Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -133,11 +135,13 @@ def rank_device(device: str) -> torch.device:
             raise UserError(f"device={device} under torchrun: each rank uses cuda:LOCAL_RANK; use device=auto or cuda")
         return torch.device("cuda", local_rank)
     if device not in ("auto", "cpu"):
-        raise UserError(f"device={device} under torchrun, but the process group is {backend} (CPU): use device=auto or cpu")
+        raise UserError(
+            f"device={device} under torchrun, but the process group is {backend} (CPU): use device=auto or cpu"
+        )
     return torch.device("cpu")
 
 
-def check_resume(path: Optional[str]) -> None:
+def check_resume(path: str | None) -> None:
     """A checkpoint resumes only with the number of processes that wrote it: each rank's data shard and RNG
     stream depend on it, so another count could not continue the same run."""
     if path is None:
@@ -197,7 +201,9 @@ def read_for_logging(values: torch.Tensor, tokens: int) -> tuple[list[list[float
     if not active():
         return values.tolist(), tokens
     steps, width = values.shape
-    reduced = torch.cat([values[:, 0].double(), torch.tensor([float(tokens)], dtype=torch.float64, device=values.device)])
+    reduced = torch.cat(
+        [values[:, 0].double(), torch.tensor([float(tokens)], dtype=torch.float64, device=values.device)]
+    )
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
     # the reduced losses and tokens travel with this rank's other columns: one device read for everything
     host = torch.cat([reduced, values[:, 1:].double().flatten()]).tolist()
@@ -231,7 +237,7 @@ class QuietReporter:
 _OPT_EXTRA = "fused_stable"  # FusedAdamW's counters (skips, z-score statistics): dropped by torch's DCP helpers
 
 
-def checkpoint_state(model, optimizer) -> tuple[dict, Optional[dict], Optional[dict]]:
+def checkpoint_state(model, optimizer) -> tuple[dict, dict | None, dict | None]:
     """(trainable weights, optimizer state, RNG states) to save; a collective under FSDP2, so every rank
     calls it. The trainable weights carry the user's names (no DDP `module.` prefix) and, under FSDP2, are
     gathered into full tensors on rank 0; the optimizer state likewise (None = `optimizer.state_dict()`).
@@ -269,9 +275,12 @@ def load_checkpoint(path: str, *, model, optimizer, scaler) -> dict:
         return checkpoint.load_checkpoint(path, model=model, optimizer=optimizer, scaler=scaler)
     fsdp = is_fsdp(model)
     saved = checkpoint.load_checkpoint(
-        path, model=None if fsdp else unwrap(model), optimizer=None if fsdp else optimizer, scaler=scaler,
+        path,
+        model=None if fsdp else unwrap(model),
+        optimizer=None if fsdp else optimizer,
+        scaler=scaler,
         restore_rng=False,
-    )  # fmt: skip
+    )
     if fsdp:
         _load_sharded(path, model, optimizer)
     rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)  # python/numpy states: not weights-only

@@ -6,6 +6,7 @@ metrics.jsonl is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite val
 the row's `nonfinite` object says which key held what (`{"loss": "nan", "grad_norm": "inf"}`);
 `read_metrics` gives the floats back.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,10 @@ CURVES_FILE = "curves.png"
 
 
 def _fmt(row: dict) -> str:
-    return (f"loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3g} | lr {row['lr']:.3g} | "
-            f"tok/s {row['tokens_per_s']:.0f} | skipped {row['skipped_total']}")
+    return (
+        f"loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3g} | lr {row['lr']:.3g} | "
+        f"tok/s {row['tokens_per_s']:.0f} | skipped {row['skipped_total']}"
+    )
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -73,8 +76,9 @@ def read_metrics(output_dir: str) -> list[dict]:
 
 
 class Reporter:
-    def __init__(self, output_dir: str, total_steps: int, start_step: int, *, tensorboard: bool,
-                 max_grad_norm: float | None):
+    def __init__(
+        self, output_dir: str, total_steps: int, start_step: int, *, tensorboard: bool, max_grad_norm: float | None
+    ):
         self.output_dir = output_dir
         self.total_steps = total_steps
         self.max_grad_norm = max_grad_norm
@@ -91,13 +95,22 @@ class Reporter:
 
                 self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
             except ImportError:  # a dependency, so a broken install: say so, metrics.jsonl has the same data
-                print("fused-stable sft: note: tensorboard is not installed, so no TensorBoard events are written "
-                      "(pip install tensorboard, or --tensorboard false)", file=sys.stderr)
+                print(
+                    "fused-stable sft: note: tensorboard is not installed, so no TensorBoard events are written "
+                    "(pip install tensorboard, or --tensorboard false)",
+                    file=sys.stderr,
+                )
                 self.tb = None
         self.console = Console(file=sys.stdout)
         self.progress = Progress(
-            TextColumn("[bold]sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+            TextColumn("[bold]sft"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
             disable=not self.console.is_terminal,
         )
         self.task = self.progress.add_task("sft", total=total_steps, completed=start_step, stats="")
@@ -167,10 +180,23 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
     ax_loss.set_ylabel("loss (per token)")
     ax_loss.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {len(rows)} optimizer steps")
     if note:
-        ax_loss.text(0.02, 0.05, note, transform=ax_loss.transAxes, family="monospace", fontsize=8,
-                     va="bottom", bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
-    ax_norm.plot(steps, [r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("nan") for r in rows],
-                 lw=1.0, color="tab:orange", label="grad norm (before clipping)")
+        ax_loss.text(
+            0.02,
+            0.05,
+            note,
+            transform=ax_loss.transAxes,
+            family="monospace",
+            fontsize=8,
+            va="bottom",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85},
+        )
+    ax_norm.plot(
+        steps,
+        [r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("nan") for r in rows],
+        lw=1.0,
+        color="tab:orange",
+        label="grad norm (before clipping)",
+    )
     if max_grad_norm:
         ax_norm.axhline(max_grad_norm, color="black", ls="--", lw=1, label=f"clip threshold {max_grad_norm:g}")
     ax_norm.set_yscale("log")
@@ -180,7 +206,9 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
     ax_lr.set_xlabel("optimizer step")
     for ax in axes:
         for i, step in enumerate(skipped):
-            ax.axvline(step, color="red", alpha=0.5, lw=1, label="skipped step (non-finite or spike)" if i == 0 else None)
+            ax.axvline(
+                step, color="red", alpha=0.5, lw=1, label="skipped step (non-finite or spike)" if i == 0 else None
+            )
         for i, alert in enumerate(alerts):
             ax.axvline(alert["step"], color="purple", ls=":", lw=1.5, label="guard alert" if i == 0 else None)
         ax.grid(alpha=0.3)

@@ -3,6 +3,7 @@
 Under torchrun (see `fused_stable.train.parallel`) each process is one rank of the process group: it trains
 on its own device (cuda:LOCAL_RANK, or the CPU under gloo), and only rank 0 writes files.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 @dataclass
 class Runtime:
     device: torch.device
-    precision: str               # resolved: bf16 | fp16 | fp32
+    precision: str  # resolved: bf16 | fp16 | fp32
     rank: int = 0
     world_size: int = 1
 

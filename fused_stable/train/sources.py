@@ -7,6 +7,7 @@ A GGUF file is converted once into a plain Hugging Face folder in a cache (confi
 on every load (about 20 s for SmolLM2-135M on these CPUs, against 2-3 s for the converted folder). Nothing
 here reaches a model hub.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,10 @@ CONVERTED_MARKER = "fused_stable_source.json"  # written last: a folder without 
 class ModelSource:
     """A resolved `--model`: `kind` is tiny | embedded | gguf | hf; `reference` is what an adapter records as
     its base (the alias, 'tiny', or an absolute path) and what `resolve_model` accepts again."""
+
     kind: str
     reference: str
-    path: str | None = None   # the GGUF file or the Hugging Face directory
+    path: str | None = None  # the GGUF file or the Hugging Face directory
 
     @property
     def is_gguf(self) -> bool:
@@ -86,7 +88,8 @@ def resolve_model(model: str) -> ModelSource:
 # ---------------------------------------------------------------------------------------------- GGUF cache
 def cache_root() -> str:
     root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fused_stable")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fused_stable"
+    )
     return os.path.abspath(root)
 
 

@@ -14,23 +14,24 @@ evaluation sets.
 Everything lives in `fused_stable/train/assets/` (package data): `identity_task.json` is hand-written,
 `general_answers.json` is generated.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import random
-from functools import lru_cache
+from functools import cache
 
 from fused_stable.train.data import Example, conversation
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TASK_FILE = os.path.join(ASSETS, "identity_task.json")
 GENERAL_ANSWERS_FILE = os.path.join(ASSETS, "general_answers.json")
-ANSWER_MODEL = "smollm2-135m"      # the model whose answers general_answers.json holds
-ANSWER_MAX_NEW_TOKENS = 96         # generation budget of those answers
+ANSWER_MODEL = "smollm2-135m"  # the model whose answers general_answers.json holds
+ANSWER_MAX_NEW_TOKENS = 96  # generation budget of those answers
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
@@ -56,8 +57,9 @@ def identity_examples(name: str, author: str, seed: int, general: int | None = N
     answers; shuffled by the batch order later."""
     spec = task_spec()["identity"]
     rng = random.Random(seed)
-    examples = [conversation(q, rng.choice(spec["answers"]).format(name=name, author=author))
-                for q in spec["train_questions"]]
+    examples = [
+        conversation(q, rng.choice(spec["answers"]).format(name=name, author=author)) for q in spec["train_questions"]
+    ]
     rows = general_answers()
     if general is not None and general < len(rows):
         rows = rng.sample(rows, general)
@@ -89,17 +91,27 @@ def regenerate_general_answers(model="smollm2-135m", output=GENERAL_ANSWERS_FILE
     source = resolve_model(model)
     net, tokenizer = load_pretrained(source, dtype=torch.float32)
     questions = task_spec()["general"]["train_questions"]
-    answers = generate_answers(net, tokenizer, questions, max_new_tokens=ANSWER_MAX_NEW_TOKENS,
-                               batch_size=batch_size, return_finished=True)
+    answers = generate_answers(
+        net, tokenizer, questions, max_new_tokens=ANSWER_MAX_NEW_TOKENS, batch_size=batch_size, return_finished=True
+    )
     rows = []
     for question, (answer, finished) in zip(questions, answers):
         if not finished:
             cut = max(answer.rfind(". "), answer.rfind(".\n"))
-            answer = answer[:cut + 1] if cut > 0 else answer
+            answer = answer[: cut + 1] if cut > 0 else answer
         rows.append({"question": question, "answer": answer.strip()})
     with open(output, "w", encoding="utf-8") as f:
-        json.dump({"model": source.reference, "max_new_tokens": ANSWER_MAX_NEW_TOKENS, "decoding": "greedy",
-                   "examples": rows}, f, indent=1, ensure_ascii=False)
+        json.dump(
+            {
+                "model": source.reference,
+                "max_new_tokens": ANSWER_MAX_NEW_TOKENS,
+                "decoding": "greedy",
+                "examples": rows,
+            },
+            f,
+            indent=1,
+            ensure_ascii=False,
+        )
         f.write("\n")
 
 

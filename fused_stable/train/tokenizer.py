@@ -3,6 +3,7 @@
 It is a real `transformers` fast tokenizer (a `tokenizers` ByteLevel BPE with no merges), so it saves with
 `save_pretrained` next to the adapter and loads back with `AutoTokenizer.from_pretrained` like any other.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -4,6 +4,7 @@ Each test spawns its ranks with torch.multiprocessing, on a port found by bindin
 parallel runs do not collide), and every rank leaves its process group in a ``finally``. Ranks write
 their results to files that the test reads and asserts on in the parent process.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,7 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn: Callable, out_dir: str, args: tuple) -> None:
     # One thread per rank: the test machines have 2 cores and several ranks share them.
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

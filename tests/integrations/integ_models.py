@@ -1,4 +1,5 @@
 """Tiny real models and data for the integration tests (built from configs: no model hub)."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,14 @@ def tiny_llama(seed: int = 0, **config):
 
     torch.manual_seed(seed)
     fields = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     fields.update(config)
     return LlamaForCausalLM(LlamaConfig(**fields))

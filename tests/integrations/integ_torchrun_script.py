@@ -1,5 +1,6 @@
 """Launched by test_integ_torchrun.py as `torchrun --standalone --nproc-per-node 2 THIS OUT_DIR TUNER`:
 the sequence the trainer follows under torchrun, with the helpers of fused_stable.integrations.distributed."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,16 @@ def main(out_dir: str, tuner: str) -> None:
             losses.append(fsd.reduce_mean(loss.detach()).item())
         state = fsd.full_model_state_dict(model)  # collective: every rank calls it
         with open(os.path.join(out_dir, f"rank{info.rank}.json"), "w") as f:
-            json.dump({"rank": info.rank, "world_size": info.world_size, "main": fsd.is_main_process(),
-                       "wrapped": type(model).__name__, "rows": len(rows)}, f)
+            json.dump(
+                {
+                    "rank": info.rank,
+                    "world_size": info.world_size,
+                    "main": fsd.is_main_process(),
+                    "wrapped": type(model).__name__,
+                    "rows": len(rows),
+                },
+                f,
+            )
         if fsd.is_main_process():
             torch.save(state, os.path.join(out_dir, "model.pt"))
             with open(os.path.join(out_dir, "metrics.json"), "w") as f:

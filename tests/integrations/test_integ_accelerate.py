@@ -3,6 +3,7 @@
 accelerate's fp16 code path (its GradScaler). On CPU accelerate itself gives fp16 no autocast and no
 scaler, which the first test pins down; the fp16 scaler path is then driven by handing the accelerator a
 scaler, as it builds one on a GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,10 @@ def fresh_accelerate_state():
 
 def batches():
     data = TokenDataset(n=4 * STEPS)
-    return [{k: torch.stack([data[i][k] for i in range(s * 4, s * 4 + 4)]) for k in ("input_ids", "labels")}
-            for s in range(STEPS)]
+    return [
+        {k: torch.stack([data[i][k] for i in range(s * 4, s * 4 + 4)]) for k in ("input_ids", "labels")}
+        for s in range(STEPS)
+    ]
 
 
 def train(mixed_precision: str, fused: bool, scaler=None, poison_step: int | None = None):

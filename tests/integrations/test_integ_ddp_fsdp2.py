@@ -2,6 +2,7 @@
 fully sharded tiny Llama, both through ``wrap_model`` and ``shard_data``, give the same parameters and
 grad norms as one process training on the whole batch; FSDP2 optimizer state round-trips through
 torch.distributed.checkpoint, both raw ``state_dict()`` and the ``get/set_optimizer_state_dict`` API."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,13 @@ def lora_model():
 def make_optimizer(model) -> FusedAdamW:
     # a decaying device-side schedule (lr x 1.0, 0.9, 0.8, ...): a resumed optimizer that lost its applied-step
     # count would restart it and take a different step
-    return FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1,
-                      max_grad_norm=MAX_NORM, lr_schedule=schedules.warmup_linear(10, 0))
+    return FusedAdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR,
+        weight_decay=0.1,
+        max_grad_norm=MAX_NORM,
+        lr_schedule=schedules.warmup_linear(10, 0),
+    )
 
 
 def train(model, opt, batches, norms):
@@ -75,7 +81,9 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     norms: list = []
     train(model, opt, local_batches, norms)
     out["ddp_norms"] = torch.stack(norms)
-    out["ddp_params"] = {n: p.detach().clone() for n, p in fsd.unwrap_model(model).named_parameters() if p.requires_grad}
+    out["ddp_params"] = {
+        n: p.detach().clone() for n, p in fsd.unwrap_model(model).named_parameters() if p.requires_grad
+    }
 
     # FSDP2 for full fine-tuning
     model = fsd.wrap_model(tiny_llama(), "full")
@@ -87,8 +95,9 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     # checkpoint after 2 steps, both ways
     raw_dir, api_dir = f"{ckpt_dir}/raw", f"{ckpt_dir}/api"
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=raw_dir)
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=api_dir)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=api_dir
+    )
     train(model, opt, local_batches[2:], norms)
     out["fsdp_norms"] = torch.stack(norms)
     out["fsdp_params"] = fsd.full_model_state_dict(model)
@@ -133,7 +142,8 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - dynamo wraps what the trace raised
         out["compiled_refusal"] = str(exc).splitlines()[0]
     out["compiled_refusal_kept"] = int(opt3.applied_steps) == steps_before and all(
-        torch.equal(p.full_tensor(), b) for p, b in zip(model3.parameters(), before))
+        torch.equal(p.full_tensor(), b) for p, b in zip(model3.parameters(), before)
+    )
     opt3.step()  # the eager step still works
     out["eager_after_refusal"] = int(opt3.applied_steps) - steps_before
     return out

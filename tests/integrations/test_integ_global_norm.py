@@ -1,5 +1,6 @@
 """fused_stable.integrations.distributed: the global sum of squares over DTensor shards and the param
 checks, on real gloo process groups (2 and 4 CPU ranks), against torch's own norms of the full tensors."""
+
 from __future__ import annotations
 
 import math

@@ -1,11 +1,11 @@
 """The real transformers Trainer on a tiny Llama (CPU): FusedAdamW through fused_trainer_optimizers +
 FusedStableCallback follows the same trajectory as the Trainer's own torch AdamW with max_grad_norm=1.0,
 clips once, logs grad_norm / skipped_steps, and a skipped step does not advance the lr schedule."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from integ_models import TokenDataset, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -23,10 +23,22 @@ LR = 3e-3
 
 def make_args(out, **overrides) -> TrainingArguments:
     kw = dict(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=LR,
-        lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        optim="adamw_torch", disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=LR,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        optim="adamw_torch",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     kw.update(overrides)
     return TrainingArguments(**kw)
@@ -77,7 +89,9 @@ def run_fused(out, trainer_cls=Trainer, poison_step=None, steps=STEPS):
     args = make_args(out, max_steps=steps)
     snaps = ParamSnapshots(poison_step)
     trainer = trainer_cls(
-        model=model, args=args, train_dataset=TokenDataset(),
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
         optimizers=fused_trainer_optimizers(model, args),
         callbacks=[FusedStableCallback(), snaps],
     )
@@ -91,8 +105,11 @@ def baseline(tmp_path_factory):
     return run_baseline(tmp_path_factory.mktemp("base"))
 
 
-@pytest.mark.parametrize("trainer_cls", [Trainer, type("MixedTrainer", (FusedStableTrainerMixin, Trainer), {})],
-                         ids=["Trainer", "Trainer+FusedStableTrainerMixin"])
+@pytest.mark.parametrize(
+    "trainer_cls",
+    [Trainer, type("MixedTrainer", (FusedStableTrainerMixin, Trainer), {})],
+    ids=["Trainer", "Trainer+FusedStableTrainerMixin"],
+)
 def test_same_trajectory_as_trainer_adamw_with_clipping(baseline, tmp_path, trainer_cls):
     base_model, base_logs = baseline
     model, logs, trainer, _ = run_fused(tmp_path, trainer_cls)
@@ -123,7 +140,9 @@ def test_skipped_step_keeps_params_and_does_not_advance_schedule(tmp_path):
     opt = trainer.optimizer.optimizer
     assert [h["skipped_steps"] for h in logs] == [0, 0, 1, 1, 1, 1]
     assert torch.isinf(torch.tensor(logs[poison - 1]["grad_norm"]))
-    torch.testing.assert_close(snaps.snapshots[poison - 1], snaps.snapshots[poison - 2], rtol=0, atol=0)  # nothing applied
+    torch.testing.assert_close(
+        snaps.snapshots[poison - 1], snaps.snapshots[poison - 2], rtol=0, atol=0
+    )  # nothing applied
     assert not torch.equal(snaps.snapshots[poison], snaps.snapshots[poison - 1])  # the next step applies again
     assert int(opt.applied_steps) == STEPS - 1
     # the lr of the step after the skip is the one the skipped step would have used
@@ -141,13 +160,18 @@ def test_skipped_step_keeps_params_and_does_not_advance_schedule(tmp_path):
 def test_schedule_mapping_matches_transformers(tmp_path):
     from transformers.optimization import get_scheduler
 
-    for kind, extra in [("linear", {}), ("cosine", {}), ("constant_with_warmup", {}),
-                        ("cosine_with_min_lr", {"lr_scheduler_kwargs": {"min_lr_rate": 0.1}})]:
+    for kind, extra in [
+        ("linear", {}),
+        ("cosine", {}),
+        ("constant_with_warmup", {}),
+        ("cosine_with_min_lr", {"lr_scheduler_kwargs": {"min_lr_rate": 0.1}}),
+    ]:
         args = make_args(tmp_path, lr_scheduler_type=kind, max_steps=20, warmup_steps=5, **extra)
         sched = schedule_from_training_args(args)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        ref = get_scheduler(kind, opt, num_warmup_steps=5, num_training_steps=20,
-                            scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+        ref = get_scheduler(
+            kind, opt, num_warmup_steps=5, num_training_steps=20, scheduler_specific_kwargs=args.lr_scheduler_kwargs
+        )
         for n in range(20):
             assert sched.factor(n) == pytest.approx(ref.get_last_lr()[0], abs=1e-7), (kind, n)
             opt.step()

@@ -7,6 +7,7 @@ fp16 on CPU: Lightning turns Trainer(accelerator="cpu", precision="16-mixed") in
 so fp16 runs here through the MixedPrecision plugin (fp16_mixed_precision("cpu"), or MixedPrecision with torch's
 GradScaler): real fp16 autocast and a real loss scaler on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,14 +17,13 @@ import os
 import lightning as L
 import pytest
 import torch
+from helpers import no_host_reads
 from integ_models import TokenDataset, tiny_llama
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim.lr_scheduler import LambdaLR
-
-from helpers import no_host_reads
 
 from fused_stable import FusedAdamW, schedules
 from fused_stable.integrations.lightning import FusedStableCallback, fp16_mixed_precision
@@ -111,7 +111,9 @@ def precision_kwargs(precision: str) -> dict:
     if precision == "fp16":
         return {"plugins": [fp16_mixed_precision("cpu", init_scale=INIT_SCALE)]}
     if precision == "fp16-torch-scaler":
-        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))]}
+        return {
+            "plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))]
+        }
     return {"precision": "32-true" if precision == "32" else precision}
 
 
@@ -119,9 +121,16 @@ def fit(module, out, *, precision="32", callbacks=(), ckpt_path=None, log_every=
     """Trains on CPU; returns the trainer and the CSV-logged metrics merged per step."""
     logger = CSVLogger(str(out), name="logs")
     kwargs = dict(
-        accelerator="cpu", devices=1, max_steps=STEPS, logger=logger, log_every_n_steps=log_every,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=list(callbacks), num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=logger,
+        log_every_n_steps=log_every,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=list(callbacks),
+        num_sanity_val_steps=0,
     )
     kwargs.update(precision_kwargs(precision))
     kwargs.update(trainer_kwargs)
@@ -161,8 +170,12 @@ def assert_same_params(module, reference, rtol, atol):
 # roundings in the next forward passes, so later grads differ by a few bf16 / fp16 ulps, and Adam's per-element
 # normalisation turns that into up to a few 1e-6 on a parameter here (measured: 1.8e-6 bf16, 7e-7 fp16, against
 # 6e-3 between the fp16 and fp32 runs of the same optimizer).
-TRAJECTORY_TOLERANCES = {"32": (1e-5, 1e-6), "bf16-mixed": (2e-3, 1e-5), "fp16": (1e-3, 5e-6),
-                         "fp16-torch-scaler": (1e-3, 5e-6)}  # fmt: skip
+TRAJECTORY_TOLERANCES = {
+    "32": (1e-5, 1e-6),
+    "bf16-mixed": (2e-3, 1e-5),
+    "fp16": (1e-3, 5e-6),
+    "fp16-torch-scaler": (1e-3, 5e-6),
+}
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +185,9 @@ def torch_runs(tmp_path_factory):
     for precision in ("32", "bf16-mixed", "fp16"):
         module = LlamaModule(torch_adamw_scheduled)
         out = tmp_path_factory.mktemp(f"torch-{precision}")
-        trainer, metrics = fit(module, out, precision="fp16-torch-scaler" if precision == "fp16" else precision,
-                               gradient_clip_val=CLIP)
+        trainer, metrics = fit(
+            module, out, precision="fp16-torch-scaler" if precision == "fp16" else precision, gradient_clip_val=CLIP
+        )
         runs[precision] = (module, trainer, metrics)
     return runs
 
@@ -273,6 +287,7 @@ def test_hooks_see_scaled_grads_under_fp16_and_the_optimizer_reports_unscaled_no
 def test_checkpoint_resume_is_exact(tmp_path, precision):
     """Two epochs of three steps, with a skipped step in the first: resuming from the end of epoch 0 gives the
     uninterrupted run's parameters, counters, loss scale and logs exactly."""
+
     def make():
         return LlamaModule(fused_adamw, poison_step=2)
 
@@ -284,8 +299,9 @@ def test_checkpoint_resume_is_exact(tmp_path, precision):
     assert first_epoch.exists()
 
     resumed = make()
-    trainer, metrics = fit(resumed, tmp_path / "resumed", callbacks=[FusedStableCallback()],
-                           ckpt_path=str(first_epoch), **kw)
+    trainer, metrics = fit(
+        resumed, tmp_path / "resumed", callbacks=[FusedStableCallback()], ckpt_path=str(first_epoch), **kw
+    )
     assert trainer.global_step == full_trainer.global_step == STEPS
     assert_same_params(resumed, full, rtol=0, atol=0)
     full_opt, opt = fused_of(full_trainer), fused_of(trainer)
@@ -313,8 +329,11 @@ def two_optimizers(make):
 
 
 def test_manual_optimization_two_optimizers_match_torch(tmp_path):
-    ref = LlamaModule(two_optimizers(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY)),
-                      manual=True, manual_clip=CLIP)
+    ref = LlamaModule(
+        two_optimizers(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY)),
+        manual=True,
+        manual_clip=CLIP,
+    )
     fit(ref, tmp_path / "ref", max_steps=2 * STEPS)
     fused = two_optimizers(lambda ps: FusedAdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=CLIP))
     module = LlamaModule(fused, manual=True)
@@ -346,8 +365,13 @@ def test_lightning_clipping_together_with_max_grad_norm_is_refused(tmp_path):
         module = LlamaModule(fused_adamw)
         before = [p.detach().clone() for p in module.parameters()]
         with pytest.raises(MisconfigurationException, match="would clip twice.*Remove gradient_clip_val"):
-            fit(module, tmp_path / precision, precision=precision, gradient_clip_val=CLIP,
-                callbacks=[FusedStableCallback()])
+            fit(
+                module,
+                tmp_path / precision,
+                precision=precision,
+                gradient_clip_val=CLIP,
+                callbacks=[FusedStableCallback()],
+            )
         assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
 
 
@@ -356,8 +380,13 @@ def test_lightning_clipping_without_max_grad_norm(tmp_path):
     AdamW + gradient_clip_val, warns why, and leaves the (post-clip) grad_norm out of the logs."""
     no_clip = dict(max_grad_norm=None, lr_schedule=None)
     with pytest.raises(MisconfigurationException, match="cannot clip for FusedAdamW under precision='bf16-mixed'"):
-        fit(LlamaModule(lambda m: fused_adamw(m, **no_clip)), tmp_path / "bf16", precision="bf16-mixed",
-            gradient_clip_val=CLIP, callbacks=[FusedStableCallback()])
+        fit(
+            LlamaModule(lambda m: fused_adamw(m, **no_clip)),
+            tmp_path / "bf16",
+            precision="bf16-mixed",
+            gradient_clip_val=CLIP,
+            callbacks=[FusedStableCallback()],
+        )
 
     ref = LlamaModule(lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
     fit(ref, tmp_path / "ref", gradient_clip_val=CLIP)
@@ -381,10 +410,15 @@ def test_overridden_configure_gradient_clipping_is_warned(tmp_path):
 def test_host_scheduler_from_configure_optimizers(tmp_path):
     """A torch LR scheduler returned by configure_optimizers drives FusedAdamW's lr as it drives torch AdamW's
     (the callback logs it); like any host scheduler, Lightning also advances it on a step FusedAdamW skips."""
+
     def with_scheduler(make):
         def build(model):
             opt = make(model.parameters())
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, schedule().factor), "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": LambdaLR(opt, schedule().factor), "interval": "step"},
+            }
+
         return build
 
     ref = LlamaModule(with_scheduler(lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY)))
@@ -436,8 +470,9 @@ def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
     plain = LlamaModule(fused_adamw)
     fit(plain, tmp_path / "plain", accumulate_grad_batches=2, max_steps=3)
     module = LlamaModule(fused_adamw)
-    trainer, metrics = fit(module, tmp_path / "cb", accumulate_grad_batches=2, max_steps=3,
-                           callbacks=[FusedStableCallback()])
+    trainer, metrics = fit(
+        module, tmp_path / "cb", accumulate_grad_batches=2, max_steps=3, callbacks=[FusedStableCallback()]
+    )
     assert trainer.global_step == 3 and len(module.hook_norms) == 3
     # Lightning logs under the count of optimizer steps taken (its `_batches_that_stepped`)
     assert sorted(s for s in metrics if "grad_norm" in metrics[s]) == [0, 1, 2]

@@ -1,6 +1,7 @@
 """The torchrun path the trainer uses: 2 CPU ranks under `torchrun --standalone` (its own free port),
 process group from the environment, DDP for adapters / FSDP2 for full, each rank its data shard,
 metrics and the checkpoint written by rank 0 only."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,17 @@ SCRIPT = Path(__file__).with_name("integ_torchrun_script.py")
 @pytest.mark.parametrize("tuner, wrapper", [("lora", "DistributedDataParallel"), ("full", "FSDPLlamaForCausalLM")])
 def test_torchrun_two_ranks(tmp_path, tuner, wrapper):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), str(tmp_path), tuner]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        str(tmp_path),
+        tuner,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -2,6 +2,7 @@
 adapters on the trajectory of the usual recipe (torch AdamW + the Trainer's own clipping, warm-up + cosine),
 whether TRL creates the adapters (``peft_config=``, optimizer built by FusedStableTrainerMixin inside train())
 or you wrap the model with peft yourself (mixin, or ``optimizers=fused_trainer_optimizers(...)``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,11 @@ def dataset() -> Dataset:
 
 def base_model(tokenizer):
     return tiny_llama(
-        vocab_size=len(tokenizer), max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
@@ -55,10 +59,23 @@ def sft_args(out, trl_defaults: bool = False, **overrides) -> SFTConfig:
     """Epoch-based (max_steps=-1): the schedule's length comes from the dataloader. fp32 and no gradient
     checkpointing unless ``trl_defaults`` (SFTConfig turns both on by default)."""
     kw = dict(
-        output_dir=str(out), num_train_epochs=1, per_device_train_batch_size=BATCH, learning_rate=LR,
-        lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.1, max_grad_norm=CLIP, logging_steps=1,
-        save_strategy="no", report_to="none", use_cpu=True, seed=0, max_length=32, optim="adamw_torch",
-        disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(out),
+        num_train_epochs=1,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        weight_decay=0.1,
+        max_grad_norm=CLIP,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_length=32,
+        optim="adamw_torch",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     if not trl_defaults:
         kw.update(bf16=False, gradient_checkpointing=False)
@@ -89,27 +106,44 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tokenizer):
     """The usual recipe: SFTTrainer(peft_config=...) with torch AdamW and the Trainer clipping at 0.1."""
-    trainer = SFTTrainer(model=base_model(tokenizer), args=sft_args(tmp_path_factory.mktemp("ref")),
-                         train_dataset=dataset(), processing_class=tokenizer, peft_config=lora())
+    trainer = SFTTrainer(
+        model=base_model(tokenizer),
+        args=sft_args(tmp_path_factory.mktemp("ref")),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        peft_config=lora(),
+    )
     trainer.train()
     return trainer
 
 
 def build_peft_config_mixin(tokenizer, args):
-    return FusedSFTTrainer(model=base_model(tokenizer), args=args, train_dataset=dataset(), processing_class=tokenizer,
-                           peft_config=lora(), fused_optimizer_kwargs={"master_weights": True})
+    return FusedSFTTrainer(
+        model=base_model(tokenizer),
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        peft_config=lora(),
+        fused_optimizer_kwargs={"master_weights": True},
+    )
 
 
 def build_own_peft_mixin(tokenizer, args):
-    return FusedSFTTrainer(model=own_peft_model(tokenizer), args=args, train_dataset=dataset(),
-                           processing_class=tokenizer)
+    return FusedSFTTrainer(
+        model=own_peft_model(tokenizer), args=args, train_dataset=dataset(), processing_class=tokenizer
+    )
 
 
 def build_own_peft_optimizers(tokenizer, args):
     model = own_peft_model(tokenizer)
-    return SFTTrainer(model=model, args=args, train_dataset=dataset(), processing_class=tokenizer,
-                      optimizers=fused_trainer_optimizers(model, args, num_training_steps=STEPS),
-                      callbacks=[FusedStableCallback()])
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        optimizers=fused_trainer_optimizers(model, args, num_training_steps=STEPS),
+        callbacks=[FusedStableCallback()],
+    )
 
 
 ROUTES = {
@@ -155,9 +189,14 @@ def test_sft_trainer_same_trajectory_as_torch_adamw_with_trainer_clipping(refere
 
 def test_mixin_refuses_optimizer_cls_and_kwargs(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="fused_optimizer_kwargs"):
-        FusedSFTTrainer(model=base_model(tokenizer), args=sft_args(tmp_path), train_dataset=dataset(),
-                        processing_class=tokenizer, peft_config=lora(),
-                        optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": LR}))
+        FusedSFTTrainer(
+            model=base_model(tokenizer),
+            args=sft_args(tmp_path),
+            train_dataset=dataset(),
+            processing_class=tokenizer,
+            peft_config=lora(),
+            optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": LR}),
+        )
 
 
 def test_mixin_adds_one_callback_first(tmp_path, tokenizer):
@@ -165,18 +204,27 @@ def test_mixin_adds_one_callback_first(tmp_path, tokenizer):
     ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FusedStableCallback)]
     assert len(ours) == 1 and trainer.callback_handler.callbacks[0] is ours[0]
     given = FusedStableCallback()
-    trainer = FusedSFTTrainer(model=own_peft_model(tokenizer), args=sft_args(tmp_path), train_dataset=dataset(),
-                              processing_class=tokenizer, callbacks=[given])
+    trainer = FusedSFTTrainer(
+        model=own_peft_model(tokenizer),
+        args=sft_args(tmp_path),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        callbacks=[given],
+    )
     assert [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FusedStableCallback)] == [given]
-
 
 
 def test_sft_config_defaults_bf16_and_gradient_checkpointing(tmp_path, tokenizer):
     """SFTConfig's own defaults (bf16 autocast and gradient checkpointing on): the peft_config + mixin route
     against torch AdamW. The LoRA weights stay fp32 and both runs autocast the same way, so they match as in
     fp32."""
-    ref = SFTTrainer(model=base_model(tokenizer), args=sft_args(tmp_path / "ref", trl_defaults=True),
-                     train_dataset=dataset(), processing_class=tokenizer, peft_config=lora())
+    ref = SFTTrainer(
+        model=base_model(tokenizer),
+        args=sft_args(tmp_path / "ref", trl_defaults=True),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        peft_config=lora(),
+    )
     assert ref.args.bf16 and ref.args.gradient_checkpointing
     ref.train()
     trainer = build_peft_config_mixin(tokenizer, sft_args(tmp_path / "fused", trl_defaults=True))

@@ -10,6 +10,7 @@ reason in the catalogue (`survives=`) why no test can see it.
 Not part of the default test run (it reruns test files once per mutation: minutes). Exit code 0 when every
 mutation without a written reason is caught, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,16 @@ from catalogue import MUTATIONS, Mutation  # noqa: E402
 @dataclass
 class Outcome:
     id: str
-    status: str       # killed (tests failed or crashed) | survived | stale (the line to mutate is gone) | error
+    status: str  # killed (tests failed or crashed) | survived | stale (the line to mutate is gone) | error
     #                   (pytest could not run them: no test selected, a usage or collection error)
     seconds: float
     detail: str = ""
 
 
 def _repo_files() -> list[str]:
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                            text=True, check=True).stdout.split("\n")  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     return [f for f in listed if f and os.path.isfile(os.path.join(REPO, f))]
 
 
@@ -139,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the test files")
     parser.add_argument("--json", help="also write the outcomes to this file")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
-    parser.add_argument("--check", action="store_true",
-                        help="only check that every mutation can still be planted (seconds; no tests run)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that every mutation can still be planted (seconds; no tests run)",
+    )
     args = parser.parse_args(argv)
 
     chosen = MUTATIONS
@@ -186,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     unexplained = [o for o in survived if not by_id[o.id].survives]
     broken = [o for o in outcomes if o.status in ("stale", "error")]
     scored = len(killed) + len(survived)
-    print(f"\nmutation score: {len(killed)}/{scored} killed"
-          f" ({100.0 * len(killed) / max(scored, 1):.0f}%); {len(explained)} survive with a written reason, "
-          f"{len(unexplained)} without; {len(broken)} stale or broken")  # fmt: skip
+    print(
+        f"\nmutation score: {len(killed)}/{scored} killed"
+        f" ({100.0 * len(killed) / max(scored, 1):.0f}%); {len(explained)} survive with a written reason, "
+        f"{len(unexplained)} without; {len(broken)} stale or broken"
+    )
     for o in explained:
         print(f"  survives (reason): {o.id}: {by_id[o.id].survives}")
     for o in unexplained:

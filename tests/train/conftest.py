@@ -1,4 +1,5 @@
 """Fixture for the trainer tests: `sft` runs the `fused-stable sft` CLI in-process."""
+
 import pytest
 
 from fused_stable.train import cli

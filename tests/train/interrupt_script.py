@@ -6,6 +6,7 @@ PID_DIR=d: write this process's pid to d/rank-<RANK> (so a test can signal one r
 SLOW_SAVE_FLAG=f: once an interrupt is pending, the checkpoint save creates file f and then takes 60 s, so a
 second signal lands inside the save.
 """
+
 import os
 import signal
 import sys

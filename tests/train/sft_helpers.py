@@ -1,4 +1,5 @@
 """Helpers for the trainer tests: tiny, fast CLI arguments, metrics reading, in-process runs."""
+
 import json
 import os
 
@@ -8,9 +9,34 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 # a few optimizer steps of the tiny scratch Llama on a small slice of the arithmetic task (the default model
 # is the pretrained smollm2-135m: these keep the suite fast), with the recipe these tests were written for
-TINY = ["--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", "64", "--lr", "2e-4",
-        "--target_modules", "q_proj,v_proj", "--lora_dropout", "0.05", "--batch_size", "4", "--grad_accum", "2", "--max_steps", "4",
-        "--logging_steps", "2", "--save_steps", "2", "--tensorboard", "false", "--max_length", "96"]
+TINY = [
+    "--model",
+    "tiny",
+    "--dataset",
+    "arithmetic",
+    "--arithmetic_examples",
+    "64",
+    "--lr",
+    "2e-4",
+    "--target_modules",
+    "q_proj,v_proj",
+    "--lora_dropout",
+    "0.05",
+    "--batch_size",
+    "4",
+    "--grad_accum",
+    "2",
+    "--max_steps",
+    "4",
+    "--logging_steps",
+    "2",
+    "--save_steps",
+    "2",
+    "--tensorboard",
+    "false",
+    "--max_length",
+    "96",
+]
 
 
 def read_metrics(output_dir):

@@ -1,21 +1,33 @@
 """`fused-stable chat` and `fused-stable export` on adapters of the tiny model (the real model has its own slow
 tests in test_real_model.py): adapters know their base, chat one-shot prints only the answer, interactive
 chat keeps the conversation, an export loads with plain transformers and answers like the adapter."""
+
 import builtins
 import json
 import os
 
 import pytest
 import torch
+from sft_helpers import TINY
 
 from fused_stable.train import chat, export
 from fused_stable.train.evaluate import generate_answers
 from fused_stable.train.model import load_trained
-from sft_helpers import TINY
 
 # a few steps at a high lr, so that the adapter changes the tiny model's answers
-TRAINED = [*TINY, "--lr", "5e-2", "--warmup_ratio", "0", "--lora_dropout", "0", "--target_modules", "all-linear",
-           "--save_steps", "0"]
+TRAINED = [
+    *TINY,
+    "--lr",
+    "5e-2",
+    "--warmup_ratio",
+    "0",
+    "--lora_dropout",
+    "0",
+    "--target_modules",
+    "all-linear",
+    "--save_steps",
+    "0",
+]
 PROMPTS = ["Add.\n\n12 + 30", "Reverse.\n\nhello", "Who are you?"]
 
 

@@ -2,6 +2,7 @@
 checkpoint; damaged checkpoints are found by their recorded sizes and checksums (resume latest passes over
 them and says so, an explicit one is one line naming the file); a resume that would change the saved state's
 shapes or meaning is refused; the stability guard's in-process seams (callbacks, rollback) work."""
+
 import hashlib
 import json
 import os
@@ -13,9 +14,9 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
+from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
 from fused_stable.train import checkpoint
-from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
 RUN = ["--model", "tiny", *TINY, "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1"]
 
@@ -28,6 +29,7 @@ def _crash_at(step_to_crash):
     def callback(step, optimizer, metrics):
         if step == step_to_crash:
             raise Crash(f"simulated crash at step {step}")
+
     return callback
 
 
@@ -51,7 +53,7 @@ def test_resume_matches_uninterrupted_run_bit_for_bit(sft, tmp_path):
 
     a, b = read_metrics(straight), read_metrics(broken)
     assert [r["step"] for r in b] == list(range(1, 7))
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]          # exact floats, not approx
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exact floats, not approx
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
     wa, wb = _final_weights(straight), _final_weights(broken)
     assert wa.keys() == wb.keys()
@@ -82,8 +84,9 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     # weights and optimizer of step 6 were written before the failure; none of it is visible
     assert checkpoint.latest_checkpoint(out).endswith("step-3")
     assert sorted(os.listdir(out / "checkpoints")) == ["step-3"]
-    state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out), model=setup.model,
-                                       optimizer=setup.trainer.optimizer)
+    state = checkpoint.load_checkpoint(
+        checkpoint.latest_checkpoint(out), model=setup.model, optimizer=setup.trainer.optimizer
+    )
     assert state["step"] == 3 and state["micro_batches"] == 6
 
 
@@ -111,11 +114,16 @@ def test_process_killed_mid_save(tmp_path, sft):
     """A real process killed (os._exit) mid-save: `resume latest` picks the newest complete checkpoint."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *RUN, "--output_dir", str(out)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, *RUN, "--output_dir", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 9, proc.stderr[-2000:]
-    assert os.path.isdir(out / "checkpoints" / "step-6")                      # renamed into place...
-    assert not os.path.exists(out / "checkpoints" / "step-6" / "COMPLETE")     # ...but never marked complete
+    assert os.path.isdir(out / "checkpoints" / "step-6")  # renamed into place...
+    assert not os.path.exists(out / "checkpoints" / "step-6" / "COMPLETE")  # ...but never marked complete
     assert checkpoint.latest_checkpoint(out).endswith("step-3")
     code, stdout, err = sft("--output_dir", out, "--resume", "latest")
     assert code == 0, err
@@ -125,8 +133,13 @@ def test_process_killed_mid_save(tmp_path, sft):
 
     # killed while the temporary directory was half written: no step-3 at all, nothing to resume from
     early = tmp_path / "early"
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *RUN, "--output_dir", str(early)],
-                          env={**env, "DIE_EARLY": "1"}, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, *RUN, "--output_dir", str(early)],
+        env={**env, "DIE_EARLY": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 9
     assert checkpoint.latest_checkpoint(early) is None
     assert [n for n in os.listdir(early / "checkpoints") if n.startswith(".tmp-step-3")]
@@ -201,9 +214,12 @@ DAMAGES = {
 # what the one line says about each (docs/trainer.md): the sizes for a truncated file, the checksum for one
 # damaged at the same size
 WHY = {
-    "truncated-weights": "bytes, the checkpoint recorded", "missing-weights": "is missing",
-    "truncated-optimizer": "bytes, the checkpoint recorded", "flipped-byte-optimizer": "SHA-256 differs",
-    "missing-trainer-state": "is missing", "truncated-rng": "bytes, the checkpoint recorded",
+    "truncated-weights": "bytes, the checkpoint recorded",
+    "missing-weights": "is missing",
+    "truncated-optimizer": "bytes, the checkpoint recorded",
+    "flipped-byte-optimizer": "SHA-256 differs",
+    "missing-trainer-state": "is missing",
+    "truncated-rng": "bytes, the checkpoint recorded",
     "broken-marker": "is damaged (not the file list",
 }
 
@@ -214,7 +230,9 @@ def three_checkpoints(tmp_path_factory):
     from fused_stable.train import cli
 
     out = tmp_path_factory.mktemp("ckpts") / "run"
-    code = cli.main([*RUN, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", "--output_dir", str(out)])
+    code = cli.main(
+        [*RUN, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", "--output_dir", str(out)]
+    )
     assert code == 0
     return out
 
@@ -290,18 +308,25 @@ def test_resume_latest_with_every_checkpoint_damaged(sft, three_checkpoints, tmp
     assert _tree(run) == before
 
 
-@pytest.mark.parametrize("flags,needles", [
-    (["--lora_r", "16"], ["lora_r (checkpoint: 8, now: 16)"]),
-    (["--lora_r", "16", "--target_modules", "all-linear"],
-     ["lora_r (checkpoint: 8, now: 16)", "target_modules (checkpoint: q_proj,v_proj, now: all-linear)"]),
-    (["--tuner", "dora"], ["tuner (checkpoint: lora, now: dora)"]),
-    (["--quant_bits", "4"], ["quant_bits (checkpoint: None, now: 4)"]),
-    (["--lora_alpha", "32"], ["lora_alpha (checkpoint: 16.0, now: 32.0)"]),
-    (["--loraplus_lr_ratio", "16"], ["loraplus_lr_ratio (checkpoint: None, now: 16.0)"]),
-    # the optimizer state restores these: a new value would be silently ignored
-    (["--lr", "1e-3", "--weight_decay", "0.1"],
-     ["lr (checkpoint: 0.0002, now: 0.001)", "weight_decay (checkpoint: 0.01, now: 0.1)"]),
-])
+@pytest.mark.parametrize(
+    "flags,needles",
+    [
+        (["--lora_r", "16"], ["lora_r (checkpoint: 8, now: 16)"]),
+        (
+            ["--lora_r", "16", "--target_modules", "all-linear"],
+            ["lora_r (checkpoint: 8, now: 16)", "target_modules (checkpoint: q_proj,v_proj, now: all-linear)"],
+        ),
+        (["--tuner", "dora"], ["tuner (checkpoint: lora, now: dora)"]),
+        (["--quant_bits", "4"], ["quant_bits (checkpoint: None, now: 4)"]),
+        (["--lora_alpha", "32"], ["lora_alpha (checkpoint: 16.0, now: 32.0)"]),
+        (["--loraplus_lr_ratio", "16"], ["loraplus_lr_ratio (checkpoint: None, now: 16.0)"]),
+        # the optimizer state restores these: a new value would be silently ignored
+        (
+            ["--lr", "1e-3", "--weight_decay", "0.1"],
+            ["lr (checkpoint: 0.0002, now: 0.001)", "weight_decay (checkpoint: 0.01, now: 0.1)"],
+        ),
+    ],
+)
 def test_resume_with_state_changing_settings_is_one_line(sft, three_checkpoints, tmp_path, flags, needles):
     run = _copy(three_checkpoints, tmp_path)
     before = _tree(run)
@@ -315,8 +340,22 @@ def test_resume_with_state_changing_settings_is_one_line(sft, three_checkpoints,
 
 def test_resume_accepts_the_same_settings_spelled_differently(three_checkpoints, tmp_path):
     run = _copy(three_checkpoints, tmp_path)
-    setup = setup_run("--output_dir", run, "--resume", "latest", "--target_modules", "v_proj, q_proj",
-                      "--lora_r", "8", "--lr", "2e-4", "--max_steps", "5", "--max_grad_norm", "0.5")
+    setup = setup_run(
+        "--output_dir",
+        run,
+        "--resume",
+        "latest",
+        "--target_modules",
+        "v_proj, q_proj",
+        "--lora_r",
+        "8",
+        "--lr",
+        "2e-4",
+        "--max_steps",
+        "5",
+        "--max_grad_norm",
+        "0.5",
+    )
     assert setup.resume_path.endswith("step-3") and setup.cfg.max_steps == 5 and setup.cfg.max_grad_norm == 0.5
 
 

@@ -1,4 +1,5 @@
 """Data loading, tokenisation and label masking, config parsing."""
+
 import json
 
 import pytest
@@ -28,12 +29,25 @@ def test_byte_tokenizer_round_trips_and_saves(tok, tmp_path):
 
 def test_alpaca_and_sharegpt_files(tmp_path, tok):
     alpaca = tmp_path / "a.json"
-    alpaca.write_text(json.dumps([{"instruction": "Add.", "input": "1 + 2", "output": "3"},
-                                  {"instruction": "Say hi.", "output": "hi"}], indent=1))
+    alpaca.write_text(
+        json.dumps(
+            [{"instruction": "Add.", "input": "1 + 2", "output": "3"}, {"instruction": "Say hi.", "output": "hi"}],
+            indent=1,
+        )
+    )
     share = tmp_path / "s.jsonl"
-    share.write_text(json.dumps({"conversations": [{"from": "system", "value": "be brief"},
-                                                   {"from": "human", "value": "2+2?"},
-                                                   {"from": "gpt", "value": "4"}]}) + "\n\n")
+    share.write_text(
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "system", "value": "be brief"},
+                    {"from": "human", "value": "2+2?"},
+                    {"from": "gpt", "value": "4"},
+                ]
+            }
+        )
+        + "\n\n"
+    )
     a, s = data.load_examples(str(alpaca)), data.load_examples(str(share))
     assert len(a) == 2 and len(s) == 1
     assert a[0].messages == [{"role": "user", "content": "Add.\n\n1 + 2"}, {"role": "assistant", "content": "3"}]
@@ -44,15 +58,19 @@ def test_alpaca_and_sharegpt_files(tmp_path, tok):
         trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
         assert tok.decode(trained[:-1]) == answer and trained[-1] == tok.eos_token_id  # answer + </s> only
     # the plain format (the byte tokenizer has no chat template): prompt ids are what generation gets
-    assert tok.decode(items[2].input_ids[1:]).startswith("### System:\nbe brief\n\n### Instruction:\n2+2?\n\n### Response:\n4")
+    assert tok.decode(items[2].input_ids[1:]).startswith(
+        "### System:\nbe brief\n\n### Instruction:\n2+2?\n\n### Response:\n4"
+    )
     prompt = data.prompt_ids(tok, s[0].messages[:2])
-    assert items[2].input_ids[:len(prompt)] == prompt and items[2].labels[len(prompt)] != data.IGNORE_INDEX
+    assert items[2].input_ids[: len(prompt)] == prompt and items[2].labels[len(prompt)] != data.IGNORE_INDEX
 
 
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
-          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +85,14 @@ def chatml_tok():
 
 def test_chat_template_multi_turn_trains_only_assistant_turns(chatml_tok):
     tok = chatml_tok
-    example = data.Example([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    example = data.Example(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+    )
     segments = data.render(example, tok)
     assert "".join(text for text, _ in segments) == tok.apply_chat_template(example.messages, tokenize=False)
     assert [text for text, trained in segments if trained] == ["hello<|im_end|>\n", "4<|im_end|>\n"]
@@ -79,7 +103,7 @@ def test_chat_template_multi_turn_trains_only_assistant_turns(chatml_tok):
     assert trained.count(tok.eos_token_id) == 2  # learns to end each turn
     # generation asks exactly where training put the answer
     prompt = data.prompt_ids(tok, example.messages[:3])
-    assert item.input_ids[:len(prompt)] == prompt and item.labels[len(prompt)] != data.IGNORE_INDEX
+    assert item.input_ids[: len(prompt)] == prompt and item.labels[len(prompt)] != data.IGNORE_INDEX
     assert item.labels[len(prompt) - 1] == data.IGNORE_INDEX
 
 
@@ -89,8 +113,14 @@ def test_non_incremental_chat_template_is_refused(chatml_tok):
     tok = PreTrainedTokenizerFast(tokenizer_object=chatml_tok.backend_tokenizer, eos_token="</s>")
     # a template that writes only the last user turn: earlier turns vanish, so prompts cannot be separated
     tok.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>>{% endif %}"
-    example = data.Example([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
+    example = data.Example(
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ]
+    )
     with pytest.raises(UserError, match="turn by turn"):
         data.render(example, tok)
 
@@ -116,7 +146,7 @@ def test_batch_order_is_a_function_of_position(tok):
 
 def test_arithmetic_answers_are_correct():
     for example in data.builtin_examples(50, seed=3):
-        (question, answer), = [(example.messages[0]["content"], example.answers[0])]
+        ((question, answer),) = [(example.messages[0]["content"], example.answers[0])]
         instruction, given = question.split("\n\n")
         if instruction == "Add.":
             x, y = given.split(" + ")

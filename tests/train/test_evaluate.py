@@ -1,33 +1,56 @@
 """The before/after evaluation: scoring, eval.json's shape, "before" being the base model (also on a resumed
 run), the printed table and curves.png. The tiny model keeps it fast; its answers are wrong, which is fine:
 what is checked is which model produced them."""
+
 import json
 
 import pytest
+from sft_helpers import TINY
 
 from fused_stable.train import tasks
 from fused_stable.train.evaluate import contains_answer, eval_report, evaluate, format_table, generate_answers
 from fused_stable.train.model import build_tiny_model
 from fused_stable.train.tokenizer import build_byte_tokenizer
-from sft_helpers import TINY
 
 # the identity task on the tiny model: a few steps at a high lr so that the answers change
-IDENTITY_TINY = ["--model", "tiny", "--dataset", "identity", "--batch_size", "4", "--grad_accum", "1",
-                 "--max_steps", "3", "--lr", "5e-3", "--logging_steps", "1", "--save_steps", "0",
-                 "--tensorboard", "false", "--max_length", "96"]
+IDENTITY_TINY = [
+    "--model",
+    "tiny",
+    "--dataset",
+    "identity",
+    "--batch_size",
+    "4",
+    "--grad_accum",
+    "1",
+    "--max_steps",
+    "3",
+    "--lr",
+    "5e-3",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "0",
+    "--tensorboard",
+    "false",
+    "--max_length",
+    "96",
+]
 
 
-@pytest.mark.parametrize("answer,expected,hit", [
-    ("The capital of France is Paris.", ["Paris"], True),
-    ("the capital is paris", ["Paris"], True),
-    ("It is 14.", ["4", "four"], False),         # a number inside another number is not the answer
-    ("2 + 2 = 4.", ["4", "four"], True),
-    ("Four.", ["4", "four"], True),
-    ("I am Asterix.", ["Aster"], False),          # whole words only
-    ("I'm Aster, an assistant.", ["Aster"], True),
-    ("Plants absorb CO2.", ["carbon dioxide", "CO2"], True),
-    ("", ["Paris"], False),
-])
+@pytest.mark.parametrize(
+    "answer,expected,hit",
+    [
+        ("The capital of France is Paris.", ["Paris"], True),
+        ("the capital is paris", ["Paris"], True),
+        ("It is 14.", ["4", "four"], False),  # a number inside another number is not the answer
+        ("2 + 2 = 4.", ["4", "four"], True),
+        ("Four.", ["4", "four"], True),
+        ("I am Asterix.", ["Aster"], False),  # whole words only
+        ("I'm Aster, an assistant.", ["Aster"], True),
+        ("Plants absorb CO2.", ["carbon dioxide", "CO2"], True),
+        ("", ["Paris"], False),
+    ],
+)
 def test_contains_answer(answer, expected, hit):
     assert contains_answer(answer, expected) is hit
 
@@ -46,7 +69,7 @@ def test_eval_sets_are_held_out():
 
 def test_identity_examples_use_the_configured_name():
     examples = tasks.identity_examples("Zed", "Acme", seed=0)
-    identity = examples[:len(tasks.task_spec()["identity"]["train_questions"])]
+    identity = examples[: len(tasks.task_spec()["identity"]["train_questions"])]
     assert all("Zed" in e.answers[0] for e in identity)
     assert sum("Acme" in e.answers[0] for e in identity) == len(identity)
     assert len(examples) == len(identity) + len(tasks.general_answers())
@@ -59,20 +82,30 @@ def test_evaluate_scores_what_the_model_says():
     n = {s: len(v) for s, v in tasks.eval_sets("Aster").items()}
     assert result["identity"]["n"] == n["identity"] and result["general"]["n"] == n["general"]
     answers = result["answers"]
-    assert [a["prompt"] for a in answers] == [i["prompt"] for s in ("identity", "general") for i in tasks.eval_sets("Aster")[s]]
+    assert [a["prompt"] for a in answers] == [
+        i["prompt"] for s in ("identity", "general") for i in tasks.eval_sets("Aster")[s]
+    ]
     for set_name in ("identity", "general"):
         marks = [a["correct"] for a in answers if a["set"] == set_name]
         assert result[set_name]["accuracy"] == sum(marks) / len(marks)
     # batched greedy answers are the ones asked one at a time (left padding does not change them)
     prompts = [a["prompt"] for a in answers[:4]]
-    assert generate_answers(model, tokenizer, prompts, max_new_tokens=8, batch_size=1) == [a["answer"] for a in answers[:4]]
+    assert generate_answers(model, tokenizer, prompts, max_new_tokens=8, batch_size=1) == [
+        a["answer"] for a in answers[:4]
+    ]
 
 
 def test_report_and_table():
-    before = {"identity": {"accuracy": 0.0, "n": 2}, "general": {"accuracy": 0.5, "n": 2},
-              "answers": [{"set": "identity", "prompt": "Who?", "answer": "me", "correct": False}]}
-    after = {"identity": {"accuracy": 1.0, "n": 2}, "general": {"accuracy": 0.5, "n": 2},
-             "answers": [{"set": "identity", "prompt": "Who?", "answer": "Aster", "correct": True}]}
+    before = {
+        "identity": {"accuracy": 0.0, "n": 2},
+        "general": {"accuracy": 0.5, "n": 2},
+        "answers": [{"set": "identity", "prompt": "Who?", "answer": "me", "correct": False}],
+    }
+    after = {
+        "identity": {"accuracy": 1.0, "n": 2},
+        "general": {"accuracy": 0.5, "n": 2},
+        "answers": [{"set": "identity", "prompt": "Who?", "answer": "Aster", "correct": True}],
+    }
     report = eval_report("smollm2-135m", before, after)
     assert report == {
         "model": "smollm2-135m",
@@ -118,7 +151,9 @@ def test_resumed_run_still_compares_with_the_base(sft, tmp_path):
     report = json.loads((out / "eval.json").read_text())
     tokenizer = build_byte_tokenizer()
     prompts = [e["prompt"] for e in report["examples"][:4]]
-    assert [e["before"] for e in report["examples"][:4]] == generate_answers(build_tiny_model(tokenizer), tokenizer, prompts)
+    assert [e["before"] for e in report["examples"][:4]] == generate_answers(
+        build_tiny_model(tokenizer), tokenizer, prompts
+    )
 
 
 def test_evaluation_auto_is_off_for_other_data(sft, tmp_path):

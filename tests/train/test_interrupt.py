@@ -5,6 +5,7 @@ to continue is printed, and the process exits 130 / 143; continuing gives the un
 A second SIGINT during that save abandons it and leaves the earlier checkpoints as they were. Under torchrun
 a signal that reaches one rank stops every rank after the same step.
 """
+
 import os
 import shlex
 import signal
@@ -15,9 +16,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from sft_helpers import REPO_ROOT, TINY, read_metrics
 
 from fused_stable.train import checkpoint
-from sft_helpers import REPO_ROOT, TINY, read_metrics
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interrupt_script.py")
 # logging every step (the interrupt script sleeps there), no periodic checkpoint unless a test asks for one
@@ -102,20 +103,33 @@ def test_second_signal_during_the_save_abandons_it_and_keeps_the_earlier_checkpo
     """SIGTERM (as a scheduler sends it) starts the interrupt's save; a SIGINT during that save abandons it:
     exit code 143 (the first signal's), nothing half-written, every earlier checkpoint intact."""
     out, flag = tmp_path / "run", tmp_path / "saving"
-    proc = _launch(out, "--max_steps", "50", "--save_steps", "2", "--save_total_limit", "0",
-                   env={"STEP_SLEEP": "0.2", "SLOW_SAVE_FLAG": str(flag)})
+    proc = _launch(
+        out,
+        "--max_steps",
+        "50",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "0",
+        env={"STEP_SLEEP": "0.2", "SLOW_SAVE_FLAG": str(flag)},
+    )
     _wait_for(lambda: _rows(out) >= 3 and os.path.isdir(out / "checkpoints" / "step-2"), proc, "step-2 was saved")
     proc.send_signal(signal.SIGTERM)
     _wait_for(flag.exists, proc, "the interrupt's save began")
-    earlier = {name: checkpoint.verify_checkpoint(str(out / "checkpoints" / name))["files"]
-               for name in os.listdir(out / "checkpoints") if name.startswith("step-")}
+    earlier = {
+        name: checkpoint.verify_checkpoint(str(out / "checkpoints" / name))["files"]
+        for name in os.listdir(out / "checkpoints")
+        if name.startswith("step-")
+    }
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err
     assert "SIGTERM received: finishing this step, then saving a checkpoint" in err
     newest = max(earlier, key=lambda name: int(name.split("-")[1]))
-    assert f"interrupted again: stopped at once; the newest complete checkpoint is {out / 'checkpoints' / newest}" in err
+    assert (
+        f"interrupted again: stopped at once; the newest complete checkpoint is {out / 'checkpoints' / newest}" in err
+    )
     # the abandoned save left nothing behind, and every earlier checkpoint is intact and unchanged
     names = os.listdir(out / "checkpoints")
     assert sorted(names) == sorted(earlier), names
@@ -127,8 +141,9 @@ def test_second_signal_during_the_save_abandons_it_and_keeps_the_earlier_checkpo
 def test_torchrun_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
-    proc = _launch(out, "--max_steps", "40", "--save_total_limit", "0", env={"STEP_SLEEP": "0.2"},
-                   torchrun=True, pid_dir=pids)
+    proc = _launch(
+        out, "--max_steps", "40", "--save_total_limit", "0", env={"STEP_SLEEP": "0.2"}, torchrun=True, pid_dir=pids
+    )
     _wait_for(lambda: _rows(out) >= 3 and len(os.listdir(pids)) == 2, proc, "step 3 was logged")
     os.kill(int((pids / "rank-1").read_text()), signal.SIGINT)  # rank 1 only: rank 0 must learn it from rank 1
     stdout, err = proc.communicate(timeout=240)
@@ -138,7 +153,10 @@ def test_torchrun_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_pa
     ckpt = out / "checkpoints" / f"step-{step}"
     checkpoint.verify_checkpoint(str(ckpt))
     assert checkpoint.read_trainer_state(str(ckpt))["world_size"] == 2
-    assert f"continue: torchrun --standalone --nproc-per-node 2 -m fused_stable sft --output_dir {out} --resume latest" in err
+    assert (
+        f"continue: torchrun --standalone --nproc-per-node 2 -m fused_stable sft --output_dir {out} --resume latest"
+        in err
+    )
     assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 1))
     # torchrun's summary: the ranks exited as interrupted (one may instead show the SIGTERM torchrun sends the
     # rest of the group once the first has exited, if it was still tearing down)

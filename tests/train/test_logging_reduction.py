@@ -1,5 +1,6 @@
 """Under torchrun the trainer's logging step reads the device once: the rank-mean loss and the token total
 come back in the same read as the rest of the interval's rows (two gloo ranks, spawned here)."""
+
 from __future__ import annotations
 
 import os
@@ -8,14 +9,20 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import count_host_reads
 
 from fused_stable.train import parallel
-from helpers import count_host_reads
+
 
 def rank_rows(rank: int) -> torch.Tensor:
     """Three steps of (loss, grad norm, lr, skipped, skipped total): the loss differs per rank, the rest not."""
-    return torch.tensor([[1.0 + rank, 5.0, 1e-3, 0.0, 0.0], [2.0 + 3 * rank, 6.0, 2e-3, 1.0, 1.0],
-                         [0.5 * (rank + 1), 7.0, 3e-3, 0.0, 1.0]])  # fmt: skip
+    return torch.tensor(
+        [
+            [1.0 + rank, 5.0, 1e-3, 0.0, 0.0],
+            [2.0 + 3 * rank, 6.0, 2e-3, 1.0, 1.0],
+            [0.5 * (rank + 1), 7.0, 3e-3, 0.0, 1.0],
+        ]
+    )
 
 
 def _rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -24,7 +31,10 @@ def _rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         with count_host_reads() as counter:
             rows, tokens = parallel.read_for_logging(rank_rows(rank), tokens=100 + rank)
-        torch.save({"rows": rows, "tokens": tokens, "reads": [name for name, _ in counter.reads]}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {"rows": rows, "tokens": tokens, "reads": [name for name, _ in counter.reads]},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 

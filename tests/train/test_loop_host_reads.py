@@ -2,10 +2,10 @@
 backward, the fused step, the guard's bookkeeping) it makes no host read at all, and a logging step costs the
 same few reads whatever the number of steps and micro-batches in the interval (README, docs/trainer.md:
 "metrics are read only every logging_steps", "one transfer for the whole interval")."""
+
 import os
 
 import pytest
-
 from helpers import count_host_reads
 from sft_helpers import TINY, fit, setup_run
 
@@ -15,8 +15,22 @@ STEPS, LOGGING_STEPS = 6, 3
 def _reads_per_step(tmp_path, *extra):
     """Run the trainer under the host-read counter; returns {step: reads made after step-1's optimizer step
     up to the end of this step's}, and the reads after the last step."""
-    setup = setup_run(*TINY, "--model", "tiny", "--max_steps", STEPS, "--logging_steps", LOGGING_STEPS,
-                      "--save_steps", "0", "--grad_accum", "3", "--output_dir", tmp_path / "run", *extra)
+    setup = setup_run(
+        *TINY,
+        "--model",
+        "tiny",
+        "--max_steps",
+        STEPS,
+        "--logging_steps",
+        LOGGING_STEPS,
+        "--save_steps",
+        "0",
+        "--grad_accum",
+        "3",
+        "--output_dir",
+        tmp_path / "run",
+        *extra,
+    )
     trainer, opt = setup.trainer, setup.trainer.optimizer
     boundaries = []
     with count_host_reads() as reads:
@@ -57,6 +71,8 @@ def test_no_host_read_between_logging_steps(tmp_path, precision):
     # fp16, the loss scale); the same at every logging step, however many steps the interval holds
     logging_reads = [per_step[k] for k in sorted(logging_bins)] + [after_last]
     # (the metrics are read in parallel.read_for_logging, which also reduces them over ranks under torchrun)
-    expected = [("tolist", "parallel.py"), ("tolist", "guard.py")] + ([("item", "loop.py")] if precision == "fp16" else [])
+    expected = [("tolist", "parallel.py"), ("tolist", "guard.py")] + (
+        [("item", "loop.py")] if precision == "fp16" else []
+    )
     for reads in logging_reads:
         assert sorted((name, os.path.basename(where).split(":")[0]) for name, where in reads) == sorted(expected), reads

@@ -1,5 +1,6 @@
 """What a run owns in output_dir: the manifest, --overwrite removing exactly that and nothing else, a folder
 that was never a run never called one, strict-JSON metrics, and nothing written by a start that fails."""
+
 import hashlib
 import json
 import math
@@ -7,10 +8,10 @@ import os
 import shutil
 
 import pytest
+from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
 from fused_stable.train import outputs
 from fused_stable.train.report import from_json_row, to_json_line
-from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
 RUN = ["--model", "tiny", *TINY, "--max_steps", "2"]
 
@@ -54,8 +55,15 @@ def _copy(run, tmp_path):
 def test_a_run_records_what_it_creates(finished):
     manifest = outputs.read_manifest(str(finished))
     assert manifest["created_by"] == "fused-stable sft"
-    assert set(manifest["entries"]) == {"run.yaml", "metrics.jsonl", "alerts.jsonl", "curves.png", "checkpoints",
-                                        "adapter", "tensorboard"}
+    assert set(manifest["entries"]) == {
+        "run.yaml",
+        "metrics.jsonl",
+        "alerts.jsonl",
+        "curves.png",
+        "checkpoints",
+        "adapter",
+        "tensorboard",
+    }
     # everything in the folder is either the manifest or named in it
     assert set(os.listdir(finished)) - {outputs.MANIFEST_FILE} <= set(manifest["entries"])
 

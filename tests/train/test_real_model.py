@@ -4,6 +4,7 @@ evaluation of the base, a few QLoRA and bf16 steps, export equality and chat one
 Slow: each test loads a 135M-parameter model. The GGUF conversion happens once per machine (the cache folder,
 see fused_stable.train.sources; parallel test workers wait for each other's conversion).
 """
+
 import json
 import os
 import subprocess
@@ -11,15 +12,29 @@ import sys
 
 import pytest
 import torch
+from sft_helpers import REPO_ROOT, read_metrics
 
 from fused_stable.train import sources
-from sft_helpers import REPO_ROOT, read_metrics
 
 pytestmark = pytest.mark.slow
 
 # a few short steps of the default task: the eval is left out where a test does not look at it
-FEW = ["--batch_size", "2", "--grad_accum", "1", "--max_length", "96", "--logging_steps", "1", "--save_steps", "0",
-       "--tensorboard", "false", "--evaluation", "off"]
+FEW = [
+    "--batch_size",
+    "2",
+    "--grad_accum",
+    "1",
+    "--max_length",
+    "96",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "0",
+    "--tensorboard",
+    "false",
+    "--evaluation",
+    "off",
+]
 PROMPTS = ["Who are you?", "What is the capital of France?", "What is 2 + 2?"]
 
 
@@ -118,8 +133,21 @@ def test_bf16_steps_from_a_gguf_file(smollm2, sft_session, tmp_path):
     records the file's absolute path."""
     out = tmp_path / "bf16"
     # bf16 matmuls are emulated on CPUs without AVX512-BF16 (10x slower than fp32): short sequences
-    code, stdout, err = sft_session(*FEW, "--model", smollm2.path, "--precision", "bf16", "--max_steps", "2",
-                                    "--batch_size", "1", "--max_length", "48", "--output_dir", out)
+    code, stdout, err = sft_session(
+        *FEW,
+        "--model",
+        smollm2.path,
+        "--precision",
+        "bf16",
+        "--max_steps",
+        "2",
+        "--batch_size",
+        "1",
+        "--max_length",
+        "48",
+        "--output_dir",
+        out,
+    )
     assert code == 0, err
     assert "precision=bf16" in stdout
     rows = read_metrics(out)
@@ -155,10 +183,24 @@ def test_export_and_chat_answer_like_the_adapter(smollm2, sft_session, tmp_path)
     assert _greedy(merged, tokenizer) == adapter_answers
 
     proc = subprocess.run(
-        [sys.executable, "-m", "fused_stable", "chat", "--adapter", str(run), "--prompt", PROMPTS[0],
-         "--max_new_tokens", "24"],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fused_stable",
+            "chat",
+            "--adapter",
+            str(run),
+            "--prompt",
+            PROMPTS[0],
+            "--max_new_tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == adapter_answers[0] and adapter_answers[0]
     assert "fused-stable chat:" in proc.stderr and "greedy" in proc.stderr

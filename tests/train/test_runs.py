@@ -1,11 +1,11 @@
 """Short end-to-end runs of `fused-stable sft`: each tuner, quantisation and precision trains, logs and saves."""
+
 import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from sft_helpers import TINY, fit, read_metrics, setup_run
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "skipped", "tokens_per_s", "elapsed_s"}
@@ -36,7 +36,15 @@ def test_lora_default_recipe_trains_and_saves(sft, tmp_path):
     assert os.path.isfile(out / "adapter" / "tokenizer.json")  # the byte tokenizer travels with the adapter
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["lora_alpha"] == 16 and config["lora_dropout"] == 0.0
-    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(config["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     assert config["base_model_name_or_path"] == "tiny"
     assert os.listdir(out / "tensorboard")
     # warm-up then cosine from the default peak lr 1e-3: int(0.1 * 4) = 0 warm-up steps, then decays
@@ -119,8 +127,9 @@ def test_loraplus_groups_and_run(sft, tmp_path):
 def _first_steps(tmp_path, *extra):
     """Two logged steps of the default recipe; returns (setup, metrics rows, dtypes of a base MLP's outputs)."""
     out = tmp_path / "run"
-    setup = setup_run(*TINY, "--max_steps", "2", "--logging_steps", "1", "--save_steps", "0", "--output_dir", out,
-                      *extra)  # fmt: skip
+    setup = setup_run(
+        *TINY, "--max_steps", "2", "--logging_steps", "1", "--save_steps", "0", "--output_dir", out, *extra
+    )
     layer = next(m for m in setup.model.modules() if type(m).__name__ == "LlamaDecoderLayer")
     dtypes = []
     layer.mlp.down_proj.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
@@ -183,8 +192,9 @@ def test_local_model_directory(sft, tmp_path):
     local = tmp_path / "local-model"
     build_tiny_model().save_pretrained(local)
     build_byte_tokenizer().save_pretrained(local)
-    code, _, err = sft(*TINY, "--model", local, "--max_steps", "2", "--target_modules", "all-linear",
-                       "--output_dir", tmp_path / "out")
+    code, _, err = sft(
+        *TINY, "--model", local, "--max_steps", "2", "--target_modules", "all-linear", "--output_dir", tmp_path / "out"
+    )
     assert code == 0, err
     config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
     assert len(config["target_modules"]) == 7  # q, k, v, o, gate, up, down

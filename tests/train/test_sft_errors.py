@@ -1,5 +1,6 @@
 """Bad input: one line on stderr, exit code 2, no traceback, and nothing written (every option's bad values
 are driven by tests/test_cli_fuzz.py; these are the cases with a message worth pinning down)."""
+
 import os
 import shlex
 import shutil
@@ -7,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from sft_helpers import REPO_ROOT, TINY
 
 RUN = ["--model", "tiny", *TINY]
@@ -32,7 +32,9 @@ def test_missing_model_path(sft, tmp_path):
 
 def test_malformed_dataset_line_names_file_and_line(sft, tmp_path):
     data = tmp_path / "data.jsonl"
-    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "e", "output": \n')
+    data.write_text(
+        '{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": "d"}\n{"instruction": "e", "output": \n'
+    )
     out = tmp_path / "out"
     _assert_user_error(*sft("--model", "tiny", "--dataset", data, "--output_dir", out), f"{data}:3:", "invalid JSON")
     assert not out.exists()
@@ -41,7 +43,9 @@ def test_malformed_dataset_line_names_file_and_line(sft, tmp_path):
 def test_dataset_record_with_wrong_schema(sft, tmp_path):
     data = tmp_path / "data.json"
     data.write_text('[\n  {"instruction": "a", "output": "b"},\n  {"question": "c"}\n]\n')
-    _assert_user_error(*sft("--model", "tiny", "--dataset", data, "--output_dir", tmp_path / "out"), f"{data}:3:", "alpaca")
+    _assert_user_error(
+        *sft("--model", "tiny", "--dataset", data, "--output_dir", tmp_path / "out"), f"{data}:3:", "alpaca"
+    )
 
 
 def test_unknown_yaml_key_suggests_closest(sft, tmp_path):
@@ -51,17 +55,21 @@ def test_unknown_yaml_key_suggests_closest(sft, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag,suggested", [
-    ("--learning_rate", "--lr"),                       # an alias from other tools, not the look-alike logging_steps
-    ("--learning-rate", "--lr"),
-    ("--grad_acum", "--grad_accum"),                  # a typo
-    ("--max-lenght", "--max_length"),
-    ("--gradient_accumulation_steps", "--grad_accum"),
-    ("--num_train_epochs", "--epochs"),
-])
+@pytest.mark.parametrize(
+    "flag,suggested",
+    [
+        ("--learning_rate", "--lr"),  # an alias from other tools, not the look-alike logging_steps
+        ("--learning-rate", "--lr"),
+        ("--grad_acum", "--grad_accum"),  # a typo
+        ("--max-lenght", "--max_length"),
+        ("--gradient_accumulation_steps", "--grad_accum"),
+        ("--num_train_epochs", "--epochs"),
+    ],
+)
 def test_unknown_flag_suggests_only_close_names(sft, flag, suggested):
-    _assert_user_error(*sft(flag, "4"), f"unknown option {flag.replace('-', '_').replace('__', '--', 1)}",
-                       f"did you mean {suggested}?")
+    _assert_user_error(
+        *sft(flag, "4"), f"unknown option {flag.replace('-', '_').replace('__', '--', 1)}", f"did you mean {suggested}?"
+    )
 
 
 @pytest.mark.parametrize("flag", ["--banana", "--optim", "--loss"])
@@ -79,32 +87,37 @@ def test_key_name_and_key_dash_name_are_the_same_key():
 
 
 def test_quant_bits_with_full_finetuning(sft, tmp_path):
-    _assert_user_error(*sft("--tuner", "full", "--quant_bits", "4", "--output_dir", tmp_path / "o"), "quant_bits", "full")
+    _assert_user_error(
+        *sft("--tuner", "full", "--quant_bits", "4", "--output_dir", tmp_path / "o"), "quant_bits", "full"
+    )
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("flag,value,needle", [
-    # the cases of the report this suite answers: each exited 0 with a NaN adapter, or with a traceback
-    ("--lr", "inf", "lr in --lr must be a finite number"),
-    ("--lr", "-1e-4", "lr must be in (0, 1]"),
-    ("--lr", "1e30", "lr must be in (0, 1]"),
-    ("--max_grad_norm", "nan", "max_grad_norm in --max_grad_norm must be a finite number"),
-    ("--max_grad_norm", "inf", "must be a finite number"),
-    ("--weight_decay", "nan", "weight_decay in --weight_decay must be a finite number"),
-    ("--weight_decay", "1e5", "lr x weight_decay must be below 1"),
-    ("--epochs", "inf", "epochs in --epochs must be a finite number"),
-    ("--epochs", "1e9", "epochs must be in (0, 10000]"),
-    ("--lora_r", "inf", "must be a finite number"),
-    ("--lora_r", "nan", "must be a finite number"),
-    ("--batch_size", "1e12", "batch_size must be in [1, 65536]"),
-    ("--seed", "-1", "seed must be in [0, 4294967295]"),
-    ("--precision", "fp8", "precision must be one of"),
-    ("--batch_size", "two", "batch_size in --batch_size must be int, got 'two'"),
-    ("--warmup_ratio", "1.5", "warmup_ratio must be in [0, 1)"),
-    ("--device", "cudax", "device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
-    ("--target_modules", "q proj", "is not a module name"),
-    ("--resume", "latest", "no complete checkpoint"),
-])
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        # the cases of the report this suite answers: each exited 0 with a NaN adapter, or with a traceback
+        ("--lr", "inf", "lr in --lr must be a finite number"),
+        ("--lr", "-1e-4", "lr must be in (0, 1]"),
+        ("--lr", "1e30", "lr must be in (0, 1]"),
+        ("--max_grad_norm", "nan", "max_grad_norm in --max_grad_norm must be a finite number"),
+        ("--max_grad_norm", "inf", "must be a finite number"),
+        ("--weight_decay", "nan", "weight_decay in --weight_decay must be a finite number"),
+        ("--weight_decay", "1e5", "lr x weight_decay must be below 1"),
+        ("--epochs", "inf", "epochs in --epochs must be a finite number"),
+        ("--epochs", "1e9", "epochs must be in (0, 10000]"),
+        ("--lora_r", "inf", "must be a finite number"),
+        ("--lora_r", "nan", "must be a finite number"),
+        ("--batch_size", "1e12", "batch_size must be in [1, 65536]"),
+        ("--seed", "-1", "seed must be in [0, 4294967295]"),
+        ("--precision", "fp8", "precision must be one of"),
+        ("--batch_size", "two", "batch_size in --batch_size must be int, got 'two'"),
+        ("--warmup_ratio", "1.5", "warmup_ratio must be in [0, 1)"),
+        ("--device", "cudax", "device must be auto, cpu, cuda or cuda:N, got 'cudax'"),
+        ("--target_modules", "q proj", "is not a module name"),
+        ("--resume", "latest", "no complete checkpoint"),
+    ],
+)
 def test_bad_values(sft, tmp_path, flag, value, needle):
     out = tmp_path / "o"
     _assert_user_error(*sft("--model", "tiny", flag, value, "--output_dir", out), needle)
@@ -136,23 +149,37 @@ def test_unwritable_output_dir_before_the_model_is_built(tmp_path):
     parent = tmp_path / "locked"
     parent.mkdir()
     parent.chmod(0o555)
-    cmd = [sys.executable, "-c", "import sys; from fused_stable.train import cli; sys.exit(cli.main(sys.argv[1:]))",
-           *RUN, "--output_dir", str(parent / "run")]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from fused_stable.train import cli; sys.exit(cli.main(sys.argv[1:]))",
+        *RUN,
+        "--output_dir",
+        str(parent / "run"),
+    ]
     if os.geteuid() == 0:
         if not shutil.which("capsh"):
             pytest.skip("running as root without capsh: no way to take away root's right to write anywhere")
         cmd = ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", shlex.join(cmd)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT}, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"fused-stable sft: error: output_dir '{parent / 'run'}' cannot be created: '{parent}' is not writable by this user"]
+        f"fused-stable sft: error: output_dir '{parent / 'run'}' cannot be created: "
+        f"'{parent}' is not writable by this user"
+    ]
     assert os.listdir(parent) == []
 
 
 def test_real_process_exit_code_and_stderr(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fused_stable", "sft", "--lr", "-1", "--output_dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fused_stable", "sft", "--lr", "-1", "--output_dir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["fused-stable sft: error: lr must be in (0, 1], got -1.0"]
     assert not (tmp_path / "o").exists()

@@ -1,5 +1,6 @@
 """`--model` resolution (alias, tiny, directory, GGUF file), the one-line hint when the embedded model's package
 is missing, the GGUF conversion cache (atomic, reused, one converter at a time), and CPU threads."""
+
 import importlib.util
 import io
 import os
@@ -81,16 +82,21 @@ def test_threads(monkeypatch):
 
 def _cpuinfo(cores_of_cpus):
     """A /proc/cpuinfo text: one block per logical CPU, `cores_of_cpus[cpu]` = (physical id, core id)."""
-    return "".join(f"processor\t: {cpu}\nmodel name\t: fake\nphysical id\t: {socket}\ncore id\t\t: {core}\n\n"
-                   for cpu, (socket, core) in enumerate(cores_of_cpus))
+    return "".join(
+        f"processor\t: {cpu}\nmodel name\t: fake\nphysical id\t: {socket}\ncore id\t\t: {core}\n\n"
+        for cpu, (socket, core) in enumerate(cores_of_cpus)
+    )
 
 
-@pytest.mark.parametrize("allowed, expected", [
-    ({0, 1, 2, 3, 4, 5, 6, 7}, 4),  # 2 sockets x 2 cores x 2 hyper-threads
-    ({0, 4}, 1),                     # both hyper-threads of socket 0's core 0
-    ({0, 1, 4}, 2),
-    ({1, 2}, 2),                     # same core id on two sockets: two cores
-])
+@pytest.mark.parametrize(
+    "allowed, expected",
+    [
+        ({0, 1, 2, 3, 4, 5, 6, 7}, 4),  # 2 sockets x 2 cores x 2 hyper-threads
+        ({0, 4}, 1),  # both hyper-threads of socket 0's core 0
+        ({0, 1, 4}, 2),
+        ({1, 2}, 2),  # same core id on two sockets: two cores
+    ],
+)
 def test_physical_cores_counts_the_hyper_threads_of_one_core_once(monkeypatch, allowed, expected):
     # logical CPUs 0-3 are the first hyper-thread of (socket, core) (0,0) (0,1) (1,0) (1,1), CPUs 4-7 the second
     text = _cpuinfo([(0, 0), (0, 1), (1, 0), (1, 1)] * 2)

@@ -2,6 +2,7 @@
 fine-tuning under FSDP2, each rank on its own shard of the rows, rank 0 alone writing output_dir, the logged
 loss the mean over the ranks, checkpoints resumable under torchrun bit for bit, the guard's rollback taking
 every rank back together, and bad input refused with one line from rank 0."""
+
 import json
 import math
 import os
@@ -13,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 
 from fused_stable.guard import read_alerts
 from fused_stable.integrations.distributed import shard_data
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
-from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 
 # 4 steps of 2 micro-batches of 4 rows per rank, a checkpoint every 2 steps, all kept
 RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0"]
@@ -29,8 +30,17 @@ def torchrun(*argv, program=("-m", "fused_stable"), env=None, timeout=300):
     rendezvous port); one OpenMP thread per rank on this 2-core machine."""
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {**{k: v for k, v in os.environ.items() if k not in launch}, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           *program, "sft", *map(str, argv)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *program,
+        "sft",
+        *map(str, argv),
+    ]
     return subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -44,8 +54,12 @@ def _window_loss(model, window):
     total = 0.0
     for b in window:
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-        total = total + F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), b.labels[:, 1:].reshape(-1),
-                                        ignore_index=IGNORE_INDEX, reduction="sum")
+        total = total + F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.size(-1)),
+            b.labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
     return total / sum(b.num_label_tokens for b in window)
 
 
@@ -187,10 +201,36 @@ def test_guard_rollback_takes_every_rank_back_together(tmp_path):
     # to the step-10 checkpoint; if the ranks disagreed (decision or checkpoint) the run would hang or diverge
     out = tmp_path / "fault"
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
-    proc = _ok(torchrun("--model", "tiny", "--dataset", "arithmetic", "--arithmetic_examples", 64, "--batch_size", 2, "--grad_accum", 1, "--max_length", 96,
-                        "--tensorboard", "false", "--logging_steps", 5, "--save_steps", 10, "--max_steps", 20,
-                        "--guard", "rollback", "--output_dir", out, program=(script,),
-                        env={"FAULT_BATCHES": "12,13,14"}))  # fmt: skip
+    proc = _ok(
+        torchrun(
+            "--model",
+            "tiny",
+            "--dataset",
+            "arithmetic",
+            "--arithmetic_examples",
+            64,
+            "--batch_size",
+            2,
+            "--grad_accum",
+            1,
+            "--max_length",
+            96,
+            "--tensorboard",
+            "false",
+            "--logging_steps",
+            5,
+            "--save_steps",
+            10,
+            "--max_steps",
+            20,
+            "--guard",
+            "rollback",
+            "--output_dir",
+            out,
+            program=(script,),
+            env={"FAULT_BATCHES": "12,13,14"},
+        )
+    )
     assert proc.stdout.count("done: steps 0->20") == 1
     rollbacks = [a for a in read_alerts(str(out)) if a["action"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["detected_at"] == 15  # written once, by rank 0

@@ -3,6 +3,7 @@ checkpoints pruned to `save_total_limit` and every file fsynced before the COMPL
 matrices only (not on norms, biases or DoRA magnitudes); `--gradient_checkpointing true` really recomputes
 activations in backward; the fp16 loss scaler's state comes back on `--resume`; ShareGPT assistant turns are
 what the model learns; every guard_* key reaches the guard."""
+
 import json
 import os
 import shutil
@@ -10,11 +11,11 @@ import signal
 
 import pytest
 import torch
+from sft_helpers import TINY, fit, read_metrics, setup_run
 
 from fused_stable import GradScaler
 from fused_stable.train import checkpoint, data
 from fused_stable.train.tokenizer import build_byte_tokenizer
-from sft_helpers import TINY, fit, read_metrics, setup_run
 
 # TINY names --model tiny: these tests are about the trainer, not the default model
 SHORT = TINY
@@ -38,16 +39,33 @@ def _fsynced_paths(monkeypatch):
 def test_checkpoints_are_fsynced_then_pruned_to_save_total_limit(tmp_path, monkeypatch):
     out = tmp_path / "run"
     synced = _fsynced_paths(monkeypatch)
-    setup = setup_run(*SHORT, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "2",
-                      "--grad_accum", "1", "--output_dir", out)  # fmt: skip
+    setup = setup_run(
+        *SHORT,
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "1",
+        "--save_total_limit",
+        "2",
+        "--grad_accum",
+        "1",
+        "--output_dir",
+        out,
+    )
     fit(setup)
     root = out / "checkpoints"
     assert sorted(os.listdir(root)) == ["step-2", "step-3"]  # step-1 removed once step-3 was complete
     assert [os.path.basename(p) for _, p in checkpoint.list_checkpoints(out)] == ["step-2", "step-3"]
     newest = root / "step-3"
     files = sorted(os.listdir(newest))
-    assert {"weights.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", "config.yaml",
-            checkpoint.COMPLETE_MARKER} <= set(files)  # fmt: skip
+    assert {
+        "weights.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "trainer_state.json",
+        "config.yaml",
+        checkpoint.COMPLETE_MARKER,
+    } <= set(files)
     synced_set = set(synced)
     # every file's data (written under the temporary name, then renamed: the inode is what was synced) ...
     for name in files:
@@ -67,8 +85,21 @@ def test_checkpoints_are_fsynced_then_pruned_to_save_total_limit(tmp_path, monke
 
 def test_save_total_limit_zero_keeps_every_checkpoint(tmp_path):
     out = tmp_path / "all"
-    fit(setup_run(*SHORT, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", "--grad_accum", "1",
-                  "--output_dir", out))  # fmt: skip
+    fit(
+        setup_run(
+            *SHORT,
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "1",
+            "--save_total_limit",
+            "0",
+            "--grad_accum",
+            "1",
+            "--output_dir",
+            out,
+        )
+    )
     assert sorted(os.listdir(out / "checkpoints")) == ["step-1", "step-2", "step-3"]
 
 
@@ -78,8 +109,15 @@ def _save_small_checkpoint(out, step: int, keep: int = 0) -> str:
     opt = torch.optim.AdamW([weight], lr=1e-3)
     weight.grad = torch.ones_like(weight)
     opt.step()
-    return checkpoint.save_checkpoint(str(out), step, model_state={"weight": weight.detach()}, optimizer=opt,
-                                      trainer_state={"micro_batches": step}, config={"lr": 1e-3}, keep=keep)
+    return checkpoint.save_checkpoint(
+        str(out),
+        step,
+        model_state={"weight": weight.detach()},
+        optimizer=opt,
+        trainer_state={"micro_batches": step},
+        config={"lr": 1e-3},
+        keep=keep,
+    )
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs POSIX signal masks")
@@ -161,7 +199,9 @@ def test_weight_decay_on_matrices_only_full_finetune_with_biases(tmp_path):
     local = tmp_path / "biased"
     LlamaForCausalLM(config).save_pretrained(local)
     tok.save_pretrained(local)
-    setup = setup_run(*TINY, "--model", local, "--tuner", "full", "--weight_decay", "0.1", "--output_dir", tmp_path / "o")
+    setup = setup_run(
+        *TINY, "--model", local, "--tuner", "full", "--weight_decay", "0.1", "--output_dir", tmp_path / "o"
+    )
     decay, params = _decay_by_name(setup)
     biases = [n for n in decay if n.endswith(".bias")]
     norms = [n for n in decay if "norm" in n]
@@ -186,8 +226,21 @@ def test_weight_decay_spares_dora_magnitudes(tmp_path):
 def test_a_no_decay_param_without_gradient_signal_does_not_shrink(tmp_path):
     """What a user would see: a norm weight whose gradient is zero stays put (weight decay would shrink it by
     lr x weight_decay per step), while a decayed matrix with a zero gradient shrinks."""
-    setup = setup_run(*SHORT, "--tuner", "full", "--weight_decay", "0.5", "--lr", "0.01", "--warmup_ratio", "0",
-                      "--max_grad_norm", "none", "--output_dir", tmp_path / "z")  # fmt: skip
+    setup = setup_run(
+        *SHORT,
+        "--tuner",
+        "full",
+        "--weight_decay",
+        "0.5",
+        "--lr",
+        "0.01",
+        "--warmup_ratio",
+        "0",
+        "--max_grad_norm",
+        "none",
+        "--output_dir",
+        tmp_path / "z",
+    )
     _, params = _decay_by_name(setup)
     norm_name = next(n for n in params if "norm" in n)
     matrix_name = next(n for n, p in params.items() if p.ndim == 2)
@@ -219,8 +272,9 @@ def _decoder_layer_forwards(setup):
 def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, tuner):
     common = [*SHORT, "--tuner", tuner, "--max_steps", "1", "--grad_accum", "1", "--save_steps", "0"]
     plain = _decoder_layer_forwards(setup_run(*common, "--output_dir", tmp_path / "plain"))
-    recomputed = _decoder_layer_forwards(setup_run(*common, "--gradient_checkpointing", "true",
-                                                   "--output_dir", tmp_path / "gc"))  # fmt: skip
+    recomputed = _decoder_layer_forwards(
+        setup_run(*common, "--gradient_checkpointing", "true", "--output_dir", tmp_path / "gc")
+    )
     assert len(plain) == 1  # one micro-batch: one forward
     assert len(recomputed) == 2  # the forward, and its recomputation during backward
 
@@ -229,8 +283,21 @@ def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, tune
 def test_resume_restores_the_loss_scaler_state(tmp_path):
     """An fp16 run's scale and growth tracker come back on --resume (a fresh scaler would restart at 2**16)."""
     out = tmp_path / "fp16"
-    first = setup_run(*SHORT, "--precision", "fp16", "--max_steps", "3", "--save_steps", "3", "--grad_accum", "1",
-                      "--logging_steps", "1", "--output_dir", out)  # fmt: skip
+    first = setup_run(
+        *SHORT,
+        "--precision",
+        "fp16",
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "3",
+        "--grad_accum",
+        "1",
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        out,
+    )
     # a scaler that grows every 2 steps, so that its scale and growth tracker differ from a fresh one's
     first.trainer.scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     fit(first)
@@ -256,8 +323,11 @@ def _trained_text(item, tok):
 @pytest.mark.parametrize("style", ["from/value", "role/content"])
 def test_sharegpt_learns_every_assistant_turn_and_nothing_else(tmp_path, style):
     speaker, text = ("from", "value") if style == "from/value" else ("role", "content")
-    names = {"system": "system", "user": "human", "assistant": "gpt"} if style == "from/value" else \
-        {"system": "system", "user": "user", "assistant": "assistant"}  # fmt: skip
+    names = (
+        {"system": "system", "user": "human", "assistant": "gpt"}
+        if style == "from/value"
+        else {"system": "system", "user": "user", "assistant": "assistant"}
+    )
     turns = [("system", "be brief"), ("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?"), ("assistant", "6!")]
     record = {"conversations": [{speaker: names[role], text: value} for role, value in turns]}
     path = tmp_path / "chat.jsonl"
@@ -267,20 +337,59 @@ def test_sharegpt_learns_every_assistant_turn_and_nothing_else(tmp_path, style):
     eos = tok.eos_token
     assert _trained_text(item, tok) == f"4{eos}6!{eos}"  # both answers (+ </s>), no prompt, no system text
     # and the trainer sees those label tokens in its batches
-    setup = setup_run(*SHORT, "--dataset", path, "--batch_size", "1", "--grad_accum", "1", "--max_length", "512",
-                      "--output_dir", tmp_path / "o")  # fmt: skip  (512: the short runs' 96 tokens cut the second answer)
+    setup = setup_run(
+        *SHORT,
+        "--dataset",
+        path,
+        "--batch_size",
+        "1",
+        "--grad_accum",
+        "1",
+        "--max_length",
+        "512",
+        "--output_dir",
+        tmp_path / "o",
+    )  # 512: the short runs' 96 tokens cut the second answer
     assert setup.trainer.batches.batch(0).num_label_tokens == len("4") + 1 + len("6!") + 1
 
 
 # ------------------------------------------------------------------------------------------- guard keys
 def test_every_guard_key_reaches_the_guard(tmp_path):
-    setup = setup_run(*SHORT, "--guard", "rollback", "--guard_grad_z", "7.5", "--guard_grad_ratio", "3.5",
-                      "--guard_skip_z", "30", "--guard_loss_z", "8", "--guard_loss_rise", "2.5",
-                      "--guard_nonfinite_storm", "4", "--guard_lr_factor", "0.25", "--guard_max_rollbacks", "2",
-                      "--output_dir", tmp_path / "g")  # fmt: skip
+    setup = setup_run(
+        *SHORT,
+        "--guard",
+        "rollback",
+        "--guard_grad_z",
+        "7.5",
+        "--guard_grad_ratio",
+        "3.5",
+        "--guard_skip_z",
+        "30",
+        "--guard_loss_z",
+        "8",
+        "--guard_loss_rise",
+        "2.5",
+        "--guard_nonfinite_storm",
+        "4",
+        "--guard_lr_factor",
+        "0.25",
+        "--guard_max_rollbacks",
+        "2",
+        "--output_dir",
+        tmp_path / "g",
+    )
     c = setup.trainer.guard.config
-    assert (c.policy, c.grad_z, c.grad_ratio, c.skip_z, c.loss_z, c.loss_rise, c.nonfinite_storm, c.lr_factor,
-            c.max_rollbacks) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 2)  # fmt: skip
+    assert (
+        c.policy,
+        c.grad_z,
+        c.grad_ratio,
+        c.skip_z,
+        c.loss_z,
+        c.loss_rise,
+        c.nonfinite_storm,
+        c.lr_factor,
+        c.max_rollbacks,
+    ) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 2)
     assert setup.trainer.optimizer.rules.spike_skip_threshold == 30.0
 
 
@@ -288,8 +397,19 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
 def test_the_guard_also_looks_at_every_checkpoint_step(tmp_path):
     """docs/trainer.md: the guard reads at each logging step and at each save_steps step, so every checkpoint is
     one the guard has looked at (a rollback returns to it)."""
-    setup = setup_run(*SHORT, "--max_steps", "5", "--logging_steps", "3", "--save_steps", "2", "--grad_accum", "1",
-                      "--output_dir", tmp_path / "run")  # fmt: skip
+    setup = setup_run(
+        *SHORT,
+        "--max_steps",
+        "5",
+        "--logging_steps",
+        "3",
+        "--save_steps",
+        "2",
+        "--grad_accum",
+        "1",
+        "--output_dir",
+        tmp_path / "run",
+    )
     trainer, checked = setup.trainer, []
     real_check = trainer.guard.check
 
@@ -304,8 +424,11 @@ def test_the_guard_also_looks_at_every_checkpoint_step(tmp_path):
 
 def test_without_a_terminal_one_progress_line_per_logging_step(tmp_path, capsys):
     """docs/trainer.md: when stdout is not a terminal the progress is one line per logging step."""
-    fit(setup_run(*SHORT, "--max_steps", "4", "--logging_steps", "2", "--grad_accum", "1",
-                  "--output_dir", tmp_path / "run"))  # fmt: skip
+    fit(
+        setup_run(
+            *SHORT, "--max_steps", "4", "--logging_steps", "2", "--grad_accum", "1", "--output_dir", tmp_path / "run"
+        )
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"]
 

@@ -1,6 +1,7 @@
 """Launched by test_torchrun.py as `torchrun ... THIS sft ARGS` with FAULT_BATCHES=i,j,...: `fused-stable sft`
 whose logits become non-finite on those micro-batches (data positions), on every rank, as a diverging layer
 would make them; the stability guard must then roll every rank back together."""
+
 import os
 import sys
 
