@@ -9,7 +9,7 @@ Sections (each a key of the result JSON; a section that does not fit the time bu
   graph_step    device time of a whole step alone, no host: the step captured in a CUDA graph, replays timed
                 with CUDA events; fused_stable and torch's clip_grad_norm_(foreach) + AdamW(fused, capturable)
   host_step     host time of an eager step (the Python before the last launch), both contenders
-  candidates    the launch configurations tests/test_kernels_codegen.py lets through (kernels/codegen.py
+  candidates    the launch configurations tests/core/test_kernels_codegen.py lets through (kernels/codegen.py
                 CANDIDATES) side by side: norm pass and update pass device times per configuration and chunk size
   multi_device  with two or more GPUs: a step on cuda:1 while cuda:0 is current matches torch and runs on cuda:1
 Results: DIR/results/gpu-probe-<stamp>.json and .md. Parameter sets: fused_stable.bench's GPU plan
@@ -53,7 +53,7 @@ def probe_plan(size_scale: float = 1.0) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# building blocks (device-agnostic where they can be: tests/test_gpu_probe.py runs them on CPU)
+# building blocks (device-agnostic where they can be: tests/tools/test_gpu_probe.py runs them on CPU)
 
 
 def fused_optimizer(params, **extra):

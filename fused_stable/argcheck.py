@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 HELP_WIDTH = 100
 # close-match threshold for "did you mean": 0.75 keeps typos (grad_acum -> grad_accum, max_len -> max_length)

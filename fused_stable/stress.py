@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fused_stable.argcheck import OneLineParser, check_writable, number, parse_command, suggestion  # noqa: E402
-from fused_stable.train.errors import UserError  # noqa: E402
+from fused_stable.errors import UserError  # noqa: E402
 
 RECIPES = ("usual", "guarded")
 FINAL_WINDOW = 10  # steps averaged into the "final loss"

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from fused_stable.argcheck import OneLineParser, check_file_name, check_writable, number, parse_command, suggestion
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 from . import measure, report
 from .contenders import CONTENDERS

@@ -39,7 +39,7 @@ from .tables import ChunkMap
 # 8 warps x 32 threads x 4 elements = BLOCK: fp32 accesses are 128-bit and 16-bit param / grad accesses 64-bit,
 # and both dtypes get the same register layout. With 8 elements per thread the 16-bit accesses would be
 # 128-bit but the fp32 ones would not follow, and Triton would move every block through shared memory
-# (bar.sync) to convert between the two layouts (tests/test_kernels_codegen.py checks this).
+# (bar.sync) to convert between the two layouts (tests/core/test_kernels_codegen.py checks this).
 ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 FINALIZE_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)  # block: chunks / tensors per loop step
 

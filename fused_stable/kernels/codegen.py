@@ -9,7 +9,7 @@ configuration (kernels/*.py `*_CONFIG`), and for each one this reports:
   - for every loop in the PTX: its global loads and stores by width in bits, its barriers (`bar.sync`: a
     block's data going through shared memory) and its floating-point instructions that decide rounding
     (`fma.rn`, `div.rn` / `div.full`, `sqrt.rn` / `sqrt.approx`).
-tests/test_kernels_codegen.py asserts the properties the kernels claim on these records; `--candidates` adds
+tests/core/test_kernels_codegen.py asserts the properties the kernels claim on these records; `--candidates` adds
 the alternative launch configurations that benchmarks/gpu_probe.py times on a GPU.
 """
 

@@ -7,7 +7,7 @@ record of the launch. That makes two things measurable without a GPU:
   - the host time of a step: everything the host thread does before the GPU could start, which on a GPU is
     the floor under a step's time (benchmarks/host_time.py);
   - what the step really launches: which kernels, how many programs, and the PTX of the very kernels the
-    dispatcher compiled for these arguments (tests/test_host_path.py).
+    dispatcher compiled for these arguments (tests/core/test_host_path.py).
 Nothing runs on the device, so tensors' contents never change. Use in a process without TRITON_INTERPRET:
 
     with standin.installed() as launches:

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from fused_stable.argcheck import parse_command  # noqa: E402
-from fused_stable.train.errors import UserError  # noqa: E402
+from fused_stable.errors import UserError  # noqa: E402
 
 DEFAULT_MAX_NEW_TOKENS = 256
 

@@ -30,7 +30,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 COMPLETE_MARKER = "COMPLETE"
 MARKER_FORMAT = 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from fused_stable.train.errors import UserError  # noqa: E402
+from fused_stable.errors import UserError  # noqa: E402
 
 RUN_FILE = "run.yaml"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from fused_stable.argcheck import HELP_WIDTH, check_range, parse_number, suggestion
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 IGNORE_INDEX = -100
 # the plain format, for tokenizers without a chat template: role -> text before the content

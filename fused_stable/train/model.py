@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
+from fused_stable.errors import UserError
 from fused_stable.train.config import TrainConfig
-from fused_stable.train.errors import UserError
 from fused_stable.train.sources import TINY, ModelSource, loadable_folder, resolve_model
 from fused_stable.train.tokenizer import build_byte_tokenizer
 

@@ -15,7 +15,7 @@ import os
 import shutil
 
 from fused_stable.argcheck import check_writable
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 MANIFEST_FILE = "run_manifest.json"
 _MANIFEST_TMP = MANIFEST_FILE + ".tmp"

@@ -32,8 +32,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from fused_stable.errors import UserError
 from fused_stable.integrations import distributed as fsd
-from fused_stable.train.errors import UserError
 
 T = TypeVar("T")
 _cpu_group = None  # a gloo group for host-side agreement when the main group is NCCL

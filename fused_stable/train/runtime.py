@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from fused_stable.train.errors import UserError
+from fused_stable.errors import UserError
 
 TINY = "tiny"
 # alias -> (distribution, pinned version, importable package, file inside the package)

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from fused_stable.errors import UserError
 from fused_stable.train import data
 from fused_stable.train.config import resolve_config
-from fused_stable.train.errors import UserError
 from fused_stable.train.tokenizer import build_byte_tokenizer
 
 

@@ -1,5 +1,5 @@
 """Bad input: one line on stderr, exit code 2, no traceback, and nothing written (every option's bad values
-are driven by tests/test_cli_fuzz.py; these are the cases with a message worth pinning down)."""
+are driven by tests/tools/test_cli_fuzz.py; these are the cases with a message worth pinning down)."""
 
 import os
 import shlex

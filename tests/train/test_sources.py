@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
+from fused_stable.errors import UserError
 from fused_stable.train import runtime, sources
-from fused_stable.train.errors import UserError
 
 
 def test_resolve_kinds(tmp_path):

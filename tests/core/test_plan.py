@@ -179,7 +179,7 @@ def test_state_mappings_stay_plain_dicts_to_the_outside():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# CUDA graphs: nothing is uploaded while a stream is capturing (simulated here; tests/test_cuda.py captures)
+# CUDA graphs: nothing is uploaded while a stream is capturing (simulated here; tests/core/test_cuda.py captures)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Observations of the Triton backend's compiled launch path on CPU tensors, printed as one JSON object.
 
-Run by tests/test_host_path.py in a process without TRITON_INTERPRET: the kernels are compiled for sm_90 as on
+Run by tests/core/test_host_path.py in a process without TRITON_INTERPRET: the kernels are compiled for sm_90 as on
 a GPU and launched through fused_stable.kernels.standin, whose launches are records (nothing runs, so tensor
 contents never change). Each section below measures one claim of the step's host path.
 """

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import assert_close, interpret_available
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 

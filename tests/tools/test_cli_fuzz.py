@@ -27,7 +27,7 @@ from fused_stable.train import cli as sft_cli
 from fused_stable.train import export as export_cli
 from fused_stable.train.config import CHOICES, FIELDS, TrainConfig, resolve_config
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
     "--model",
     "tiny",

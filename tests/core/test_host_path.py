@@ -1,4 +1,4 @@
-"""The Triton backend's compiled launch path, on CPU: what a step launches and how (tests/standin_checks.py).
+"""The Triton backend's compiled launch path, on CPU: what a step launches and how (tests/core/standin_checks.py).
 
 The checks run in a subprocess without TRITON_INTERPRET, through fused_stable.kernels.standin (kernels compiled
 for sm_90, launches recorded instead of run): launch counts, direct launches of the cached compiled kernels
@@ -22,6 +22,8 @@ def seen():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_STABLE_BACKEND")}
     env.pop("TRITON_DEFAULT_FP_FUSION", None)  # unset: any kernel compiled without an explicit choice would warn
     script = Path(__file__).with_name("standin_checks.py")
+    tests_dir = str(Path(__file__).parents[1])  # standin_checks imports tests/helpers.py
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("triton's ptxas is not available here")

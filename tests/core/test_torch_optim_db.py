@@ -11,7 +11,7 @@ What cannot apply, and why (nothing here is skipped silently):
   - torch's reference runs with capturable=False: torch's capturable path refuses CPU tensors; FusedAdamW keeps
     capturable=True (its step is always capturable) and the math is the same.
   - optim_db's float64 and complex runs: FusedAdamW updates float32, bfloat16 and float16 parameters (others are
-    refused with a TypeError, tests/test_errors.py). Its float16 variant only raises eps to 0.1.
+    refused with a TypeError, tests/core/test_errors.py). Its float16 variant only raises eps to 0.1.
   - the error inputs in DIFFERENT_ERRORS below, where FusedAdamW deliberately differs.
 """
 
