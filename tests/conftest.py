@@ -2,9 +2,41 @@
 
 Triton reads TRITON_INTERPRET once, when it is first imported, so it is set here, at the start of the
 test run and before any test module imports triton; on a machine with CUDA the kernels run compiled.
+
+The run's first lines name the versions of the packages a fresh environment resolves (`.ci/run` builds a
+new one on every run), so a failure that comes from a new release of a dependency says which one.
 """
 
+import importlib.metadata
 import os
+import platform
+
+# the dependencies whose releases have changed what the tests see; add a new extra's packages here
+REPORTED_PACKAGES = ("torch", "triton", "transformers", "peft", "bitsandbytes", "accelerate", "lightning", "trl")
+
+
+def installed_versions(names=REPORTED_PACKAGES) -> str:
+    """'python 3.11.9, torch 2.13.0+cpu, ..., trl not installed': from the installed distributions' metadata."""
+    parts = [f"python {platform.python_version()}"]
+    for name in names:
+        try:
+            parts.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{name} not installed")
+    return ", ".join(parts)
+
+
+def pytest_report_header(config):
+    return f"versions: {installed_versions()}"
+
+
+def pytest_sessionstart(session):
+    # `-q` (the README's command) hides pytest's header, and with it pytest_report_header: print the versions
+    # anyway. Only the main process does; xdist's workers (which have `workerinput`) print nothing.
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(config, "workerinput") and config.option.verbose < 0:
+        reporter.write_line(f"versions: {installed_versions()}")
 
 
 def pytest_configure(config):
