@@ -5,6 +5,8 @@
   from other tools (`suggestion`: `--learning_rate` -> `--lr`), never a far-fetched guess;
 - numbers are checked where they are parsed: finite, and inside the range that makes sense (`number`);
 - an output folder is checked writable before any work starts, without writing anything (`check_writable`);
+- a `--device` is parsed in one place: auto, cpu, cuda or cuda:N that this machine has (`check_device`,
+  `resolve_device`);
 - a mistake is one line on stderr and exit code 2 (`OneLineParser`, `UserError`, `parse_command`), and help
   fits 100 columns.
 """
@@ -110,6 +112,37 @@ def number(
 
     parse.__name__ = "integer" if integer else "number"  # what argparse names in its "invalid ... value"
     return parse
+
+
+# ------------------------------------------------------------------------------------------ devices
+_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
+
+
+def check_device(device: str, what: str = "device") -> None:
+    """auto, cpu, cuda or cuda:N, and a CUDA device must exist on this machine (UserError otherwise). `what`:
+    how the user named the option (`device` for the sft key, `--device` for a flag)."""
+    match = _DEVICE.fullmatch(device)
+    if not match:
+        raise UserError(f"{what} must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"{what}={device} but this machine has no CUDA device (use {what}=cpu or auto)")
+        if match.group(1) is not None and int(match.group(1)) >= count:
+            raise UserError(f"{what}={device} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
+
+
+def resolve_device(device: str, what: str = "device"):
+    """The torch.device for a `device` option (checked as in `check_device`): auto is cuda where this machine
+    has CUDA, else the CPU."""
+    check_device(device, what)
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 # ------------------------------------------------------------------------------------------ files

@@ -1,9 +1,14 @@
-"""`fused-stable` command line: a thin dispatcher; each subcommand owns its own argument parsing."""
+"""`fused-stable` command line: a thin dispatcher; each subcommand owns its own argument parsing, and its
+`main()` first calls `offline_environment()`."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+# the Hugging Face libraries read these when they are first imported: nothing a command does may try a model hub
+OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
 SUBCOMMANDS = {
@@ -11,8 +16,16 @@ SUBCOMMANDS = {
     "chat": ("fused_stable.train.chat", "talk to a base model or a fine-tuned adapter (streamed, greedy by default)"),
     "export": ("fused_stable.train.export", "merge an adapter into its base: a plain Hugging Face model folder"),
     "bench": ("fused_stable.bench", "benchmark fused_stable against torch's clip + AdamW step"),
-    "stress": ("fused_stable.stress", "failure scenarios: the usual recipe vs fused_stable's guarded recipe"),
+    "stress": ("fused_stable.stress.cli", "failure scenarios: the usual recipe vs fused_stable's guarded recipe"),
 }
+
+
+def offline_environment() -> None:
+    """Every command runs offline by construction (models are read from local folders only). Called at the
+    start of each command's main(), before transformers is imported, never at import time: importing the package
+    changes no environment variable. A value the user set is kept."""
+    for name, value in OFFLINE_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
 
 def _usage() -> str:

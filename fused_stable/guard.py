@@ -1,40 +1,42 @@
 """The stability guard: spike and divergence detection from device-side counters, and what to do about it.
 
-Pure logic, usable without a model or a trainer. A `Guard` does nothing per step: it is checked at logging
-steps with `check`, which does one device read for the whole interval and returns a `Decision`. Everything it
-needs about the steps in between, the optimizer's decision kernel already keeps on the device:
+Pure logic, usable without a model or a trainer, and no file I/O (alerts.jsonl is written by
+`fused_stable.train.report.AlertLog`). A `Guard` does nothing per step: it is checked at logging steps with
+`check`, which does one device read for the whole interval and returns a `Decision`. Everything it needs about
+the steps in between, the optimizer's decision kernel already keeps on the device: the running statistics of
+the global grad norm, the largest z-score since the last poll (`FusedAdamW.max_zscore`, so a spike between two
+logging steps is seen) and the worst step of the interval (`FusedAdamW.worst_step`, a non-finite step counting
+as the worst) with its per-tensor grad norms, so an alert names the tensors of the step that spiked.
 
-- grad-norm spikes: running statistics of the global grad norm and the largest z-score since the last poll
-  (`FusedAdamW.max_zscore`), so a spike between two logging steps is seen; and the worst step of the interval
-  (`FusedAdamW.worst_step`, a non-finite step counting as the worst) with its per-tensor grad norms, copied by
-  the kernel when a step becomes the worst, so an alert names the tensors of the step that spiked;
-- non-finite gradients: the optimizer skips those steps itself and counts them (`skipped_steps`);
-- loss spikes: the z-score of each step's loss against running statistics of the loss (`LossStats`, the same
-  rules as the optimizer's grad-norm statistics), and non-finite losses.
+Alert kinds (`Alert.kind`):
+- `grad_spike`: the grad norm's z-score above `grad_z` (6), with a norm >= `grad_ratio` (5) x its running mean;
+- `nonfinite_grads`: steps the optimizer skipped for inf/NaN gradients (`skipped_steps`); `nonfinite_storm` (3)
+  of them in one interval escalate to the policy;
+- `loss_spike`: a step's loss z-score above `loss_z` (6), against running statistics of the loss (`LossStats`,
+  the optimizer's grad-norm rules on the host);
+- `nonfinite_loss`: a step's loss was inf/NaN;
+- `loss_rise`: an interval's median loss (or its last 3's) above `loss_rise` (1.5) x the best interval so far;
+- `data_shift`: right after a rollback, the restored model finds the new data bad too: the loss statistics
+  start over instead of rolling back again.
 
 Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of normal steps, which ZClip
-clips gently by design): by default at z > 6 for the grad norm and for the loss.
-
-Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip spiking steps on the device
-(`spike_skip_threshold` = `skip_z` and `spike_skip_ratio` = `skip_ratio`: z > 6 and a norm >= 5x its running
-mean by default, the alert rule; normal small-batch steps reach z 9-12 but only ~3x the mean norm, so the ratio
-is what keeps them) and records them; `stop` asks the trainer to checkpoint and
+clips gently by design). Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip
+spiking steps on the device (`spike_skip_threshold` = `skip_z` and `spike_skip_ratio` = `skip_ratio`: z > 6
+and a norm >= 5x its running mean by default, the alert rule; normal small-batch steps reach z 9-12 but only
+~3x the mean norm, so the ratio is what keeps them) and records them; `stop` asks the trainer to checkpoint and
 exit; `rollback` asks it to restore the last good checkpoint, multiplies the lr by `lr_factor` and skips the
 data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 POLICIES = ("warn", "skip", "stop", "rollback")
-ALERTS_FILE = "alerts.jsonl"
 
 # alert kinds
 GRAD_SPIKE = "grad_spike"  # grad-norm z-score above grad_z (and norm >= grad_ratio x mean)
@@ -172,7 +174,7 @@ class LossStats:
 @dataclass
 class Alert:
     step: int  # the optimizer step where it happened (trainer count, skipped steps included)
-    kind: str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS
+    kind: str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS | LOSS_RISE | DATA_SHIFT
     value: float  # the z-score, or the count of non-finite steps, or the loss itself
     threshold: float
     action: str  # ACTION_*
@@ -180,9 +182,6 @@ class Alert:
     grad_norm: float | None = None
     loss: float | None = None
     top_tensors: list = field(default_factory=list)  # [{"name", "grad_norm"}], largest first
-
-    def to_json(self) -> str:
-        return json.dumps({k: _json_number(v) for k, v in asdict(self).items()})
 
     def describe(self) -> str:
         if self.kind == GRAD_SPIKE:
@@ -229,17 +228,6 @@ def _fmt_norm(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
-def _json_number(value: Any) -> Any:
-    """inf/NaN as strings (strict JSON has neither); lists and dicts recursively."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, list):
-        return [_json_number(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_number(v) for k, v in value.items()}
-    return value
-
-
 class Guard:
     """Spike checks at logging steps and the policy's answer. See the module docstring.
 
@@ -278,10 +266,6 @@ class Guard:
         counters = torch.stack([optimizer.skipped_steps, optimizer.spike_skips]).tolist()
         self._seen_skipped, self._seen_spike_skips = int(counters[0]), int(counters[1])
         optimizer.reset_max_zscore()  # the polling windows: the largest z-score and the worst step
-
-    def observe_step(self, step: int, optimizer) -> None:
-        """Nothing to do: the optimizer's decision kernel keeps the interval's worst step (see the module doc).
-        Kept so that loops written for the guard's first version, which called it after every step, still run."""
 
     # ------------------------------------------------------------------------------------------ at logging steps
     @torch.no_grad()
@@ -323,33 +307,19 @@ class Guard:
         # the spikes it skipped: those are recorded, and escalate only as a storm of non-finite steps
         storm = new_skipped >= c.nonfinite_storm
         alerts: list[Alert] = []
+
+        def alert(at: int, kind: str, value: float, threshold: float, action: str, **extra) -> Alert:
+            return Alert(at, kind, float(value), float(threshold), action, step, top_tensors=top, **extra)
+
         if new_skipped > 0:
-            alerts.append(
-                Alert(
-                    where,
-                    NONFINITE_GRADS,
-                    float(new_skipped),
-                    float(c.nonfinite_storm),
-                    "" if storm else ACTION_SKIPPED,
-                    step,
-                    grad_norm=worst_norm if observed else last_norm,
-                    top_tensors=top,
-                )
-            )
+            norm = worst_norm if observed else last_norm
+            action = "" if storm else ACTION_SKIPPED
+            alerts.append(alert(where, NONFINITE_GRADS, new_skipped, c.nonfinite_storm, action, grad_norm=norm))
         # heavy tails: small-batch fine-tuning has normal steps at z ~ 10 but only ~3x the mean norm
         if max_z > c.grad_z and (not c.grad_ratio or max_z_norm >= c.grad_ratio * norm_mean):
-            alerts.append(
-                Alert(
-                    where if observed and math.isfinite(worst_norm) else step,
-                    GRAD_SPIKE,
-                    max_z,
-                    c.grad_z,
-                    ACTION_SKIPPED if new_spike_skips > 0 else "",
-                    step,
-                    grad_norm=max_z_norm,
-                    top_tensors=top,
-                )
-            )
+            at = where if observed and math.isfinite(worst_norm) else step
+            action = ACTION_SKIPPED if new_spike_skips > 0 else ""
+            alerts.append(alert(at, GRAD_SPIKE, max_z, c.grad_z, action, grad_norm=max_z_norm))
         if self.after_rollback and rows:
             shift = self._check_data_shift(rows[0], step)
             if shift:  # the optimizer's norm statistics describe the old data too: warm them up again
@@ -362,31 +332,11 @@ class Guard:
             skipped_row = row.get("skipped")
             if not math.isfinite(loss):
                 handled = bool(skipped_row) if skipped_row is not None else new_skipped > 0 and not storm
-                alerts.append(
-                    Alert(
-                        int(row["step"]),
-                        NONFINITE_LOSS,
-                        loss,
-                        math.inf,
-                        ACTION_SKIPPED if handled else "",
-                        step,
-                        loss=loss,
-                        top_tensors=top,
-                    )
-                )
+                action = ACTION_SKIPPED if handled else ""
+                alerts.append(alert(int(row["step"]), NONFINITE_LOSS, loss, math.inf, action, loss=loss))
             elif z > c.loss_z:
-                alerts.append(
-                    Alert(
-                        int(row["step"]),
-                        LOSS_SPIKE,
-                        z,
-                        c.loss_z,
-                        ACTION_SKIPPED if skipped_row else "",
-                        step,
-                        loss=loss,
-                        top_tensors=top,
-                    )
-                )
+                action = ACTION_SKIPPED if skipped_row else ""
+                alerts.append(alert(int(row["step"]), LOSS_SPIKE, z, c.loss_z, action, loss=loss))
         alerts += self._check_rise(rows, step, top)
         return self._decide(alerts, in_grace=step <= self.grace_until)
 
@@ -534,32 +484,3 @@ class Guard:
         self.alerts_total = int(state.get("alerts_total", 0))
         if state.get("base_lrs"):
             self.base_lrs = [float(x) for x in state["base_lrs"]]
-
-
-class AlertLog:
-    """output_dir/alerts.jsonl, one JSON object per alert. A resumed run first drops the alerts written after
-    the checkpoint it resumes from (they belong to the steps it is about to replay)."""
-
-    def __init__(self, output_dir: str, start_step: int = 0):
-        self.path = os.path.join(output_dir, ALERTS_FILE)
-        if os.path.isfile(self.path):
-            kept = [line for line in read_alerts(self.path, raw=True) if json.loads(line)["detected_at"] <= start_step]
-            with open(self.path, "w") as f:
-                f.writelines(line + "\n" for line in kept)
-
-    def write(self, alerts: list[Alert]) -> None:
-        if not alerts:
-            return
-        with open(self.path, "a") as f:
-            for alert in alerts:
-                f.write(alert.to_json() + "\n")
-
-
-def read_alerts(path: str, raw: bool = False) -> list:
-    if os.path.isdir(path):
-        path = os.path.join(path, ALERTS_FILE)
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        lines = [line.strip() for line in f if line.strip()]
-    return lines if raw else [json.loads(line) for line in lines]

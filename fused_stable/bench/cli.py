@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shlex
 import sys
 import time
@@ -10,7 +9,16 @@ from pathlib import Path
 
 import torch
 
-from fused_stable.argcheck import OneLineParser, check_file_name, check_writable, number, parse_command, suggestion
+from fused_stable.argcheck import (
+    OneLineParser,
+    check_file_name,
+    check_writable,
+    number,
+    parse_command,
+    resolve_device,
+    suggestion,
+)
+from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 
 from . import measure, report
@@ -123,24 +131,6 @@ def build_parser() -> OneLineParser:
     return p
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
-
-
-def _resolve_device(arg: str) -> torch.device:
-    match = _DEVICE.fullmatch(arg)
-    if not match:
-        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {arg!r}")
-    if arg == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if arg.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UserError(f"--device {arg}: CUDA is not available on this machine")
-        if match.group(1) is not None and int(match.group(1)) >= count:
-            raise UserError(f"--device {arg}: this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
-    return torch.device(arg)
-
-
 def _select_sets(sets, selector: str, flag: str = "--sets"):
     if not selector:
         return sets
@@ -153,6 +143,7 @@ def _select_sets(sets, selector: str, flag: str = "--sets"):
 
 def main(argv: list[str]) -> int:
     """`fused-stable bench`; a bad option is one line on stderr and exit code 2, before anything is written."""
+    offline_environment()
     args, code = parse_command(build_parser(), argv, "bench")
     if args is None:
         return code
@@ -160,7 +151,7 @@ def main(argv: list[str]) -> int:
 
     console = Console(width=max(200, Console().width))
     try:
-        device = _resolve_device(args.device)
+        device = resolve_device(args.device, "--device")
         plan = args.plan if args.plan != "auto" else ("gpu" if device.type == "cuda" else "cpu")
         sets = _select_sets(plan_sets(plan, args.size_scale), args.sets)
         contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())

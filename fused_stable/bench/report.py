@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import subprocess
 from pathlib import Path
 
 import torch
+
+from fused_stable import strict_json
 
 # Goals of issue 6. GPU goals apply to CUDA runs; the CPU bar is the core issue's bar for the torch path.
 CPU_TIME_RATIO_BAR = 0.95
@@ -338,6 +339,7 @@ def markdown(result: dict) -> str:
 def write(result: dict, out_dir: Path, stem: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    # strict JSON in the encoding of every output file (fused_stable.strict_json): a NaN time is "NaN"
+    json_path.write_text(strict_json.dumps(result, indent=1, default=str) + "\n")
     md_path.write_text(markdown(result))
     return json_path, md_path

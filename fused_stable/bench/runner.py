@@ -8,7 +8,6 @@ time-boxed (torch.compile).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from fused_stable import strict_json
 
 from . import measure
 from .contenders import Contender, baseline_for, contenders_for
@@ -190,7 +191,7 @@ def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_
         "opts": asdict(opts),
         "copy_bw": copy_bw,
     }
-    cmd = [sys.executable, "-m", "fused_stable.bench.worker", json.dumps(job)]
+    cmd = [sys.executable, "-m", "fused_stable.bench.worker", strict_json.dumps(job)]
     # Own session, so a timeout can kill the worker together with inductor's compile subprocesses.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -201,7 +202,7 @@ def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_
         return _skip(spec, contender, f"exceeded its {timeout:.0f} s time box (compile + warm-up + timing)")
     for line in reversed(out.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+            return strict_json.loads(line[len("RESULT ") :])
     tail = (err.strip().splitlines() or ["no output"])[-1]
     # Reported as skipped, not as a failure of the run: compilation is optional (no compiler, unsupported op...).
     return _skip(spec, contender, f"worker failed (exit code {proc.returncode}): {tail[:200]}")

@@ -7,10 +7,11 @@ is timed alongside, interleaved, and its median rides along as `paired_baseline_
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
+
+from fused_stable import strict_json
 
 from .contenders import CONTENDERS
 from .paramsets import ParamSetSpec
@@ -21,7 +22,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m fused_stable.bench.worker '<job json>'", file=sys.stderr)
         return 2
-    job = json.loads(argv[0])
+    job = strict_json.loads(argv[0])
     opts = Options(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["opts"].items()})
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
         row.update(status="skipped", reason=f"torch.compile failed: {row['reason']}")
     if len(rows) == 2 and rows[0]["status"] == "ok":
         row["paired_baseline_median_s"] = rows[0]["median_s"]
-    print("RESULT " + json.dumps(row), flush=True)
+    print("RESULT " + strict_json.dumps(row), flush=True)
     return 0
 
 

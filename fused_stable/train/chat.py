@@ -10,14 +10,11 @@ One-shot mode prints only the answer on stdout (loading messages go to stderr), 
 
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from fused_stable.argcheck import parse_command  # noqa: E402
-from fused_stable.errors import UserError  # noqa: E402
+from fused_stable.argcheck import parse_command
+from fused_stable.cli import offline_environment
+from fused_stable.errors import UserError
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -62,15 +59,15 @@ def build_parser():
 
 def check_args(args) -> None:
     """Everything that can be checked before a model is loaded (UserError, one line)."""
-    from fused_stable.train.config import check_device
-    from fused_stable.train.model import inspect_saved
+    from fused_stable.argcheck import check_device
+    from fused_stable.train.saved import inspect_saved
     from fused_stable.train.sources import DEFAULT_MODEL, resolve_model
 
     if args.model is not None and args.adapter is not None:
         raise UserError("give --model or --adapter, not both (an adapter names its own base model)")
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("--prompt is empty: give a question, or leave --prompt out for an interactive chat")
-    check_device(args.device)
+    check_device(args.device, "--device")
     if args.adapter is not None:
         if not args.adapter.strip():
             raise UserError("--adapter is empty: give an adapter folder or a run folder")
@@ -83,7 +80,8 @@ def check_args(args) -> None:
 
 def load_chat_model(args, device, log):
     """(model, tokenizer, description) for the checked `--model` or `--adapter` (see `check_args`)."""
-    from fused_stable.train.model import load_pretrained, load_trained
+    from fused_stable.train.model import load_pretrained
+    from fused_stable.train.saved import load_trained
 
     if args.adapter is not None:
         trained = load_trained(args.adapter, device=device, log=log, saved=args.saved)
@@ -152,6 +150,7 @@ def _interactive(model, tokenizer, system: str | None, args) -> None:
 def main(argv: list[str]) -> int:
     """`fused-stable chat`; a bad option, model or adapter is one line on stderr and exit code 2, before any
     model is loaded."""
+    offline_environment()
     args, code = parse_command(build_parser(), argv, "chat")
     if args is None:
         return code

@@ -30,6 +30,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from fused_stable import strict_json
 from fused_stable.errors import UserError
 
 COMPLETE_MARKER = "COMPLETE"
@@ -214,8 +215,10 @@ def save_checkpoint(
         if scaler is not None:
             _torch_save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
         _torch_save(rng_state() if rng is None else rng, os.path.join(tmp, "rng.pt"))
+        # strict JSON (fused_stable.strict_json): the guard's statistics are floats
         _write_bytes(
-            os.path.join(tmp, "trainer_state.json"), json.dumps({**trainer_state, "step": step}, indent=2).encode()
+            os.path.join(tmp, "trainer_state.json"),
+            strict_json.dumps({**trainer_state, "step": step}, indent=2).encode(),
         )
         _write_bytes(os.path.join(tmp, "config.yaml"), yaml.safe_dump(config, sort_keys=False).encode())
         _fsync_path(tmp)
@@ -280,8 +283,8 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scaler=None, resto
 
 
 def read_trainer_state(path: str) -> dict:
-    with _loading(path, "trainer_state.json"), open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
+    with _loading(path, "trainer_state.json"), open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+        state = strict_json.loads(f.read())
     if not isinstance(state, dict):
         raise UserError(f"{os.path.join(path, 'trainer_state.json')} is damaged (not a JSON object)")
     return state

@@ -15,11 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-# offline by construction: nothing below may try a model hub (set before transformers is imported)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from fused_stable.errors import UserError  # noqa: E402
+from fused_stable.cli import offline_environment
+from fused_stable.errors import UserError
 
 RUN_FILE = "run.yaml"
 
@@ -60,8 +57,9 @@ def _quiet_third_party_noise() -> None:
 
 
 def main(argv: list[str]) -> int:
+    offline_environment()  # before anything imports transformers
     if any(a in ("-h", "--help") for a in argv):
-        from fused_stable.train.config import help_text
+        from fused_stable.train.keys import help_text
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, from rank 0
             print(help_text())
@@ -106,7 +104,8 @@ def _resolve(argv: list[str]):
     """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
     checkpoints `resume latest` passed over (one line each)."""
     from fused_stable.train import checkpoint, outputs
-    from fused_stable.train.config import STATE_KEYS, resolve_config, same_state_value
+    from fused_stable.train.config import resolve_config, same_state_value
+    from fused_stable.train.keys import STATE_KEYS
 
     cfg, explicit = resolve_config(argv)
     if cfg.resume is None:
@@ -167,7 +166,7 @@ class RunSetup:
         from fused_stable.train import outputs
         from fused_stable.train.config import dump_yaml
         from fused_stable.train.parallel import QuietReporter
-        from fused_stable.train.report import Reporter
+        from fused_stable.train.report import AlertLog, Reporter
 
         cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
         if self.resume_path is not None:
@@ -190,8 +189,6 @@ class RunSetup:
             else QuietReporter()
         )
         if trainer.guard is not None and main_rank:
-            from fused_stable.guard import AlertLog
-
             trainer.alert_log = AlertLog(cfg.output_dir, trainer.state.step)
 
 

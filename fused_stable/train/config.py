@@ -1,8 +1,10 @@
-"""The trainer's configuration: one dataclass, filled from defaults < YAML file < command-line flags.
+"""The trainer's configuration: a `TrainConfig` (its keys are in `keys`) filled from defaults < YAML file <
+command-line flags, and checked.
 
-Every key is a field of `TrainConfig` with its default and a help line (`fused-stable sft --help` prints
-them all). Unknown keys are refused with the closest known key suggested; values are checked before
-anything is written, so a bad input never leaves a half-created run behind.
+Unknown keys are refused with the closest known key suggested; values are coerced to the key's type, every
+number is checked finite and inside its key's range, and the rules between keys (quantisation needs an adapter,
+resume excludes overwrite, ...) are checked before anything is written, so a bad input never leaves a
+half-created run behind. The result is stored as run.yaml and in every checkpoint (`run_dict`).
 """
 
 from __future__ import annotations
@@ -10,180 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import textwrap
 import types
 import typing
-from dataclasses import dataclass, field
 
 import yaml
 
-from fused_stable.argcheck import HELP_WIDTH, check_range, parse_number, suggestion
+from fused_stable.argcheck import check_device, parse_number, suggestion
 from fused_stable.errors import UserError
-
-
-@dataclass(frozen=True)
-class Range:
-    """Where a numeric key's value makes sense (checked by `validate`, with every other number finite)."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def problem(self, value) -> str | None:
-        return check_range(value, self.low, self.high, low_open=self.low_open, high_open=self.high_open)
-
-
-MAX_COUNT = 10**9  # a bound on counts (steps, examples...) that no real run reaches and no typo passes
-POSITIVE_COUNT = Range(1, MAX_COUNT)
-COUNT = Range(0, MAX_COUNT)  # what an int key without its own range must satisfy
-
-
-def _key(default, help_: str, group: str, check: Range | None = None):
-    return field(default=default, metadata={"help": help_, "group": group, "check": check})
-
-
-@dataclass
-class TrainConfig:
-    # what to train
-    model: str = _key("smollm2-135m", "smollm2-135m (pretrained) | tiny (scratch) | HF dir | .gguf file", "model")
-    dataset: str = _key("identity", "identity (built-in) | arithmetic (for tiny) | .json/.jsonl file", "model")
-    identity_name: str = _key("Aster", "dataset=identity: the name the model learns", "model")
-    identity_author: str = _key("Fused Labs", "dataset=identity: who made the model", "model")
-    general_examples: int = _key(50, "dataset=identity: general examples mixed in", "model", Range(0, 10**6))
-    arithmetic_examples: int = _key(12800, "dataset=arithmetic: examples generated", "model", Range(1, 10**7))
-    output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
-    tuner: str = _key("lora", "lora | dora | full", "model")
-    quant_bits: int | None = _key(
-        None, "4 (QLoRA: NF4 + double quantisation), 8, or none: quantise the frozen base weights", "model"
-    )
-    lora_r: int = _key(8, "LoRA rank", "model", Range(1, 65536))
-    lora_alpha: float = _key(
-        16, "LoRA alpha (the update is scaled by alpha / r)", "model", Range(0, 1e6, low_open=True)
-    )
-    lora_dropout: float = _key(0.0, "dropout on the LoRA input", "model", Range(0, 1, high_open=True))
-    target_modules: str = _key("all-linear", "comma-separated module names to adapt, or all-linear", "model")
-    loraplus_lr_ratio: float | None = _key(
-        None, "LoRA+: the B matrices get lr x ratio (e.g. 16); none = plain LoRA", "model", Range(0, 1e6, low_open=True)
-    )
-    gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", "model")
-    # optimisation
-    lr: float = _key(1e-3, "peak learning rate", "optim", Range(0, 1, low_open=True))
-    weight_decay: float = _key(0.01, "decoupled weight decay (AdamW)", "optim", Range(0))
-    max_grad_norm: float | None = _key(
-        1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim", Range(0)
-    )
-    clip: str = _key(
-        "fixed",
-        "fixed (max_grad_norm only) | zscore (also clip grad-norm spikes to mean + 2.5 std of the running norm "
-        "statistics, ZClip-style)",
-        "optim",
-    )
-    warmup_ratio: float = _key(
-        0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim", Range(0, 1, high_open=True)
-    )
-    scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
-    precision: str = _key(
-        "auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim"
-    )
-    batch_size: int = _key(4, "sequences per micro-batch", "optim", Range(1, 65536))
-    grad_accum: int = _key(1, "micro-batches per optimizer step", "optim", Range(1, 65536))
-    max_steps: int | None = _key(None, "optimizer steps to run; none = derive from epochs", "optim", POSITIVE_COUNT)
-    epochs: float = _key(
-        1.0, "passes over the data set (used when max_steps is none)", "optim", Range(0, 10000, low_open=True)
-    )
-    max_length: int = _key(512, "truncate tokenised examples to this many tokens", "optim", Range(8, 2**20))
-    seed: int = _key(42, "seed for model init, data order and dropout", "optim", Range(0, 2**32 - 1))
-    # bookkeeping
-    logging_steps: int = _key(10, "read metrics from the device every N optimizer steps", "run", POSITIVE_COUNT)
-    save_steps: int = _key(100, "write a checkpoint every N optimizer steps (0 = only at the end)", "run")
-    save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
-    tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard", "run")
-    device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
-    threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run", Range(0, 4096))
-    evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
-    resume: str | None = _key(None, "'latest' or a checkpoint directory to continue from", "run")
-    overwrite: bool = _key(False, "replace the run already in output_dir", "run")
-    # stability guard (fused_stable.guard): checked at logging steps from device-side counters
-    guard: str = _key(
-        "warn",
-        "what to do on an alert: warn (record it) | skip (the optimizer also skips grad-norm spikes) | stop "
-        "(checkpoint, exit code 3) | rollback (restore the last good checkpoint, lower the lr, skip the data window)",
-        "guard",
-    )
-    guard_grad_z: float = _key(
-        6.0,
-        "alert when the grad norm's z-score (against its running statistics) exceeds this...",
-        "guard",
-        Range(0, low_open=True),
-    )
-    guard_grad_ratio: float = _key(
-        5.0, "...and the norm is at least this many times its running mean (0 = z-score alone)", "guard"
-    )
-    guard_skip_z: float = _key(
-        6.0,
-        "guard=skip|rollback: the optimizer skips steps whose grad-norm z-score exceeds this...",
-        "guard",
-        Range(0, low_open=True),
-    )
-    guard_skip_ratio: float = _key(
-        5.0, "...and whose norm is at least this many times its running mean (0 = z-score alone)", "guard"
-    )
-    guard_loss_z: float = _key(
-        6.0,
-        "alert when a step's loss z-score (against its running statistics) exceeds this",
-        "guard",
-        Range(0, low_open=True),
-    )
-    guard_loss_rise: float = _key(
-        1.5,
-        "alert when a logging interval's median loss (or its last 3's) exceeds this x the best so far (0 = off)",
-        "guard",
-    )
-    guard_nonfinite_storm: int = _key(
-        3,
-        "non-finite-gradient steps in one logging interval that escalate to the policy "
-        "(fewer are skipped and recorded)",
-        "guard",
-        POSITIVE_COUNT,
-    )
-    guard_lr_factor: float = _key(
-        0.5, "guard=rollback: multiply the lr by this on each rollback for a spike", "guard", Range(0, 1, low_open=True)
-    )
-    guard_max_rollbacks: int = _key(
-        3, "guard=rollback: give up (stop, exit code 3) when this many rollbacks did not help", "guard"
-    )
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-CHOICES = {
-    "tuner": ("lora", "dora", "full"),
-    "scheduler": ("cosine", "linear", "constant"),
-    "precision": ("auto", "bf16", "fp16", "fp32"),
-    "clip": ("fixed", "zscore"),
-    "guard": ("warn", "skip", "stop", "rollback"),
-    "evaluation": ("auto", "on", "off"),
-}
-# keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
-LAUNCH_KEYS = ("resume", "overwrite")
-# keys a checkpoint fixes: the shapes or meaning of its saved weights (model, tuner, quantisation, adapter
-# rank, scale and targets, LoRA+ groups), and the hyper-parameters its optimizer state carries and restores
-# (lr, with any guard rollback cut, and weight_decay: a new value would be silently ignored). A resume that
-# changes one is refused; the checkpoint's saved config is the reference.
-STATE_KEYS = (
-    "model",
-    "tuner",
-    "quant_bits",
-    "lora_r",
-    "lora_alpha",
-    "target_modules",
-    "loraplus_lr_ratio",
-    "lr",
-    "weight_decay",
-)
+from fused_stable.train.keys import ALIASES, CHOICES, COUNT, FIELDS, LAUNCH_KEYS, TrainConfig
 
 
 def same_state_value(name: str, saved, now) -> bool:
@@ -193,57 +29,6 @@ def same_state_value(name: str, saved, now) -> bool:
     if name == "model" and isinstance(saved, str) and isinstance(now, str) and os.path.isdir(now):
         return os.path.realpath(saved) == os.path.realpath(now)
     return saved == now
-
-
-# names other tools use for our keys: suggested, never accepted silently (a YAML from another tool should
-# fail loudly rather than half-apply)
-ALIASES = {
-    "learning_rate": "lr",
-    "lr_scheduler_type": "scheduler",
-    "lr_scheduler": "scheduler",
-    "per_device_train_batch_size": "batch_size",
-    "train_batch_size": "batch_size",
-    "micro_batch_size": "batch_size",
-    "gradient_accumulation_steps": "grad_accum",
-    "gradient_accumulation": "grad_accum",
-    "num_train_epochs": "epochs",
-    "num_epochs": "epochs",
-    "warmup": "warmup_ratio",
-    "max_seq_length": "max_length",
-    "max_seq_len": "max_length",
-    "cutoff_len": "max_length",
-    "seq_len": "max_length",
-    "model_name_or_path": "model",
-    "base_model": "model",
-    "data_path": "dataset",
-    "train_file": "dataset",
-    "data": "dataset",
-    "output": "output_dir",
-    "out": "output_dir",
-    "resume_from_checkpoint": "resume",
-    "lora_rank": "lora_r",
-    "rank": "lora_r",
-    "r": "lora_r",
-    "alpha": "lora_alpha",
-    "dropout": "lora_dropout",
-    "target_modules_list": "target_modules",
-    "wd": "weight_decay",
-    "clip_grad_norm": "max_grad_norm",
-    "grad_clip": "max_grad_norm",
-    "gradient_clipping": "max_grad_norm",
-    "num_steps": "max_steps",
-    "max_iters": "max_steps",
-    "log_steps": "logging_steps",
-    "log_every": "logging_steps",
-    "save_every": "save_steps",
-    "load_in_4bit": "quant_bits",
-    "load_in_8bit": "quant_bits",
-    "bits": "quant_bits",
-    "bf16": "precision",
-    "fp16": "precision",
-    "use_dora": "tuner",
-    "gradient_checkpoint": "gradient_checkpointing",
-}
 
 
 # ------------------------------------------------------------------------------------------ value parsing
@@ -386,23 +171,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise UserError(f"{f.name} {problem}, got {value}")
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-
-
-def check_device(device: str) -> None:
-    """auto, cpu, cuda or cuda:N, and the CUDA device must exist on this machine."""
-    match = _DEVICE.fullmatch(device)
-    if not match:
-        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
-    if device.startswith("cuda"):
-        import torch
-
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UserError(f"device={device} but this machine has no CUDA device (use device=cpu or auto)")
-        if match.group(1) is not None and int(match.group(1)) >= count:
-            raise UserError(f"device={device} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -475,71 +244,3 @@ def run_dict(cfg: TrainConfig) -> dict:
 
 def dump_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(run_dict(cfg), sort_keys=False)
-
-
-def help_text() -> str:
-    """Every key with its help and default, wrapped to fit HELP_WIDTH columns."""
-
-    def para(text: str, indent: str = "") -> list[str]:
-        return textwrap.wrap(
-            text, HELP_WIDTH, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
-        ) or [""]
-
-    lines = [
-        "usage: fused-stable sft [--config run.yaml] [--key value ...]",
-        "",
-        *para(
-            "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline. "
-            "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task "
-            "into runs/sft and evaluates it before and after (eval.json)."
-        ),
-        *para(
-            "Keys come from defaults < the YAML file given by --config < flags (--key value or --key=value; "
-            "--key_name and --key-name are the same key)."
-        ),
-        "",
-    ]
-    titles = {
-        "model": "model and data:",
-        "optim": "optimisation:",
-        "run": "run:",
-        "guard": "stability guard (docs/guard.md):",
-    }
-    column = 28  # where the help text starts: "  --" + the longest key + a space
-    for group, title in titles.items():
-        lines.append(title)
-        for f in dataclasses.fields(TrainConfig):
-            if f.metadata["group"] != group:
-                continue
-            default = (
-                "none" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
-            )
-            # a no-break space keeps "(default: value)" on one line
-            text = f"{f.metadata['help']} (default:\u00a0{default})"
-            lines += [
-                line.replace("\u00a0", " ")
-                for line in textwrap.wrap(
-                    text,
-                    HELP_WIDTH,
-                    initial_indent=f"  --{f.name} ".ljust(column),
-                    subsequent_indent=" " * column,
-                    break_on_hyphens=False,
-                )
-            ]  # "all-linear" stays whole
-        lines.append("")
-    lines += para(
-        "Outputs in output_dir: run_manifest.json (what --overwrite may remove), run.yaml, metrics.jsonl, "
-        "alerts.jsonl, curves.png, eval.json, tensorboard/, checkpoints/step-N/, adapter/ (or model/)."
-    )
-    lines += para(
-        "Then: fused-stable chat --adapter output_dir, fused-stable export --adapter output_dir --output_dir DIR."
-    )
-    lines += para(
-        "Ctrl-C (SIGINT) or SIGTERM: the current step finishes, a checkpoint is saved and the command to "
-        "continue is printed; a second Ctrl-C abandons that save."
-    )
-    lines += para(
-        "Exit codes: 0 done, 2 bad input (nothing written), 3 stopped by the guard (look at alerts.jsonl, "
-        "then --resume latest), 130 / 143 interrupted by SIGINT / SIGTERM."
-    )
-    return "\n".join(lines)

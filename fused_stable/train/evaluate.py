@@ -3,78 +3,21 @@ contain an expected string (the new name for `identity`; the known short answer 
 
 `evaluate(model, tokenizer, name=...)` works on any causal LM with a tokenizer (a peft model, a merged export,
 the base model), so other code (the stress suite on the real model) can judge a model the same way;
-`eval_report` puts two evaluations side by side as eval.json, `format_table` prints them.
+`eval_report` puts two evaluations side by side as eval.json, `format_table` prints them. The answers come
+from `fused_stable.train.generate` (also used to write the task's own general answers, `tasks`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 
-import torch
-
-from fused_stable.train import data, tasks
+from fused_stable import strict_json
+from fused_stable.train import tasks
+from fused_stable.train.generate import EVAL_MAX_NEW_TOKENS, generate_answers
 
 EVAL_FILE = "eval.json"
-EVAL_MAX_NEW_TOKENS = 32  # enough for a name or a short fact: the answers we score give them early
 SETS = ("identity", "general")
-
-
-def _as_messages(prompt) -> list[dict]:
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-
-
-@torch.no_grad()
-def generate_answers(
-    model,
-    tokenizer,
-    prompts,
-    *,
-    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
-    batch_size: int = 64,
-    autocast=None,
-    return_finished: bool = False,
-) -> list:
-    """Greedy answers to `prompts` (strings, or message lists), formatted as in training, batched with left
-    padding. Returns the answer texts (with `return_finished`, (text, ended with end-of-sequence) pairs)."""
-    device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    was_training = model.training
-    model.eval()
-    results = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = [data.prompt_ids(tokenizer, _as_messages(p)) for p in prompts[start : start + batch_size]]
-            width = max(len(ids) for ids in chunk)
-            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, ids in enumerate(chunk):
-                input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                attention_mask[row, width - len(ids) :] = 1
-            with autocast if autocast is not None else contextlib.nullcontext():
-                out = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=eos,
-                    pad_token_id=pad,
-                    use_cache=True,
-                    temperature=None,
-                    top_p=None,
-                    top_k=None,
-                )
-            for row in out[:, width:].tolist():
-                finished = eos in row
-                row = row[: row.index(eos)] if finished else row
-                text = tokenizer.decode(row, skip_special_tokens=True).strip()
-                results.append((text, finished) if return_finished else text)
-    finally:
-        model.train(was_training)
-    return results
 
 
 def contains_answer(answer: str, expected: list[str]) -> bool:
@@ -123,8 +66,7 @@ def write_eval(output_dir: str, report: dict) -> str:
     path = os.path.join(output_dir, EVAL_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, ensure_ascii=False)
-        f.write("\n")
+        f.write(strict_json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return path
 

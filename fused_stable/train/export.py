@@ -17,13 +17,10 @@ import shutil
 import sys
 import tempfile
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from fused_stable.argcheck import parse_command  # noqa: E402
-from fused_stable.errors import UserError  # noqa: E402
-
-CREATED_BY = "fused-stable export"
+from fused_stable.argcheck import parse_command
+from fused_stable.cli import offline_environment
+from fused_stable.errors import UserError
+from fused_stable.train.outputs import EXPORT
 
 
 def build_parser():
@@ -48,50 +45,16 @@ def build_parser():
     return p
 
 
-def check_output_dir(output_dir: str, overwrite: bool) -> None:
-    """Refuse (UserError, reading only) a target that is not writable, or that holds anything but a previous
-    export (named in its run_manifest.json), or a previous export without --overwrite."""
-    from fused_stable.argcheck import check_writable
-    from fused_stable.train import outputs
-
-    if not output_dir.strip():
-        raise UserError("--output_dir is empty: give a new or empty folder for the merged model")
-    check_writable(output_dir, "--output_dir")
-    if not os.path.isdir(output_dir) or not os.listdir(output_dir):
-        return
-    entries = sorted(os.listdir(output_dir))
-    manifest = outputs.read_manifest(output_dir)
-    if manifest is None:
-        raise UserError(
-            f"--output_dir {output_dir!r} is not empty and is not an export (it holds "
-            f"{', '.join(entries[:4])}{' ...' if len(entries) > 4 else ''}): choose a new or empty "
-            "folder (--overwrite never removes files export did not write)"
-        )
-    if manifest.get("created_by") != CREATED_BY:
-        raise UserError(
-            f"--output_dir {output_dir!r} holds a {manifest.get('created_by', 'fused-stable')} run, not an "
-            "export: choose a new or empty folder"
-        )
-    if not overwrite:
-        raise UserError(f"--output_dir {output_dir!r} already holds an export; pass --overwrite to replace it")
-    foreign = outputs.foreign_entries(output_dir, manifest)
-    if foreign:
-        raise UserError(
-            f"--overwrite: --output_dir {output_dir!r} also holds files the export did not write "
-            f"({', '.join(foreign[:4])}); nothing was removed: move them away or choose another folder"
-        )
-
-
 def _dequantised_base(source, tokenizer, quant_bits: int, log):
     """The fp32 base with every quantised weight replaced by its dequantised value."""
     import torch
     from peft.utils.integrations import dequantize_bnb_weight
 
-    from fused_stable.train.model import _load_base, _quantization_config
+    from fused_stable.train.model import load_base, quantization_config
 
-    base = _load_base(source, tokenizer, torch.device("cpu"), torch.float32, None, log)
-    quantised = _load_base(
-        source, tokenizer, torch.device("cpu"), torch.float32, _quantization_config(quant_bits, torch.float32), log
+    base = load_base(source, tokenizer, torch.device("cpu"), torch.float32, None, log)
+    quantised = load_base(
+        source, tokenizer, torch.device("cpu"), torch.float32, quantization_config(quant_bits, torch.float32), log
     )
     modules = dict(base.named_modules())
     replaced = 0
@@ -115,14 +78,15 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
     import torch
 
     from fused_stable.train import outputs
-    from fused_stable.train.model import _load_base, inspect_saved, load_adapter, load_saved_tokenizer
+    from fused_stable.train.model import load_base
+    from fused_stable.train.saved import inspect_saved, load_adapter, load_saved_tokenizer
 
     if not adapter.strip():
         raise UserError("--adapter is empty: give an adapter folder or a run folder")
     saved = inspect_saved(adapter)
     if saved.kind != "adapter":
         raise UserError(f"{saved.folder} is a full model already (tuner=full): nothing to merge, load it directly")
-    check_output_dir(output_dir, overwrite)
+    outputs.check_output_dir(output_dir, overwrite=overwrite, command=EXPORT, option="--output_dir")
     tokenizer = load_saved_tokenizer(saved.folder)
     if saved.quant_bits:
         base = _dequantised_base(saved.base, tokenizer, saved.quant_bits, log)
@@ -130,7 +94,7 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
             f"the dequantised {saved.quant_bits}-bit base (the weights this QLoRA adapter was trained against)"
         )
     else:
-        base = _load_base(saved.base, tokenizer, torch.device("cpu"), torch.float32, None, log)
+        base = load_base(saved.base, tokenizer, torch.device("cpu"), torch.float32, None, log)
         merged_into = "the base weights"
     merged = load_adapter(base, saved.folder).merge_and_unload()
     merged.config.use_cache = True
@@ -141,7 +105,7 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
     try:
         merged.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        outputs.claim(scratch, sorted(os.listdir(scratch)), command=CREATED_BY)  # what a later --overwrite removes
+        outputs.claim(scratch, sorted(os.listdir(scratch)), command=EXPORT)  # what a later --overwrite removes
         previous = None
         if os.path.isdir(output_dir):  # a previous export, nothing else (checked above): swapped out, then removed
             previous = tempfile.mkdtemp(prefix=".old-export-", dir=parent)
@@ -163,6 +127,7 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
 def main(argv: list[str]) -> int:
     """`fused-stable export`; a bad option, adapter or target is one line on stderr and exit code 2, with
     nothing written."""
+    offline_environment()
     args, code = parse_command(build_parser(), argv, "export")
     if args is None:
         return code

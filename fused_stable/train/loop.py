@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fused_stable.guard import AlertLog, Decision, Guard
+from fused_stable.guard import Decision, Guard
 from fused_stable.train import checkpoint, parallel
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
-from fused_stable.train.report import Reporter
+from fused_stable.train.report import AlertLog, Reporter
 from fused_stable.train.runtime import Runtime
 
 # (step, optimizer, metrics of the latest step) -> None | "stop" | "rollback"

@@ -1,11 +1,12 @@
-"""What a run owns in its output_dir, so that nothing else there is ever removed, or called a run.
+"""What a run (or an export) owns in its folder, so that nothing else there is ever removed, or called a run.
 
 A run starts only in a new or empty folder (or, with `--overwrite`, in a previous run's folder that holds
-nothing else). Before it creates anything it writes `run_manifest.json`, naming the top-level entries it
-will create (`run.yaml`, `metrics.jsonl`, `checkpoints/`, `adapter/`...). A folder with that file is a run;
-a folder without it never is. `--overwrite` removes exactly the entries the manifest names (with everything
-inside them) and refuses, naming a few, when the folder holds anything else. Every check here reads only,
-so a refused start leaves the folder exactly as it was.
+nothing else); `fused-stable export` follows the same rules for its target (`check_output_dir` for both).
+Before it creates anything it writes `run_manifest.json`, naming the top-level entries it will create
+(`run.yaml`, `metrics.jsonl`, `checkpoints/`, `adapter/`...). A folder with that file is a run; a folder
+without it never is. `--overwrite` removes exactly the entries the manifest names (with everything inside
+them) and refuses, naming a few, when the folder holds anything else. Every check here reads only, so a
+refused start leaves the folder exactly as it was.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import shutil
 from fused_stable.argcheck import check_writable
 from fused_stable.errors import UserError
 
+SFT, EXPORT = "fused-stable sft", "fused-stable export"  # the commands that own a folder (`created_by`)
+# how messages name what each command writes: (what a folder is not, what it already holds, who created files)
+_NAMES = {SFT: ("a fused-stable run", "a run", "the run"), EXPORT: ("an export", "an export", "the export")}
 MANIFEST_FILE = "run_manifest.json"
 _MANIFEST_TMP = MANIFEST_FILE + ".tmp"
 _SHOWN = 4  # foreign entries named in a refusal
@@ -58,13 +62,24 @@ def foreign_entries(output_dir: str, manifest: dict) -> list[str]:
 
 
 def check_output_dir(
-    output_dir: str, *, overwrite: bool, resume_path: str | None = None, has_checkpoint: bool = False
+    output_dir: str,
+    *,
+    overwrite: bool,
+    command: str = SFT,
+    option: str = "output_dir",
+    resume_path: str | None = None,
+    has_checkpoint: bool = False,
 ) -> None:
-    """Raise UserError unless a run may start in output_dir as asked; reads only. `resume_path`: the
-    (verified) checkpoint to continue; continuing it in its own run folder is always allowed, in another
-    folder the rules of a new run apply. `has_checkpoint`: whether the run in output_dir saved a complete
-    checkpoint (it changes what to suggest)."""
-    check_writable(output_dir, "output_dir")
+    """Raise UserError unless `command` (SFT or EXPORT) may write into output_dir as asked; reads only. A new or
+    empty folder is fine; one that holds what the same command wrote before (its manifest says so), only with
+    `overwrite` and only if it holds nothing else. `option`: how the user named the folder (in messages).
+    sft only: `resume_path`, the (verified) checkpoint to continue (continuing it in its own run folder is
+    always allowed; in another folder the rules of a new run apply); `has_checkpoint`, whether the run in
+    output_dir saved a complete checkpoint (it changes what to suggest)."""
+    not_a, holds, creator = _NAMES[command]
+    if not output_dir.strip():
+        raise UserError(f"{option} is empty: give a new or empty folder")
+    check_writable(output_dir, option)
     if resume_path is not None:
         home = os.path.dirname(os.path.dirname(os.path.abspath(resume_path)))  # output_dir/checkpoints/step-N
         if os.path.realpath(home) == os.path.realpath(output_dir):
@@ -75,22 +90,25 @@ def check_output_dir(
     manifest = read_manifest(output_dir)
     if manifest is None:
         raise UserError(
-            f"output_dir {output_dir!r} is not empty and is not a fused-stable run (it holds "
-            f"{_shown(entries, output_dir)}): choose a new or empty folder (--overwrite never removes files a run "
-            "did not create)"
+            f"{option} {output_dir!r} is not empty and is not {not_a} (it holds {_shown(entries, output_dir)}): "
+            f"choose a new or empty folder (--overwrite never removes files {command} did not create)"
         )
+    created_by = manifest.get("created_by", SFT)  # the first manifests were all written by sft
+    if created_by != command:
+        raise UserError(f"{option} {output_dir!r} holds a {created_by} run, not {not_a}: choose a new or empty folder")
     if not overwrite:
-        how = (
-            "pass --resume latest to continue it or --overwrite to replace it"
-            if has_checkpoint
-            else "it saved no checkpoint, so there is nothing to resume: pass --overwrite to start it again"
-        )
-        raise UserError(f"output_dir {output_dir!r} already holds a run; {how}")
+        if command != SFT:
+            how = "pass --overwrite to replace it"
+        elif has_checkpoint:
+            how = "pass --resume latest to continue it or --overwrite to replace it"
+        else:
+            how = "it saved no checkpoint, so there is nothing to resume: pass --overwrite to start it again"
+        raise UserError(f"{option} {output_dir!r} already holds {holds}; {how}")
     foreign = foreign_entries(output_dir, manifest)
     if foreign:
         raise UserError(
-            f"--overwrite: output_dir {output_dir!r} also holds files the run did not create "
-            f"({_shown(foreign, output_dir)}); nothing was removed: move them away or choose another output_dir"
+            f"--overwrite: {option} {output_dir!r} also holds files {creator} did not create "
+            f"({_shown(foreign, output_dir)}); nothing was removed: move them away or choose another folder"
         )
 
 
@@ -114,7 +132,7 @@ def remove_previous_run(output_dir: str) -> list[str]:
     return removed
 
 
-def claim(output_dir: str, names: list[str], command: str = "fused-stable sft") -> None:
+def claim(output_dir: str, names: list[str], command: str = SFT) -> None:
     """Record (atomically) that the run in output_dir creates these top-level entries; call it before
     creating them. Creates output_dir if needed; names already claimed are kept."""
     os.makedirs(output_dir, exist_ok=True)

@@ -314,7 +314,7 @@ def _load_sharded(path: str, model, optimizer) -> None:
 
 def save_final(model, tokenizer, cfg, output_dir: str) -> str:
     """The adapter (or, for tuner=full, the whole model gathered from its shards) saved by rank 0."""
-    from fused_stable.train.model import save_final as save_one
+    from fused_stable.train.saved import save_final as save_one
 
     if not active():
         return save_one(model, tokenizer, cfg, output_dir)

@@ -1,10 +1,11 @@
 """What a run shows and leaves behind: a live progress bar, metrics.jsonl (one line per optimizer step),
-optional TensorBoard events, and curves.png (loss, grad norm vs the clip threshold, lr, skipped steps).
+alerts.jsonl (one line per stability-guard alert, `AlertLog`), optional TensorBoard events, and curves.png
+(loss, grad norm vs the clip threshold, lr, skipped steps, alerts).
 
-The loop hands rows over only at logging steps, after one device read for the whole interval.
-metrics.jsonl is strict JSON (RFC 8259 has no NaN or Infinity): a non-finite value is written as null, and
-the row's `nonfinite` object says which key held what (`{"loss": "nan", "grad_norm": "inf"}`);
-`read_metrics` gives the floats back.
+The loop hands rows over only at logging steps, after one device read for the whole interval. Both .jsonl
+files are strict JSON in the encoding of `fused_stable.strict_json` (a non-finite number is the string "NaN",
+"Infinity" or "-Infinity"); `read_metrics` and `read_alerts` give the floats back, also from files written
+in the encodings of earlier versions.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import json
 import math
 import os
 import sys
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from fused_stable import strict_json
 
 METRICS_FILE = "metrics.jsonl"
 ALERTS_FILE = "alerts.jsonl"
@@ -29,40 +33,22 @@ def _fmt(row: dict) -> str:
     )
 
 
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def to_json_line(row: dict) -> str:
-    """One strict-JSON line: non-finite floats become null, named (with their value) under `nonfinite`."""
-    nonfinite = {k: str(v) for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
-    if nonfinite:
-        row = {**{k: (None if k in nonfinite else v) for k, v in row.items()}, "nonfinite": nonfinite}
-    return json.dumps(row, allow_nan=False)
-
-
-def from_json_row(row: dict) -> dict:
-    """The inverse of `to_json_line`: the non-finite floats back in place of their nulls."""
-    nonfinite = row.pop("nonfinite", None) or {}
-    for key, text in nonfinite.items():
-        row[key] = float(text)
-    return row
-
-
-def _readable_rows(path: str) -> list[dict]:
-    """The rows of a metrics file a resumed run continues; a line a kill cut in half (the last one, written
-    after the checkpoint) is dropped with a note instead of stopping the resume."""
+def read_jsonl(path: str, *, tolerant: bool = False) -> list[dict]:
+    """The objects of a .jsonl file written here (non-finite numbers as floats again); [] if it does not exist.
+    `tolerant`: a line a kill cut in half (the last one of a run that was interrupted) is dropped with a note
+    instead of failing, as a resumed run must."""
     if not os.path.isfile(path):
         return []
     rows = []
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
             try:
-                row = json.loads(line) if line.strip() else None
+                row = strict_json.loads(line)
             except json.JSONDecodeError:
+                if not tolerant:
+                    raise
                 print(f"fused-stable sft: note: dropped unreadable line {number} of {path}", file=sys.stderr)
                 continue
             if isinstance(row, dict):
@@ -70,9 +56,39 @@ def _readable_rows(path: str) -> list[dict]:
     return rows
 
 
+def _rewrite_jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(strict_json.dumps(row) + "\n" for row in rows)
+
+
 def read_metrics(output_dir: str) -> list[dict]:
-    """metrics.jsonl as written by `Reporter`, with non-finite values as floats again."""
-    return [from_json_row(r) for r in read_jsonl(os.path.join(output_dir, METRICS_FILE))]
+    """metrics.jsonl as written by `Reporter`, with non-finite values as floats."""
+    return read_jsonl(os.path.join(output_dir, METRICS_FILE))
+
+
+def read_alerts(path: str) -> list[dict]:
+    """alerts.jsonl (of a run folder, or the file itself) as written by `AlertLog`, non-finite values as floats."""
+    if os.path.isdir(path):
+        path = os.path.join(path, ALERTS_FILE)
+    return read_jsonl(path)
+
+
+class AlertLog:
+    """output_dir/alerts.jsonl, one JSON object per alert (a `fused_stable.guard.Alert`). A resumed run first
+    drops the alerts written after the checkpoint it resumes from (they belong to the steps it is about to
+    replay)."""
+
+    def __init__(self, output_dir: str, start_step: int = 0):
+        self.path = os.path.join(output_dir, ALERTS_FILE)
+        if os.path.isfile(self.path):
+            kept = [a for a in read_jsonl(self.path, tolerant=True) if a.get("detected_at", 0) <= start_step]
+            _rewrite_jsonl(self.path, kept)
+
+    def write(self, alerts: list) -> None:
+        if not alerts:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.writelines(strict_json.dumps(asdict(alert)) + "\n" for alert in alerts)
 
 
 class Reporter:
@@ -83,11 +99,11 @@ class Reporter:
         self.total_steps = total_steps
         self.max_grad_norm = max_grad_norm
         self.metrics_path = os.path.join(output_dir, METRICS_FILE)
-        # a resumed run continues the file: drop rows written after the checkpoint by the interrupted run
-        kept = [r for r in _readable_rows(self.metrics_path) if r.get("step", 0) <= start_step]
-        with open(self.metrics_path, "w") as f:
-            f.writelines(to_json_line(from_json_row(r)) + "\n" for r in kept)
-        self._metrics = open(self.metrics_path, "a")
+        # a resumed run continues the file: drop rows written after the checkpoint by the interrupted run (in
+        # the current encoding, whichever version wrote them)
+        kept = [r for r in read_jsonl(self.metrics_path, tolerant=True) if r.get("step", 0) <= start_step]
+        _rewrite_jsonl(self.metrics_path, kept)
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
         self.tb = None
         if tensorboard:
             try:
@@ -119,7 +135,7 @@ class Reporter:
     def log(self, rows: list[dict]) -> None:
         """One JSON line per optimizer step, TensorBoard scalars, and the progress display."""
         for row in rows:
-            self._metrics.write(to_json_line(row) + "\n")
+            self._metrics.write(strict_json.dumps(row) + "\n")
             if self.tb is not None:
                 for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                     if math.isfinite(row[key]):
@@ -144,10 +160,8 @@ class Reporter:
         """After a rollback to `step`: metrics.jsonl keeps the trajectory the model actually has (rows up to
         `step`); what happened after it stays on record in alerts.jsonl."""
         self._metrics.close()
-        kept = [r for r in read_jsonl(self.metrics_path) if r["step"] <= step]
-        with open(self.metrics_path, "w") as f:
-            f.writelines(to_json_line(from_json_row(r)) + "\n" for r in kept)
-        self._metrics = open(self.metrics_path, "a")
+        _rewrite_jsonl(self.metrics_path, [r for r in read_jsonl(self.metrics_path) if r["step"] <= step])
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
         self.progress.update(self.task, completed=step)
 
     def message(self, text: str) -> None:
@@ -173,7 +187,7 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
 
     steps = [r["step"] for r in rows]
     skipped = [r["step"] for r in rows if r["skipped"]]
-    alerts = read_jsonl(os.path.join(output_dir, ALERTS_FILE))
+    alerts = read_alerts(output_dir)
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     ax_loss, ax_norm, ax_lr = axes
     ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, color="tab:blue", label="train loss")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fused_stable.errors import UserError
+from fused_stable.argcheck import resolve_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,14 +42,7 @@ class Runtime:
 def resolve_runtime(device: str, precision: str) -> Runtime:
     from fused_stable.train import parallel
 
-    if parallel.active():
-        dev = parallel.rank_device(device)
-    elif device == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"device={device} but no CUDA device is available (use device=cpu or auto)")
+    dev = parallel.rank_device(device) if parallel.active() else resolve_device(device)
     if precision == "auto":
         # bf16 where the hardware has it; on CPU fp32 is faster than emulated bf16 for small models
         precision = "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"

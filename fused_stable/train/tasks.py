@@ -84,7 +84,7 @@ def regenerate_general_answers(model="smollm2-135m", output=GENERAL_ANSWERS_FILE
     ANSWER_MAX_NEW_TOKENS is cut after its last full sentence, so every trained answer ends cleanly."""
     import torch
 
-    from fused_stable.train.evaluate import generate_answers
+    from fused_stable.train.generate import generate_answers
     from fused_stable.train.model import load_pretrained
     from fused_stable.train.sources import resolve_model
 

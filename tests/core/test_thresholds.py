@@ -106,7 +106,6 @@ def _guarded_run(guard: Guard, spike: float, steps: int = 30, loss_at_end: float
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * factor
         opt.step()
-        guard.observe_step(step, opt)
         loss = loss_at_end if step == steps + 1 and loss_at_end is not None else 2.0 + 0.05 * rng.gauss(0, 1)
         rows.append({"step": step, "loss": loss, "skipped": False})
     z = opt.max_zscore.item()

@@ -25,12 +25,12 @@ from fused_stable.guard import (
     LOSS_SPIKE,
     NONFINITE_GRADS,
     NONFINITE_LOSS,
-    AlertLog,
+    Alert,
     Guard,
     GuardConfig,
     LossStats,
-    read_alerts,
 )
+from fused_stable.train.report import AlertLog, read_alerts
 
 NAMES = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "head.weight", "norm.weight", "embed.weight"]
 SHAPES = [(8, 8), (8,), (8, 8), (4, 8), (8,), (16, 8)]
@@ -127,7 +127,6 @@ class Run:
                 p.grad = torch.randn(p.shape, generator=self.gen) * factor
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-            self.guard.observe_step(self.step, self.opt)
             loss = loss_at.get(self.step, 2.0 * math.exp(-self.step / 300) + 0.05 * self.rng.gauss(0, 1))
             self.rows.append({"step": self.step, "loss": loss, "skipped": bool(self.opt.last_step_skipped.item())})
             if self.step % self.log_every == 0:
@@ -312,8 +311,6 @@ def test_a_guarded_training_step_issues_the_same_device_ops_as_an_unguarded_one(
             (model(x).pow(2).mean() * scale).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if guarded:
-                guard.observe_step(step, opt)
 
         for step in range(1, 6):  # the plan and the norm statistics
             train_step(step)
@@ -343,6 +340,10 @@ def test_skip_takes_moderate_spikes_and_leaves_heavy_tailed_normal_steps():
     assert z_alone.opt.spike_skips.item() == 4  # the three normal heavy-tail steps as well
 
 
+def refuse_constant(constant):
+    raise ValueError(f"non-standard JSON constant {constant}")
+
+
 def test_alert_log_writes_jsonl_and_trims_on_resume(tmp_path):
     run = Run("warn", log_every=5)
     run.run(40)
@@ -354,9 +355,39 @@ def test_alert_log_writes_jsonl_and_trims_on_resume(tmp_path):
     for r in rows:
         assert {"step", "kind", "value", "threshold", "action", "top_tensors"} <= r.keys()
         assert len(r["top_tensors"]) == 5 and all(t["name"] in NAMES for t in r["top_tensors"])
-    assert next(r for r in rows if r["kind"] == NONFINITE_LOSS)["value"] == "nan"  # strict JSON: no bare NaN
+    assert math.isnan(next(r for r in rows if r["kind"] == NONFINITE_LOSS)["value"])  # read back as a float
+    lines = (tmp_path / "alerts.jsonl").read_text().splitlines()
+    raw = [json.loads(line, parse_constant=refuse_constant) for line in lines]  # strict JSON: no bare NaN
+    assert {r["value"] for r in raw if r["kind"] == NONFINITE_LOSS} == {"NaN"}
+    assert raw[0]["top_tensors"][0]["grad_norm"] == rows[0]["top_tensors"][0]["grad_norm"]
     AlertLog(str(tmp_path), start_step=40)  # a resume from step 40 drops what was detected after it
     assert read_alerts(str(tmp_path)) == []
+
+
+def test_alerts_hold_nonfinite_numbers_as_strict_json_and_read_them_back(tmp_path):
+    """An overflowed step: an inf grad norm (its tensors' too) and a NaN loss. alerts.jsonl parses with a strict
+    parser, with "Infinity" / "NaN" in their places (docs/trainer.md), and `read_alerts` gives the floats back;
+    a file written by an earlier version ("inf" / "nan") is read, and kept across a resume, the same way."""
+    top = [{"name": "head.weight", "grad_norm": math.inf}, {"name": "embed.weight", "grad_norm": 2.5}]
+    alerts = [
+        Alert(7, NONFINITE_GRADS, 1.0, 3.0, ACTION_SKIPPED, 10, grad_norm=math.inf, top_tensors=top),
+        Alert(8, NONFINITE_LOSS, math.nan, math.inf, ACTION_SKIPPED, 10, loss=-math.inf, top_tensors=top),
+    ]
+    AlertLog(str(tmp_path)).write(alerts)
+    path = tmp_path / "alerts.jsonl"
+    raw = [json.loads(line, parse_constant=refuse_constant) for line in path.read_text().splitlines()]
+    assert raw[0]["grad_norm"] == "Infinity" and raw[0]["top_tensors"][0]["grad_norm"] == "Infinity"
+    assert raw[1]["value"] == "NaN" and raw[1]["threshold"] == "Infinity" and raw[1]["loss"] == "-Infinity"
+    back = read_alerts(str(tmp_path))
+    assert back[0]["grad_norm"] == math.inf and back[0]["top_tensors"] == top and back[0]["loss"] is None
+    assert math.isnan(back[1]["value"]) and back[1]["threshold"] == math.inf and back[1]["loss"] == -math.inf
+    # an earlier version's file: str(float) spellings
+    old = raw[0] | {"grad_norm": "inf", "top_tensors": [{"name": "head.weight", "grad_norm": "inf"}]}
+    path.write_text(json.dumps(old) + "\n")
+    AlertLog(str(tmp_path), start_step=10)  # a resume keeps what was detected up to its checkpoint
+    (kept,) = [json.loads(line, parse_constant=refuse_constant) for line in path.read_text().splitlines()]
+    assert kept["grad_norm"] == "Infinity" and kept["top_tensors"][0]["grad_norm"] == "Infinity"
+    assert read_alerts(str(path))[0]["grad_norm"] == math.inf
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from fused_stable import schedules
-from fused_stable.guard import read_alerts
 from fused_stable.train import checkpoint, cli
+from fused_stable.train.report import read_alerts, read_metrics
 
 FAST = [
     "--model",
@@ -69,8 +69,7 @@ def run_cli(monkeypatch, capsys, argv, fault_batches=(), factor=1e3):
 
 
 def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(str(out))
 
 
 def test_no_false_alarms_over_a_normal_200_step_run(monkeypatch, capsys, tmp_path):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from fused_stable import stress
+from fused_stable import stress, strict_json
 
 SHORT = dict(
     steps=60, pretrain_steps=20, log_every=5, snapshot_every=10, examples=400
@@ -55,7 +55,7 @@ def test_nan_batch_kills_the_usual_recipe_not_the_guarded_one(short):
 
 def test_fp16_emulation_overflows_like_fp16():
     model = torch.nn.Linear(4, 4)
-    hooks = stress._fp16_grad_hooks(model)
+    hooks = stress.fp16_grad_hooks(model)
     (model(torch.ones(1, 4)).sum() * 2.0**20).backward()  # grads of 2**20 > 65504: inf in fp16
     assert all(torch.isinf(p.grad).all() for p in model.parameters())
     model.zero_grad()
@@ -83,13 +83,13 @@ def test_command_writes_table_json_and_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "| lr_too_high | guarded |" in out and "| clean | usual |" in out
-    data = json.loads((tmp_path / "stress.json").read_text())
+    data = json.loads((tmp_path / "stress.json").read_text(), parse_constant=refuse_constant)  # strict JSON
     assert {(r["scenario"], r["recipe"]) for r in data["results"]} == {
         (s, r) for s in ("clean", "lr_too_high") for r in stress.RECIPES
     }
     # the documented verdict: "diverged" = final loss (mean of the last 10 steps) not finite or above 2x the
     # clean run's of the same recipe; "stopped" = the guard gave up (5 rollbacks, not reached in 20 steps)
-    # (non-finite numbers are written as strings: strict JSON)
+    # (non-finite numbers are written as the strings "NaN" / "Infinity", which float() reads back)
     clean = {r["recipe"]: float(r["final_loss"]) for r in data["results"] if r["scenario"] == "clean"}
     for r in data["results"]:
         losses, final = [float(x) for x in r["losses"]], float(r["final_loss"])
@@ -100,6 +100,29 @@ def test_command_writes_table_json_and_png(tmp_path, capsys):
     statuses = {(r["scenario"], r["recipe"]): r["status"] for r in data["results"]}
     assert statuses[("clean", "usual")] == statuses[("clean", "guarded")] == "ok"
     assert os.path.getsize(tmp_path / "stress.png") > 10_000
+
+
+def refuse_constant(constant):
+    raise ValueError(f"non-standard JSON constant {constant}")
+
+
+def test_stress_json_is_strict_and_gives_nonfinite_losses_back(tmp_path):
+    """A diverged run's NaN losses and an inf final loss: stress.json parses with a strict parser, holds them
+    as "NaN" / "Infinity", and `fused_stable.strict_json.loads` gives the floats back."""
+    cfg = stress.StressConfig()
+    results = [
+        stress.RunResult("clean", "usual", losses=[2.0, 1.5], final_loss=1.75),
+        stress.RunResult("nan_injection", "usual", losses=[2.0, math.nan], final_loss=math.nan, status="diverged"),
+        stress.RunResult("lr_too_high", "usual", losses=[2.0, math.inf], final_loss=math.inf, status="diverged"),
+    ]
+    path = str(tmp_path / "stress.json")
+    stress.write_json(path, cfg, stress.scenarios(cfg), results, stress.Workload(None, [], [], {}), 1.0, True)
+    text = open(path).read()
+    raw = json.loads(text, parse_constant=refuse_constant)
+    assert raw["results"][1]["losses"] == [2.0, "NaN"] and raw["results"][2]["final_loss"] == "Infinity"
+    back = strict_json.loads(text)["results"]
+    assert math.isnan(back[1]["final_loss"]) and math.isnan(back[1]["losses"][1])
+    assert back[2]["losses"] == [2.0, math.inf] and back[0]["final_loss"] == 1.75 and back[0]["status"] == "ok"
 
 
 def test_bad_scenario_is_one_line(capsys):

@@ -25,7 +25,8 @@ from fused_stable.bench import cli as bench_cli
 from fused_stable.train import chat as chat_cli
 from fused_stable.train import cli as sft_cli
 from fused_stable.train import export as export_cli
-from fused_stable.train.config import CHOICES, FIELDS, TrainConfig, resolve_config
+from fused_stable.train.config import resolve_config
+from fused_stable.train.keys import CHOICES, FIELDS, TrainConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
@@ -389,12 +390,15 @@ def test_bench_option(flag, value, tmp_path, capsys):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """chat and export must refuse bad input before any model is loaded: loading one fails the test."""
-    from fused_stable.train import model
+    from fused_stable.train import model, saved
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for an input that should have been refused first")
 
-    monkeypatch.setattr(model, "_load_base", refuse)
+    # every base model is loaded by model.load_base (export and chat look it up there when they call it;
+    # saved runs hold their own reference)
+    monkeypatch.setattr(model, "load_base", refuse)
+    monkeypatch.setattr(saved, "load_base", refuse)
 
 
 def _damaged_adapters(tmp):

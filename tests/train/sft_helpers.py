@@ -1,6 +1,5 @@
 """Helpers for the trainer tests: tiny, fast CLI arguments, metrics reading, in-process runs."""
 
-import json
 import os
 
 from fused_stable.train import cli
@@ -40,8 +39,10 @@ TINY = [
 
 
 def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    """metrics.jsonl as the package reads it back (non-finite numbers as floats)."""
+    from fused_stable.train.report import read_metrics as read
+
+    return read(str(output_dir))
 
 
 def setup_run(*argv):

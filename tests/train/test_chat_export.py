@@ -11,8 +11,8 @@ import torch
 from sft_helpers import TINY
 
 from fused_stable.train import chat, export
-from fused_stable.train.evaluate import generate_answers
-from fused_stable.train.model import load_trained
+from fused_stable.train.generate import generate_answers
+from fused_stable.train.saved import load_trained
 
 # a few steps at a high lr, so that the adapter changes the tiny model's answers
 TRAINED = [

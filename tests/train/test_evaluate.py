@@ -8,7 +8,8 @@ import pytest
 from sft_helpers import TINY
 
 from fused_stable.train import tasks
-from fused_stable.train.evaluate import contains_answer, eval_report, evaluate, format_table, generate_answers
+from fused_stable.train.evaluate import contains_answer, eval_report, evaluate, format_table
+from fused_stable.train.generate import generate_answers
 from fused_stable.train.model import build_tiny_model
 from fused_stable.train.tokenizer import build_byte_tokenizer
 

@@ -11,7 +11,6 @@ import pytest
 from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
 from fused_stable.train import outputs
-from fused_stable.train.report import from_json_row, to_json_line
 
 RUN = ["--model", "tiny", *TINY, "--max_steps", "2"]
 
@@ -138,9 +137,14 @@ def test_damaged_manifest_is_refused_not_guessed(sft, finished, tmp_path):
     assert snapshot(out) == before
 
 
-def test_metrics_are_strict_json_with_nonfinite_flags(tmp_path):
+def refuse_constant(constant):
+    raise ValueError(f"non-standard JSON constant {constant}")
+
+
+def test_metrics_are_strict_json_with_nonfinite_numbers_as_strings(tmp_path):
     """Steps whose loss and grad norm are not finite (logits forced to inf on two micro-batches): the rows are
-    valid JSON for a strict parser, with null values and a flag naming which key held what."""
+    valid JSON for a strict parser, the non-finite values the strings "NaN" / "Infinity" (docs/trainer.md), and
+    the reader gives the floats back."""
     out = tmp_path / "nan"
     setup = setup_run(*RUN, "--max_steps", "3", "--logging_steps", "1", "--output_dir", out)
     trainer = setup.trainer
@@ -151,28 +155,32 @@ def test_metrics_are_strict_json_with_nonfinite_flags(tmp_path):
     setup.model.get_output_embeddings().register_forward_hook(poison)
     fit(setup)
     lines = (out / "metrics.jsonl").read_text().splitlines()
-
-    def refuse(constant):
-        raise ValueError(f"non-standard JSON constant {constant}")
-
-    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    rows = [json.loads(line, parse_constant=refuse_constant) for line in lines]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert "nonfinite" not in rows[0] and math.isfinite(rows[0]["loss"])
-    assert rows[1]["loss"] is None and rows[1]["nonfinite"]["loss"] in ("nan", "inf")
-    assert rows[1]["skipped"] is True and rows[1]["grad_norm"] is None and "grad_norm" in rows[1]["nonfinite"]
-    assert not math.isfinite(from_json_row(dict(rows[1]))["loss"])  # the reader gives the float back
-    assert "nonfinite" not in rows[2] and math.isfinite(rows[2]["loss"])
+    assert math.isfinite(rows[0]["loss"]) and math.isfinite(rows[2]["loss"])
+    assert rows[1]["loss"] in ("NaN", "Infinity") and rows[1]["grad_norm"] in ("NaN", "Infinity")
+    assert rows[1]["skipped"] is True
+    read = read_metrics(out)
+    assert not math.isfinite(read[1]["loss"]) and not math.isfinite(read[1]["grad_norm"])
+    assert read[0]["loss"] == rows[0]["loss"] and read[2] == rows[2]
 
 
-def test_json_line_round_trip():
-    row = {"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-4, "skipped": True}
-    line = to_json_line(row)
-    assert "NaN" not in line and "Infinity" not in line
-    parsed = json.loads(line)
-    assert parsed["loss"] is None and parsed["nonfinite"] == {"loss": "nan", "grad_norm": "inf"}
-    back = from_json_row(parsed)
-    assert math.isnan(back["loss"]) and back["grad_norm"] == math.inf and back["lr"] == 1e-4
-    assert "nonfinite" not in back
+def test_a_run_resumed_after_the_upgrade_reads_the_old_metrics_encoding(sft, finished, tmp_path):
+    """metrics.jsonl written by an earlier version (null + a `nonfinite` object) is continued by a resume:
+    its rows are kept, rewritten in the current encoding, with the non-finite value where it was."""
+    out = _copy(finished, tmp_path)
+    path = out / "metrics.jsonl"
+    old = [json.loads(line) for line in path.read_text().splitlines()]
+    old[0] = {**old[0], "loss": None, "nonfinite": {"loss": "nan"}}
+    old[1] = {**old[1], "grad_norm": None, "nonfinite": {"grad_norm": "inf"}}
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    code, _, err = sft("--output_dir", out, "--resume", "latest", "--max_steps", "3")
+    assert code == 0, err
+    rows = [json.loads(line, parse_constant=refuse_constant) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and not any("nonfinite" in r for r in rows)
+    assert rows[0]["loss"] == "NaN" and rows[1]["grad_norm"] == "Infinity"
+    read = read_metrics(out)
+    assert math.isnan(read[0]["loss"]) and read[1]["grad_norm"] == math.inf and math.isfinite(read[2]["loss"])
 
 
 def test_failed_resume_writes_nothing(sft, finished, tmp_path):

@@ -66,7 +66,7 @@ def sft_session():
 
 
 def _greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens=24):
-    from fused_stable.train.evaluate import generate_answers
+    from fused_stable.train.generate import generate_answers
 
     return generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=1)
 
@@ -162,7 +162,8 @@ def test_export_and_chat_answer_like_the_adapter(smollm2, sft_session, tmp_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fused_stable.train.export import export
-    from fused_stable.train.model import load_pretrained, load_trained
+    from fused_stable.train.model import load_pretrained
+    from fused_stable.train.saved import load_trained
 
     run = tmp_path / "lora"
     code, _, err = sft_session(*FEW, "--max_steps", "6", "--lr", "2e-3", "--warmup_ratio", "0", "--output_dir", run)

@@ -186,7 +186,7 @@ def test_real_process_exit_code_and_stderr(tmp_path):
 
 
 def test_help_lists_every_key_with_default_within_100_columns(sft):
-    from fused_stable.train.config import FIELDS
+    from fused_stable.train.keys import FIELDS
 
     code, out, _ = sft("--help")
     assert code == 0

@@ -1,0 +1,304 @@
+"""One stress run: a scenario trained with one recipe on the shared workload (`run_one`).
+
+Recipes:
+- `usual`: torch.optim.AdamW + torch.nn.utils.clip_grad_norm_(1.0) + transformers-style warm-up/cosine
+  LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most fine-tuning scripts do.
+- `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
+  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps; a rollback
+  restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean check, halves the lr and
+  keeps the data position (the window that spiked is not replayed).
+
+Both recipes see the same model init, the same data order and the same injected fault. The workload (the
+tokenizer, the task's data, the base every run starts from) is built once per suite (`build_workload`).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fused_stable.stress.scenarios import Scenario, StressConfig, is_real, shift_example
+
+RECIPES = ("usual", "guarded")
+FINAL_WINDOW = 10  # steps averaged into the "final loss"
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+@dataclass
+class Workload:
+    tokenizer: object
+    items: list
+    shifted_items: list
+    init_state: dict  # the trainable tensors every run starts from (tiny: the whole pre-trained model)
+    model: object = None  # a pretrained model with LoRA adapters, shared by the runs (its base stays frozen)
+    task_name: str | None = None  # the identity the evaluation expects
+    before: dict | None = None  # the held-out evaluation of the base model
+
+
+def build_workload(cfg: StressConfig) -> Workload:
+    return build_real_workload(cfg) if is_real(cfg) else build_tiny_workload(cfg)
+
+
+def build_tiny_workload(cfg: StressConfig) -> Workload:
+    """The trainer's tokenizer, built-in task and embedded tiny Llama (full fine-tuning: every weight trains)."""
+    from fused_stable.train import data
+    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.tokenizer import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    examples = data.builtin_examples(cfg.examples, seed=cfg.seed)
+    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
+    shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
+    model = build_tiny_model(tokenizer)
+    _pretrain(model, data.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
+    return Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def build_real_workload(cfg: StressConfig) -> Workload:
+    """A pretrained model (`--model`, resolved as `fused-stable sft` does) with the sft defaults' LoRA adapters
+    (r 8, all linear layers), the sft default task (`identity`: who the assistant is, mixed with general
+    instructions answered by the base model itself) and its held-out evaluation, taken once on the base."""
+    from fused_stable.train import data, tasks
+    from fused_stable.train.evaluate import evaluate
+    from fused_stable.train.keys import TrainConfig
+    from fused_stable.train.model import apply_tuner, load_pretrained
+    from fused_stable.train.sources import resolve_model
+
+    source = resolve_model(cfg.model)
+    model, tokenizer = load_pretrained(source, dtype=torch.float32)
+    name, author = tasks.default_identity()
+    examples = tasks.identity_examples(name, author, seed=cfg.seed, general=cfg.examples)
+    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
+    shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
+    before = evaluate(model, tokenizer, name=name)
+    torch.manual_seed(cfg.seed)
+    model = apply_tuner(model, TrainConfig(model=cfg.model))
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return Workload(tokenizer, items, shifted_items, init, model=model, task_name=name, before=before)
+
+
+def _fresh_model(work: Workload):
+    """The model a run starts from: a new tiny Llama with the pre-trained weights, or the shared pretrained
+    model with its adapters reset to their initial values."""
+    if work.model is not None:
+        from fused_stable.train.model import load_trainable_state
+
+        load_trainable_state(work.model, work.init_state)
+        return work.model
+    from transformers import LlamaForCausalLM
+
+    from fused_stable.train.model import tiny_llama_config
+
+    model = LlamaForCausalLM(tiny_llama_config(len(work.tokenizer)))
+    model.load_state_dict(work.init_state)
+    return model
+
+
+def _pretrain(model, batches, cfg: StressConfig) -> None:
+    """A base worth fine-tuning: the random tiny model trained on the task with a plain, sane recipe, so the
+    scenarios start from a model whose loss can visibly get worse (and 2x its clean final loss means ruin)."""
+    torch.manual_seed(cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(StressConfig(steps=cfg.pretrain_steps, warmup_steps=10)))
+    for k in range(cfg.pretrain_steps):
+        _loss(model, batches.batch(k)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _loss(model, b) -> torch.Tensor:
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+        b.labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    ) / max(1, b.num_label_tokens)
+
+
+def _lr_lambda(cfg: StressConfig) -> Callable[[int], float]:
+    """transformers' get_cosine_schedule_with_warmup lambda (what schedules.warmup_cosine evaluates on the device)."""
+
+    def f(n: int) -> float:
+        if n < cfg.warmup_steps:
+            return n / max(1, cfg.warmup_steps)
+        progress = (n - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+    return f
+
+
+# ---------------------------------------------------------------------------------------------- one run
+@dataclass
+class RunResult:
+    scenario: str
+    recipe: str
+    losses: list = field(default_factory=list)  # per optimizer step (a rolled-back run restarts its step count)
+    final_loss: float = math.nan
+    status: str = "ok"  # ok | diverged | stopped
+    skipped_steps: int = 0  # updates not applied (non-finite grads, spikes, scaler overflow)
+    rolled_back: int = 0  # rollbacks
+    rolled_back_steps: int = 0  # optimizer steps undone by them
+    alerts: int = 0
+    wall_s: float = 0.0  # training (the evaluation apart)
+    message: str = ""
+    general_after: float | None = None  # pretrained model: held-out general accuracy after the run
+    task_after: float | None = None  # ...and the target task's (identity) accuracy
+    eval_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the run and its evaluation
+
+
+def fp16_grad_hooks(model) -> list:
+    """fp16 gradients, emulated: every trainable parameter's gradient is rounded through float16 as it is
+    produced, so a scaled gradient above 65504 becomes inf and one below 6e-8 becomes 0, as in an fp16 backward."""
+    return [p.register_hook(lambda g: g.to(torch.float16).to(g.dtype)) for p in model.parameters() if p.requires_grad]
+
+
+def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) -> RunResult:
+    from fused_stable import FusedAdamW, GradScaler, schedules
+    from fused_stable.guard import Guard, GuardConfig
+
+    torch.manual_seed(cfg.seed)
+    model = _fresh_model(work)
+    model.config.use_cache = False
+    model.train()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in trainable]
+    names = [n for n, _ in trainable]
+    hooks = fp16_grad_hooks(model) if scenario.fp16 else []
+    lr = cfg.lr * scenario.lr_multiplier
+    batch = scenario.batches(work.items, work.shifted_items, work.tokenizer, cfg)
+    result = RunResult(scenario.name, recipe)
+    guard = None
+    if recipe == "usual":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+        scaler = torch.amp.GradScaler("cpu") if scenario.fp16 else None
+    else:
+        guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks))
+        opt = FusedAdamW(
+            params,
+            lr=lr,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            clip="zscore",
+            zscore_warmup=cfg.zscore_warmup,
+            lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
+            **guard.config.optimizer_kwargs(),
+        )
+        opt.param_names = names
+        guard.bind(opt)
+        scaler = GradScaler("cpu") if scenario.fp16 else None
+        sched = None
+    snapshot = _snapshot(trainable, opt, scaler, 0) if guard else None
+
+    cpu0 = time.process_time()  # CPU time: on a shared machine, a fairer measure of the cost than the wall clock
+    step, k = 0, 0  # optimizer steps (rolled back with the model), micro-batches consumed (never)
+    pending: list[torch.Tensor] = []
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    while step < cfg.steps:
+        b = batch(k)
+        loss = _loss(model, b)
+        train_loss = scenario.train_loss(loss, k)
+        if recipe == "usual":
+            scale_before = scaler.get_scale() if scaler else None
+            (scaler.scale(train_loss) if scaler else train_loss).backward()
+            if scaler:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+                result.skipped_steps += scaler.get_scale() < scale_before  # torch backs off exactly on skipped steps
+            else:
+                opt.step()
+            sched.step()
+        else:
+            (scaler.scale(train_loss) if scaler else train_loss).backward()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        k += 1
+        seen = loss.detach() if scenario.nan_at != k - 1 else loss.detach() * math.nan
+        skipped = opt.last_step_skipped.float() if guard else torch.zeros(())
+        pending.append(torch.stack([seen, skipped]))
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            losses = torch.stack(pending).tolist()
+            pending.clear()
+            new_rows = [
+                {"step": step - len(losses) + 1 + i, "loss": v, "skipped": bool(skip)}
+                for i, (v, skip) in enumerate(losses)
+            ]
+            rows += new_rows
+            if guard:
+                result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
+                decision = guard.check(step, opt, new_rows)
+                result.alerts += len(decision.alerts)
+                if decision.action == "rollback":
+                    _restore(snapshot, trainable, opt, scaler)
+                    result.rolled_back_steps += step - snapshot["step"]
+                    step = snapshot["step"]
+                    rows = [r for r in rows if r["step"] <= step]
+                    guard.apply_rollback(opt, cut_lr=decision.cut_lr)
+                    continue
+                if decision.action == "stop":
+                    result.status, result.message = "stopped", decision.message
+                    break
+                if step % cfg.snapshot_every == 0 and not decision.alerts:
+                    snapshot = _snapshot(trainable, opt, scaler, step)
+    result.wall_s = time.perf_counter() - t0
+    for h in hooks:
+        h.remove()
+    result.losses = [r["loss"] for r in rows]
+    tail = result.losses[-FINAL_WINDOW:]
+    result.final_loss = sum(tail) / len(tail) if tail else math.nan
+    if guard:
+        result.rolled_back = guard.rollbacks
+    if work.model is not None:  # what the pretrained model still knows, and what it learnt
+        from fused_stable.train.evaluate import evaluate
+
+        t0 = time.perf_counter()
+        scores = evaluate(model, work.tokenizer, name=work.task_name)
+        result.general_after, result.task_after = scores["general"]["accuracy"], scores["identity"]["accuracy"]
+        result.eval_s = time.perf_counter() - t0
+    result.cpu_s = time.process_time() - cpu0
+    return result
+
+
+def _snapshot(trainable: list, opt, scaler, step: int) -> dict:
+    """An in-memory checkpoint of the trainable tensors (what the trainer's checkpoints hold), the optimizer and
+    the scaler, serialised like one on disk (no live tensors shared with the run)."""
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "model": {n: p.detach() for n, p in trainable},
+            "opt": opt.state_dict(),
+            "scaler": scaler.state_dict() if scaler else None,
+        },
+        buffer,
+    )
+    return {"bytes": buffer.getvalue(), "step": step}
+
+
+def _restore(snapshot: dict, trainable: list, opt, scaler) -> None:
+    saved = torch.load(io.BytesIO(snapshot["bytes"]), weights_only=True)
+    with torch.no_grad():
+        for name, p in trainable:
+            p.copy_(saved["model"][name])
+    opt.load_state_dict(saved["opt"])
+    if scaler is not None:
+        scaler.load_state_dict(saved["scaler"])
