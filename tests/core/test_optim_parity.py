@@ -276,9 +276,9 @@ def test_per_tensor_sums_when_tensors_span_blocks_of_chunks(monkeypatch, block):
 
     if not interpret_available():
         pytest.skip("needs TRITON_INTERPRET=1")
-    import fused_stable.kernels.adamw as kernels
+    import fused_stable.kernels.decide as decide
 
-    monkeypatch.setattr(kernels, "BLOCK_TENSORS", block)
+    monkeypatch.setattr(decide, "BLOCK_TENSORS", block)
     shapes = [(140_000,), (0,), (5,), (200_000,), (0,), (65_536,), (1,)]  # 3, 0, 1, 4, 0, 1, 1 chunks
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     opt = FusedAdamW(params, lr=1e-3, backend="interpret")
