@@ -137,8 +137,10 @@ def fused_step(
             f"{OP_NAME} was called with key {key}, which no traced FusedAdamW step produced in this process"
         )
     plan, buffers = _plan_for(step, tensors, grads)
-    lr_values = iter(lrs)
-    hparams = [row if row.lr is not None else row._replace(lr=next(lr_values)) for row in step.hparams]
+    hparams = step.hparams  # the same rows every call (the backend checks them by identity) unless lrs are tensors
+    if lrs:
+        lr_values = iter(lrs)
+        hparams = [row if row.lr is not None else row._replace(lr=next(lr_values)) for row in hparams]
     ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, step.rules, hparams, grad_scale, found_inf, None)
     opt = step.optimizer()
     if opt is not None:  # per_tensor_grad_norms() reads the latest step's tables

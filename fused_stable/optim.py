@@ -120,6 +120,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         self._last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
         self._shown_lrs: list[torch.Tensor] = []
+        self._hparams: tuple[list | None, list[HParams]] = (None, [])  # _hparam_rows' last (key, rows)
         self._show_lrs()
 
     # ------------------------------------------------------------------------------------------
@@ -220,14 +221,23 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
 
     def _hparam_rows(self) -> list[HParams]:
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
-        group's base lr, `initial_lr`."""
+        group's base lr, `initial_lr`. The same list object while the values stay (a tensor lr by identity), so
+        a backend needs one identity check per step, and no HParams is built per step."""
         groups = self.param_groups
         if self.rules.schedule is None:
-            return [HParams(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
-        shown = self._shown_lrs
-        if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
-            self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
-        return [HParams(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+            values = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+        else:
+            shown = self._shown_lrs
+            if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
+                self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
+            values = [(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+        # tensors by identity: comparing them by value would read the device (the cached rows keep them alive)
+        key = [v if not isinstance(v[0], torch.Tensor) else (id(v[0]), *v[1:]) for v in values]
+        cached_key, rows = self._hparams
+        if key != cached_key:
+            rows = [HParams(*v) for v in values]
+            self._hparams = (key, rows)
+        return rows
 
     # ------------------------------------------------------------------------------------------
     # the lr that monitors read: param_groups[g]["lr"] under an lr schedule

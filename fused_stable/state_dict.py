@@ -163,6 +163,7 @@ class SavedState:
         self._buffers = self._step_buffers()
         self._plan = None
         self._last_tables = None
+        self._hparams = (None, [])
         self._version.bump()
         self._global_sumsq = norm_reducer(self.param_groups)
         self._show_loaded_lrs()

@@ -83,6 +83,7 @@ class TritonTables:
             buffers=buffers,
             rules=rules,
         )
+        self.hparams_rows: list | None = None  # the rows last checked, as handed over (compared by identity)
         self.hparams_key: tuple | None = None
         self.tensor_lrs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hparams slot, the group's lr tensor)
 
@@ -129,22 +130,25 @@ class TritonTables:
 
     def refresh_hparams(self, hparams: list[HParams]) -> None:
         """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync).
-        Rows are read by position, in HParams' order (benchmarks/gpu_probe.py passes plain tuples)."""
-        key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
-        if key != self.hparams_key:
-            upload(
-                [_hparam_row(*row) for row in hparams],
-                torch.float32,
-                self.device,
-                "changed hyper-parameters",
-                out=self.buffers.hparams,
-            )
-            self.hparams_key = key
-            self.tensor_lrs = [
-                (self.buffers.hparams[g, layout.H_LR], row[0])
-                for g, row in enumerate(hparams)
-                if isinstance(row[0], torch.Tensor)
-            ]
+        The optimizer hands the same list while its values stay: then one identity check is all. Rows are read
+        by position, in HParams' order (benchmarks/gpu_probe.py passes plain tuples)."""
+        if hparams is not self.hparams_rows:
+            key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
+            if key != self.hparams_key:
+                upload(
+                    [_hparam_row(*row) for row in hparams],
+                    torch.float32,
+                    self.device,
+                    "changed hyper-parameters",
+                    out=self.buffers.hparams,
+                )
+                self.hparams_key = key
+                self.tensor_lrs = [
+                    (self.buffers.hparams[g, layout.H_LR], row[0])
+                    for g, row in enumerate(hparams)
+                    if isinstance(row[0], torch.Tensor)
+                ]
+            self.hparams_rows = hparams
         for slot, lr in self.tensor_lrs:
             slot.copy_(lr)
 
