@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .backends import torch_backend, triton_backend
-from .layout import StepBuffers, StepRules
+from . import ops
+from .layout import HParams, StepBuffers, StepRules
 from .plan import SameGrads, StepPlan
 
 OP_NAME = "fused_stable::fused_step"
@@ -51,7 +51,7 @@ class TracedStep:
     tensor_lists: list[tuple[str, list[bool]]]  # StepPlan field -> which entries are tensors (the rest None)
     buffer_fields: list[str]  # StepBuffers fields, first in the op's `tensors`
     rules: StepRules
-    hparams: list[tuple]  # one row per group; None where the group's lr is a tensor (passed in `lrs`)
+    hparams: list[HParams]  # one row per group; lr None where the group's lr is a tensor (passed in `lrs`)
     cached: tuple | None = None  # (addresses of `tensors`, plan, buffers) of the latest call
 
 
@@ -86,10 +86,10 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
     grads.extend(plan_grads)
     hparams = []
     for row in opt._hparam_rows():
-        if isinstance(row[0], torch.Tensor):
-            lrs.append(row[0])
-            row = (None, *row[1:])
-        hparams.append(tuple(row))
+        if isinstance(row.lr, torch.Tensor):
+            lrs.append(row.lr)
+            row = row._replace(lr=None)
+        hparams.append(row)
     step = TracedStep(
         optimizer=weakref.ref(opt),
         backend=opt.backend,
@@ -137,10 +137,11 @@ def fused_step(
             f"{OP_NAME} was called with key {key}, which no traced FusedAdamW step produced in this process"
         )
     plan, buffers = _plan_for(step, tensors, grads)
-    lr_values = iter(lrs)
-    hparams = [row if row[0] is not None else (next(lr_values), *row[1:]) for row in step.hparams]
-    backend = torch_backend if step.backend == "torch" else triton_backend
-    backend.fused_step(plan, grads, buffers, step.rules, hparams, grad_scale, found_inf, None)
+    hparams = step.hparams  # the same rows every call (the backend checks them by identity) unless lrs are tensors
+    if lrs:
+        lr_values = iter(lrs)
+        hparams = [row if row.lr is not None else row._replace(lr=next(lr_values)) for row in hparams]
+    ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, step.rules, hparams, grad_scale, found_inf, None)
     opt = step.optimizer()
     if opt is not None:  # per_tensor_grad_norms() reads the latest step's tables
         opt._last_tables = plan.backend_cache

@@ -1,15 +1,24 @@
-"""What one fused step decides, and where each per-step scalar lives in the optimizer's device buffers.
+"""What one fused step decides and takes, and where each per-step scalar lives in the optimizer's device buffers.
 
-The decision kernel (kernels/adamw.py), the torch backend (backends/torch_backend.py) and the optimizer's named views
-(optim.py) all use the names below, so the layout and the rules are written exactly once.
+The decision kernel (kernels/decide.py), the update kernel (kernels/adamw.py), the torch backend
+(backends/torch_backend.py) and the optimizer's read-outs (readouts.py) all use the names below, so the layout,
+the rules (`StepRules`, which checks itself) and the hyper-parameters (`HParams`) are written exactly once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import InitVar, dataclass
+from typing import Any, NamedTuple
 
 import torch
+
+# learning-rate schedule kinds: defined beside the schedules (fused_stable.schedules), which StepRules checks
+from .schedules import SCHEDULE_CONSTANT as SCHEDULE_CONSTANT
+from .schedules import SCHEDULE_COSINE as SCHEDULE_COSINE
+from .schedules import SCHEDULE_LINEAR as SCHEDULE_LINEAR
+from .schedules import SCHEDULE_NONE as SCHEDULE_NONE
+from .schedules import Schedule
 
 # float32 buffer
 F_GRAD_NORM = 0  # global L2 norm of this step's (unscaled) grads, before clipping
@@ -63,15 +72,10 @@ H_GRAD_SIGN = 9  # -1.0 for maximize=True (the update ascends), else 1.0
 H_SHOWN_LR = 10
 H_SIZE = 11
 
-# learning-rate schedule kinds (fused_stable.schedules)
-SCHEDULE_NONE = 0
-SCHEDULE_CONSTANT = 1
-SCHEDULE_LINEAR = 2
-SCHEDULE_COSINE = 3
-
-# clip modes
+# clip modes, and their names as FusedAdamW(clip=...) takes them
 CLIP_FIXED = 0
 CLIP_ZSCORE = 1
+CLIP_MODES = {"fixed": CLIP_FIXED, "zscore": CLIP_ZSCORE}
 
 # absolute floor added to the running std before dividing (ZClip's eps)
 ZSCORE_STD_EPS = 1e-6
@@ -81,7 +85,11 @@ CLIP_EPS = 1e-6
 
 @dataclass(frozen=True)
 class StepRules:
-    """The per-optimizer settings of the device-side decisions (clip, skip, statistics, schedule)."""
+    """The per-optimizer settings of the device-side decisions (clip, skip, statistics, schedule).
+
+    Checks itself: a bad setting raises the error FusedAdamW's constructor documents, before anything is built.
+    `clip` takes the mode by its name ("fixed" or "zscore", as FusedAdamW(clip=...) does) and sets `clip_mode`.
+    """
 
     max_grad_norm: float | None = None  # fixed global-norm ceiling; None = no fixed clipping
     clip_mode: int = CLIP_FIXED
@@ -91,6 +99,112 @@ class StepRules:
     spike_skip_threshold: float | None = None  # z-score above which the step is skipped; None = never
     spike_skip_ratio: float = 0.0  # ...and only if the norm is at least this many times its running mean (0: z alone)
     schedule: Any = None  # a fused_stable.schedules.Schedule, or None for the groups' lr as is
+    clip: InitVar[str | None] = None
+
+    def __post_init__(self, clip: str | None) -> None:
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
+        if clip is not None and clip not in CLIP_MODES:
+            raise ValueError(f"clip must be one of {sorted(CLIP_MODES)}, got {clip!r}")
+        if clip is None and self.clip_mode not in CLIP_MODES.values():
+            raise ValueError(
+                f"clip_mode must be one of {sorted(CLIP_MODES.values())} (layout.CLIP_*), got {self.clip_mode!r}"
+            )
+        if not 0.0 < self.zscore_alpha < 1.0:
+            raise ValueError(f"zscore_alpha must be in (0, 1), got {self.zscore_alpha}")
+        if not self.zscore_threshold > 0:
+            raise ValueError(f"zscore_threshold must be > 0, got {self.zscore_threshold}")
+        if int(self.zscore_warmup) < 1:
+            raise ValueError(f"zscore_warmup must be >= 1, got {self.zscore_warmup}")
+        if self.spike_skip_threshold is not None and not self.spike_skip_threshold >= self.zscore_threshold:
+            raise ValueError(
+                f"spike_skip_threshold ({self.spike_skip_threshold}) must be >= zscore_threshold "
+                f"({self.zscore_threshold}): a step is skipped only when it is a spike"
+            )
+        if not (self.spike_skip_ratio >= 0 and math.isfinite(self.spike_skip_ratio)):
+            raise ValueError(
+                f"spike_skip_ratio must be a finite number >= 0 (0: the z-score alone), got {self.spike_skip_ratio}"
+            )
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
+            raise TypeError(
+                "lr_schedule must come from fused_stable.schedules (warmup_cosine, warmup_linear, constant); "
+                "for a torch LR scheduler, pass the optimizer to the scheduler instead"
+            )
+        # checked as given, kept as the types the kernels' arguments take
+        values = {
+            "max_grad_norm": _optional_float(self.max_grad_norm),
+            "clip_mode": CLIP_MODES[clip] if clip is not None else self.clip_mode,
+            "zscore_alpha": float(self.zscore_alpha),
+            "zscore_threshold": float(self.zscore_threshold),
+            "zscore_warmup": int(self.zscore_warmup),
+            "spike_skip_threshold": _optional_float(self.spike_skip_threshold),
+            "spike_skip_ratio": float(self.spike_skip_ratio),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+class HParams(NamedTuple):
+    """One param group's hyper-parameters as a fused step takes them, one per group (FusedAdamW._hparam_rows)."""
+
+    lr: float | torch.Tensor  # with an lr schedule, the group's base lr (`initial_lr`); a tensor is read on the device
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+
+    @staticmethod
+    def check(lr, betas, eps, weight_decay) -> None:
+        """The checks (and error messages) of torch.optim.AdamW, for the constructor and every added group."""
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
+            lr_value = float(lr.detach().reshape(()).cpu())
+        else:
+            lr_value = float(lr)
+        if not lr_value >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
+        if len(betas) != 2:
+            raise ValueError(f"betas must be a pair, got {betas}")
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError("betas must be either both floats or both Tensors")  # torch's words
+        for index, beta in enumerate(betas):
+            if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+                raise ValueError(f"Tensor betas[{index}] must be 1-element")
+        for index, beta in enumerate(HParams.float_betas(betas)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {index}: {beta} (must be in [0, 1))")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+
+    @staticmethod
+    def float_betas(betas) -> tuple[float, float]:
+        """Tensor betas (torch accepts 1-element ones) as floats: the step's tables hold floats."""
+        return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
+
+
+def check_not_differentiable(differentiable, where: str) -> None:
+    """differentiable=True is refused wherever it can come from (constructor, a param group, a state dict)."""
+    if differentiable:
+        raise ValueError(
+            f"{where}: FusedAdamW's fused step cannot be differentiated through (autograd does not see inside "
+            "its kernels); use torch.optim.AdamW(differentiable=True) for that, or differentiable=False"
+        )
+
+
+def new_counters(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 and int64 buffers above as a fresh optimizer's: zeros, and no spike yet (-1)."""
+    fstate = torch.zeros(F_SIZE, dtype=torch.float32, device=device)
+    istate = torch.zeros(I_SIZE, dtype=torch.int64, device=device)
+    istate[I_LAST_SPIKE_STEP] = -1
+    return fstate, istate
 
 
 @dataclass(frozen=True)
@@ -101,3 +215,11 @@ class StepBuffers:
     istate: torch.Tensor  # int64 [I_SIZE]
     hparams: torch.Tensor  # fp32 [num_groups, H_SIZE]
     worst_sumsq: torch.Tensor  # fp32 [every param of every group]: per-tensor sums of squares of the worst step
+
+
+# Every constant above as one string, which each kernel takes as a constexpr argument (`LAYOUT`, never read): the
+# kernels' jit helpers take the slots they touch as constexpr defaults, and Triton's cache key holds a kernel's
+# constexpr arguments but not its helpers' defaults, so this is what makes a change here recompile the kernels.
+KERNEL_LAYOUT = ";".join(
+    f"{name}={value!r}" for name, value in sorted(globals().items()) if name.isupper() and type(value) in (int, float)
+)

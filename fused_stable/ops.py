@@ -1,4 +1,4 @@
-"""The one backend switch: which backend runs the fused step (and clip_grad_norm_), and the call into it.
+"""The backends: which one runs the fused step (and clip_grad_norm_), the one registry of them, the call into it.
 
 Data flow of a step: optimizer (optim.py) -> plan (plan.py) -> backend (backends/) -> kernels (kernels/).
 Backends, one semantics:
@@ -8,24 +8,23 @@ Backends, one semantics:
     in the environment arranges that when fused_stable is imported first);
   - "torch": torch's own multi-tensor ops (`_foreach_norm`, `_fused_adamw_` with device `grad_scale` and
     `found_inf`), for CPU tensors (the default there).
-No backend reads a device value on the host. This module is the only place that picks one.
+No backend reads a device value on the host. `BACKENDS` is the one registry of them: every entry point (this
+module's functions, compiled.py's custom op) picks a backend module from it and nowhere else.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
-from .backends import torch_backend, triton_backend  # neither imports triton until a kernel is launched
-from .layout import StepBuffers, StepRules
+from .backends import Backend, GlobalSumsq, torch_backend, triton_backend  # no triton until a kernel is launched
+from .layout import HParams, StepBuffers, StepRules
 from .plan import StepPlan
 
-BACKENDS = ("triton", "interpret", "torch")
+# backend name -> the module that runs it ("interpret" is the Triton backend on kernels Triton interprets)
+BACKENDS: dict[str, Backend] = {"triton": triton_backend, "interpret": triton_backend, "torch": torch_backend}
 ENV_BACKEND = "FUSED_STABLE_BACKEND"
-
-GlobalSumsq = Callable[[torch.Tensor, list], torch.Tensor]
 
 
 def resolve_backend(requested: str | None, device: torch.device) -> str:
@@ -71,7 +70,7 @@ def _triton_imported_interpreted() -> bool:
 
 def needs_dense_layouts(backend: str) -> bool:
     """Whether the backend walks memory linearly (the kernels), so grads must be dense with the params' strides."""
-    return backend != "torch"
+    return BACKENDS[backend].DENSE_LAYOUTS
 
 
 def fused_step(
@@ -80,21 +79,14 @@ def fused_step(
     grads: list[torch.Tensor],
     buffers: StepBuffers,
     rules: StepRules,
-    hparams: list[tuple],
+    hparams: list[HParams],
     *,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     global_sumsq: GlobalSumsq | None = None,
 ) -> None:
-    """Global norm, clip coefficient, skip decision, schedule and AdamW for every tensor of `plan`.
-
-    `grads` are this step's grads in plan order (`StepPlan.current_grads`); `hparams` one row per param group,
-    (lr: float | Tensor, beta1, beta2, eps, weight_decay). `grad_scale` (a loss scale to divide the grads by) and
-    `found_inf` (a flag from a GradScaler) are device tensors; `global_sumsq` maps the local per-tensor sums of
-    squares to the global one (sharded params).
-    """
-    chosen = torch_backend if backend == "torch" else triton_backend
-    chosen.fused_step(plan, grads, buffers, rules, hparams, grad_scale, found_inf, global_sumsq)
+    """One fused step on the named backend: `Backend.fused_step` (fused_stable/backends) says what it takes."""
+    BACKENDS[backend].fused_step(plan, grads, buffers, rules, hparams, grad_scale, found_inf, global_sumsq)
 
 
 def total_norm_and_scale_(

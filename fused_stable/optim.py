@@ -2,14 +2,15 @@
 
 The optimizer owns param groups, per-param state and a few device scalars. A step goes
 optimizer -> plan (plan.py: the params, states and grads flattened once, rebuilt only when they change)
--> backend (ops.fused_step: Triton kernels on CUDA, torch's multi-tensor ops on CPU) -> kernels. Semantics
+-> backend (ops.fused_step: Triton kernels on CUDA, torch's multi-tensor ops on CPU) -> kernels. What it
+decides and reads back lives beside it: the rules and buffer slots in layout.py, the read-outs in readouts.py,
+the state dict and pickling in state_dict.py, sharded params in sharding.py. Semantics
 equal `torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` followed by `torch.optim.AdamW.step()`, except
 that a step whose gradients are not finite is skipped whole, and that nothing in step() reads the device.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
@@ -20,20 +21,19 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from . import compiled, layout, ops
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
-from .layout import StepBuffers, StepRules
-from .plan import ParamStates, StepPlan, Version, check_grads, check_state, is_dtensor
-from .plan import local as _local
+from .layout import HParams, StepBuffers, StepRules, check_not_differentiable
+from .param_state import ParamStates, Version
+from .plan import StepPlan, build_plan
+from .readouts import ReadOuts
 from .schedules import Schedule
+from .sharding import local, norm_reducer, validate_params
+from .state_dict import SavedState
 
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
-_CLIP_MODES = {"fixed": layout.CLIP_FIXED, "zscore": layout.CLIP_ZSCORE}
-_STATE_KEY = "fused_stable"
 # False outside dynamo's tracing (a constant there); bound once, as the check runs in every eager step
 _is_compiling = torch.compiler.is_compiling
-_LAYOUT_VERSION = 2  # of the counters saved under _STATE_KEY: 2 added the worst-step window (layout.F_WORST_*)
 
 
-class FusedAdamW(Optimizer):
+class FusedAdamW(ReadOuts, SavedState, Optimizer):
     """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
 
     Args:
@@ -93,70 +93,26 @@ class FusedAdamW(Optimizer):
         spike_skip_ratio: float = 0.0,
         backend: str | None = None,
     ) -> None:
-        _check_hyperparameters(lr, betas, eps, weight_decay)
-        _check_not_differentiable(differentiable, "FusedAdamW(differentiable=True)")
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
-        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
-        if clip not in _CLIP_MODES:
-            raise ValueError(f"clip must be one of {sorted(_CLIP_MODES)}, got {clip!r}")
-        if not 0.0 < zscore_alpha < 1.0:
-            raise ValueError(f"zscore_alpha must be in (0, 1), got {zscore_alpha}")
-        if not zscore_threshold > 0:
-            raise ValueError(f"zscore_threshold must be > 0, got {zscore_threshold}")
-        if int(zscore_warmup) < 1:
-            raise ValueError(f"zscore_warmup must be >= 1, got {zscore_warmup}")
-        if spike_skip_threshold is not None and not spike_skip_threshold >= zscore_threshold:
-            raise ValueError(
-                f"spike_skip_threshold ({spike_skip_threshold}) must be >= zscore_threshold ({zscore_threshold}): "
-                "a step is skipped only when it is a spike"
-            )
-        if not (spike_skip_ratio >= 0 and math.isfinite(spike_skip_ratio)):
-            raise ValueError(
-                f"spike_skip_ratio must be a finite number >= 0 (0: the z-score alone), got {spike_skip_ratio}"
-            )
-        if lr_schedule is not None and not isinstance(lr_schedule, Schedule):
-            raise TypeError(
-                "lr_schedule must come from fused_stable.schedules (warmup_cosine, warmup_linear, constant); "
-                "for a torch LR scheduler, pass the optimizer to the scheduler instead"
-            )
-        defaults = dict(
-            lr=lr,
-            betas=_float_betas(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            # torch.optim.AdamW's own keys, so that either optimizer loads the other's state_dict
-            amsgrad=bool(amsgrad),
-            maximize=bool(maximize),
-            foreach=foreach,
-            capturable=False,
-            differentiable=False,
-            fused=fused,
-            decoupled_weight_decay=True,
+        defaults = _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
+        rules = StepRules(  # checks itself, before anything is built
+            max_grad_norm=max_grad_norm,
+            clip=clip,
+            zscore_alpha=zscore_alpha,
+            zscore_threshold=zscore_threshold,
+            zscore_warmup=zscore_warmup,
+            spike_skip_threshold=spike_skip_threshold,
+            spike_skip_ratio=spike_skip_ratio,
+            schedule=lr_schedule,
         )
         self._version = Version()  # bumped by whatever invalidates a cached plan (see plan.py)
         super().__init__(params, defaults)
         self.state = ParamStates(self._version, self.state)
-        self.rules = StepRules(
-            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-            clip_mode=_CLIP_MODES[clip],
-            zscore_alpha=float(zscore_alpha),
-            zscore_threshold=float(zscore_threshold),
-            zscore_warmup=int(zscore_warmup),
-            spike_skip_threshold=None if spike_skip_threshold is None else float(spike_skip_threshold),
-            spike_skip_ratio=float(spike_skip_ratio),
-            schedule=lr_schedule,
-        )
-        self.master_weights = bool(master_weights)
-        self.capturable = bool(capturable)
+        self.rules, self.master_weights, self.capturable = rules, bool(master_weights), bool(capturable)
         self._check_params(self.param_groups)
         self.device = self._params_device()
         self.backend = ops.resolve_backend(backend, self.device)
-        self._global_sumsq = self._sharded_norm_reducer()
-        self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
-        self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
-        self._istate[layout.I_LAST_SPIKE_STEP] = -1
+        self._global_sumsq = norm_reducer(self.param_groups)  # DTensor params: the all-reduce of the norm
+        self._fstate, self._istate = layout.new_counters(self.device)
         self._worst_sumsq = self._new_worst_sumsq()
         self.reset_max_zscore()
         self._buffers = self._step_buffers()
@@ -164,163 +120,8 @@ class FusedAdamW(Optimizer):
         self._last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
         self._shown_lrs: list[torch.Tensor] = []
+        self._hparams: tuple[list | None, list[HParams]] = (None, [])  # _hparam_rows' last (key, rows)
         self._show_lrs()
-
-    # ------------------------------------------------------------------------------------------
-    # device-side read-outs: 0-dim views of the optimizer's buffers, updated in place by every step
-
-    @property
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the last step's gradients, before clipping (inf/nan if they were not finite)."""
-        return self._fstate[layout.F_GRAD_NORM]
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        """Steps skipped so far because the gradients were not finite."""
-        return self._istate[layout.I_SKIPPED_STEPS]
-
-    @property
-    def spike_skips(self) -> torch.Tensor:
-        """Steps skipped so far because the norm's z-score exceeded spike_skip_threshold."""
-        return self._istate[layout.I_SPIKE_SKIPS]
-
-    @property
-    def applied_steps(self) -> torch.Tensor:
-        """Updates applied so far (what the lr schedule counts)."""
-        return self._istate[layout.I_APPLIED_STEPS]
-
-    @property
-    def last_step_skipped(self) -> torch.Tensor:
-        """Whether the last step was skipped (non-finite grads or a spike), as a 0-dim bool device tensor."""
-        return self._istate[layout.I_LAST_STEP_SKIPPED] != 0
-
-    @property
-    def last_step_found_inf(self) -> torch.Tensor:
-        """1.0 if the last step's gradients were not finite, else 0.0 (what a GradScaler backs off on)."""
-        return self._fstate[layout.F_FOUND_INF]
-
-    @property
-    def last_lr(self) -> torch.Tensor:
-        """Param group 0's effective lr in the last step (schedule applied)."""
-        return self._fstate[layout.F_LAST_LR]
-
-    @property
-    def grad_norm_mean(self) -> torch.Tensor:
-        return self._fstate[layout.F_NORM_MEAN]
-
-    @property
-    def grad_norm_std(self) -> torch.Tensor:
-        return self._fstate[layout.F_NORM_VAR].clamp(min=0.0).sqrt()
-
-    @property
-    def last_zscore(self) -> torch.Tensor:
-        return self._fstate[layout.F_LAST_ZSCORE]
-
-    @property
-    def spike_count(self) -> torch.Tensor:
-        """Steps so far whose norm's z-score exceeded zscore_threshold (after the statistics' warm-up)."""
-        return self._istate[layout.I_SPIKE_COUNT]
-
-    @property
-    def last_spike_step(self) -> torch.Tensor:
-        """Applied-step index of the latest spike, -1 if none."""
-        return self._istate[layout.I_LAST_SPIKE_STEP]
-
-    @property
-    def last_spike_norm(self) -> torch.Tensor:
-        return self._fstate[layout.F_LAST_SPIKE_NORM]
-
-    @property
-    def max_zscore(self) -> torch.Tensor:
-        """Largest grad-norm z-score since reset_max_zscore() (-inf if none): lets a guard that polls only at
-        logging steps see a spike that happened between two polls."""
-        return self._fstate[layout.F_MAX_ZSCORE]
-
-    @property
-    def max_zscore_norm(self) -> torch.Tensor:
-        """The grad norm of the step with the largest z-score since reset_max_zscore()."""
-        return self._fstate[layout.F_MAX_ZSCORE_NORM]
-
-    @property
-    def max_zscore_step(self) -> torch.Tensor:
-        """Applied-step index of the step with the largest z-score since reset_max_zscore() (-1 if none)."""
-        return self._istate[layout.I_MAX_ZSCORE_STEP]
-
-    @property
-    def worst_step(self) -> torch.Tensor:
-        """Index, among all steps taken (applied or skipped, from 0), of the worst step since reset_max_zscore():
-        the largest z-score, or the first step with non-finite gradients; -1 if none. `skipped_steps +
-        spike_skips + applied_steps` is the count of steps taken, so the latest step's index is that count - 1."""
-        return self._istate[layout.I_WORST_STEP]
-
-    @property
-    def worst_step_norm(self) -> torch.Tensor:
-        """The global grad norm of the worst step since reset_max_zscore() (inf/nan for a non-finite step)."""
-        return self._fstate[layout.F_WORST_NORM]
-
-    @property
-    def worst_step_zscore(self) -> torch.Tensor:
-        """The worst step's z-score (0 during the statistics' warm-up, inf for a non-finite step; -inf if none)."""
-        return self._fstate[layout.F_WORST_KEY]
-
-    def worst_step_grad_norms(self) -> torch.Tensor:
-        """Per-parameter gradient norms of the worst step since reset_max_zscore(), in param_groups order (0 for
-        a param without a grad then). The decision kernel copies them when a step becomes the worst: reading them
-        costs no per-step work."""
-        return self._worst_sumsq.sqrt()
-
-    def reset_max_zscore(self) -> None:
-        """Starts a new polling window for max_zscore and the worst step (device writes only, no sync)."""
-        self._fstate[layout.F_MAX_ZSCORE] = float("-inf")
-        self._fstate[layout.F_MAX_ZSCORE_NORM] = 0.0
-        self._istate[layout.I_MAX_ZSCORE_STEP] = -1
-        self._reset_worst_step()
-
-    def _reset_worst_step(self) -> None:
-        self._fstate[layout.F_WORST_KEY] = float("-inf")
-        self._fstate[layout.F_WORST_NORM] = 0.0
-        self._istate[layout.I_WORST_STEP] = -1
-        self._worst_sumsq.zero_()
-
-    @property
-    def param_names(self) -> list[str] | None:
-        """Names for the parameters in param_groups order (e.g. from model.named_parameters()), for tools that
-        report which tensor's gradient exploded: as set, else the groups' own (params given as (name, param)
-        pairs), else None."""
-        if self._param_names is None and all("param_names" in group for group in self.param_groups):
-            return [name for group in self.param_groups for name in group["param_names"]]
-        return self._param_names
-
-    @param_names.setter
-    def param_names(self, names: Iterable[str] | None) -> None:
-        if names is None:
-            self._param_names = None
-            return
-        names = [str(n) for n in names]
-        count = sum(len(group["params"]) for group in self.param_groups)
-        if len(names) != count:
-            raise ValueError(f"param_names has {len(names)} names but the optimizer has {count} parameters")
-        self._param_names = names
-
-    def reset_grad_norm_stats(self) -> None:
-        """Forget the running grad-norm statistics and warm them up again from the next step (device writes
-        only). For a deliberate change of regime (a new data mix, a rollback to an earlier state), after which
-        the old statistics would flag every step as a spike."""
-        for index in (layout.F_NORM_MEAN, layout.F_NORM_VAR, layout.F_WARMUP_SUM, layout.F_WARMUP_SUMSQ):
-            self._fstate[index] = 0.0
-        self._istate[layout.I_STATS_COUNT] = 0
-
-    def per_tensor_grad_norms(self) -> torch.Tensor:
-        """L2 norm of each parameter's gradient in the last step, in param_groups order (0 where no grad).
-
-        A by-product of the norm pass: no further pass over the gradients.
-        """
-        params = [p for group in self.param_groups for p in group["params"]]
-        norms = torch.zeros(len(params), dtype=torch.float32, device=self.device)
-        tables = self._last_tables
-        if tables is not None and tables.per_tensor_sumsq is not None and tables.positions.numel() <= len(params):
-            norms.index_copy_(0, tables.positions, tables.per_tensor_sumsq.sqrt())
-        return norms
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -418,16 +219,25 @@ class FusedAdamW(Optimizer):
         )
         self._last_tables = plan.backend_cache
 
-    def _hparam_rows(self) -> list[tuple]:
-        """(lr, beta1, beta2, eps, weight_decay, maximize) per param group, as the backends take them: with an lr
-        schedule the lr is the group's base lr, `initial_lr`."""
+    def _hparam_rows(self) -> list[HParams]:
+        """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
+        group's base lr, `initial_lr`. The same list object while the values stay (a tensor lr by identity), so
+        a backend needs one identity check per step, and no HParams is built per step."""
         groups = self.param_groups
         if self.rules.schedule is None:
-            return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
-        shown = self._shown_lrs
-        if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
-            self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
-        return [(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+            values = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+        else:
+            shown = self._shown_lrs
+            if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
+                self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
+            values = [(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+        # tensors by identity: comparing them by value would read the device (the cached rows keep them alive)
+        key = [v if not isinstance(v[0], torch.Tensor) else (id(v[0]), *v[1:]) for v in values]
+        cached_key, rows = self._hparams
+        if key != cached_key:
+            rows = [HParams(*v) for v in values]
+            self._hparams = (key, rows)
+        return rows
 
     # ------------------------------------------------------------------------------------------
     # the lr that monitors read: param_groups[g]["lr"] under an lr schedule
@@ -462,77 +272,23 @@ class FusedAdamW(Optimizer):
             torch.mul(base, factor, out=self._buffers.hparams[:, layout.H_SHOWN_LR])
 
     def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
-        """The plan for the params that have a grad now, with their (lazily created) state. Validates every grad
-        and state before anything changes; afterwards a step only checks that nothing it encodes moved."""
+        """The plan for the params that have a grad now (plan.build_plan), and those grads; (None, None) when
+        none has one."""
         check_not_capturing(self.device, "a new step plan (the first step, or params, state or grads that changed)")
         if type(self.state) is not ParamStates:  # replaced wholesale (e.g. by torch's __setstate__)
             self.state = ParamStates(self._version, self.state)
-        group_params = [group["params"] for group in self.param_groups]
-        all_params = [p for params in group_params for p in params]
-        if len(all_params) != self._worst_sumsq.numel() or len(group_params) != self._buffers.hparams.shape[0]:
+        count = sum(len(group["params"]) for group in self.param_groups)
+        if count != self._worst_sumsq.numel() or len(self.param_groups) != self._buffers.hparams.shape[0]:
             self._renew_slots()  # params or groups added to param_groups in place, not through add_param_group
-        groups = [index for index, params in enumerate(group_params) for _ in params]
-        group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
-        grads = [p.grad for p in all_params]
-        members = [i for i, g in enumerate(grads) if g is not None]
-        if not members:
-            self._plan = None
-            return None, None
-        params = [all_params[i] for i in members]
-        local_params = [_local(p) for p in params]
-        local_grads = [_local(grads[i]) for i in members]
-        check_grads(local_params, local_grads, ops.needs_dense_layouts(self.backend))
-        states = []
-        for p, group in zip(params, (groups[i] for i in members)):
-            state = self.state[p]
-            if not state:
-                self._init_state(p, state, group_amsgrad[group])
-            check_state(_local(p), state, group_amsgrad[group])
-            states.append(state)
-        plan = StepPlan(
-            version=self._version.value,
-            group_params=group_params,
-            group_sizes=[len(params) for params in group_params],
-            all_params=all_params,
-            members=None if len(members) == len(all_params) else members,
-            params=params,
-            local_params=local_params,
-            exp_avgs=[_local(state["exp_avg"]) for state in states],
-            exp_avg_sqs=[_local(state["exp_avg_sq"]) for state in states],
-            masters=[_local(state["master_param"]) if "master_param" in state else None for state in states],
-            max_exp_avg_sqs=[
-                _local(state["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None
-                for i, state in zip(members, states)
-            ],
-            group_amsgrad=group_amsgrad,
-            steps=[state["step"] for state in states],
-            groups=[groups[i] for i in members],
-            numels=[p.numel() for p in local_params],
-            nbytes=[p.nbytes for p in local_params],
-            param_ptrs=[p.data_ptr() for p in local_params],
-            dtypes=[p.dtype for p in local_params],
-            strides=[p.stride() for p in local_params],
-            contiguous=all(p.is_contiguous() for p in local_params),
-            sharded=any(is_dtensor(p) for p in params),
+        self._plan, grads = build_plan(
+            self.param_groups,
+            self.state,
+            self._version,
             dense_layouts=ops.needs_dense_layouts(self.backend),
-            storages=[p.untyped_storage() for p in local_params],
-            grad_ptrs=[g.data_ptr() for g in local_grads],
+            master_weights=self.master_weights,
+            device=self.device,
         )
-        if not plan.dense_layouts:
-            plan.note_grad_layouts(local_grads)
-        if not plan.sharded:
-            plan.same_grads.seen(local_grads)
-        self._plan = plan
-        return plan, local_grads
-
-    def _init_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=self.device)
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        if amsgrad:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        if self.master_weights and p.dtype != torch.float32:
-            state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
+        return self._plan, grads
 
     def _step_buffers(self) -> StepBuffers:
         hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
@@ -566,29 +322,27 @@ class FusedAdamW(Optimizer):
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in one param group; list every parameter once")
         if "lr" in param_group or "betas" in param_group or "eps" in param_group or "weight_decay" in param_group:
-            _check_hyperparameters(
+            HParams.check(
                 param_group.get("lr", self.defaults["lr"]),
                 param_group.get("betas", self.defaults["betas"]),
                 param_group.get("eps", self.defaults["eps"]),
                 param_group.get("weight_decay", self.defaults["weight_decay"]),
             )
-        _check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
+        check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
         constructed = hasattr(self, "_buffers")
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
         param_group["params"] = listed
         if "betas" in param_group:
-            param_group["betas"] = _float_betas(param_group["betas"])
+            param_group["betas"] = HParams.float_betas(param_group["betas"])
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()
-            self._global_sumsq = self._sharded_norm_reducer()
+            self._global_sumsq = norm_reducer(self.param_groups)
             self._version.bump()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
         """Refuses what the fused step cannot update; called before a group is added, so nothing changes."""
-        from .integrations import distributed
-
         devices = set()
         for group in groups:
             for p in group["params"]:
@@ -598,8 +352,8 @@ class FusedAdamW(Optimizer):
                     )
                 if not p.is_floating_point() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                     raise TypeError(f"FusedAdamW supports float32, bfloat16 and float16 parameters, got {p.dtype}")
-                devices.add(_local(p).device)
-            distributed.validate_params(list(group["params"]))  # FSDP1 flat params, mixed meshes
+                devices.add(local(p).device)
+            validate_params(list(group["params"]))  # FSDP1 flat params, mixed meshes
         if len(devices) > 1:
             raise ValueError(
                 f"all parameters of one FusedAdamW must be on one device, got {sorted(map(str, devices))}: "
@@ -616,208 +370,26 @@ class FusedAdamW(Optimizer):
                 )
 
     def _params_device(self) -> torch.device:
-        return _local(self.param_groups[0]["params"][0]).device
+        return local(self.param_groups[0]["params"][0]).device
 
-    def _sharded_norm_reducer(self) -> ops.GlobalSumsq | None:
-        """For DTensor (FSDP2) params: the all-reduce that turns local sums of squares into the global one."""
-        if not any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
-            return None
-        from .integrations import distributed
 
-        return distributed.global_sumsq
-
-    # ------------------------------------------------------------------------------------------
-    # state dict: torch.optim.AdamW's layout, fp32 moments kept fp32, our counters under one extra key
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
-        state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
-        if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
-            for saved, group in zip(state["param_groups"], self.param_groups):
-                saved["lr"] = group["initial_lr"]
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(_STATE_KEY, None)
-        if extra is not None:
-            _check_counters(extra)  # before anything changes
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, "
-                f"this optimizer has {len(self.param_groups)}"
-            )
-        id_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
-                )
-            _check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
-            id_to_param.update(zip(saved["params"], group["params"]))
-        # keep the moments in fp32: torch's loader would cast them to the param dtype (bf16 loses bits)
-        moments: dict[Any, dict[str, torch.Tensor]] = {}
-        plain_state = {}
-        for param_id, entry in state_dict["state"].items():
-            param = id_to_param.get(param_id)
-            kept = {k: v for k, v in entry.items() if k not in _MOMENT_KEYS}
-            taken = {k: v for k, v in entry.items() if k in _MOMENT_KEYS}
-            if param is not None:
-                for key, value in taken.items():
-                    if tuple(value.shape) != tuple(_local(param).shape) and tuple(value.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"state {key!r} has shape {tuple(value.shape)} but its parameter has shape "
-                            f"{tuple(param.shape)}: this state dict belongs to another model"
-                        )
-                moments[param_id] = taken
-            plain_state[param_id] = kept
-        super().load_state_dict({**state_dict, "state": plain_state})
-        for group in self.param_groups:  # torch may have saved tensor betas: the step's tables hold floats
-            group["betas"] = _float_betas(group["betas"])
-        for param_id, taken in moments.items():
-            param = id_to_param[param_id]
-            state = self.state[param]
-            for key, value in taken.items():
-                state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
-            if "step" in state:
-                step = state["step"]
-                state["step"] = (
-                    (step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
-                    .to(device=self.device, dtype=torch.float32, copy=True)
-                    .reshape(())
-                )
-            if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
-                state["master_param"] = param.detach().to(torch.float32).clone()
-        if extra is not None:
-            self._load_counters(extra)
-        else:  # a torch.optim.AdamW state: continue the schedule from the steps already taken
-            self._fstate.zero_()
-            self._istate.zero_()
-            self._istate[layout.I_LAST_SPIKE_STEP] = -1
-            self.reset_max_zscore()
-            steps = [float(s["step"]) for s in self.state.values() if "step" in s]
-            self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
-        self._plan = None
-        self._version.bump()
-        self._show_loaded_lrs()
-
-    def _show_loaded_lrs(self) -> None:
-        """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
-        schedulers also save, else `lr`) shown at the loaded count of applied updates."""
-        if self.rules.schedule is None:
-            return
-        for group in self.param_groups:
-            group["lr"] = group.get("initial_lr", group["lr"])
-        self._shown_lrs = []
-        self._show_lrs()
-
-    def _load_counters(self, extra: dict) -> None:
-        """The saved device counters. A state saved before the worst-step window existed (layout 1: the same
-        slots, fewer of them) loads into the leading slots. The worst-step window starts over either way (its
-        per-tensor norms are not saved)."""
-        _check_counters(extra)
-        fstate, istate = extra["fstate"], extra["istate"]
-        self._fstate[: fstate.numel()].copy_(fstate)
-        self._istate[: istate.numel()].copy_(istate)
-        self._reset_worst_step()
-
-    # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
-    # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
-    _PICKLED = (
-        "rules",
-        "master_weights",
-        "capturable",
-        "device",
-        "backend",
-        "_fstate",
-        "_istate",
-        "_worst_sumsq",
-        "_param_names",
+def _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable) -> dict[str, Any]:
+    """The param-group defaults, checked as torch.optim.AdamW checks them; with torch.optim.AdamW's own keys, so
+    that either optimizer loads the other's state_dict."""
+    HParams.check(lr, betas, eps, weight_decay)
+    check_not_differentiable(differentiable, "FusedAdamW(differentiable=True)")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
+    return dict(
+        lr=lr,
+        betas=HParams.float_betas(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=bool(amsgrad),
+        maximize=bool(maximize),
+        foreach=foreach,
+        capturable=False,
+        differentiable=False,
+        fused=fused,
+        decoupled_weight_decay=True,
     )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update({name: getattr(self, name) for name in self._PICKLED if hasattr(self, name)})
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_version" not in self.__dict__:  # unpickling: a fresh object
-            self._version = Version()
-        super().__setstate__(state)
-        self.state = ParamStates(self._version, self.state)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-            group.setdefault("maximize", False)
-            group.setdefault("decoupled_weight_decay", True)
-        if not hasattr(self, "rules"):  # pickled by an older version or by a plain Optimizer
-            self.rules, self.master_weights, self.capturable = StepRules(), False, False
-        if not hasattr(self, "device"):
-            self.device = self._params_device()
-            self.backend = ops.resolve_backend(None, self.device)
-        if not hasattr(self, "_fstate"):
-            self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
-            self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
-            self._istate[layout.I_LAST_SPIKE_STEP] = -1
-        if getattr(self, "_worst_sumsq", None) is None:  # pickled by an older version: no worst-step window yet
-            self._worst_sumsq = self._new_worst_sumsq()
-            saved = {"fstate": self._fstate, "istate": self._istate}
-            self._fstate = torch.zeros(layout.F_SIZE, dtype=torch.float32, device=self.device)
-            self._istate = torch.zeros(layout.I_SIZE, dtype=torch.int64, device=self.device)
-            self._load_counters(saved)
-        self._param_names = getattr(self, "_param_names", None)
-        self._buffers = self._step_buffers()
-        self._plan = None
-        self._last_tables = None
-        self._version.bump()
-        self._global_sumsq = self._sharded_norm_reducer()
-        self._show_loaded_lrs()
-
-
-def _check_counters(extra: dict) -> None:
-    fstate, istate = extra["fstate"], extra["istate"]
-    if fstate.numel() > layout.F_SIZE or istate.numel() > layout.I_SIZE:
-        raise ValueError(
-            f"this optimizer state was saved by a newer fused_stable (counter layout {extra.get('layout')}, this one "
-            f"reads up to {_LAYOUT_VERSION}): upgrade fused_stable to load it"
-        )
-
-
-def _check_not_differentiable(differentiable, where: str) -> None:
-    if differentiable:
-        raise ValueError(
-            f"{where}: FusedAdamW's fused step cannot be differentiated through (autograd does not see inside "
-            "its kernels); use torch.optim.AdamW(differentiable=True) for that, or differentiable=False"
-        )
-
-
-def _float_betas(betas) -> tuple[float, float]:
-    """Tensor betas (torch accepts 1-element ones) as floats: the step's tables hold floats."""
-    return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr_value = float(lr.detach().reshape(()).cpu())
-    else:
-        lr_value = float(lr)
-    if not lr_value >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be a pair, got {betas}")
-    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        raise ValueError("betas must be either both floats or both Tensors")  # torch's words
-    for index, beta in enumerate(betas):
-        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
-            raise ValueError(f"Tensor betas[{index}] must be 1-element")
-    betas = _float_betas(betas)
-    for index, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {index}: {beta} (must be in [0, 1))")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")

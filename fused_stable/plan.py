@@ -1,11 +1,11 @@
 """The step plan: what the optimizer's param groups and state amount to for one fused step, flattened once.
 
-FusedAdamW (optim.py) builds a `StepPlan` from its param groups and state and keeps it; a backend
+FusedAdamW (optim.py) builds a `StepPlan` (`build_plan`) from its param groups and state and keeps it; a backend
 (fused_stable/backends) keeps its own device side of the plan (tables, prepared launches) in
 `plan.backend_cache`. The plan is rebuilt only when something it encodes changes:
   - the param set: a group added, a group's params list replaced or edited, another set of params with grads;
   - a state tensor: created, loaded, replaced or removed in `opt.state` (the optimizer's state mapping reports
-    every such change, see `ParamStates`, so no step has to look);
+    every such change, see `ParamStates` in param_state.py, so no step has to look);
   - a param's size or dtype (`p.data = p.data[:n]`, even at the same address), seen through its grad: torch
     keeps a grad's shape and dtype equal to its param's;
   - a param's storage, checked whenever grad storage changes (docs/design.md, "What a step does not look at",
@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from .param_state import ParamStates, Version
+from .sharding import is_dtensor, local
+
 # C-level accessors for map(): a pass over hundreds of params costs tens of microseconds, a Python loop hundreds
 _grad_of = operator.attrgetter("grad")
 _dtype_of = operator.attrgetter("dtype")
@@ -34,129 +37,6 @@ _stride_of = torch.Tensor.stride
 _is_contiguous = torch.Tensor.is_contiguous
 _storage_of = torch.Tensor.untyped_storage
 _is = operator.is_
-
-
-class Version:
-    """A counter shared by the optimizer and its state mapping: any change that invalidates a plan bumps it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def bump(self) -> None:
-        self.value += 1
-
-
-class ParamState(dict):
-    """One parameter's optimizer state (a plain dict to every reader). Setting or removing an entry bumps the
-    optimizer's version, so a plan that holds the old tensor's address is rebuilt before the next step."""
-
-    __slots__ = ("_version",)
-
-    def __init__(self, version: Version, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._version = version
-
-    def _changed(self) -> None:
-        self._version.bump()
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self._changed()
-
-    def __delitem__(self, key) -> None:
-        super().__delitem__(key)
-        self._changed()
-
-    def clear(self) -> None:
-        super().clear()
-        self._changed()
-
-    def pop(self, *args):
-        value = super().pop(*args)
-        self._changed()
-        return value
-
-    def popitem(self):
-        item = super().popitem()
-        self._changed()
-        return item
-
-    def setdefault(self, key, default=None):
-        value = super().setdefault(key, default)
-        self._changed()
-        return value
-
-    def update(self, *args, **kwargs) -> None:
-        super().update(*args, **kwargs)
-        self._changed()
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-    def __reduce__(self):  # pickles (and deep-copies) as a plain dict: state_dict files stay loadable anywhere
-        return (dict, (dict(self),))
-
-
-class ParamStates(dict):
-    """The optimizer's `state` mapping (param -> ParamState), a defaultdict(dict) to every reader. Replacing
-    or removing a param's state bumps the version; creating one for a param that had none does not (no plan
-    can hold a state that did not exist)."""
-
-    __slots__ = ("_version",)
-
-    def __init__(self, version: Version, states: Any = ()) -> None:
-        super().__init__()
-        self._version = version
-        for param, state in dict(states).items():
-            dict.__setitem__(self, param, self._wrap(state))
-
-    def _wrap(self, state) -> ParamState:
-        if type(state) is ParamState and state._version is self._version:
-            return state
-        return ParamState(self._version, state)
-
-    def __missing__(self, param) -> ParamState:
-        state = ParamState(self._version)
-        dict.__setitem__(self, param, state)
-        return state
-
-    def __setitem__(self, param, state) -> None:
-        replaced = param in self
-        dict.__setitem__(self, param, self._wrap(state))
-        if replaced:
-            self._version.bump()
-
-    def __delitem__(self, param) -> None:
-        super().__delitem__(param)
-        self._version.bump()
-
-    def clear(self) -> None:
-        super().clear()
-        self._version.bump()
-
-    def pop(self, *args):
-        value = super().pop(*args)
-        self._version.bump()
-        return value
-
-    def popitem(self):
-        item = super().popitem()
-        self._version.bump()
-        return item
-
-    def update(self, *args, **kwargs) -> None:
-        for param, state in dict(*args, **kwargs).items():
-            self[param] = state
-
-    @property
-    def default_factory(self):  # what code written for torch's defaultdict(dict) may look at
-        return dict
-
-    def __reduce__(self):  # pickles (and deep-copies) as plain dicts
-        return (dict, ({param: dict(state) for param, state in self.items()},))
 
 
 class SameGrads:
@@ -315,13 +195,13 @@ class StepPlan:
             return None
         if grads is None or any(g.is_sparse for g in grads):
             return None
-        local = [_local(g) for g in grads]
-        ptrs = [g.data_ptr() for g in local]
+        shards = [local(g) for g in grads]
+        ptrs = [g.data_ptr() for g in shards]
         if ptrs != self.grad_ptrs:
-            return local if self.accept_grads(local, ptrs) else None
-        if [g.nbytes for g in local] != self.nbytes or [p.data_ptr() for p in self.local_params] != self.param_ptrs:
+            return shards if self.accept_grads(shards, ptrs) else None
+        if [g.nbytes for g in shards] != self.nbytes or [p.data_ptr() for p in self.local_params] != self.param_ptrs:
             return None
-        return local
+        return shards
 
     def _layouts_match(self, grads: list[torch.Tensor]) -> bool:
         if self.contiguous:  # the usual case, and cheaper to ask than the strides
@@ -352,6 +232,84 @@ class StepPlan:
         self.grad_ptrs = ptrs
         self.grads_version += 1
         return True
+
+
+def build_plan(
+    param_groups: list[dict],
+    state: ParamStates,
+    version: Version,
+    *,
+    dense_layouts: bool,
+    master_weights: bool,
+    device: torch.device,
+) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
+    """The plan for the params that have a grad now, with their state (created where missing), and those grads
+    (local shards, plan order); (None, None) when no param has a grad. Validates every grad and state before a
+    step runs; afterwards a step only checks that nothing the plan encodes moved (`StepPlan.current_grads`)."""
+    group_params = [group["params"] for group in param_groups]
+    all_params = [p for params in group_params for p in params]
+    groups = [index for index, params in enumerate(group_params) for _ in params]
+    group_amsgrad = [bool(group["amsgrad"]) for group in param_groups]
+    grads = [p.grad for p in all_params]
+    members = [i for i, g in enumerate(grads) if g is not None]
+    if not members:
+        return None, None
+    params = [all_params[i] for i in members]
+    local_params = [local(p) for p in params]
+    local_grads = [local(grads[i]) for i in members]
+    check_grads(local_params, local_grads, dense_layouts)
+    states = []
+    for p, group in zip(params, (groups[i] for i in members)):
+        param_state = state[p]
+        if not param_state:
+            init_state(p, param_state, group_amsgrad[group], master_weights, device)
+        check_state(local(p), param_state, group_amsgrad[group])
+        states.append(param_state)
+    plan = StepPlan(
+        version=version.value,  # after the states created above bumped it
+        group_params=group_params,
+        group_sizes=[len(params) for params in group_params],
+        all_params=all_params,
+        members=None if len(members) == len(all_params) else members,
+        params=params,
+        local_params=local_params,
+        exp_avgs=[local(s["exp_avg"]) for s in states],
+        exp_avg_sqs=[local(s["exp_avg_sq"]) for s in states],
+        masters=[local(s["master_param"]) if "master_param" in s else None for s in states],
+        max_exp_avg_sqs=[
+            local(s["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None for i, s in zip(members, states)
+        ],
+        group_amsgrad=group_amsgrad,
+        steps=[s["step"] for s in states],
+        groups=[groups[i] for i in members],
+        numels=[p.numel() for p in local_params],
+        nbytes=[p.nbytes for p in local_params],
+        param_ptrs=[p.data_ptr() for p in local_params],
+        dtypes=[p.dtype for p in local_params],
+        strides=[p.stride() for p in local_params],
+        contiguous=all(p.is_contiguous() for p in local_params),
+        sharded=any(is_dtensor(p) for p in params),
+        dense_layouts=dense_layouts,
+        storages=[p.untyped_storage() for p in local_params],
+        grad_ptrs=[g.data_ptr() for g in local_grads],
+    )
+    if not plan.dense_layouts:
+        plan.note_grad_layouts(local_grads)
+    if not plan.sharded:
+        plan.same_grads.seen(local_grads)
+    return plan, local_grads
+
+
+def init_state(p: torch.Tensor, state: dict, amsgrad: bool, master_weights: bool, device: torch.device) -> None:
+    """A param's first state, as torch.optim.AdamW's (fp32 moments and `step`), plus amsgrad's maximum and the
+    fp32 master copy of a low-precision param when asked for."""
+    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    if amsgrad:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    if master_weights and p.dtype != torch.float32:
+        state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
 
 
 def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_layouts: bool) -> None:
@@ -398,7 +356,7 @@ def check_state(param: torch.Tensor, state: dict, amsgrad: bool = False) -> None
         tensor = state.get(key)
         if tensor is None:
             continue
-        tensor = _local(tensor)
+        tensor = local(tensor)
         if tensor.numel() != param.numel() or tensor.dtype != torch.float32 or tensor.device != param.device:
             raise ValueError(
                 f"state {key!r} ({tensor.dtype}, {tuple(tensor.shape)}, {tensor.device}) does not fit its parameter "
@@ -416,15 +374,3 @@ def is_dense(t: torch.Tensor) -> bool:
         return True
     span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
     return span == t.numel()
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (what the kernels update); any other tensor as is."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-local = _local

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import SCHEDULE_CONSTANT, SCHEDULE_COSINE, SCHEDULE_LINEAR
+# the kinds, as the decision kernel and the torch backend switch on them (fused_stable.layout re-exports them)
+SCHEDULE_NONE = 0
+SCHEDULE_CONSTANT = 1
+SCHEDULE_LINEAR = 2
+SCHEDULE_COSINE = 3
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ import torch
 
 from .. import layout
 from ..kernels.tables import CHUNK_SIZE, build_chunk_map, check_not_capturing, upload, upload_int64
-from ..layout import StepBuffers, StepRules
-from ..plan import StepPlan
+from ..layout import HParams, StepBuffers, StepRules
+from ..plan import StepPlan, check_grads
+
+DENSE_LAYOUTS = True  # the kernels walk memory linearly (fused_stable.backends.Backend)
 
 
 def _another_device_is_current(device: torch.device) -> bool:
@@ -52,13 +54,10 @@ class TritonTables:
     ) -> None:
         """Launch configurations and chunk size default to the kernels' own; benchmarks/gpu_probe.py builds the
         same tables with the alternatives it times."""
-        from ..kernels.adamw import ADAMW_CONFIG, TABLE_COLUMNS, prepare_adamw, prepare_finalize
-        from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
+        from ..kernels.decide import prepare_decide
 
         self.buffers, self.rules, self.device = buffers, rules, device
-        launch_groups: dict[tuple, list[int]] = {}  # (param dtype, has master, amsgrad) -> plan indices
-        for index, (param, master, max_sq) in enumerate(zip(plan.local_params, plan.masters, plan.max_exp_avg_sqs)):
-            launch_groups.setdefault((param.dtype, master is not None, max_sq is not None), []).append(index)
+        launch_groups = _launch_groups(plan)
         self.kernel_order = [i for indices in launch_groups.values() for i in indices]
         n = len(self.kernel_order)
         # plan order -> kernel order, in C (None: the same order, one launch group as usual)
@@ -67,73 +66,58 @@ class TritonTables:
         self.grads_version = -1
         self.uploaded_grad_ptrs: list[int] | None = None
 
-        chunk_maps, counts, owners, offset, first = [], [], [], 0, 0
-        for indices in launch_groups.values():
-            chunks = build_chunk_map([plan.numels[i] for i in indices], device, chunk_size)
-            chunk_maps.append((chunks, offset, first))
-            counts += chunks.tensor_num_chunks
-            for local, count in enumerate(chunks.tensor_num_chunks):
-                owners += [first + local] * count
-            offset += chunks.num_chunks
-            first += len(indices)
-        self.partials = torch.zeros(max(offset, 1), dtype=torch.float32, device=device)
+        chunk_maps, counts, owners = _chunk_maps(plan, launch_groups, device, chunk_size)
+        self.partials = torch.zeros(max(len(owners), 1), dtype=torch.float32, device=device)
         self.per_tensor_sumsq = torch.zeros(n, dtype=torch.float32, device=device)
         self.chunk_owner = upload_int64(owners, device)
         self.positions = upload_int64([plan.positions[i] for i in self.kernel_order], device)
         self.originals = [plan.params[i] for i in self.kernel_order]
+        self.norms, self.updates = self._prepare_passes(plan, launch_groups, chunk_maps, sumsq_config, adamw_config)
+        self.decide = prepare_decide(
+            partials=self.partials,
+            chunk_owner=self.chunk_owner,
+            tensor_num_chunks=upload_int64(counts, device),
+            per_tensor_sumsq=self.per_tensor_sumsq,
+            tensor_positions=self.positions,
+            step_addrs=upload_int64([plan.steps[i].data_ptr() for i in self.kernel_order], device),
+            buffers=buffers,
+            rules=rules,
+        )
+        self.hparams_rows: list | None = None  # the rows last checked, as handed over (compared by identity)
+        self.hparams_key: tuple | None = None
+        self.tensor_lrs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hparams slot, the group's lr tensor)
 
-        self.norms, self.updates = [], []
+    def _prepare_passes(self, plan: StepPlan, launch_groups: dict, chunk_maps: list, sumsq_config, adamw_config):
+        """One norm-pass and one update launch per launch group (those with nothing to read left out)."""
+        from ..kernels.adamw import ADAMW_CONFIG, TABLE_COLUMNS, prepare_adamw
+        from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
+
+        norms, updates = [], []
         for ((dtype, has_master, amsgrad), indices), (chunks, partial_offset, first) in zip(
             launch_groups.items(), chunk_maps
         ):
-            rows = []
-            for i in indices:
-                master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
-                rows += [
-                    plan.local_params[i].data_ptr(),
-                    plan.exp_avgs[i].data_ptr(),
-                    plan.exp_avg_sqs[i].data_ptr(),
-                    master.data_ptr() if master is not None else 0,
-                    plan.steps[i].data_ptr(),
-                    plan.numels[i],
-                    plan.groups[i],
-                    max_sq.data_ptr() if max_sq is not None else 0,
-                ]
             grad_addrs = self.grad_addrs[first : first + len(indices)]
-            numels = upload_int64([plan.numels[i] for i in indices], device)
+            numels = upload_int64([plan.numels[i] for i in indices], self.device)
             norm = prepare_sumsq(
                 grad_addrs, numels, chunks, self.partials, partial_offset, dtype, sumsq_config or SUMSQ_CONFIG
             )
+            table = upload_int64(_update_rows(plan, indices), self.device, "an update table")
             update = prepare_adamw(
-                table=upload_int64(rows, device, "an update table").view(len(indices), TABLE_COLUMNS),
+                table=table.view(len(indices), TABLE_COLUMNS),
                 grad_addrs=grad_addrs,
                 chunks=chunks,
-                hparams=buffers.hparams,
-                fstate=buffers.fstate,
+                hparams=self.buffers.hparams,
+                fstate=self.buffers.fstate,
                 param_dtype=dtype,
                 has_master=has_master,
                 amsgrad=amsgrad,
                 config=adamw_config or ADAMW_CONFIG,
             )
             if norm is not None:
-                self.norms.append(norm)
+                norms.append(norm)
             if update is not None:
-                self.updates.append(update)
-        self.finalize = prepare_finalize(
-            partials=self.partials,
-            chunk_owner=self.chunk_owner,
-            tensor_num_chunks=upload_int64(counts, device),
-            per_tensor_sumsq=self.per_tensor_sumsq,
-            worst_sumsq=buffers.worst_sumsq,
-            tensor_positions=self.positions,
-            step_addrs=upload_int64([plan.steps[i].data_ptr() for i in self.kernel_order], device),
-            fstate=buffers.fstate,
-            istate=buffers.istate,
-            hparams=buffers.hparams,
-            rules=rules,
-        )
-        self.hparams_key: tuple | None = None
-        self.tensor_lrs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hparams slot, the group's lr tensor)
+                updates.append(update)
+        return norms, updates
 
     def refresh_grads(self, plan: StepPlan) -> None:
         """Writes new grad addresses into the address array the prepared launches read (when they differ from
@@ -144,25 +128,69 @@ class TritonTables:
             self.uploaded_grad_ptrs = plan.grad_ptrs
         self.grads_version = plan.grads_version
 
-    def refresh_hparams(self, hparams: list[tuple]) -> None:
-        """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync)."""
-        key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
-        if key != self.hparams_key:
-            upload(
-                [_hparam_row(*row) for row in hparams],
-                torch.float32,
-                self.device,
-                "changed hyper-parameters",
-                out=self.buffers.hparams,
-            )
-            self.hparams_key = key
-            self.tensor_lrs = [
-                (self.buffers.hparams[g, layout.H_LR], row[0])
-                for g, row in enumerate(hparams)
-                if isinstance(row[0], torch.Tensor)
-            ]
+    def refresh_hparams(self, hparams: list[HParams]) -> None:
+        """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync).
+        The optimizer hands the same list while its values stay: then one identity check is all. Rows are read
+        by position, in HParams' order (benchmarks/gpu_probe.py passes plain tuples)."""
+        if hparams is not self.hparams_rows:
+            key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
+            if key != self.hparams_key:
+                upload(
+                    [_hparam_row(*row) for row in hparams],
+                    torch.float32,
+                    self.device,
+                    "changed hyper-parameters",
+                    out=self.buffers.hparams,
+                )
+                self.hparams_key = key
+                self.tensor_lrs = [
+                    (self.buffers.hparams[g, layout.H_LR], row[0])
+                    for g, row in enumerate(hparams)
+                    if isinstance(row[0], torch.Tensor)
+                ]
+            self.hparams_rows = hparams
         for slot, lr in self.tensor_lrs:
             slot.copy_(lr)
+
+
+def _launch_groups(plan: StepPlan) -> dict[tuple, list[int]]:
+    """(param dtype, has master, amsgrad) -> plan indices: one norm and one update launch per group."""
+    launch_groups: dict[tuple, list[int]] = {}
+    for index, (param, master, max_sq) in enumerate(zip(plan.local_params, plan.masters, plan.max_exp_avg_sqs)):
+        launch_groups.setdefault((param.dtype, master is not None, max_sq is not None), []).append(index)
+    return launch_groups
+
+
+def _chunk_maps(plan: StepPlan, launch_groups: dict, device: torch.device, chunk_size: int):
+    """Per launch group its chunk map, its offset into the partials and its first tensor in kernel order; the
+    chunk count of every tensor and the owner (kernel-order tensor) of every chunk, across groups."""
+    chunk_maps, counts, owners, first = [], [], [], 0
+    for indices in launch_groups.values():
+        chunks = build_chunk_map([plan.numels[i] for i in indices], device, chunk_size)
+        chunk_maps.append((chunks, len(owners), first))
+        counts += chunks.tensor_num_chunks
+        for local, count in enumerate(chunks.tensor_num_chunks):
+            owners += [first + local] * count
+        first += len(indices)
+    return chunk_maps, counts, owners
+
+
+def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
+    """The update table of one launch group, row by row in kernels/adamw.py's column order (COL_*)."""
+    rows = []
+    for i in indices:
+        master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
+        rows += [
+            plan.local_params[i].data_ptr(),
+            plan.exp_avgs[i].data_ptr(),
+            plan.exp_avg_sqs[i].data_ptr(),
+            master.data_ptr() if master is not None else 0,
+            plan.steps[i].data_ptr(),
+            plan.numels[i],
+            plan.groups[i],
+            max_sq.data_ptr() if max_sq is not None else 0,
+        ]
+    return rows
 
 
 def fused_step(
@@ -170,12 +198,13 @@ def fused_step(
     grads: list[torch.Tensor],
     buffers: StepBuffers,
     rules: StepRules,
-    hparams: list[tuple],
+    hparams: list[HParams],
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     global_sumsq,
 ) -> None:
-    """Norm pass, decision kernel and AdamW for every tensor of `plan`, on the parameters' device."""
+    """Norm pass, decision kernel and AdamW for every tensor of `plan`, on the parameters' device
+    (`fused_stable.backends.Backend.fused_step`)."""
     device = buffers.fstate.device
     tables: TritonTables | None = plan.backend_cache
     if tables is None or tables.buffers is not buffers or tables.rules is not rules:
@@ -207,7 +236,7 @@ def launch_step(tables: TritonTables, grad_scale=None, found_inf=None, global_su
             0, tables.chunk_owner, tables.partials[: tables.chunk_owner.numel()]
         )
         external_sumsq = global_sumsq(local, tables.originals).reshape(()).float()
-    kernels.run_finalize(tables.finalize, stream, grad_scale, found_inf, external_sumsq)
+    kernels.run_decide(tables.decide, stream, grad_scale, found_inf, external_sumsq)
     for update in tables.updates:
         kernels.run_adamw(update, stream)
 
@@ -221,12 +250,12 @@ def _import_kernels():
     global _kernels
     from types import SimpleNamespace
 
-    from ..kernels import adamw, launch, norm
+    from ..kernels import adamw, decide, launch, norm
 
     _kernels = SimpleNamespace(
         current_stream=launch.current_stream,
         run_sumsq=norm.run_sumsq,
-        run_finalize=adamw.run_finalize,
+        run_decide=decide.run_decide,
         run_adamw=adamw.run_adamw,
     )
     return _kernels
@@ -263,7 +292,6 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, error_if_nonfinit
     inside a CUDA-graph capture: the upload refuses with a clear error."""
     from ..kernels.launch import current_stream
     from ..kernels.norm import launch_scale_, prepare_sumsq, run_sumsq
-    from ..plan import check_grads
 
     device = grads[0].device
     check_not_capturing(device, "clip_grad_norm_'s tables")

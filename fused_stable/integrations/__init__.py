@@ -4,8 +4,8 @@
   ``fused_trainer_optimizers``, ``FusedStableTrainerMixin``) and notes for accelerate.
 - ``fused_stable.integrations.lightning``: PyTorch Lightning (``FusedStableCallback``,
   ``fp16_mixed_precision``).
-- ``fused_stable.integrations.distributed``: the global gradient norm over DTensor shards (FSDP2, TP)
-  that FusedAdamW calls, and the torchrun helpers the trainer uses.
+- ``fused_stable.integrations.distributed``: the torchrun helpers the trainer uses (process group, DDP /
+  FSDP2 wrapping, data sharding), and ``global_sumsq`` / ``validate_params`` from fused_stable.sharding.
 
 Submodules are imported on demand so that ``import fused_stable`` never pulls in transformers or lightning.
 """

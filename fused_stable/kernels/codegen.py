@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import adamw, norm
+from . import adamw, decide, norm
 from .launch import LaunchConfig
 from .tables import CHUNK_SIZE
 
@@ -51,7 +51,7 @@ _TYPES = {
         "hparams": _F32,
         "fstate": _F32,
     },
-    "finalize": {
+    "decide": {
         "partials": _F32,
         "chunk_owner": _I64,
         "num_chunks": "i32",
@@ -79,7 +79,7 @@ _TYPES = {
         "schedule_min_ratio": "fp32",
     },
 }
-_KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": adamw._adamw_kernel, "finalize": adamw._finalize_kernel}
+_KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": adamw._adamw_kernel, "decide": decide._decide_kernel}
 
 # launch configurations a GPU should decide between (benchmarks/gpu_probe.py times them side by side)
 CANDIDATES = {
@@ -243,16 +243,16 @@ def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
     for schedule in range(4):
         records.append(
             record(
-                "finalize",
+                "decide",
                 {
                     "HAS_SCALE": True,
                     "HAS_FOUND_INF": True,
                     "HAS_EXTERNAL_SUMSQ": schedule == 1,
                     "CLIP_MODE": schedule % 2,
                     "SCHEDULE": schedule,
-                    "BLOCK_T": adamw.BLOCK_TENSORS,
+                    "BLOCK_T": decide.BLOCK_TENSORS,
                 },
-                adamw.FINALIZE_CONFIG,
+                decide.DECIDE_CONFIG,
                 arch,
                 schedule=schedule,
                 default=True,

@@ -26,8 +26,11 @@ def param(n=4, dtype=torch.float32):
         ({"max_grad_norm": float("inf")}, "max_grad_norm"),
         ({"clip": "adaptive"}, "clip must be one of"),
         ({"zscore_alpha": 1.0}, "zscore_alpha"),
+        ({"zscore_threshold": 0.0}, "zscore_threshold"),
         ({"zscore_warmup": 0}, "zscore_warmup"),
         ({"spike_skip_threshold": 1.0}, "spike_skip_threshold"),
+        ({"spike_skip_ratio": -1.0}, "spike_skip_ratio"),
+        ({"spike_skip_ratio": float("nan")}, "spike_skip_ratio"),
         ({"backend": "cuda-graphs"}, "unknown fused_stable backend"),
         ({"backend": "triton"}, "needs CUDA tensors"),
     ],
@@ -35,6 +38,28 @@ def param(n=4, dtype=torch.float32):
 def test_bad_hyperparameters_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusedAdamW([param()], **kwargs)
+
+
+def test_step_rules_check_themselves_and_keep_the_kernels_types():
+    """The rule checks live in StepRules (FusedAdamW's constructor only builds one): the same errors without an
+    optimizer, the clip mode taken by name, numbers kept as the types the kernels' arguments take."""
+    from fused_stable import layout
+
+    with pytest.raises(ValueError, match="zscore_alpha must be in"):
+        layout.StepRules(zscore_alpha=1.5)
+    with pytest.raises(ValueError, match="clip must be one of"):
+        layout.StepRules(clip="adaptive")
+    with pytest.raises(TypeError, match="fused_stable.schedules"):
+        layout.StepRules(schedule="cosine")
+    with pytest.raises(ValueError, match="clip_mode must be one of"):
+        layout.StepRules(clip_mode=2)
+    rules = layout.StepRules(max_grad_norm=1, clip="zscore", zscore_warmup=3.0, spike_skip_threshold=4)
+    assert rules.clip_mode == layout.CLIP_ZSCORE and rules == FusedAdamW([param()], **ZSCORE_OPTIONS).rules
+    assert type(rules.max_grad_norm) is float and type(rules.zscore_warmup) is int
+    assert type(rules.spike_skip_threshold) is float and layout.StepRules().clip_mode == layout.CLIP_FIXED
+
+
+ZSCORE_OPTIONS = dict(max_grad_norm=1.0, clip="zscore", zscore_warmup=3, spike_skip_threshold=4.0)
 
 
 def test_bad_group_hyperparameters_raise():

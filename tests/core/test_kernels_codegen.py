@@ -62,7 +62,7 @@ def test_every_kernel_variant_compiles_to_sass_without_spills(records):
     kernels = sorted(
         (r["kernel"], r.get("dtype"), r.get("has_master"), r.get("amsgrad"), r.get("schedule")) for r in records
     )
-    # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master, plus amsgrad for fp32 and bf16 + master; finalize
+    # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master, plus amsgrad for fp32 and bf16 + master; decide
     assert len(kernels) == 3 + 5 + 2 + 4, kernels
     for r in records:
         assert r["has_cubin"] and r["spill_bytes"] == 0, r

@@ -178,6 +178,32 @@ def test_torch_lr_scheduler_drives_group_lr(backend):
     assert_close(ours, theirs, 1e-5, 1e-6, "StepLR-driven lr")
 
 
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_every_hyperparameter_change_reaches_the_next_step(backend):
+    """The optimizer hands the backends the same rows while the groups' values stay (no HParams built per step)
+    and new rows on any change: a tensor lr changed in place or replaced by another tensor, a float lr, betas,
+    weight decay, eps. Each step equals torch's AdamW given the same changes."""
+    init = make_params([(20,)])
+    ours, theirs = torch.nn.Parameter(init[0].clone()), torch.nn.Parameter(init[0].clone())
+    opt = FusedAdamW([ours], lr=torch.tensor(0.1), backend=backend)
+    ref = torch.optim.AdamW([theirs], lr=torch.tensor(0.1), foreach=False)
+    changes = {
+        "none": lambda group: None,
+        "tensor lr in place": lambda group: group["lr"].fill_(0.05),
+        "another tensor lr": lambda group: group.update(lr=torch.tensor(0.02)),
+        "a float lr": lambda group: group.update(lr=0.03),
+        "betas": lambda group: group.update(betas=(0.8, 0.99)),
+        "weight decay": lambda group: group.update(weight_decay=0.5),
+        "eps": lambda group: group.update(eps=1e-3),
+    }
+    for what, change in changes.items():
+        change(opt.param_groups[0]), change(ref.param_groups[0])
+        g = torch.randn(20)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step(), ref.step()
+        assert_close(ours, theirs, 1e-5, 1e-6, f"after changing {what}")
+
+
 def test_param_names_must_match_the_parameters():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     opt = FusedAdamW(model.parameters(), lr=1e-3, backend="torch")
@@ -276,9 +302,9 @@ def test_per_tensor_sums_when_tensors_span_blocks_of_chunks(monkeypatch, block):
 
     if not interpret_available():
         pytest.skip("needs TRITON_INTERPRET=1")
-    import fused_stable.kernels.adamw as kernels
+    import fused_stable.kernels.decide as decide
 
-    monkeypatch.setattr(kernels, "BLOCK_TENSORS", block)
+    monkeypatch.setattr(decide, "BLOCK_TENSORS", block)
     shapes = [(140_000,), (0,), (5,), (200_000,), (0,), (65_536,), (1,)]  # 3, 0, 1, 4, 0, 1, 1 chunks
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     opt = FusedAdamW(params, lr=1e-3, backend="interpret")

@@ -95,7 +95,7 @@ def _count_launches(n_tensors: int, dtypes=(torch.float32,)) -> int:
 
 @pytest.mark.skipif(not interpret_available(), reason="needs TRITON_INTERPRET=1")
 def test_launches_per_step_do_not_grow_with_tensor_count():
-    # norm pass, finalize, update: 3 launches for one dtype, whatever the number of tensors
+    # norm pass, decision kernel, update: 3 launches for one dtype, whatever the number of tensors
     assert _count_launches(3) == _count_launches(300) == 3
     # each further dtype adds its own norm and update launch
     assert _count_launches(30, (torch.float32, torch.bfloat16)) == 5

@@ -1,5 +1,6 @@
-"""fused_stable.integrations.distributed: the global sum of squares over DTensor shards and the param
-checks, on real gloo process groups (2 and 4 CPU ranks), against torch's own norms of the full tensors."""
+"""fused_stable.sharding: the global sum of squares over DTensor shards and the param checks, on real gloo
+process groups (2 and 4 CPU ranks), against torch's own norms of the full tensors; and their public names in
+fused_stable.integrations.distributed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from integ_dist import spawn
 
+from fused_stable import sharding
 from fused_stable.integrations import distributed as fsd
 
 
@@ -77,13 +79,13 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     params = list(model.parameters())
-    fsd.validate_params(params)
+    sharding.validate_params(params)
     torch.manual_seed(100 + rank)  # each rank its own batch, as in data parallel training
     model(torch.randn(4, 3)).pow(2).sum().backward()
     out["fsdp2_local_shapes"] = [tuple(p.grad.to_local().shape) for p in params]
     record: dict = {}
     with _no_host_sync_mode(record):
-        total = fsd.global_sumsq(_local_sumsq(params), params)
+        total = sharding.global_sumsq(_local_sumsq(params), params)
     out["fsdp2_sumsq"] = total
     out["fsdp2_allreduces"] = record.get("allreduces", 0)
     ref_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
@@ -102,10 +104,10 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
         (mesh, [Shard(0)]),
     ]
     mixed = [_param(g, m, pl) for g, (m, pl) in zip(grads, layout)]
-    fsd.validate_params(mixed)
+    sharding.validate_params(mixed)
     record = {}
     with _no_host_sync_mode(record):
-        out["mixed_sumsq"] = fsd.global_sumsq(_local_sumsq(mixed), mixed)
+        out["mixed_sumsq"] = sharding.global_sumsq(_local_sumsq(mixed), mixed)
     out["mixed_allreduces"] = record.get("allreduces", 0)
     out["mixed_reference"] = _reference_sumsq(mixed)
     out["mixed_expected"] = sum(g.double().pow(2).sum().item() for g in grads)
@@ -116,7 +118,7 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
         if rank == bad_rank:
             p.grad.to_local()[0, 0] = bad
         ok = _param(torch.ones(4, 2), mesh, [Shard(0)])
-        out[f"nonfinite_{name}"] = fsd.global_sumsq(_local_sumsq([ok, p]), [ok, p])
+        out[f"nonfinite_{name}"] = sharding.global_sumsq(_local_sumsq([ok, p]), [ok, p])
 
     # 4. Bad input, each with its message.
     errors = {}
@@ -128,17 +130,17 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
             errors[key] = (type(e).__name__, str(e))
 
     flat = FSDP1(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))
-    capture("fsdp1_flat", lambda: fsd.validate_params(list(flat.parameters())))
+    capture("fsdp1_flat", lambda: sharding.validate_params(list(flat.parameters())))
     orig = FSDP1(torch.nn.Linear(4, 4), device_id=torch.device("cpu"), use_orig_params=True)
-    capture("fsdp1_orig", lambda: fsd.validate_params(list(orig.parameters())))
+    capture("fsdp1_orig", lambda: sharding.validate_params(list(orig.parameters())))
     mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("rep", "shard"))
     two_meshes = [_param(torch.ones(4, 2), mesh, [Shard(0)]), _param(torch.ones(4, 2), mesh2d, [Replicate(), Shard(0)])]
-    capture("two_meshes", lambda: fsd.validate_params(two_meshes))
+    capture("two_meshes", lambda: sharding.validate_params(two_meshes))
     partial = torch.nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
-    capture("partial_param", lambda: fsd.validate_params([partial]))
+    capture("partial_param", lambda: sharding.validate_params([partial]))
     p = _param(torch.ones(4, 2), mesh, [Replicate()])
     p.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Partial()])
-    capture("partial_grad", lambda: fsd.global_sumsq(torch.ones(1), [p]))
+    capture("partial_grad", lambda: sharding.global_sumsq(torch.ones(1), [p]))
     # the same checks through the optimizer itself
     from fused_stable import FusedAdamW
 
@@ -147,7 +149,7 @@ def _two_rank_worker(rank: int, world_size: int) -> dict:
     capture("optim_two_meshes", lambda: FusedAdamW(two_meshes))
     out["errors"] = errors
     # Two meshes in separate groups are allowed: the global norm still combines them correctly.
-    out["two_meshes_sumsq"] = fsd.global_sumsq(_local_sumsq(two_meshes), two_meshes)
+    out["two_meshes_sumsq"] = sharding.global_sumsq(_local_sumsq(two_meshes), two_meshes)
     return out
 
 
@@ -168,10 +170,10 @@ def _four_rank_worker(rank: int, world_size: int) -> dict:
         [Replicate(), Shard(0)],
     ]
     params = [_param(g, mesh, pl) for g, pl in zip(grads, layout)]
-    fsd.validate_params(params)
+    sharding.validate_params(params)
     record: dict = {}
     with _no_host_sync_mode(record):
-        total = fsd.global_sumsq(_local_sumsq(params), params)
+        total = sharding.global_sumsq(_local_sumsq(params), params)
     out = {
         "sumsq": total,
         "allreduces": record.get("allreduces", 0),
@@ -180,7 +182,7 @@ def _four_rank_worker(rank: int, world_size: int) -> dict:
     }
     sub = [_param(grads[0], mesh["dp"], [Shard(0)]), _param(grads[1], mesh["tp"], [Shard(0)])]
     try:
-        fsd.validate_params(sub)
+        sharding.validate_params(sub)
     except ValueError as e:
         out["submesh_error"] = str(e)
     return out
@@ -269,8 +271,8 @@ def test_plain_tensors_count_as_they_are():
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
     for p in params:
         p.grad = torch.full_like(p, 2.0)
-    fsd.validate_params(params)
-    total = fsd.global_sumsq(_local_sumsq(params), params)
+    sharding.validate_params(params)
+    total = sharding.global_sumsq(_local_sumsq(params), params)
     assert total.dim() == 0 and total.item() == pytest.approx(4.0 * 7)
 
 
@@ -278,4 +280,11 @@ def test_local_sumsq_shape_is_checked():
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
     with pytest.raises(ValueError, match="one entry per param"):
-        fsd.global_sumsq(torch.ones(2), [p])
+        sharding.global_sumsq(torch.ones(2), [p])
+
+
+def test_the_public_names_stay_in_integrations_distributed():
+    """Users import global_sumsq and validate_params from fused_stable.integrations.distributed (docs); they now
+    live in the core (sharding.py), which FusedAdamW imports without reaching up into integrations/."""
+    assert fsd.global_sumsq is sharding.global_sumsq and fsd.validate_params is sharding.validate_params
+    assert {"global_sumsq", "validate_params"} <= set(fsd.__all__)

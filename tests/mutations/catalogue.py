@@ -226,8 +226,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "torch-steps-advance-on-skip",
         "fused_stable/backends/torch_backend.py",
-        "    torch._foreach_add_(lists.steps, 1.0 - skip)\n",
-        "    torch._foreach_add_(lists.steps, 1.0)\n",
+        "    torch._foreach_add_(steps, 1.0 - skip)\n",
+        "    torch._foreach_add_(steps, 1.0)\n",
         ["tests/core/test_skip_and_sync.py"],
         "a skipped step leaves the per-param `step` bit-identical",
         select="torch and nonfinite",
@@ -325,7 +325,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-scan-carry-dropped",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "        part += tl.where((lanes == 0) & (owner == carry_owner), carry, 0.0)\n",
         "",
         ["tests/core/test_optim_parity.py"],
@@ -334,7 +334,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-found-inf-ignored",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "        nonfinite = nonfinite | (tl.load(found_inf_ptr) != 0.0)\n",
         "        nonfinite = nonfinite\n",
         ["tests/core/test_amp.py", "tests/core/test_skip_and_sync.py"],
@@ -343,7 +343,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-steps-advance-on-skip",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "tl.store(addrs, steps + increment, mask=in_range)",
         "tl.store(addrs, steps + 1.0, mask=in_range)",
         ["tests/core/test_skip_and_sync.py"],
@@ -353,8 +353,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "kernel-tail-writes-one-past-the-end",
         "fused_stable/kernels/adamw.py",
-        "max_exp_avg_sq + idx,\n                idx < end,",
-        "max_exp_avg_sq + idx,\n                idx <= end,",
+        "max_exp_avg_sq + idx,\n            idx < end,",
+        "max_exp_avg_sq + idx,\n            idx <= end,",
         ["tests/core/test_optim_parity.py"],
         "the update writes only inside each tensor (views of one buffer)",
         select="interpret and (views or aligned_and_unaligned or odd)",
@@ -370,7 +370,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-stats-absorb-nonfinite",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "    update_stats = ~nonfinite\n",
         "    update_stats = nonfinite | ~nonfinite\n",
         ["tests/core/test_zscore.py"],
@@ -379,7 +379,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-clip-eps-dropped",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "coef = tl.minimum(tl.div_rn(ceiling, norm + CLIP_EPS), 1.0)",
         "coef = tl.minimum(tl.div_rn(ceiling, norm), 1.0)",
         ["tests/core/test_optim_parity.py", "tests/core/test_clip.py"],
@@ -388,7 +388,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-bf16-store-truncates",
-        "fused_stable/kernels/norm.py",
+        "fused_stable/kernels/common.py",
         "bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000",
         "bits = bits & 0xFFFF0000",
         ["tests/core/test_schedules_and_precision.py"],
@@ -462,8 +462,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "hparams-never-reuploaded",
         "fused_stable/backends/triton_backend.py",
-        "        if key != self.hparams_key:\n",
-        "        if self.hparams_key is None:\n",
+        "            if key != self.hparams_key:\n",
+        "            if self.hparams_key is None:\n",
         ["tests/core/test_optim_parity.py"],
         "a changed float hyper-parameter (torch LR scheduler) reaches the kernels",
         select="interpret and scheduler",
@@ -497,7 +497,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the step plan
     M(
         "plan-state-entry-change-unseen",
-        "fused_stable/plan.py",
+        "fused_stable/param_state.py",
         "    def __setitem__(self, key, value) -> None:\n        super().__setitem__(key, value)\n        self._changed()\n",
         "    def __setitem__(self, key, value) -> None:\n        super().__setitem__(key, value)\n",
         ["tests/core/test_plan.py"],
@@ -801,7 +801,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "optim-slots-not-renewed",
         "fused_stable/optim.py",
-        "if len(all_params) != self._worst_sumsq.numel() or len(group_params) != self._buffers.hparams.shape[0]:",
+        "if count != self._worst_sumsq.numel() or len(self.param_groups) != self._buffers.hparams.shape[0]:",
         "if False:",
         ["tests/core/test_plan.py"],
         "params added to a group's list in place get their worst-step window slots",
@@ -820,8 +820,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "torch-step-equal-sync",
         "fused_stable/backends/torch_backend.py",
-        "    torch._foreach_add_(lists.steps, 1.0 - skip)\n",
-        "    torch._foreach_add_(lists.steps, 1.0 - skip)\n    torch.equal(skip, skip)\n",
+        "    torch._foreach_add_(steps, 1.0 - skip)\n",
+        "    torch._foreach_add_(steps, 1.0 - skip)\n    torch.equal(skip, skip)\n",
         ["tests/core/test_host_reads.py"],
         "the CPU step makes no host read (torch.equal returns a Python bool)",
         select="torch",
@@ -846,7 +846,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-spike-skip-ge",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "(zscore > spike_skip_threshold)",
         "(zscore >= spike_skip_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -864,7 +864,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "spike-skip-ratio-ignored-kernel",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "spike_skip = spike_skip & (norm >= spike_skip_ratio * mean)",
         "spike_skip = spike_skip",
         ["tests/core/test_zscore.py"],
@@ -873,7 +873,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "worst-window-wrong-slots-kernel",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "tl.store(worst_sumsq + slots, sums, mask=in_range)",
         "tl.store(worst_sumsq + tensors, sums, mask=in_range)",
         ["tests/core/test_zscore.py"],
@@ -891,7 +891,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-zscore-spike-ge",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/decide.py",
         "is_spike = stats_ready & ~nonfinite & (zscore > zscore_threshold)",
         "is_spike = stats_ready & ~nonfinite & (zscore >= zscore_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -900,10 +900,56 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "applied-steps-not-recovered",
-        "fused_stable/optim.py",
+        "fused_stable/state_dict.py",
         "self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))",
         "pass",
         ["tests/core/test_resume_counters.py"],
         "a state without counters continues the schedule (DCP helpers)",
+    ),
+    # ------------------------------------------------------------------ the package's rooms (issue 26)
+    M(
+        "core-imports-integrations",
+        "fused_stable/optim.py",
+        "from .sharding import local, norm_reducer, validate_params\n",
+        "from .sharding import local, norm_reducer, validate_params\nfrom .integrations import distributed  # noqa: F401\n",
+        ["tests/core/test_package_layout.py"],
+        "no core module imports integrations/, train/, stress or bench/",
+        select="application",
+    ),
+    M(
+        "kernel-layout-key-dropped",
+        "fused_stable/kernels/decide.py",
+        "    LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (see the module doc)\n",
+        "",
+        ["tests/core/test_package_layout.py"],
+        "a change in layout.py recompiles the decision kernel (its helpers' slots are in its cache key)",
+        select="cache_key",
+    ),
+    M(
+        "rules-zscore-threshold-unchecked",
+        "fused_stable/layout.py",
+        "        if not self.zscore_threshold > 0:\n",
+        "        if False:\n",
+        ["tests/core/test_errors.py"],
+        "FusedAdamW(zscore_threshold=0) is a clear error (StepRules checks itself)",
+        select="bad_hyperparameters",
+    ),
+    M(
+        "optim-hparams-rows-cached-forever",
+        "fused_stable/optim.py",
+        "        if key != cached_key:\n",
+        "        if cached_key is None:\n",
+        ["tests/core/test_optim_parity.py"],
+        "a changed hyper-parameter (float or tensor lr, betas, eps, weight decay) reaches the next step",
+        select="every_hyperparameter",
+    ),
+    M(
+        "hparams-rows-checked-once",
+        "fused_stable/backends/triton_backend.py",
+        "        if hparams is not self.hparams_rows:\n",
+        "        if self.hparams_rows is None:\n",
+        ["tests/core/test_optim_parity.py"],
+        "new hyper-parameter rows are uploaded to the kernels' table",
+        select="interpret and every_hyperparameter",
     ),
 ]

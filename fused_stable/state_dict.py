@@ -1,0 +1,178 @@
+"""FusedAdamW's state dict and pickling: torch.optim.AdamW's layout, fp32 moments kept fp32, the device counters
+under one extra key, and a `__setstate__` that fills what older pickles lack.
+
+A mixin of FusedAdamW (optim.py), whose settings, buffers and helpers it uses: `rules`, `master_weights`,
+`device`, `backend`, `_fstate`, `_istate`, `_worst_sumsq`, `_version`, `_show_lrs()`, `_new_worst_sumsq()`,
+`_step_buffers()`, `_params_device()` and `reset_max_zscore()` / `_reset_worst_step()` (readouts.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import layout, ops
+from .layout import HParams, StepRules, check_not_differentiable
+from .param_state import ParamStates, Version
+from .sharding import local, norm_reducer
+
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+_STATE_KEY = "fused_stable"
+_LAYOUT_VERSION = 2  # of the counters saved under _STATE_KEY: 2 added the worst-step window (layout.F_WORST_*)
+
+
+class SavedState:
+    """state_dict / load_state_dict and pickling for FusedAdamW (see the module doc)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
+        state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
+        if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
+            for saved, group in zip(state["param_groups"], self.param_groups):
+                saved["lr"] = group["initial_lr"]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_KEY, None)
+        if extra is not None:
+            _check_counters(extra)  # before anything changes
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
+            check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
+            id_to_param.update(zip(saved["params"], group["params"]))
+        # keep the moments in fp32: torch's loader would cast them to the param dtype (bf16 loses bits)
+        moments: dict[Any, dict[str, torch.Tensor]] = {}
+        plain_state = {}
+        for param_id, entry in state_dict["state"].items():
+            param = id_to_param.get(param_id)
+            kept = {k: v for k, v in entry.items() if k not in _MOMENT_KEYS}
+            taken = {k: v for k, v in entry.items() if k in _MOMENT_KEYS}
+            if param is not None:
+                for key, value in taken.items():
+                    if tuple(value.shape) != tuple(local(param).shape) and tuple(value.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"state {key!r} has shape {tuple(value.shape)} but its parameter has shape "
+                            f"{tuple(param.shape)}: this state dict belongs to another model"
+                        )
+                moments[param_id] = taken
+            plain_state[param_id] = kept
+        super().load_state_dict({**state_dict, "state": plain_state})
+        for group in self.param_groups:  # torch may have saved tensor betas: the step's tables hold floats
+            group["betas"] = HParams.float_betas(group["betas"])
+        for param_id, taken in moments.items():
+            param = id_to_param[param_id]
+            state = self.state[param]
+            for key, value in taken.items():
+                state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+            if "step" in state:
+                step = state["step"]
+                state["step"] = (
+                    (step if isinstance(step, torch.Tensor) else torch.tensor(float(step)))
+                    .to(device=self.device, dtype=torch.float32, copy=True)
+                    .reshape(())
+                )
+            if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
+                state["master_param"] = param.detach().to(torch.float32).clone()
+        if extra is not None:
+            self._load_counters(extra)
+        else:  # a torch.optim.AdamW state: continue the schedule from the steps already taken
+            self._fstate.zero_()
+            self._istate.zero_()
+            self._istate[layout.I_LAST_SPIKE_STEP] = -1
+            self.reset_max_zscore()
+            steps = [float(s["step"]) for s in self.state.values() if "step" in s]
+            self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
+        self._plan = None
+        self._version.bump()
+        self._show_loaded_lrs()
+
+    def _show_loaded_lrs(self) -> None:
+        """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
+        schedulers also save, else `lr`) shown at the loaded count of applied updates."""
+        if self.rules.schedule is None:
+            return
+        for group in self.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])
+        self._shown_lrs = []
+        self._show_lrs()
+
+    def _load_counters(self, extra: dict) -> None:
+        """The saved device counters. A state saved before the worst-step window existed (layout 1: the same
+        slots, fewer of them) loads into the leading slots. The worst-step window starts over either way (its
+        per-tensor norms are not saved)."""
+        _check_counters(extra)
+        fstate, istate = extra["fstate"], extra["istate"]
+        self._fstate[: fstate.numel()].copy_(fstate)
+        self._istate[: istate.numel()].copy_(istate)
+        self._reset_worst_step()
+
+    # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
+    # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
+    _PICKLED = (
+        "rules",
+        "master_weights",
+        "capturable",
+        "device",
+        "backend",
+        "_fstate",
+        "_istate",
+        "_worst_sumsq",
+        "_param_names",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._PICKLED if hasattr(self, name)})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_version" not in self.__dict__:  # unpickling: a fresh object
+            self._version = Version()
+        super().__setstate__(state)
+        self.state = ParamStates(self._version, self.state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("decoupled_weight_decay", True)
+        if not hasattr(self, "rules"):  # pickled by an older version or by a plain Optimizer
+            self.rules, self.master_weights, self.capturable = StepRules(), False, False
+        if not hasattr(self, "device"):
+            self.device = self._params_device()
+            self.backend = ops.resolve_backend(None, self.device)
+        if not hasattr(self, "_fstate"):
+            self._fstate, self._istate = layout.new_counters(self.device)
+        if getattr(self, "_worst_sumsq", None) is None:  # pickled by an older version: no worst-step window yet
+            self._worst_sumsq = self._new_worst_sumsq()
+            saved = {"fstate": self._fstate, "istate": self._istate}
+            self._fstate, self._istate = layout.new_counters(self.device)
+            self._load_counters(saved)
+        self._param_names = getattr(self, "_param_names", None)
+        self._buffers = self._step_buffers()
+        self._plan = None
+        self._last_tables = None
+        self._hparams = (None, [])
+        self._version.bump()
+        self._global_sumsq = norm_reducer(self.param_groups)
+        self._show_loaded_lrs()
+
+
+def _check_counters(extra: dict) -> None:
+    fstate, istate = extra["fstate"], extra["istate"]
+    if fstate.numel() > layout.F_SIZE or istate.numel() > layout.I_SIZE:
+        raise ValueError(
+            f"this optimizer state was saved by a newer fused_stable (counter layout {extra.get('layout')}, this one "
+            f"reads up to {_LAYOUT_VERSION}): upgrade fused_stable to load it"
+        )

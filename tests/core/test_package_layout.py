@@ -1,0 +1,267 @@
+"""The package's rooms, read from its source with `ast` (nothing is imported for the checks on the source):
+
+- no arrow up: no core module imports integrations/, train/, stress or bench/, at top level or in a function;
+- no import circle (the whole package, each module's imports of any kind counted);
+- no module over 500 lines; no function over 80 lines in the kernels, the backends and the optimizer's modules;
+- one backend registry: every backend module implements the `Backend` protocol, and only ops.py names them;
+- the decision kernel's sections and the torch backend's functions carry the same names, in the same order.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fused_stable"
+ROOT = "fused_stable"
+
+# where the application lives; the core (everything else) must not import it
+APPLICATION = ("fused_stable.integrations", "fused_stable.train", "fused_stable.stress", "fused_stable.bench")
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+# modules whose functions are held to MAX_FUNCTION_LINES: the kernels, the backends and the optimizer's modules
+FUNCTION_CHECKED = (
+    "fused_stable.kernels",
+    "fused_stable.backends",
+    "fused_stable.optim",
+    "fused_stable.plan",
+    "fused_stable.layout",
+    "fused_stable.ops",
+    "fused_stable.compiled",
+    "fused_stable.sharding",
+    "fused_stable.readouts",
+    "fused_stable.state_dict",
+    "fused_stable.param_state",
+)
+# Known exceptions, each with its reason; an entry that no longer applies fails below, so it is removed when the
+# reason goes. None today.
+LONG_MODULES: dict[str, str] = {}
+CYCLES: dict[frozenset, str] = {}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _in(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _imports(name: str) -> set[str]:
+    """The package modules `name` imports, anywhere in its source (functions and TYPE_CHECKING blocks too)."""
+    tree = ast.parse(MODULES[name].read_text())
+    base = name if _is_package(name) else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base.split(".")[: len(base.split(".")) - (node.level - 1)]
+                source = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            # `from package import submodule` imports the submodule; `from module import name` the module
+            candidates = [f"{source}.{alias.name}" for alias in node.names] + [source]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in MODULES:
+                candidate = candidate.rpartition(".")[0]
+            if candidate:
+                targets.add(candidate)
+    # importing a module runs its packages' __init__ too, but those arrows are implied, not written
+    parents = {t for t in targets if name.startswith(t + ".") and _is_package(t)}
+    return targets - parents - {name, ROOT}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _core(name: str) -> bool:
+    return not _in(name, APPLICATION)
+
+
+def test_no_core_module_imports_the_application():
+    upward = {
+        name: sorted(t for t in targets if _in(t, APPLICATION))
+        for name, targets in GRAPH.items()
+        if _core(name) and any(_in(t, APPLICATION) for t in targets)
+    }
+    assert upward == {}, f"core modules importing integrations/, train/, stress or bench/: {upward}"
+
+
+def _cycles() -> list[frozenset]:
+    """The strongly connected components with more than one module (Tarjan), or a module importing itself."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    cycles = _cycles()
+    unexpected = [sorted(c) for c in cycles if c not in CYCLES]
+    assert unexpected == [], f"import circles: {unexpected}"
+    stale = [sorted(c) for c in CYCLES if c not in cycles]
+    assert stale == [], f"these known circles are gone: remove them from CYCLES in {__file__}: {stale}"
+
+
+def test_no_module_over_500_lines():
+    lengths = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    over = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES and name not in LONG_MODULES}
+    assert over == {}, f"modules over {MAX_MODULE_LINES} lines: {over}"
+    stale = [name for name in LONG_MODULES if lengths.get(name, 0) <= MAX_MODULE_LINES]
+    assert stale == [], f"no longer over {MAX_MODULE_LINES} lines (or gone): remove from LONG_MODULES: {stale}"
+
+
+def test_no_function_over_80_lines_in_the_kernels_backends_and_optimizer():
+    over = []
+    for name, path in MODULES.items():
+        if not _in(name, FUNCTION_CHECKED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over.append(f"{name}.{node.name}: {lines} lines")
+    assert over == []
+
+
+def test_the_checks_see_what_they_claim():
+    """The graph is read right: the edges the checks rely on are there (or every check above would pass empty)."""
+    assert {"fused_stable.sharding", "fused_stable.plan", "fused_stable.ops"} <= GRAPH["fused_stable.optim"]
+    assert "fused_stable.kernels.decide" in GRAPH["fused_stable.backends.triton_backend"]  # a function-level import
+    assert "fused_stable.sharding" in GRAPH["fused_stable.integrations.distributed"]
+    assert not _core("fused_stable.train.loop") and _core("fused_stable.kernels.adamw")
+
+
+def test_one_backend_registry_and_one_protocol():
+    """ops.BACKENDS is the one registry: both backend modules implement `Backend` (the same fused_step signature,
+    DENSE_LAYOUTS), compiled.py reads the registry, and no core module but ops.py names a backend module."""
+    from fused_stable import ops
+    from fused_stable.backends import Backend, torch_backend, triton_backend
+
+    assert set(ops.BACKENDS) == {"triton", "interpret", "torch"}
+    assert ops.BACKENDS["torch"] is torch_backend and ops.BACKENDS["triton"] is ops.BACKENDS["interpret"]
+    expected = list(inspect.signature(Backend.fused_step).parameters)[1:]  # without self
+    for module in (torch_backend, triton_backend):
+        assert isinstance(module, Backend), module.__name__
+        assert list(inspect.signature(module.fused_step).parameters) == expected, module.__name__
+        assert isinstance(module.DENSE_LAYOUTS, bool)
+    assert [ops.needs_dense_layouts(name) for name in ("triton", "interpret", "torch")] == [True, True, False]
+    naming = {
+        name
+        for name, targets in GRAPH.items()
+        if _core(name)
+        and not name.startswith("fused_stable.backends")
+        and targets & {"fused_stable.backends.torch_backend", "fused_stable.backends.triton_backend"}
+    }
+    assert naming == {"fused_stable.ops"}
+
+
+def _called_in(function: ast.FunctionDef) -> list[str]:
+    calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return [c.func.id for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+def test_decision_sections_have_the_same_names_and_order_in_both_backends():
+    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch_backend.py defines
+    functions of the same names in the same order, so the two can be compared section by section."""
+    decide = ast.parse(MODULES["fused_stable.kernels.decide"].read_text())
+    kernel_helpers = {n.name for n in decide.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    (kernel,) = [n for n in decide.body if isinstance(n, ast.FunctionDef) and n.name == "_decide_kernel"]
+    sections = [name for name in _called_in(kernel) if name in kernel_helpers]
+    assert len(sections) == len(set(sections)) >= 9, sections
+    torch_backend = ast.parse(MODULES["fused_stable.backends.torch_backend"].read_text())
+    defined = [n.name for n in torch_backend.body if isinstance(n, ast.FunctionDef)]
+    missing = [name for name in sections if name not in defined]
+    assert missing == [], f"the torch backend has no function for these sections: {missing}"
+    assert sorted(sections, key=defined.index) == sections, "the torch backend defines them in another order"
+
+
+def test_hparams_reach_the_backends_by_name():
+    import torch
+
+    from fused_stable import FusedAdamW, schedules
+    from fused_stable.layout import HParams
+
+    assert HParams._fields == ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    groups = [{"params": params[:1], "betas": (0.8, 0.9), "eps": 1e-6}, {"params": params[1:], "maximize": True}]
+    opt = FusedAdamW(groups, lr=0.5, weight_decay=0.25, lr_schedule=schedules.constant(3), backend="torch")
+    first, second = opt._hparam_rows()
+    assert first == HParams(lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.25, maximize=False)
+    assert second.maximize is True and second.lr == 0.5  # with a schedule: the base lr, not the shown tensor
+
+
+def test_the_core_imports_without_triton():
+    """kernels/__init__.py says it: the package, the optimizer, the backends and tables.py import no triton
+    until a kernel runs (the interpreter has to be chosen before triton's first import)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_STABLE_BACKEND")}
+    code = (
+        "import sys, fused_stable, fused_stable.kernels, fused_stable.kernels.tables, fused_stable.ops, "
+        "fused_stable.compiled, fused_stable.sharding; print('triton' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
+def test_every_layout_constant_the_kernels_read_is_in_their_cache_key():
+    """The kernels' jit helpers take the buffer slots as constexpr defaults, which Triton's cache key does not
+    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value), so a slot that moves
+    recompiles instead of reading a stale cached binary. Checked: every `layout.X` default in a kernel module
+    is in that string, and both kernels that read slots take it."""
+    from fused_stable import layout
+    from fused_stable.kernels import adamw, decide
+
+    keyed = dict(item.split("=") for item in layout.KERNEL_LAYOUT.split(";"))
+    for module in ("fused_stable.kernels.decide", "fused_stable.kernels.adamw"):
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for default in node.args.defaults + node.args.kw_defaults:
+                    if isinstance(default, ast.Attribute) and getattr(default.value, "id", None) == "layout":
+                        name = default.attr
+                        assert name == "KERNEL_LAYOUT" or keyed.get(name) == repr(getattr(layout, name)), name
+    for kernel in (decide._decide_kernel, adamw._adamw_kernel):
+        assert inspect.signature(kernel.fn).parameters["LAYOUT"].default == layout.KERNEL_LAYOUT
