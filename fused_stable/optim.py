@@ -50,7 +50,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
             updates, multiplying every group's lr (skipped steps do not advance it).
         master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
             the rounded result), so small updates are not lost to rounding.
-        capturable: a whole step can be captured in a CUDA graph and replayed (README, "CUDA graphs"): every
+        capturable: a whole step can be captured in a CUDA graph and replayed (docs/optimizer.md, "CUDA graphs"): every
             per-step value stays on the device (always true here); change lr through a tensor lr or
             `lr_schedule` so a replay sees the change. Anything that would upload host data while capturing
             (the first step, new grad storage, a changed float hyper-parameter) raises a clear error instead.

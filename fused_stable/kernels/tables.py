@@ -25,7 +25,7 @@ CHUNK_SIZE = 65536
 CAPTURE_ERROR = (
     "fused_stable would upload {what} to the GPU while a CUDA graph is being captured, and a graph cannot replay "
     "that copy safely: run one eager step (outside the capture) with the same static grads, hyper-parameters and "
-    "parameters first, so the tables are built before capturing (see README, 'CUDA graphs')"
+    "parameters first, so the tables are built before capturing (see docs/optimizer.md, 'CUDA graphs')"
 )
 
 

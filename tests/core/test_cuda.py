@@ -150,7 +150,7 @@ def _mlp(seed):
 
 
 def _recipe_step(model, opt, scaler, x, y):
-    """README's CUDA-graph recipe: grads keep their storage (zeroed in place), fp16 autocast, GradScaler."""
+    """docs/optimizer.md's CUDA-graph recipe: grads keep their storage (zeroed in place), fp16 autocast, GradScaler."""
     opt.zero_grad(set_to_none=False)
     with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
         loss = torch.nn.functional.mse_loss(model(x), y)
