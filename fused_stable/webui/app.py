@@ -90,7 +90,9 @@ def build_app(page: Page, tick_s: float = TICK_S) -> gr.Blocks:
                 safe = gr.Button("safe defaults", elem_id="safe_defaults")
                 start = gr.Button("Start", variant="primary", elem_id="start")
             safe_info = gr.Markdown(elem_id="safe_info")
-            command = gr.Code(language="shell", label="the same run on the command line", interactive=False)
+            command = gr.Code(
+                language="shell", label="the same run on the command line", interactive=False, elem_id="command"
+            )
             message = gr.Markdown(elem_id="message")
             with gr.Row():
                 stop = gr.Button("Stop", elem_id="stop", variant="stop")

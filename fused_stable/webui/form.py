@@ -8,7 +8,9 @@ is the shortest one that gives the same run.
 
 from __future__ import annotations
 
-from fused_stable.train.keys import FIELDS
+import typing
+
+from fused_stable.train.keys import FIELDS, TrainConfig
 
 # tuner label -> the sft keys it sets (others at their defaults)
 TUNERS = {
@@ -80,6 +82,9 @@ PRESETS = {
 }
 
 
+_INT_KEYS = {k for k, hint in typing.get_type_hints(TrainConfig).items() if int in (hint, *typing.get_args(hint))}
+
+
 def default(key: str):
     return FIELDS[key].default
 
@@ -108,8 +113,8 @@ def form_keys(fields: dict, tuner: str, run_name: str) -> dict:
         value = fields.get(key)
         if key == "max_steps" and value in (0, None, ""):
             continue  # none: derived from epochs
-        if isinstance(value, float) and value.is_integer() and isinstance(default(key), int):
-            value = int(value)
+        if isinstance(value, float) and value.is_integer() and key in _INT_KEYS:
+            value = int(value)  # a number field gives 20.0 for 20
         if not _is_default(key, value):
             keys[key] = value
     for key, value in TUNERS.get(tuner, TUNERS["LoRA"]).items():

@@ -15,8 +15,6 @@ from fused_stable.errors import UserError
 
 CONTROL_DIR = ".webui"  # the page's own records (lock, per-run process records, logs), never a run
 UPLOADS_DIR = "uploads"
-# a run folder name the page makes up when none is given; safe in a path, sortable by time
-_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
 class Workspace:
@@ -68,7 +66,3 @@ class Workspace:
             raise UserError(f"upload name {filename!r} is not a usable file name")
         return self.resolve(f"{UPLOADS_DIR}/{base}", "upload")
 
-
-def safe_run_name(name: str) -> bool:
-    """Whether `name` is one path component the page could have made up (letters, digits, _ . + -)."""
-    return bool(_SAFE_NAME.fullmatch(name))
