@@ -147,6 +147,9 @@ def test_a_running_process_is_running_until_it_ends(tmp_path):
     try:
         record.started(proc.pid, process_start_time(proc.pid))
         assert read_status(ws, run_dir).state == "running"
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not yet reaped: a zombie
+        assert read_status(ws, run_dir).state == "failed"
     finally:
         proc.kill()
         proc.wait()
@@ -155,12 +158,14 @@ def test_a_running_process_is_running_until_it_ends(tmp_path):
 
 # ------------------------------------------------------------------------------------------ the command
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5", "::", "example.org"])
-def test_a_public_bind_without_auth_is_one_line_and_exit_code_2(host, capsys, tmp_path):
+def test_a_public_bind_without_auth_is_one_line_and_exit_code_2(host, capsys, tmp_path, monkeypatch):
+    served = []
+    monkeypatch.setattr("fused_stable.webui.server.serve", lambda *args, **kwargs: served.append(args) or 0)
     assert cli.main(["webui", "--host", host, "--workspace", str(tmp_path / "ws")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"fused-stable webui: error: --host {host} is not a loopback address")
-    assert not os.path.exists(tmp_path / "ws")
+    assert not os.path.exists(tmp_path / "ws") and served == []
 
 
 def test_loopback_binds_and_auth_pass_the_checks(tmp_path):
