@@ -52,13 +52,13 @@ def launch(app, *, host: str, port: int | None, auth: tuple[str, str] | None) ->
 
 def serve(workspace_root: str, *, host: str, port: int, auth: tuple[str, str] | None) -> int:
     app, page = create_app(workspace_root)
+    launch(app, host=host, port=port, auth=auth)
     shown = f"[{host}]" if ":" in host else host
     print(
         f"fused-stable webui: http://{shown}:{port} over the workspace {page.workspace.root} "
         f"({'password required' if auth else 'this machine only'}); Ctrl-C stops the page, not its runs",
         flush=True,
     )
-    launch(app, host=host, port=port, auth=auth)
     try:
         while app.is_running:
             time.sleep(0.5)
