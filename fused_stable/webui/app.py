@@ -158,7 +158,7 @@ def build_app(page: Page, tick_s: float = TICK_S) -> gr.Blocks:
         # ---- chat and export
         for tab, box in ((chat_tab, chat_run), (export_tab, export_run)):
             tab.select(lambda: gr.update(choices=page.finished_names()), None, box, **private)
-        send.click(_chat_turn(page), [chat_run, bot, said], [bot, said], **private)
+        send.click(chat_turn(page), [chat_run, bot, said], [bot, said], **private)
         clear.click(lambda: ([], ""), None, [bot, said], **private)
         do_export.click(_export(page), [export_run, target, overwrite], exported, **private)
         # ---- the API for scripts and tests
@@ -185,15 +185,22 @@ def _safe_values(named: dict):
     return fill
 
 
-def _chat_turn(page: Page):
+def message_text(content) -> str:
+    """A chat message's text: gradio 6 hands the history over as lists of parts ({"type": "text", "text"})."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else [content]
+    return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in parts)
+
+
+def chat_turn(page: Page):
+    """The Chat tab's send: the conversation so far and the new message to the finished run, its answer added."""
+
     def turn(run, history, message):
-        history = list(history or [])
         if not run:
             raise gr.Error("choose a finished run first", print_exception=False)
-        messages = [
-            *({"role": m["role"], "content": m["content"]} for m in history),
-            {"role": "user", "content": message},
-        ]
+        messages = [{"role": m["role"], "content": message_text(m["content"])} for m in history or []]
+        messages.append({"role": "user", "content": message})
         try:
             reply = page.finished.reply(run, messages)
         except UserError as exc:

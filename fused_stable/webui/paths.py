@@ -65,4 +65,3 @@ class Workspace:
         if not base or base.startswith(".") or "\0" in base:
             raise UserError(f"upload name {filename!r} is not a usable file name")
         return self.resolve(f"{UPLOADS_DIR}/{base}", "upload")
-

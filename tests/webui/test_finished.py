@@ -34,6 +34,20 @@ def test_chat_answers_as_the_chat_command_does(finished, capsys):
         finished.client.predict("nothing-here", "hi", 4, api_name="/chat")
 
 
+def test_the_chat_tab_keeps_the_conversation(finished):
+    from fused_stable.webui.app import chat_turn
+
+    turn = chat_turn(finished.page)
+    history, cleared = turn("done", [], "What is 2 + 3?")
+    assert cleared == "" and [m["role"] for m in history] == ["user", "assistant"]
+    # gradio 6 gives the history back as lists of parts
+    shown = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in history]
+    history, _ = turn("done", shown, "And 4 + 4?")
+    assert [m["content"] for m in history[:3]] == ["What is 2 + 3?", shown[1]["content"][0]["text"], "And 4 + 4?"]
+    expected = finished.page.finished.reply("done", history[:3])
+    assert history[3] == {"role": "assistant", "content": expected}
+
+
 def test_export_is_the_export_command(finished):
     result = finished.client.predict("done", "done-merged", False, api_name="/export_run")
     target = os.path.join(finished.workspace.root, "done-merged")
