@@ -26,7 +26,7 @@ import yaml
 
 from fused_stable.argcheck import suggestion
 from fused_stable.errors import UserError
-from fused_stable.train.keys import ALIASES, FIELDS, LAUNCH_KEYS
+from fused_stable.train.keys import ALIASES, FIELDS
 from fused_stable.train.outputs import MANIFEST_FILE
 from fused_stable.webui import records
 from fused_stable.webui.lock import WorkspaceLock, process_alive, process_start_time
@@ -106,11 +106,8 @@ class RunController:
                 close = suggestion(name, FIELDS, ALIASES)
                 hint = f"; did you mean {close!r}?" if close else "; see `fused-stable sft --help` for the keys"
                 raise UserError(f"unknown key {name!r}{hint}")
-            if name in LAUNCH_KEYS:
-                raise UserError(
-                    f"{name} is not a key of a new run here: the page starts runs in new folders; "
-                    "use Resume to continue a paused or stopped run"
-                )
+            if name == "resume":
+                raise UserError("resume is not a key of a new run: use Resume to continue a paused or stopped run")
             if isinstance(value, (list, dict)):
                 raise UserError(f"{name} must be a single value, got {value!r}")
             values[name] = value
@@ -121,7 +118,7 @@ class RunController:
             values["model"] = self.workspace.resolve(flag_value(values["model"]), "model")
         args = [f"--{name}={flag_value(value)}" for name, value in values.items()]
         cfg, _ = resolve_config(args)  # the CLI's own checks and messages
-        check_output_dir(cfg.output_dir, overwrite=False)
+        check_output_dir(cfg.output_dir, overwrite=cfg.overwrite)
         return Launch(args, cfg.output_dir)
 
     def preview(self, text: str) -> Launch:
@@ -224,6 +221,11 @@ class RunController:
     def _status_of(self, run_dir: str) -> RunStatus:
         self._reap()
         return read_status(self.workspace, run_dir, self.lock.holder())
+
+    def running_processes(self) -> list[subprocess.Popen]:
+        """The run processes this page started that are still going."""
+        self._reap()
+        return list(self._children.values())
 
     def _reap(self) -> None:
         """Collect the exit status of the processes this page started (a zombie would look alive to a PID)."""

@@ -7,7 +7,7 @@ only what `fused-stable sft` wrote, so its manifest, `--overwrite` and `--resume
     WORKSPACE/.webui/runs/<run path>/log.txt        its stdout and stderr, every launch appended
     WORKSPACE/.webui/current                         the run the page started last
 
-Every file is written whole (temporary file, then rename), in the strict JSON of `fused_stable.strict_json`.
+Each JSON file is written whole (a temporary file, then a rename), in the strict JSON of `fused_stable.strict_json`.
 """
 
 from __future__ import annotations

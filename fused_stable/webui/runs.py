@@ -35,6 +35,7 @@ GUARD_STOP_CODE, SIGNAL_CODES = 3, (130, 143)  # `fused-stable sft`'s exit codes
 EXTRA_LOSSES = ("eval_loss", "retention_loss")
 _TOTAL_STEPS = re.compile(r"\| (\d+) steps x \d+ x \d+ \|")  # sft's start line: "| 40 steps x 1 x 4 |"
 _ETA_WINDOW = 20  # the last rows the ETA's pace is measured over
+_SKIPPED_SHOWN = 20
 _MAX_DEPTH = 3  # how deep under the workspace runs are looked for
 
 
@@ -86,6 +87,7 @@ class RunStatus:
     grad_norm: float | None = None
     lr: float | None = None
     skipped_total: int = 0
+    skipped_steps: list = field(default_factory=list)  # the latest steps the optimizer skipped (up to 20)
     tokens_per_s: float | None = None
     elapsed_s: float | None = None
     eta_s: float | None = None
@@ -223,6 +225,7 @@ def _fill_metrics(status: RunStatus, rows: list[dict]) -> None:
         status.loss, status.grad_norm, status.lr = last.get("loss"), last.get("grad_norm"), last.get("lr")
         status.skipped_total = int(last.get("skipped_total", 0))
         status.tokens_per_s, status.elapsed_s = last.get("tokens_per_s"), last.get("elapsed_s")
+        status.skipped_steps = [r["step"] for r in train_rows if r.get("skipped")][-_SKIPPED_SHOWN:]
     if status.state == "running":
         status.eta_s = _eta(train_rows, status.step, status.max_steps)
     for key in EXTRA_LOSSES:

@@ -25,6 +25,10 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds // 3600}:{minutes}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def _at(steps: list[int]) -> str:
+    return f" (at {', '.join(map(str, steps))})" if steps else ""
+
+
 def status_markdown(s: RunStatus | None) -> str:
     if s is None:
         return "No run in this workspace yet: set one up and press **Start**."
@@ -35,7 +39,7 @@ def status_markdown(s: RunStatus | None) -> str:
         f"### `{s.name}`: {s.state}" + (f" ({s.request} asked)" if s.request else ""),
         f"step **{s.step} / {total}**{percent} | elapsed {_duration(s.elapsed_s)} | ETA {_duration(s.eta_s)}",
         f"loss **{fmt(s.loss)}** | pre-clip grad norm **{fmt(s.grad_norm)}**{clip} | lr {fmt(s.lr, '.3g')} | "
-        f"skipped steps {s.skipped_total} | rollbacks {s.rollbacks} | alerts {len(s.alerts)}",
+        f"skipped steps {s.skipped_total}{_at(s.skipped_steps)} | rollbacks {s.rollbacks} | alerts {len(s.alerts)}",
     ]
     lines += [f"{key} **{fmt(value)}**" for key, value in s.extra.items()]
     if s.reason:

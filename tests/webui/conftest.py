@@ -3,7 +3,9 @@ server per test module), and a gradio_client on it. Runs are real `fused-stable 
 model, made slow enough to pause (`slow_runner.py`)."""
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -44,7 +46,17 @@ class Served:
         self.url = launch(self.app, host="127.0.0.1", port=free_port(), auth=auth)
         self.client = Client(self.url, verbose=False, auth=auth)
 
-    def close(self):
+    def close(self, stop_runs=True):
+        """Close the server; with `stop_runs`, first end a run still going (a test that failed half-way),
+        so no training process outlives the test run."""
+        if stop_runs:
+            for proc in self.page.controller.running_processes():
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self.app.close()
 
 

@@ -15,7 +15,7 @@ from gradio_client import handle_file
 from gradio_client.exceptions import AppError
 from safetensors.torch import load_file
 
-from fused_stable.train import cli
+from fused_stable.train import cli, outputs
 from fused_stable.train.report import read_metrics
 from fused_stable.webui.runs import STATES
 
@@ -101,7 +101,7 @@ def test_stop_and_a_restarted_webui_finds_the_running_run(served):
         assert again.client.predict(api_name="/stop_run")["request"] == "stop"
         stopped = _wait(again.client, lambda s: s["state"] != "running", "the stop")
     finally:
-        again.close()
+        again.close(stop_runs=False)
     assert stopped["state"] == "stopped" and stopped["exit_code"] == 130 and stopped["can_resume"]
     assert "stopped from the page" in stopped["reason"] and stopped["step"] < 400
     assert stopped["checkpoint"].endswith(f"step-{stopped['step']}")
@@ -119,6 +119,10 @@ def test_bad_values_get_the_cli_messages_and_start_nothing(served, capsys):
             assert message == "unknown key 'lerning_rate'; see `fused-stable sft --help` for the keys"
     assert "invalid YAML at line 1" in _refused(served.client, "/start_run", "lr: [1,")
     assert "resume is not a key" in _refused(served.client, "/start_run", _yaml(resume="latest"))
+    old = os.path.join(served.workspace.root, "old-run")  # a run's folder: refused as sft refuses it
+    outputs.claim(old, ["run.yaml"])
+    message = _refused(served.client, "/start_run", _yaml(output_dir="old-run"))
+    assert message.startswith(f"output_dir {old!r} already holds a run; it saved no checkpoint"), message
     assert not os.path.exists(os.path.join(served.workspace.root, "bad"))
 
 

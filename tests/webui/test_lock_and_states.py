@@ -75,8 +75,8 @@ def _run(tmp_path, name="run"):
                         "loss": 2.0,
                         "grad_norm": 3.0,
                         "lr": 1e-3,
-                        "skipped": False,
-                        "skipped_total": 0,
+                        "skipped": step == 2,
+                        "skipped_total": int(step >= 2),
                         "tokens_per_s": 10.0,
                         "elapsed_s": float(step),
                     }
@@ -95,7 +95,7 @@ def test_states_from_the_exit_record_and_the_request(tmp_path):
     record.started(pid, None)
     killed = read_status(ws, run_dir)
     assert killed.state == "failed" and "without saying how" in killed.reason and killed.can_resume
-    assert killed.step == 4 and killed.loss == 2.0
+    assert killed.step == 4 and killed.loss == 2.0 and killed.skipped_steps == [2]
 
     record.request("pause")
     record.ended(pid, 130)
