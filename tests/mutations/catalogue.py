@@ -1026,6 +1026,15 @@ MUTATIONS: list[Mutation] = [
         select="exit_record",
     ),
     M(
+        "webui-guard-stop-shown-as-failure",
+        "fused_stable/webui/runs.py",
+        "    if code == GUARD_STOP_CODE:\n",
+        "    if code == -GUARD_STOP_CODE:\n",
+        ["tests/webui/test_lock_and_states.py"],
+        "a run the guard stopped (exit code 3) is stopped, with the guard's reason, and Resume is offered",
+        select="guard_stop",
+    ),
+    M(
         "webui-resume-from-scratch",
         "fused_stable/webui/controller.py",
         '["--output_dir", run_dir, "--resume", "latest"]',

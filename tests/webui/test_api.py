@@ -108,6 +108,18 @@ def test_stop_and_a_restarted_webui_finds_the_running_run(served):
     assert "nothing to stop" in _refused(served.client, "/stop_run")
 
 
+def test_a_guard_stop_says_why_and_offers_resume(served):
+    # thresholds no real run would use, so that the guard stops this one within a few steps (at step 27)
+    keys = {"max_steps": 60, "output_dir": "guarded", "guard": "stop", "guard_grad_z": 0.001, "guard_grad_ratio": 0}
+    served.client.predict(_yaml(**keys), api_name="/start_run")
+    stopped = _wait(served.client, lambda s: s["state"] != "running", "the guard's stop")
+    assert stopped["state"] == "stopped" and stopped["exit_code"] == 3 and stopped["can_resume"], stopped
+    step = stopped["step"]
+    assert stopped["reason"].startswith(f"the guard stopped the run: guard: stopped at step {step} (grad_spike)")
+    assert [a["action"] for a in stopped["alerts"]] == ["stop"] and stopped["alerts"][0]["kind"] == "grad_spike"
+    assert stopped["checkpoint"].endswith(f"step-{step}")
+
+
 def test_bad_values_get_the_cli_messages_and_start_nothing(served, capsys):
     for bad, flag in (({"lr": "inf"}, "--lr=inf"), ({"lerning_rate": 1}, None), ({"batch_size": 0}, "--batch_size=0")):
         message = _refused(served.client, "/start_run", _yaml(output_dir="bad", **bad))
