@@ -123,8 +123,8 @@ def build_app(page: Page, tick_s: float = TICK_S) -> gr.Blocks:
 
         private = {"api_visibility": "private"}
         # ---- the form: presets, safe defaults, the command line
-        preset.change(_preset_values(named, inputs), preset, [*named.values(), inputs[-1]], **private)
-        safe.click(_safe_values(named), None, [*[named[k] for k in form.SAFE_DEFAULTS], safe_info], **private)
+        preset.change(_preset_values(named), preset, [*named.values(), inputs[-1]], **private)
+        safe.click(_safe_values, None, [*[named[k] for k in form.SAFE_DEFAULTS], safe_info], **private)
         gr.on([c.change for c in inputs], page.preview, inputs, command, **private)
         app.load(page.preview, inputs, command, **private)
         upload.upload(page.upload, upload, [named["dataset"], message], api_name="upload_dataset").then(
@@ -169,7 +169,7 @@ def build_app(page: Page, tick_s: float = TICK_S) -> gr.Blocks:
     return app
 
 
-def _preset_values(named: dict, inputs: list):
+def _preset_values(named: dict):
     def fill(choice):
         keys, extra = form.PRESETS.get(choice, ({}, ""))
         values = [keys.get(k, form.default(k) if k != "max_steps" else 0) for k in named]
@@ -178,11 +178,9 @@ def _preset_values(named: dict, inputs: list):
     return fill
 
 
-def _safe_values(named: dict):
-    def fill():
-        return [*(value for value, _ in form.SAFE_DEFAULTS.values()), form.safe_defaults_table()]
-
-    return fill
+def _safe_values():
+    """The safe defaults, in SAFE_DEFAULTS' order (the outputs' order), then the table of what they guard against."""
+    return [*(value for value, _ in form.SAFE_DEFAULTS.values()), form.safe_defaults_table()]
 
 
 def message_text(content) -> str:
