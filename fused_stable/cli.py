@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "export": ("fused_stable.train.export", "merge an adapter into its base: a plain Hugging Face model folder"),
     "bench": ("fused_stable.bench", "benchmark fused_stable against torch's clip + AdamW step"),
     "stress": ("fused_stable.stress.cli", "failure scenarios: the usual recipe vs fused_stable's guarded recipe"),
+    "webui": ("fused_stable.webui.cli", "a live page to set up, watch, stop, pause and resume runs (gradio)"),
 }
 
 

@@ -12,7 +12,18 @@ import os
 import platform
 
 # the dependencies whose releases have changed what the tests see; add a new extra's packages here
-REPORTED_PACKAGES = ("torch", "triton", "transformers", "peft", "bitsandbytes", "accelerate", "lightning", "trl")
+REPORTED_PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+    "lightning",
+    "trl",
+    "gradio",
+    "selenium",
+)
 
 
 def installed_versions(names=REPORTED_PACKAGES) -> str:

@@ -18,6 +18,7 @@ COMMANDS = {
     "export": "fused_stable.train.export",
     "stress": "fused_stable.stress",
     "bench": "fused_stable.bench",
+    "webui": "fused_stable.webui.cli",
 }
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

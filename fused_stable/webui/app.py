@@ -1,0 +1,221 @@
+"""The page's layout and wiring (gradio Blocks): the Train tab (set-up form, safe defaults, the command line,
+Start, and the live view of the run started last with Stop / Pause / Resume), the Runs tab (every run of the
+workspace: its curves, alerts and before/after evaluation), Chat and Export; and the API endpoints.
+Handlers are `page.Page`'s; elem_ids name what docs/webui.md and the browser test refer to."""
+
+from __future__ import annotations
+
+import html
+
+import gradio as gr
+
+from fused_stable.errors import UserError
+from fused_stable.webui import form
+from fused_stable.webui.page import Page
+
+TICK_S = 2.0  # how often the live views read the run's files again
+
+
+def _run_view(prefix: str):
+    """A run's status, plots (loss, pre-clip grad norm with the clip line, lr), alerts and evaluation."""
+    status = gr.Markdown(elem_id=f"{prefix}_status")
+    with gr.Row():
+        loss = gr.LinePlot(x="step", y="value", color="series", label="loss", elem_id=f"{prefix}_loss_plot")
+        norm = gr.LinePlot(
+            x="step", y="value", color="series", label="pre-clip grad norm", elem_id=f"{prefix}_grad_norm_plot"
+        )
+        lr = gr.LinePlot(x="step", y="value", color="series", label="learning rate", elem_id=f"{prefix}_lr_plot")
+    with gr.Row():
+        alerts = gr.Dataframe(label="alerts (kind, step, value, threshold, action taken)", interactive=False)
+        evaluation = gr.Markdown(elem_id=f"{prefix}_eval")
+    return status, loss, norm, lr, alerts, evaluation
+
+
+def _setup_form(page: Page):
+    """The set-up fields, in the order of form.FIELD_KEYS, then tuner, run name and the YAML box."""
+    d = form.default
+    with gr.Row():
+        preset = gr.Radio(list(form.PRESETS), label="start from", value=None, elem_id="preset")
+    with gr.Row():
+        model = gr.Dropdown(page.model_choices(), value=d("model"), label="model", allow_custom_value=True)
+        dataset = gr.Dropdown(page.dataset_choices(), value=d("dataset"), label="dataset", allow_custom_value=True)
+        upload = gr.UploadButton("upload a dataset (.json / .jsonl)", file_types=[".json", ".jsonl"])
+        run_name = gr.Textbox(label="run folder (in the workspace; empty: run-<time>)", elem_id="run_name")
+    with gr.Row():
+        tuner = gr.Radio(list(form.TUNERS), value="LoRA", label="tuner")
+        precision = gr.Dropdown(["auto", "bf16", "fp16", "fp32"], value=d("precision"), label="precision")
+        guard = gr.Dropdown(["warn", "skip", "stop", "rollback"], value=d("guard"), label="guard policy")
+    with gr.Row():
+        batch_size = gr.Number(d("batch_size"), label="batch size", precision=0)
+        grad_accum = gr.Number(d("grad_accum"), label="grad accumulation", precision=0)
+        max_steps = gr.Number(0, label="max steps (0: from epochs)", precision=0, elem_id="max_steps")
+        epochs = gr.Number(d("epochs"), label="epochs")
+        lr = gr.Number(d("lr"), label="learning rate")
+    with gr.Row():
+        lora_r = gr.Number(d("lora_r"), label="LoRA rank", precision=0)
+        lora_alpha = gr.Number(d("lora_alpha"), label="LoRA alpha")
+        max_grad_norm = gr.Number(d("max_grad_norm"), label="clip (max_grad_norm)")
+        warmup_ratio = gr.Number(d("warmup_ratio"), label="warm-up ratio")
+        scheduler = gr.Dropdown(["cosine", "linear", "constant"], value=d("scheduler"), label="lr schedule")
+        weight_decay = gr.Number(d("weight_decay"), label="weight decay")
+    with gr.Accordion("every other sft key (YAML, over the fields above)", open=False):
+        extra = gr.Code(language="yaml", label="keys", lines=4, elem_id="extra_yaml")
+    fields = [
+        model,
+        dataset,
+        precision,
+        guard,
+        batch_size,
+        grad_accum,
+        max_steps,
+        epochs,
+        lr,
+        lora_r,
+        lora_alpha,
+        max_grad_norm,
+        warmup_ratio,
+        scheduler,
+        weight_decay,
+    ]
+    named = dict(zip(form.FIELD_KEYS, fields))
+    return preset, named, [*fields, tuner, run_name, extra], upload
+
+
+def build_app(page: Page, tick_s: float = TICK_S) -> gr.Blocks:
+    with gr.Blocks(title="fused-stable webui", analytics_enabled=False) as app:
+        gr.Markdown(f"## fused-stable webui\nworkspace `{page.workspace.root}`: every run lives there")
+        with gr.Tab("Train"):
+            preset, named, inputs, upload = _setup_form(page)
+            with gr.Row():
+                safe = gr.Button("safe defaults", elem_id="safe_defaults")
+                start = gr.Button("Start", variant="primary", elem_id="start")
+            safe_info = gr.Markdown(elem_id="safe_info")
+            command = gr.Code(
+                language="shell", label="the same run on the command line", interactive=False, elem_id="command"
+            )
+            message = gr.Markdown(elem_id="message")
+            with gr.Row():
+                stop = gr.Button("Stop", elem_id="stop", variant="stop")
+                pause = gr.Button("Pause", elem_id="pause")
+                resume = gr.Button("Resume", elem_id="resume", interactive=False)
+            live = _run_view("live")
+        with gr.Tab("Runs") as runs_tab:
+            with gr.Row():
+                chosen = gr.Dropdown([], label="run", allow_custom_value=False, elem_id="runs_choice")
+                refresh = gr.Button("refresh")
+                resume_chosen = gr.Button("Resume this run", interactive=False)
+            table = gr.Dataframe(label="runs in the workspace", interactive=False)
+            runs_message = gr.Markdown()
+            chosen_view = _run_view("chosen")
+        with gr.Tab("Chat") as chat_tab:
+            chat_run = gr.Dropdown([], label="finished run")
+            bot = gr.Chatbot(label="chat (greedy, as fused-stable chat)")
+            with gr.Row():
+                said = gr.Textbox(label="message", scale=4)
+                send = gr.Button("send")
+                clear = gr.Button("clear")
+        with gr.Tab("Export") as export_tab:
+            export_run = gr.Dropdown([], label="finished run")
+            target = gr.Textbox(label="export folder (in the workspace)")
+            overwrite = gr.Checkbox(label="replace a previous export there")
+            do_export = gr.Button("Export")
+            exported = gr.Markdown()
+
+        private = {"api_visibility": "private"}
+        # ---- the form: presets, safe defaults, the command line
+        preset.change(_preset_values(named), preset, [*named.values(), inputs[-1]], **private)
+        safe.click(_safe_values, None, [*[named[k] for k in form.SAFE_DEFAULTS], safe_info], **private)
+        gr.on([c.change for c in inputs], page.preview, inputs, command, **private)
+        app.load(page.preview, inputs, command, **private)
+        upload.upload(page.upload, upload, [named["dataset"], message], api_name="upload_dataset").then(
+            lambda name: gr.update(choices=page.dataset_choices(), value=name),
+            named["dataset"],
+            named["dataset"],
+            **private,
+        )
+        start.click(page.start_from_form, inputs, message, **private)
+        # ---- the live view of the run started last, and its controls
+        live_outputs = [*live, resume]
+        stop.click(lambda: page.act_from_page("stop"), None, message, **private)
+        pause.click(lambda: page.act_from_page("pause"), None, message, **private)
+        resume.click(lambda: page.act_from_page("resume"), None, message, **private)
+        timer = gr.Timer(tick_s)
+        timer.tick(page.view, None, live_outputs, **private)
+        app.load(page.view, None, live_outputs, **private)
+        # ---- every run of the workspace
+        chosen_outputs = [*chosen_view, resume_chosen]
+
+        def list_runs(current):
+            frame, names = page.runs_table()
+            keep = current if current in names else (names[0] if names else None)
+            return frame, gr.update(choices=names, value=keep)
+
+        for event in (runs_tab.select, refresh.click):
+            event(list_runs, chosen, [table, chosen], **private)
+        chosen.change(page.view, chosen, chosen_outputs, **private)
+        timer.tick(lambda run: page.view(run) if run else page.view(), chosen, chosen_outputs, **private)
+        resume_chosen.click(lambda run: page.act_from_page("resume", run), chosen, runs_message, **private)
+        # ---- chat and export
+        for tab, box in ((chat_tab, chat_run), (export_tab, export_run)):
+            tab.select(lambda: gr.update(choices=page.finished_names()), None, box, **private)
+        send.click(chat_turn(page), [chat_run, bot, said], [bot, said], **private)
+        clear.click(lambda: ([], ""), None, [bot, said], **private)
+        do_export.click(_export(page), [export_run, target, overwrite], exported, **private)
+        # ---- the API for scripts and tests
+        for fn in (page.start_run, page.run_status, page.stop_run, page.pause_run, page.resume_run):
+            gr.api(fn, api_name=fn.__name__)
+        gr.api(page.chat, api_name="chat")
+        gr.api(page.export_run, api_name="export_run")
+    return app
+
+
+def _preset_values(named: dict):
+    def fill(choice):
+        keys, extra = form.PRESETS.get(choice, ({}, ""))
+        values = [keys.get(k, form.default(k) if k != "max_steps" else 0) for k in named]
+        return [*values, extra]
+
+    return fill
+
+
+def _safe_values():
+    """The safe defaults, in SAFE_DEFAULTS' order (the outputs' order), then the table of what they guard against."""
+    return [*(value for value, _ in form.SAFE_DEFAULTS.values()), form.safe_defaults_table()]
+
+
+def message_text(content) -> str:
+    """A chat message's text: gradio 6 hands the history over as lists of parts ({"type": "text", "text"})."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else [content]
+    return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in parts)
+
+
+def chat_turn(page: Page):
+    """The Chat tab's send: the conversation so far and the new message to the finished run, its answer added."""
+
+    def turn(run, history, message):
+        if not run:
+            raise gr.Error("choose a finished run first", print_exception=False)
+        messages = [{"role": m["role"], "content": message_text(m["content"])} for m in history or []]
+        messages.append({"role": "user", "content": message})
+        try:
+            reply = page.finished.reply(run, messages)
+        except UserError as exc:
+            raise gr.Error(html.escape(str(exc), quote=False), print_exception=False) from None
+        return [*messages, {"role": "assistant", "content": reply}], ""
+
+    return turn
+
+
+def _export(page: Page):
+    def run_export(run, target, overwrite):
+        if not run:
+            return "choose a finished run first"
+        try:
+            result = page.finished.export(run, target or "", bool(overwrite))
+        except UserError as exc:
+            return f"**not exported:** {html.escape(str(exc))}"
+        return f"exported `{run}` into `{result['name']}` ({result['merged_into']} of {result['base']})"
+
+    return run_export
