@@ -98,6 +98,8 @@ def test_sync_recorder_sorts_syncs_by_phase_and_origin():
         for step in range(1, 5):
             trainer.batches.batch(step)
             model_code["fast_all"]()  # the model's own sync in its forward: every step
+            if step == 1:
+                trainer_code["read"]()  # the first step's (the optimizer builds its plan there): apart
             if step == 3:
                 trainer_code["read"]()  # a trainer sync between logging steps: the bug the check is for
             trainer.optimizer.step()
@@ -107,7 +109,7 @@ def test_sync_recorder_sorts_syncs_by_phase_and_origin():
     summary = recorder.summary()
     assert summary["checked"]
     assert summary["between_logs_model"] == 4
-    assert summary["between_logs_trainer"] == 1
+    assert summary["between_logs_trainer"] == 1 and summary["first_step_trainer"] == 1
     assert summary["at_logging_steps"] == 2
     wheres = {s["where"] for s in summary["sites"]}
     assert any(w.startswith("fused_stable/train/loop.py") for w in wheres)
@@ -182,7 +184,7 @@ def test_sync_recorder_catches_a_real_cuda_sync():
     trainer_code = _code_in(str(ROOT / "fused_stable" / "train" / "loop.py"), sync)
     x = torch.ones(1024, device="cuda")
     recorder = gpu_trainer.SyncRecorder(torch.device("cuda"))
-    recorder.phase = "step"
+    recorder.phase, recorder.step = "step", 1  # between logging steps, after the first step
     with recorder:
         assert trainer_code["read"](x) == 1024.0
         x.mul_(2)  # no sync
