@@ -51,8 +51,11 @@ def setup_run(*argv):
 
 
 def fit(setup):
+    """Start and train an in-process run; then let go of its folder's lock, as the command does at its end (or
+    the kernel, when a process dies), so that a later run in the same folder is not refused as a second writer."""
     setup.start()
     try:
         return setup.trainer.fit()
     finally:
         setup.trainer.reporter.close()
+        setup.release()
