@@ -350,7 +350,7 @@ def run(argv: list[str], interrupts=None) -> int:
     except OSError as exc:
         if exc.errno not in NO_SPACE:
             raise
-        _report_failure(setup, f"no space left: {_what_failed(exc, setup.cfg.output_dir)}")
+        _report_failure(setup, f"{NO_SPACE[exc.errno]}: {_what_failed(exc, setup.cfg.output_dir)}", "free space, then ")
         return FAILED
     except Exception as exc:
         if not parallel.lost_another_rank(exc, interrupts.signum):
@@ -364,19 +364,23 @@ def run(argv: list[str], interrupts=None) -> int:
 # the run could not go on for a reason outside it (exit code 1): the disk or quota filled up, or under torchrun
 # another rank died; the newest complete checkpoint is intact and the message says how to continue
 FAILED = 1
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+NO_SPACE = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file-size limit was reached",
+}
 
 
 def _what_failed(exc: OSError, output_dir: str) -> str:
     from fused_stable.train.checkpoint import SaveFailed
 
     if isinstance(exc, SaveFailed):
-        return f"saving {exc.checkpoint} failed ({exc.strerror}); the partial checkpoint was removed"
+        return f"saving {exc.checkpoint} failed ({exc.strerror}) and left nothing behind"
     where = exc.filename or f"the files of {output_dir}"
     return f"writing {where} failed ({exc.strerror})"
 
 
-def _report_failure(setup: RunSetup, why: str, every_rank: bool = False) -> None:
+def _report_failure(setup: RunSetup, why: str, before_continuing: str = "", every_rank: bool = False) -> None:
     """One line: why the run stopped, the newest complete checkpoint (read back, not assumed) and how to continue."""
     from fused_stable.train import checkpoint
 
@@ -384,7 +388,7 @@ def _report_failure(setup: RunSetup, why: str, every_rank: bool = False) -> None
         return
     newest, _ = checkpoint.latest_verified_checkpoint(setup.cfg.output_dir)
     where = (
-        f"the newest complete checkpoint, {newest}, is intact; continue: "
+        f"the newest complete checkpoint, {newest}, is intact; {before_continuing}continue: "
         f"{continue_command(setup.cfg.output_dir, setup.runtime.world_size)}"
         if newest
         else "the run has no complete checkpoint (start it again with --overwrite)"
@@ -427,8 +431,10 @@ def _train(setup: RunSetup, interrupts) -> int:
         start_step = trainer.state.step
         try:
             state = trainer.fit()
-        finally:
-            _close_outputs(trainer, cfg, main_rank)
+        except BaseException:
+            _close_outputs(trainer, cfg, main_rank, failing=True)
+            raise
+        _close_outputs(trainer, cfg, main_rank)
         train_s = time.perf_counter() - t0
         resume = continue_command(cfg.output_dir, setup.runtime.world_size)
         if trainer.stopped_by == "interrupt":
@@ -496,9 +502,9 @@ def _train(setup: RunSetup, interrupts) -> int:
     return 0
 
 
-def _close_outputs(trainer, cfg, main_rank: bool) -> None:
-    """Flush metrics.jsonl and draw curves.png, also after a failure: a write that fails now (a full disk) is a
-    note, not an error in place of the one under way."""
+def _close_outputs(trainer, cfg, main_rank: bool, failing: bool = False) -> None:
+    """Flush metrics.jsonl and draw curves.png, also when the run is `failing`: a write that fails then (a full
+    disk) must not replace the error under way, which is reported in its place; otherwise it is a note."""
     from fused_stable.train.report import plot_curves
 
     try:
@@ -506,7 +512,8 @@ def _close_outputs(trainer, cfg, main_rank: bool) -> None:
         if main_rank:
             plot_curves(cfg.output_dir, cfg.max_grad_norm)
     except OSError as exc:
-        print(f"fused-stable sft: note: could not finish the run's curves and metrics ({exc})", file=sys.stderr)
+        if not failing:
+            print(f"fused-stable sft: note: could not finish the run's curves and metrics ({exc})", file=sys.stderr)
 
 
 def _report_abandoned(output_dir: str, world_size: int) -> None:

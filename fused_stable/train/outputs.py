@@ -254,8 +254,9 @@ def check_output_dir(
     has_checkpoint: bool = False,
 ) -> None:
     """Raise UserError unless `command` (SFT, EXPORT or STRESS) may write into output_dir as asked; reads only. A
-    folder another process holds the `FolderLock` of is refused first (FolderBusy). A new or empty folder is fine; one that holds what the same command wrote before (its manifest says so), only with
-    `overwrite` and only if it holds nothing else. `option`: how the user named the folder (in messages).
+    folder whose `FolderLock` another process holds is refused first (FolderBusy). A new or empty folder is fine;
+    one that holds what the same command wrote before (its manifest says so), only with `overwrite` and only if
+    it holds nothing else. `option`: how the user named the folder (in messages).
     sft only: `resume_path`, the (verified) checkpoint to continue (continuing it in its own run folder is
     always allowed; in another folder the rules of a new run apply); `has_checkpoint`, whether the run in
     output_dir saved a complete checkpoint (it changes what to suggest)."""

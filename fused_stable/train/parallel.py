@@ -138,9 +138,7 @@ def describe_lost_rank(exc: BaseException) -> str:
     """One clause for the message: what the collective saw, without gloo's or NCCL's advice."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     seen = first.split("] ", 1)[-1].split(". This is typically", 1)[0].strip()[:160]
-    return (
-        f"another rank stopped ({seen}), so this one cannot go on (torchrun's summary says which rank and why)"
-    )
+    return f"another rank stopped ({seen}), so this one cannot go on (torchrun's summary says which rank and why)"
 
 
 def report_error(line: str) -> None:
