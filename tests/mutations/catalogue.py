@@ -131,8 +131,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "checkpoint-dir-not-fsynced",
         TRAIN + "checkpoint.py",
-        "        _fsync_path(root)\n        _save_stage(\"renamed\", step)\n",
-        "        _save_stage(\"renamed\", step)\n",
+        '        _fsync_path(root)\n        _save_stage("renamed", step)\n',
+        '        _save_stage("renamed", step)\n',
         ["tests/train/test_trainer_promises.py"],
         "the rename is made durable before the marker",
         select="fsynced",
