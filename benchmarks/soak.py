@@ -12,9 +12,11 @@ descriptors (/proc/self/fd) and the time since the previous sample: wall clock, 
 it far less than the wall clock). After a warm-up (the first WARMUP steps: allocator pools, caches, the first
 checkpoints) each series gets a least-squares line against the step number: the slopes are the result.
 
-Limits (`check`): RSS grows by less than RSS_LIMIT_MB over the measured steps (a leak of one small tensor per
-step, 16 KB, would add 29 MB), the per-step CPU time changes by less than TIME_LIMIT of its median over them,
-and the descriptors open at the end of training are the ones open after the warm-up.
+Limits (`check`): RSS (its fitted line) and peak RSS grow by less than RSS_LIMIT_MB over the measured steps
+(a leak of one small tensor per step, 16 KB, would add 29 MB), the per-step CPU time's fitted line changes by
+less than TIME_LIMIT of its median over them, and the descriptors open at the end of training are the ones open
+after the warm-up. `windows` gives the same series per 200 steps: on a shared machine the time per step follows
+the other jobs' load up and down, where a leak would grow in every window.
 """
 
 from __future__ import annotations
@@ -81,6 +83,31 @@ def _slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+def _windows(samples: list[dict], steps: int, width: int = WARMUP) -> list[dict]:
+    """Per window of `width` steps: the median and the fastest CPU and wall time per step, the RSS range. On a
+    shared machine the wall clock, and less so the CPU time, follow the other jobs' load: a leak grows in every
+    window, contention comes and goes."""
+    out = []
+    for start in range(0, steps, width):
+        window = [s for s in samples if start < s["step"] <= start + width]
+        if not window:
+            continue
+        cpu = sorted(s["cpu_ms_per_step"] for s in window)
+        wall = sorted(s["wall_ms_per_step"] for s in window)
+        out.append(
+            {
+                "steps": f"{start + 1}-{start + width}",
+                "cpu_ms_per_step_median": cpu[len(cpu) // 2],
+                "cpu_ms_per_step_min": cpu[0],
+                "wall_ms_per_step_median": wall[len(wall) // 2],
+                "rss_mb_min": min(s["rss_mb"] for s in window),
+                "rss_mb_max": max(s["rss_mb"] for s in window),
+                "peak_rss_mb": max(s["peak_rss_mb"] for s in window),
+            }
+        )
+    return out
+
+
 def soak(steps: int, output_dir: str) -> dict:
     from fused_stable.train import cli
 
@@ -115,6 +142,7 @@ def soak(steps: int, output_dir: str) -> dict:
         return setup
 
     cli.setup_run = with_sampler
+    load_at_start = os.getloadavg()
     t0 = time.perf_counter()
     try:
         code = cli.main([*ARGS, "--max_steps", str(steps), "--output_dir", output_dir])
@@ -132,16 +160,18 @@ def soak(steps: int, output_dir: str) -> dict:
         "rss_mb": {"after_warmup": measured[0]["rss_mb"], "end": measured[-1]["rss_mb"]},
         "rss_slope_mb_per_1000_steps": 1000 * _slope(xs, [s["rss_mb"] for s in measured]),
         "peak_rss_mb": {"after_warmup": measured[0]["peak_rss_mb"], "end": measured[-1]["peak_rss_mb"]},
+        "peak_rss_slope_mb_per_1000_steps": 1000 * _slope(xs, [s["peak_rss_mb"] for s in measured]),
         "cpu_ms_per_step_median": cpu[len(cpu) // 2],
         "cpu_ms_per_step_slope_per_1000_steps": 1000 * _slope(xs, [s["cpu_ms_per_step"] for s in measured]),
         "wall_ms_per_step_slope_per_1000_steps": 1000 * _slope(xs, [s["wall_ms_per_step"] for s in measured]),
         "fds": {"after_warmup": len(fds_after_warmup), "end_of_training": len(fds_at_end)},
         "fds_opened_and_not_closed": sorted(set(fds_at_end) - set(fds_after_warmup)),
+        "windows": _windows(samples, steps),
         "samples": samples,
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
-            "load_average_start": os.getloadavg(),
+            "load_average_start": load_at_start,
         },
     }
     import torch
@@ -158,6 +188,9 @@ def check(result: dict) -> list[str]:
     growth = result["rss_slope_mb_per_1000_steps"] * span
     if growth > RSS_LIMIT_MB:
         problems.append(f"RSS grew {growth:.1f} MB over the measured steps (limit {RSS_LIMIT_MB} MB)")
+    peak_growth = result["peak_rss_mb"]["end"] - result["peak_rss_mb"]["after_warmup"]
+    if peak_growth > RSS_LIMIT_MB:
+        problems.append(f"peak RSS grew {peak_growth:.1f} MB over the measured steps (limit {RSS_LIMIT_MB} MB)")
     drift = abs(result["cpu_ms_per_step_slope_per_1000_steps"] * span) / result["cpu_ms_per_step_median"]
     if drift > TIME_LIMIT:
         problems.append(
@@ -184,7 +217,8 @@ def main(argv: list[str]) -> int:
     print(
         f"soak: {result['steps']} steps in {result['wall_s']:.0f} s | RSS {result['rss_mb']['after_warmup']:.0f} -> "
         f"{result['rss_mb']['end']:.0f} MB (slope {result['rss_slope_mb_per_1000_steps']:+.2f} MB / 1000 steps), "
-        f"peak {result['peak_rss_mb']['end']:.0f} MB | CPU per step {result['cpu_ms_per_step_median']:.1f} ms "
+        f"peak {result['peak_rss_mb']['end']:.0f} MB (slope {result['peak_rss_slope_mb_per_1000_steps']:+.2f}) | "
+        f"CPU per step {result['cpu_ms_per_step_median']:.1f} ms "
         f"(slope {result['cpu_ms_per_step_slope_per_1000_steps']:+.2f} ms / 1000 steps) | open files "
         f"{result['fds']['after_warmup']} -> {result['fds']['end_of_training']} | {out}"
     )

@@ -11,4 +11,5 @@ import soak
 @pytest.mark.benchmark
 def test_2000_steps_leave_rss_time_per_step_and_open_files_flat(tmp_path):
     result = soak.soak(2000, str(tmp_path / "run"))
-    assert soak.check(result) == [], result["problems"] if "problems" in result else soak.check(result)
+    problems = soak.check(result)
+    assert problems == [], problems

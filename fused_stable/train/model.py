@@ -137,7 +137,7 @@ def use_generic_4bit_path(model, *, training: bool, log=None) -> list[str]:
 
 
 def _named_briefly(names: list[str], shown: int = 4) -> str:
-    """Layer names with the block number folded (`model.layers.*.mlp.down_proj (344 -> 128)`), a few of them."""
+    """Layer names with the block number folded (`model.layers.*.mlp.down_proj (200 -> 128)`), a few of them."""
     folded = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
     more = f" and {len(folded) - shown} more" if len(folded) > shown else ""
     return ", ".join(folded[:shown]) + more
