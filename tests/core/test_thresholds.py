@@ -85,7 +85,8 @@ def test_a_zscore_equal_to_spike_skip_threshold_is_applied_the_next_float_is_ski
     above = _step_copy(opt, np.nextafter(at, np.float32(np.inf)))
     assert above.last_zscore.item() > SKIP_Z
     assert above.last_step_skipped.item() and above.spike_skips.item() == 1
-    # skipped_steps counts non-finite steps only (docs/optimizer.md: "skipped for non-finite gradients / for norm spikes")
+    # skipped_steps counts non-finite steps only
+    # (docs/optimizer.md: "skipped for non-finite gradients / for norm spikes")
     assert above.skipped_steps.item() == opt.skipped_steps.item() == 0 and not above.last_step_found_inf.item()
     assert above.applied_steps.item() == opt.applied_steps.item()
     assert torch.equal(above.param_groups[0]["params"][0], opt.param_groups[0]["params"][0])

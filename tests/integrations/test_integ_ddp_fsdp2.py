@@ -210,7 +210,7 @@ def test_fsdp2_checkpoint_round_trip_with_dcp(ranks):
 
 
 def test_a_compiled_step_over_sharded_params_is_refused_and_changes_nothing(ranks):
-    """docs/optimizer.md: a compiled step with FSDP2 (DTensor) params is refused with a clear error, not a wrong step."""
+    """docs/optimizer.md: a compiled step over FSDP2 (DTensor) params is refused with a clear error."""
     for r in ranks:
         assert "compiled step with sharded (DTensor / FSDP2) parameters is not supported" in r["compiled_refusal"]
         assert "RuntimeError" in r["compiled_refusal"]
