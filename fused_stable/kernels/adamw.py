@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import layout
+from .. import layout, state_format
 from .common import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
 from .tables import ChunkMap
@@ -35,9 +35,11 @@ from .tables import ChunkMap
 # (bar.sync) to convert between the two layouts (tests/core/test_kernels_codegen.py checks this).
 ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 
-# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad
+# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad, the scale
+# columns 0 but for 8-bit state
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP, COL_MAX_EXP_AVG_SQ = range(8)
-TABLE_COLUMNS = 8
+COL_EXP_AVG_SCALE, COL_EXP_AVG_SQ_SCALE, COL_MAX_EXP_AVG_SQ_SCALE = 8, 9, 10
+TABLE_COLUMNS = 11
 
 
 @triton.jit
@@ -81,6 +83,92 @@ def _step_hyperparameters(
     return grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt
 
 
+# ------------------------------------------------------------------------------------------------------------
+# the moments in their state format (fused_stable/state_format.py): fp32, bf16, or 8-bit codes with one fp32 scale
+# per QUANT_BLOCK elements. In 8-bit a block of BLOCK elements is [BLOCK // QUANT_BLOCK, QUANT_BLOCK], one row per
+# quantisation block, so a block's scale is a reduction along a row: one warp's elements (4 per thread), shuffles
+# only. The torch backend computes the same maps in state_format.py, operation by operation.
+
+
+@triton.jit
+def _moment_pointer(
+    address, STATE_FORMAT: tl.constexpr, SIGNED: tl.constexpr, FMT_BF16: tl.constexpr, FMT_Q8: tl.constexpr
+):
+    if STATE_FORMAT == FMT_Q8:
+        if SIGNED:
+            return address.to(tl.pointer_type(tl.int8))
+        else:
+            return address.to(tl.pointer_type(tl.uint8))
+    elif STATE_FORMAT == FMT_BF16:
+        return address.to(tl.pointer_type(tl.bfloat16))
+    else:
+        return address.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _decode(codes, scale, SIGNED: tl.constexpr):
+    """8-bit codes [rows, QUANT_BLOCK] and their rows' scales [rows] -> fp32 (state_format.decode_*)."""
+    if SIGNED:
+        q = codes.to(tl.float32) * (1.0 / 127.0)
+        return q * tl.abs(q) * scale[:, None]
+    else:
+        q = codes.to(tl.float32) * (1.0 / 255.0)
+        root = q * q * scale[:, None]
+        return root * root
+
+
+@triton.jit
+def _encode(x, SIGNED: tl.constexpr):
+    """fp32 [rows, QUANT_BLOCK] -> (8-bit codes, each row's scale) (state_format.encode_*): the scale is the row's
+    largest |x| (signed) or sqrt(x) (unsigned), the code the rounded square root of the ratio, ties up."""
+    if SIGNED:
+        magnitude = tl.abs(x)
+    else:
+        magnitude = tl.sqrt_rn(x)
+    scale = tl.max(magnitude, axis=1)
+    inverse = tl.where(scale > 0.0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+    root = tl.sqrt_rn(tl.minimum(magnitude * inverse[:, None], 1.0))
+    if SIGNED:
+        code = tl.floor(root * 127.0 + 0.5)
+        return tl.where(x < 0.0, -code, code).to(tl.int8), scale
+    else:
+        return tl.floor(root * 255.0 + 0.5).to(tl.uint8), scale
+
+
+@triton.jit
+def _load_moment(
+    pointer, scale_rows, mask, row_mask, STATE_FORMAT: tl.constexpr, SIGNED: tl.constexpr, FMT_Q8: tl.constexpr
+):
+    other = None if mask is None else 0.0
+    if STATE_FORMAT == FMT_Q8:
+        codes = tl.load(pointer, mask=mask, other=None if mask is None else 0)
+        return _decode(codes, tl.load(scale_rows, mask=row_mask, other=other), SIGNED)
+    else:
+        return tl.load(pointer, mask=mask, other=other).to(tl.float32)
+
+
+@triton.jit
+def _store_moment(
+    pointer,
+    scale_rows,
+    x,
+    mask,
+    row_mask,
+    STATE_FORMAT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
+):
+    if STATE_FORMAT == FMT_Q8:
+        codes, scale = _encode(x, SIGNED)
+        tl.store(pointer, codes, mask=mask)
+        tl.store(scale_rows, scale, mask=row_mask)
+    elif STATE_FORMAT == FMT_BF16:
+        tl.store(pointer, to_storage(x, tl.bfloat16), mask=mask)
+    else:
+        tl.store(pointer, x, mask=mask)
+
+
 @triton.jit
 def _adamw_block(
     param,
@@ -91,38 +179,58 @@ def _adamw_block(
     max_exp_avg_sq,
     mask,
     scalars,
+    scale_rows,
+    row_mask,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     AMSGRAD: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
 ):
     """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None.
     `scalars` are `_step_hyperparameters`' (its `grad_mul` carries the clip coefficient, the loss scale and, for
-    maximize=True, the sign)."""
+    maximize=True, the sign). With 8-bit state the block is 2-D (a row per quantisation block), `scale_rows` point
+    at the rows' scales of exp_avg, exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist."""
     grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt = scalars
+    exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale = scale_rows
     other = None if mask is None else 0.0
     g = tl.load(grad, mask=mask, other=other).to(tl.float32) * grad_mul
     if HAS_MASTER:
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
-    m = tl.load(exp_avg, mask=mask, other=other)
-    v = tl.load(exp_avg_sq, mask=mask, other=other)
+    m = _load_moment(exp_avg, exp_avg_scale, mask, row_mask, STATE_FORMAT, True, FMT_Q8)
+    v = _load_moment(exp_avg_sq, exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
     # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * (g * g)
     if AMSGRAD:  # normalise by the largest second moment so far (torch: state "max_exp_avg_sq")
-        v_max = tl.maximum(tl.load(max_exp_avg_sq, mask=mask, other=other), v, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(max_exp_avg_sq, v_max, mask=mask)
+        v_max = _load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
+        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
+        _store_moment(
+            max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, STATE_FORMAT, False, FMT_BF16, FMT_Q8
+        )
         denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
     else:
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    tl.store(exp_avg, m, mask=mask)
-    tl.store(exp_avg_sq, v, mask=mask)
+    _store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
+    _store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, STATE_FORMAT, False, FMT_BF16, FMT_Q8)
     if HAS_MASTER:
         tl.store(master, p, mask=mask)
     tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
+def _scale_rows(scales, block_start, rows, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    """8-bit state: pointers to the scales of this block's rows; other formats: the (unused) scale pointers."""
+    if STATE_FORMAT == FMT_Q8:
+        first = block_start // QUANT_BLOCK
+        return scales[0] + first + rows, scales[1] + first + rows, scales[2] + first + rows
+    else:
+        return scales
 
 
 @triton.jit
@@ -133,7 +241,9 @@ def _update_chunk(
     exp_avg_sq,
     master,
     max_exp_avg_sq,
+    scales,
     offsets,
+    rows,
     start,
     full_end,
     end,
@@ -143,10 +253,15 @@ def _update_chunk(
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     AMSGRAD: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
+    QUANT_BLOCK: tl.constexpr,
 ):
-    """AdamW on elements [start, end) of one tensor (`offsets`: 0..BLOCK-1): the full blocks up to `full_end`
-    without a mask, with 16-byte alignment hints when every address of this tensor allows them (decided per
-    tensor, so one unaligned view does not slow the others); then one masked tail."""
+    """AdamW on elements [start, end) of one tensor (`offsets`: 0..BLOCK-1, as [rows, QUANT_BLOCK] for 8-bit
+    state): the full blocks up to `full_end` without a mask, with 16-byte alignment hints when every address of
+    this tensor allows them (decided per tensor, so one unaligned view does not slow the others); then one
+    masked tail."""
     if aligned:
         for block_start in range(start, full_end, BLOCK):
             _adamw_block(
@@ -158,9 +273,14 @@ def _update_chunk(
                 aligned_block(max_exp_avg_sq, block_start) + offsets,
                 None,
                 scalars,
+                _scale_rows(scales, block_start, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
+                None,
                 PARAM_DTYPE,
                 HAS_MASTER,
                 AMSGRAD,
+                STATE_FORMAT,
+                FMT_BF16,
+                FMT_Q8,
             )
     else:
         for block_start in range(start, full_end, BLOCK):
@@ -174,9 +294,14 @@ def _update_chunk(
                 max_exp_avg_sq + idx,
                 None,
                 scalars,
+                _scale_rows(scales, block_start, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
+                None,
                 PARAM_DTYPE,
                 HAS_MASTER,
                 AMSGRAD,
+                STATE_FORMAT,
+                FMT_BF16,
+                FMT_Q8,
             )
     if full_end < end:
         idx = full_end + offsets
@@ -189,9 +314,14 @@ def _update_chunk(
             max_exp_avg_sq + idx,
             idx < end,
             scalars,
+            _scale_rows(scales, full_end, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
+            full_end + rows * QUANT_BLOCK < end,
             PARAM_DTYPE,
             HAS_MASTER,
             AMSGRAD,
+            STATE_FORMAT,
+            FMT_BF16,
+            FMT_Q8,
         )
 
 
@@ -208,7 +338,8 @@ def _adamw_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     AMSGRAD: tl.constexpr = False,
-    # the table and buffer layouts, as constexpr arguments with defaults: see the module doc
+    STATE_FORMAT: tl.constexpr = state_format.FP32,  # the moments' format (state_format.py)
+    # the table and buffer layouts and the state formats, as constexpr arguments with defaults: see the module doc
     TABLE_COLUMNS: tl.constexpr = TABLE_COLUMNS,
     COL_PARAM: tl.constexpr = COL_PARAM,
     COL_EXP_AVG: tl.constexpr = COL_EXP_AVG,
@@ -218,11 +349,17 @@ def _adamw_kernel(
     COL_NUMEL: tl.constexpr = COL_NUMEL,
     COL_GROUP: tl.constexpr = COL_GROUP,
     COL_MAX_EXP_AVG_SQ: tl.constexpr = COL_MAX_EXP_AVG_SQ,
+    COL_EXP_AVG_SCALE: tl.constexpr = COL_EXP_AVG_SCALE,
+    COL_EXP_AVG_SQ_SCALE: tl.constexpr = COL_EXP_AVG_SQ_SCALE,
+    COL_MAX_EXP_AVG_SQ_SCALE: tl.constexpr = COL_MAX_EXP_AVG_SQ_SCALE,
     F_SKIP: tl.constexpr = layout.F_SKIP,
     H_SIZE: tl.constexpr = layout.H_SIZE,
+    FMT_BF16: tl.constexpr = state_format.BF16,
+    FMT_Q8: tl.constexpr = state_format.Q8,
+    QUANT_BLOCK: tl.constexpr = state_format.QUANT_BLOCK,
     LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (kernels/decide.py says why)
 ):
-    if tl.load(fstate + F_SKIP) == 0.0:
+    if tl.load(fstate + F_SKIP) == 0.0:  # a skipped step returns before any load: every state stays bit-identical
         pid = tl.program_id(0).to(tl.int64)
         tensor = tl.load(chunk_tensor + pid)
         start = tl.load(chunk_start + pid)
@@ -235,17 +372,26 @@ def _adamw_kernel(
         master_address = load_address(row + COL_MASTER)  # 0 without master weights
         param = as_pointer(param_address, PARAM_DTYPE)
         grad = as_pointer(grad_address, PARAM_DTYPE)
-        exp_avg = as_pointer(exp_avg_address, tl.float32)
-        exp_avg_sq = as_pointer(exp_avg_sq_address, tl.float32)
+        exp_avg = _moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
+        exp_avg_sq = _moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8)
         master = as_pointer(master_address, tl.float32)
         if AMSGRAD:
             max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
         else:
-            max_address = master_address  # never read or written: keeps the block calls uniform
-        max_exp_avg_sq = as_pointer(max_address, tl.float32)
+            max_address = exp_avg_sq_address  # never read or written: keeps the block calls uniform
+        max_exp_avg_sq = _moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8)
+        scales = (
+            as_pointer(load_address(row + COL_EXP_AVG_SCALE), tl.float32),  # 0 but for 8-bit state
+            as_pointer(load_address(row + COL_EXP_AVG_SQ_SCALE), tl.float32),
+            as_pointer(load_address(row + COL_MAX_EXP_AVG_SQ_SCALE), tl.float32),
+        )
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
         scalars = _step_hyperparameters(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
-        offsets = tl.arange(0, BLOCK).to(tl.int64)
+        rows = tl.arange(0, BLOCK // QUANT_BLOCK).to(tl.int64)
+        if STATE_FORMAT == FMT_Q8:  # a row per quantisation block: its scale is a reduction along the row
+            offsets = rows[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK).to(tl.int64)[None, :]
+        else:
+            offsets = tl.arange(0, BLOCK).to(tl.int64)
         full_end = start + (end - start) // BLOCK * BLOCK
         aligned = is_aligned(
             param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
@@ -257,7 +403,9 @@ def _adamw_kernel(
             exp_avg_sq,
             master,
             max_exp_avg_sq,
+            scales,
             offsets,
+            rows,
             start,
             full_end,
             end,
@@ -267,6 +415,10 @@ def _adamw_kernel(
             PARAM_DTYPE,
             HAS_MASTER,
             AMSGRAD,
+            STATE_FORMAT,
+            FMT_BF16,
+            FMT_Q8,
+            QUANT_BLOCK,
         )
 
 
@@ -280,14 +432,24 @@ def prepare_adamw(
     param_dtype: torch.dtype,
     has_master: bool,
     amsgrad: bool = False,
+    state_format_id: int = state_format.FP32,
     config: LaunchConfig = ADAMW_CONFIG,
 ) -> tuple[PreparedLaunch, ArgTemplate] | None:
-    """AdamW over every tensor of one param dtype, with the decision kernel's clip / skip / lr factor; None when
-    there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses, per tensor."""
+    """AdamW over every tensor of one param dtype and state format, with the decision kernel's clip / skip / lr
+    factor; None when there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses,
+    per tensor."""
     if param_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 params, got {param_dtype}")
     if chunks.num_chunks == 0:
         return None
+    if state_format_id == state_format.Q8 and (
+        config.block % state_format.QUANT_BLOCK or chunks.chunk_size % config.block
+    ):
+        # a program's blocks must be whole quantisation blocks, each tensor starting a new one
+        raise ValueError(
+            f"8-bit state needs a block ({config.block}) that is a multiple of {state_format.QUANT_BLOCK} and a "
+            f"chunk ({chunks.chunk_size}) that is a multiple of the block"
+        )
     args = ArgTemplate(
         _adamw_kernel,
         table=table,
@@ -301,6 +463,7 @@ def prepare_adamw(
         CHUNK=chunks.chunk_size,
         BLOCK=config.block,
         AMSGRAD=amsgrad,
+        STATE_FORMAT=state_format_id,
     )
     return PreparedLaunch(_adamw_kernel, chunks.num_chunks, config), args
 
