@@ -7,7 +7,11 @@ values are stored; each tensor's format is then fixed by its state's dtypes (`fo
 says what it holds. Formats:
 
   FP32  the moments as fp32 tensors shaped like the param (torch.optim.AdamW's state).
-  BF16  the moments as bf16 tensors shaped like the param.
+  BF16  the moments as bf16 tensors shaped like the param. The update rounds exp_avg to nearest and exp_avg_sq
+        stochastically (`round_stochastic_bf16`): with beta2 = 0.999 an exp_avg_sq moves 0.1% per step, under
+        half a bf16 ulp (0.2-0.4%), so nearest rounding would freeze it (max_exp_avg_sq, a running maximum, rounds
+        to nearest). The random bits are a hash of (the param's position in the optimizer, its step, the element):
+        no generator state, the same on both backends, and a resumed run draws the same bits.
   Q8    8-bit blockwise: every QUANT_BLOCK consecutive elements (in the param's memory order; each tensor starts
         a new block) share one fp32 scale, stored beside the codes under the moment's key + "_scale":
           exp_avg      int8 codes c in [-127, 127], scale s = the block's largest |exp_avg|:
@@ -178,6 +182,46 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of a dense tensor in its memory order (what the kernels walk); raises for a non-dense one."""
     order = memory_order(t)
     return (t if order == sorted(order) else t.permute(order)).view(-1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# stochastic rounding of bf16 exp_avg_sq: uint32 arithmetic (held in int64 tensors), the kernel's `_mix32`
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for x in [0, 2**32), in halves so the int64 product cannot overflow."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32): every input bit moves about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x735A2D97)
+    return x ^ (x >> 15)
+
+
+def random_key(position: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Per tensor and step: the key its elements' random bits are drawn with (position: the param's index in the
+    optimizer's flat param order; step: its `step` counter after this step's increment)."""
+    return mix32((position & 0xFFFFFFFF) ^ mix32(step.to(torch.int64) & 0xFFFFFFFF))
+
+
+def random_bits(key: torch.Tensor, element: torch.Tensor) -> torch.Tensor:
+    """Per element (its index in its tensor's memory order): 32 random bits, from its tensor's key."""
+    return mix32((element & 0xFFFFFFFF) ^ key)
+
+
+def round_stochastic_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, rounding up (in magnitude) with probability equal to the dropped fraction: the dropped low 16
+    bits plus 16 random ones carry into the kept half exactly that often."""
+    word = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    word = (word + (bits & 0xFFFF)) & 0xFFFF0000
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.view(torch.float32).to(torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class LowbitUpdate:
         # each block's tensor: the per-tensor scalars (bias corrections of each param's own `step`) per block
         counts = torch.tensor(self.flat.blocks, device=device)
         self.block_tensor = torch.repeat_interleave(torch.arange(len(self.params), device=device), counts)
+        # bf16 stochastic rounding's keys: each param's position in the optimizer, and each element's index
+        self.positions = torch.tensor([plan.positions[i] for i in all_indices], device=device)
+        self.block_in_tensor = torch.cat([torch.arange(b, device=device) for b in self.flat.blocks])
+        self.lanes = torch.arange(QB, device=device)
         self.row_cache: tuple | None = None
 
     def __call__(self, grads: list[torch.Tensor], hp: HParams, grad_mul, skip, lr_factor) -> None:
@@ -109,13 +113,20 @@ class LowbitUpdate:
     def _write(self, key: str, value: torch.Tensor, keep: torch.Tensor) -> None:
         if self.format == BF16:
             old = self.flat.gather(self.moments[key], torch.bfloat16)
-            self.flat.scatter(torch.where(keep, old, value.to(torch.bfloat16)), self.moments[key])
+            rounded = self._round_stochastic(value) if key == "exp_avg_sq" else value.to(torch.bfloat16)
+            self.flat.scatter(torch.where(keep, old, rounded), self.moments[key])
             return
         codes, scale = state_format.ENCODERS[key](value)
         old_codes = self.flat.gather(self.moments[key], codes.dtype)
         old_scale = torch.cat(self.scales[key])
         self.flat.scatter(torch.where(keep, old_codes, codes), self.moments[key])
         torch._foreach_copy_(self.scales[key], torch.where(keep, old_scale, scale).split(self.flat.blocks))
+
+    def _round_stochastic(self, value: torch.Tensor) -> torch.Tensor:
+        """bf16 exp_avg_sq: stochastic rounding with the kernel's random bits (state_format.random_bits)."""
+        keys = state_format.random_key(self.positions, torch.stack(self.steps))[self.block_tensor][:, None]
+        elements = self.block_in_tensor[:, None] * QB + self.lanes
+        return state_format.round_stochastic_bf16(value, state_format.random_bits(keys, elements))
 
     def _step_hyperparameters(self, hp: HParams, grad_mul, lr_factor):
         """kernels/adamw.py's `_step_hyperparameters`, per tensor, as [blocks, 1] columns."""

@@ -180,7 +180,7 @@ def _chunk_maps(plan: StepPlan, launch_groups: dict, device: torch.device, chunk
 
 def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
     """The update table of one launch group, row by row in kernels/adamw.py's column order (COL_*)."""
-    rows = []
+    rows, positions = [], plan.positions
     address = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
     for i in indices:
         master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
@@ -196,6 +196,7 @@ def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
             address(plan.exp_avg_scales[i]),
             address(plan.exp_avg_sq_scales[i]),
             address(plan.max_exp_avg_sq_scales[i]),
+            positions[i],
         ]
     return rows
 

@@ -38,8 +38,9 @@ ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 # update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad, the scale
 # columns 0 but for 8-bit state
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP, COL_MAX_EXP_AVG_SQ = range(8)
-COL_EXP_AVG_SCALE, COL_EXP_AVG_SQ_SCALE, COL_MAX_EXP_AVG_SQ_SCALE = 8, 9, 10
-TABLE_COLUMNS = 11
+COL_EXP_AVG_SCALE, COL_EXP_AVG_SQ_SCALE, COL_MAX_EXP_AVG_SQ_SCALE = 8, 9, 10  # consecutive: the kernel reads them so
+COL_POSITION = 11  # the param's index in the optimizer's flat order: keys bf16 stochastic rounding
+TABLE_COLUMNS = 12
 
 
 @triton.jit
@@ -136,6 +137,27 @@ def _encode(x, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def _mix32(x):
+    """state_format.mix32: a 32-bit integer hash (Wellons' lowbias32), on uint32."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _round_stochastic_bf16(x, random):
+    """state_format.round_stochastic_bf16 with state_format.random_bits: `random` is (this tensor's key for this
+    step, the elements' indices in the tensor); the low 16 bits plus 16 random ones carry into the kept half."""
+    key, elements = random
+    noise = _mix32(elements.to(tl.uint32) ^ key)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (noise & 0xFFFF)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low half is zero
+
+
+@triton.jit
 def _load_moment(
     pointer, scale_rows, mask, row_mask, STATE_FORMAT: tl.constexpr, SIGNED: tl.constexpr, FMT_Q8: tl.constexpr
 ):
@@ -154,33 +176,36 @@ def _store_moment(
     x,
     mask,
     row_mask,
+    random,
     STATE_FORMAT: tl.constexpr,
     SIGNED: tl.constexpr,
     FMT_BF16: tl.constexpr,
     FMT_Q8: tl.constexpr,
+    STOCHASTIC: tl.constexpr = False,
 ):
+    """Stores fp32 values in the state format; bf16 rounds to nearest even, or stochastically with `random` (see
+    `_round_stochastic_bf16`) when STOCHASTIC."""
     if STATE_FORMAT == FMT_Q8:
         codes, scale = _encode(x, SIGNED)
         tl.store(pointer, codes, mask=mask)
         tl.store(scale_rows, scale, mask=row_mask)
     elif STATE_FORMAT == FMT_BF16:
-        tl.store(pointer, to_storage(x, tl.bfloat16), mask=mask)
+        if STOCHASTIC:
+            tl.store(pointer, _round_stochastic_bf16(x, random), mask=mask)
+        else:
+            tl.store(pointer, to_storage(x, tl.bfloat16), mask=mask)
     else:
         tl.store(pointer, x, mask=mask)
 
 
 @triton.jit
 def _adamw_block(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    master,
-    max_exp_avg_sq,
+    pointers,
     mask,
     scalars,
     scale_rows,
     row_mask,
+    random,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     AMSGRAD: tl.constexpr,
@@ -188,10 +213,13 @@ def _adamw_block(
     FMT_BF16: tl.constexpr,
     FMT_Q8: tl.constexpr,
 ):
-    """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None.
-    `scalars` are `_step_hyperparameters`' (its `grad_mul` carries the clip coefficient, the loss scale and, for
-    maximize=True, the sign). With 8-bit state the block is 2-D (a row per quantisation block), `scale_rows` point
-    at the rows' scales of exp_avg, exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist."""
+    """AdamW on one block, given its pointers (one per element: param, grad, exp_avg, exp_avg_sq, master,
+    max_exp_avg_sq); unmasked (vectorisable) when `mask` is None. `scalars` are `_step_hyperparameters'` (its
+    `grad_mul` carries the clip coefficient, the loss scale and, for maximize=True, the sign). With 8-bit state
+    the block is 2-D (a row per quantisation block), `scale_rows` point at the rows' scales of exp_avg,
+    exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist. `random` is what bf16 exp_avg_sq's
+    stochastic rounding draws from: (this tensor's key for this step, the block's element indices)."""
+    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
     grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt = scalars
     exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale = scale_rows
     other = None if mask is None else 0.0
@@ -210,17 +238,36 @@ def _adamw_block(
         v_max = _load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
         v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
         _store_moment(
-            max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, STATE_FORMAT, False, FMT_BF16, FMT_Q8
+            max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8
         )
         denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
     else:
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    _store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
-    _store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, STATE_FORMAT, False, FMT_BF16, FMT_Q8)
+    _store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, random, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
+    # exp_avg_sq: stochastic in bf16 (state_format.py says why)
+    _store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8, True)
     if HAS_MASTER:
         tl.store(master, p, mask=mask)
     tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
+def _block_pointers(pointers, block_start, offsets, ALIGNED: tl.constexpr):
+    """Each tensor's pointers to the elements of the block at `block_start`, marked 16-byte aligned if ALIGNED."""
+    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
+    if ALIGNED:
+        return (
+            aligned_block(param, block_start) + offsets,
+            aligned_block(grad, block_start) + offsets,
+            aligned_block(exp_avg, block_start) + offsets,
+            aligned_block(exp_avg_sq, block_start) + offsets,
+            aligned_block(master, block_start) + offsets,
+            aligned_block(max_exp_avg_sq, block_start) + offsets,
+        )
+    else:
+        idx = block_start + offsets
+        return param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx
 
 
 @triton.jit
@@ -235,12 +282,7 @@ def _scale_rows(scales, block_start, rows, STATE_FORMAT: tl.constexpr, FMT_Q8: t
 
 @triton.jit
 def _update_chunk(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    master,
-    max_exp_avg_sq,
+    pointers,
     scales,
     offsets,
     rows,
@@ -249,6 +291,7 @@ def _update_chunk(
     end,
     aligned,
     scalars,
+    random_key,
     BLOCK: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
@@ -265,16 +308,12 @@ def _update_chunk(
     if aligned:
         for block_start in range(start, full_end, BLOCK):
             _adamw_block(
-                aligned_block(param, block_start) + offsets,
-                aligned_block(grad, block_start) + offsets,
-                aligned_block(exp_avg, block_start) + offsets,
-                aligned_block(exp_avg_sq, block_start) + offsets,
-                aligned_block(master, block_start) + offsets,
-                aligned_block(max_exp_avg_sq, block_start) + offsets,
+                _block_pointers(pointers, block_start, offsets, True),
                 None,
                 scalars,
                 _scale_rows(scales, block_start, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
                 None,
+                (random_key, block_start + offsets),
                 PARAM_DTYPE,
                 HAS_MASTER,
                 AMSGRAD,
@@ -284,18 +323,13 @@ def _update_chunk(
             )
     else:
         for block_start in range(start, full_end, BLOCK):
-            idx = block_start + offsets
             _adamw_block(
-                param + idx,
-                grad + idx,
-                exp_avg + idx,
-                exp_avg_sq + idx,
-                master + idx,
-                max_exp_avg_sq + idx,
+                _block_pointers(pointers, block_start, offsets, False),
                 None,
                 scalars,
                 _scale_rows(scales, block_start, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
                 None,
+                (random_key, block_start + offsets),
                 PARAM_DTYPE,
                 HAS_MASTER,
                 AMSGRAD,
@@ -304,18 +338,13 @@ def _update_chunk(
                 FMT_Q8,
             )
     if full_end < end:
-        idx = full_end + offsets
         _adamw_block(
-            param + idx,
-            grad + idx,
-            exp_avg + idx,
-            exp_avg_sq + idx,
-            master + idx,
-            max_exp_avg_sq + idx,
-            idx < end,
+            _block_pointers(pointers, full_end, offsets, False),
+            full_end + offsets < end,
             scalars,
             _scale_rows(scales, full_end, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
             full_end + rows * QUANT_BLOCK < end,
+            (random_key, full_end + offsets),
             PARAM_DTYPE,
             HAS_MASTER,
             AMSGRAD,
@@ -323,6 +352,52 @@ def _update_chunk(
             FMT_BF16,
             FMT_Q8,
         )
+
+
+@triton.jit
+def _tensor_pointers(
+    row,
+    grad_address,
+    PARAM_DTYPE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
+    COL_PARAM: tl.constexpr,
+    COL_EXP_AVG: tl.constexpr,
+    COL_EXP_AVG_SQ: tl.constexpr,
+    COL_MASTER: tl.constexpr,
+    COL_MAX_EXP_AVG_SQ: tl.constexpr,
+    COL_EXP_AVG_SCALE: tl.constexpr,
+):
+    """One tensor's pointers from its row of the update table (param, grad, exp_avg, exp_avg_sq, master,
+    max_exp_avg_sq; in the state format's dtypes), the 8-bit scales' pointers, and whether all are 16-byte
+    aligned."""
+    param_address = load_address(row + COL_PARAM)
+    exp_avg_address = load_address(row + COL_EXP_AVG)
+    exp_avg_sq_address = load_address(row + COL_EXP_AVG_SQ)
+    master_address = load_address(row + COL_MASTER)  # 0 without master weights
+    if AMSGRAD:
+        max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
+    else:
+        max_address = exp_avg_sq_address  # never read or written: keeps the block calls uniform
+    pointers = (
+        as_pointer(param_address, PARAM_DTYPE),
+        as_pointer(grad_address, PARAM_DTYPE),
+        _moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8),
+        _moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+        as_pointer(master_address, tl.float32),
+        _moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+    )
+    scales = (  # 0 but for 8-bit state: the columns of exp_avg's, exp_avg_sq's and max_exp_avg_sq's scales
+        as_pointer(load_address(row + COL_EXP_AVG_SCALE), tl.float32),
+        as_pointer(load_address(row + COL_EXP_AVG_SCALE + 1), tl.float32),
+        as_pointer(load_address(row + COL_EXP_AVG_SCALE + 2), tl.float32),
+    )
+    aligned = is_aligned(
+        param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
+    )
+    return pointers, scales, aligned
 
 
 @triton.jit
@@ -349,9 +424,8 @@ def _adamw_kernel(
     COL_NUMEL: tl.constexpr = COL_NUMEL,
     COL_GROUP: tl.constexpr = COL_GROUP,
     COL_MAX_EXP_AVG_SQ: tl.constexpr = COL_MAX_EXP_AVG_SQ,
-    COL_EXP_AVG_SCALE: tl.constexpr = COL_EXP_AVG_SCALE,
-    COL_EXP_AVG_SQ_SCALE: tl.constexpr = COL_EXP_AVG_SQ_SCALE,
-    COL_MAX_EXP_AVG_SQ_SCALE: tl.constexpr = COL_MAX_EXP_AVG_SQ_SCALE,
+    COL_EXP_AVG_SCALE: tl.constexpr = COL_EXP_AVG_SCALE,  # then exp_avg_sq's and max_exp_avg_sq's
+    COL_POSITION: tl.constexpr = COL_POSITION,
     F_SKIP: tl.constexpr = layout.F_SKIP,
     H_SIZE: tl.constexpr = layout.H_SIZE,
     FMT_BF16: tl.constexpr = state_format.BF16,
@@ -365,44 +439,33 @@ def _adamw_kernel(
         start = tl.load(chunk_start + pid)
         row = table + tensor * TABLE_COLUMNS
         end = tl.minimum(start + CHUNK, tl.load(row + COL_NUMEL))
-        param_address = load_address(row + COL_PARAM)
-        grad_address = load_address(grad_addrs + tensor)
-        exp_avg_address = load_address(row + COL_EXP_AVG)
-        exp_avg_sq_address = load_address(row + COL_EXP_AVG_SQ)
-        master_address = load_address(row + COL_MASTER)  # 0 without master weights
-        param = as_pointer(param_address, PARAM_DTYPE)
-        grad = as_pointer(grad_address, PARAM_DTYPE)
-        exp_avg = _moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
-        exp_avg_sq = _moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8)
-        master = as_pointer(master_address, tl.float32)
-        if AMSGRAD:
-            max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
-        else:
-            max_address = exp_avg_sq_address  # never read or written: keeps the block calls uniform
-        max_exp_avg_sq = _moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8)
-        scales = (
-            as_pointer(load_address(row + COL_EXP_AVG_SCALE), tl.float32),  # 0 but for 8-bit state
-            as_pointer(load_address(row + COL_EXP_AVG_SQ_SCALE), tl.float32),
-            as_pointer(load_address(row + COL_MAX_EXP_AVG_SQ_SCALE), tl.float32),
+        pointers, scales, aligned = _tensor_pointers(
+            row,
+            load_address(grad_addrs + tensor),
+            PARAM_DTYPE,
+            AMSGRAD,
+            STATE_FORMAT,
+            FMT_BF16,
+            FMT_Q8,
+            COL_PARAM,
+            COL_EXP_AVG,
+            COL_EXP_AVG_SQ,
+            COL_MASTER,
+            COL_MAX_EXP_AVG_SQ,
+            COL_EXP_AVG_SCALE,
         )
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
         scalars = _step_hyperparameters(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
+        # state_format.random_key: bf16 stochastic rounding's key for this tensor and step
+        random_key = _mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ _mix32(step.to(tl.uint32)))
         rows = tl.arange(0, BLOCK // QUANT_BLOCK).to(tl.int64)
         if STATE_FORMAT == FMT_Q8:  # a row per quantisation block: its scale is a reduction along the row
             offsets = rows[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK).to(tl.int64)[None, :]
         else:
             offsets = tl.arange(0, BLOCK).to(tl.int64)
         full_end = start + (end - start) // BLOCK * BLOCK
-        aligned = is_aligned(
-            param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
-        )
         _update_chunk(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            master,
-            max_exp_avg_sq,
+            pointers,
             scales,
             offsets,
             rows,
@@ -411,6 +474,7 @@ def _adamw_kernel(
             end,
             aligned,
             scalars,
+            random_key,
             BLOCK,
             PARAM_DTYPE,
             HAS_MASTER,
