@@ -174,7 +174,7 @@ class RunSetup:
         if main_rank:  # under torchrun only rank 0 writes output_dir
             if self.resume_path is None and cfg.overwrite:
                 outputs.remove_previous_run(cfg.output_dir)  # only what its manifest names (checked in setup_run)
-            outputs.claim(cfg.output_dir, run_entries(cfg))
+            outputs.claim(cfg.output_dir, run_entries(cfg), details={"optimizer_state": optimizer_state(trainer)})
             with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
                 f.write(dump_yaml(cfg))
         trainer.reporter = (
@@ -190,6 +190,13 @@ class RunSetup:
         )
         if trainer.guard is not None and main_rank:
             trainer.alert_log = AlertLog(cfg.output_dir, trainer.state.step)
+
+
+def optimizer_state(trainer) -> dict:
+    """What the run header and run_manifest.json say about the optimizer's state: its precision and size (this
+    process's share under torchrun: FSDP2 shards the state with the params)."""
+    opt = trainer.optimizer
+    return {"precision": opt.defaults["state_precision"], "mib": round(opt.state_bytes() / 2**20, 3)}
 
 
 def setup_run(argv: list[str]) -> RunSetup:
@@ -251,6 +258,7 @@ def setup_run(argv: list[str]) -> RunSetup:
         max_grad_norm=cfg.max_grad_norm or None,
         lr_schedule=schedule,
         clip=cfg.clip,
+        state_precision=cfg.state_precision,
         **guard.config.optimizer_kwargs(),
     )
     optimizer.param_names = groups.names
@@ -353,6 +361,7 @@ def run(argv: list[str], interrupts=None) -> int:
             f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
             f"device={setup.runtime.device} threads={setup.threads} | "
             f"{n_trainable:,} trainable of {n_total:,} params | "
+            f"optimizer state {cfg.state_precision} {optimizer_state(trainer)['mib']:.1f} MiB | "
             f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
             f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
         )
