@@ -453,9 +453,9 @@ class _BagOfTokens(torch.nn.Module):
         return self.out(self.norm(torch.nn.functional.gelu(self.hidden(self.embedding(x).mean(1)))))
 
 
-def _convergence(precision: str, steps: int = 300) -> float:
-    """A bag-of-tokens classifier (Zipf-distributed tokens, labels from a random teacher, 5% noise) trained with
-    FusedAdamW (clip 1.0, warmup-cosine); returns the mean training loss of the last 50 steps."""
+def _task():
+    """A bag-of-tokens classification task (Zipf-distributed tokens, labels from a random teacher, 5% noise): the
+    inputs, the labels and the generator that draws the batches (also benchmarks/lowbit_quality.py's)."""
     gen = torch.Generator().manual_seed(1234)
     zipf = 1 / torch.arange(1, 1025, dtype=torch.float32)
     x = torch.multinomial(zipf / zipf.sum(), 8192 * 12, replacement=True, generator=gen).view(8192, 12)
@@ -467,6 +467,13 @@ def _convergence(precision: str, steps: int = 300) -> float:
         y = teacher(x).argmax(1)
     noisy = torch.rand(len(y), generator=gen) < 0.05
     y[noisy] = torch.randint(0, 32, (int(noisy.sum()),), generator=gen)
+    return x, y, gen
+
+
+def _convergence(precision: str, steps: int = 300) -> float:
+    """`_task`'s classifier trained with FusedAdamW (clip 1.0, warmup-cosine); returns the mean training loss of
+    the last 50 steps."""
+    x, y, gen = _task()
     torch.manual_seed(0)
     model = _BagOfTokens()
     opt = FusedAdamW(
