@@ -422,9 +422,10 @@ def test_launches_grow_with_the_state_formats_present_not_with_the_tensors(backe
 
 def test_bf16_exp_avg_sq_follows_a_falling_gradient_scale():
     """The case nearest rounding gets wrong: with beta2 = 0.999 exp_avg_sq moves 0.1% per step, under half a bf16
-    ulp, so after the grads shrink 10x it would stay where it was (measured: sqrt(v) 4.7x fp32's after 3000 steps
-    of a drop). Stochastic rounding tracks fp32: within 2% here (measured 0.4%). 8-bit tracks through its fp32
-    scale (measured 3%, allowed 8%)."""
+    ulp, so after the grads shrink 10x it would stay where it was. Measured (1800 steps after the drop, median
+    over elements of sqrt(v) against fp32's): nearest rounding 2.48x fp32's, stochastic rounding 0.998x (allowed:
+    within 2%), 8-bit 1.024x through its fp32 scales (allowed: within 8%). fp32's own fell to 0.35x the
+    gradients' old scale (0.999 ** 1800 = 0.165 of the old v is left)."""
     n, high, low = 4096, 1200, 1800
     results = {}
     for precision in ("fp32", "bf16", "8bit"):
@@ -437,7 +438,7 @@ def test_bf16_exp_avg_sq_follows_a_falling_gradient_scale():
             opt.step()
         results[precision] = state_format.to_fp32(opt.state[p], "exp_avg_sq").sqrt()
     ratio = lambda name: float((results[name] / results["fp32"]).median())  # noqa: E731
-    assert float((results["fp32"] / spread).median()) < 0.2  # fp32's did fall
+    assert float((results["fp32"] / spread).median()) < 0.45  # fp32's did fall (measured 0.35)
     assert abs(ratio("bf16") - 1) < 0.02 and abs(ratio("8bit") - 1) < 0.08, (ratio("bf16"), ratio("8bit"))
 
 
