@@ -68,6 +68,12 @@ try:
     print("triton", triton.__version__)
 except Exception as e:
     print("triton not importable:", e)
+# the 8-bit contenders (bnb_8bit, torchao_8bit rows): skipped with the reason when absent; bring their wheels
+for name in ("bitsandbytes", "torchao"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as e:
+        print(name, "not importable:", type(e).__name__)
 PY
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
