@@ -163,7 +163,8 @@ def test_gpu_plan_logic_runs_on_cpu_with_a_size_scale(tmp_path, capsys):
             assert r["state_bytes_per_param"] == pytest.approx(state), (set_name, contender)
             # norm reads the grad; the update reads param, grad and state and writes param and state
             assert r["bytes_per_param"] == pytest.approx(param_bytes * 4 + 2 * state), (set_name, contender)
-    assert _row(result, "dense-fp32", "fused_stable_bf16")["bytes_per_param"] == pytest.approx(24.0)
+    # 24 B/param for fp32 params with bf16 moments (the 1-element params' uncounted state: 0.003 short)
+    assert _row(result, "dense-fp32", "fused_stable_bf16")["bytes_per_param"] == pytest.approx(24.0, abs=0.01)
 
 
 def test_the_8bit_goals_compare_like_with_like():
