@@ -185,7 +185,7 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# stochastic rounding of bf16 exp_avg_sq: uint32 arithmetic (held in int64 tensors), the kernel's `_mix32`
+# stochastic rounding of bf16 exp_avg_sq: uint32 arithmetic (held in int64 tensors), kernels/state_codes.py's `mix32`
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import triton.language as tl
 from .. import layout, state_format
 from .common import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
+from .state_codes import load_moment, mix32, moment_pointer, store_moment
 from .tables import ChunkMap
 
 # 8 warps x 32 threads x 4 elements = BLOCK: fp32 accesses are 128-bit and 16-bit param / grad accesses 64-bit,
@@ -84,120 +85,6 @@ def _step_hyperparameters(
     return grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt
 
 
-# ------------------------------------------------------------------------------------------------------------
-# the moments in their state format (fused_stable/state_format.py): fp32, bf16, or 8-bit codes with one fp32 scale
-# per QUANT_BLOCK elements. In 8-bit a block of BLOCK elements is [BLOCK // QUANT_BLOCK, QUANT_BLOCK], one row per
-# quantisation block, so a block's scale is a reduction along a row: one warp's elements (4 per thread), shuffles
-# only. The torch backend computes the same maps in state_format.py, operation by operation.
-
-
-@triton.jit
-def _moment_pointer(
-    address, STATE_FORMAT: tl.constexpr, SIGNED: tl.constexpr, FMT_BF16: tl.constexpr, FMT_Q8: tl.constexpr
-):
-    if STATE_FORMAT == FMT_Q8:
-        if SIGNED:
-            return address.to(tl.pointer_type(tl.int8))
-        else:
-            return address.to(tl.pointer_type(tl.uint8))
-    elif STATE_FORMAT == FMT_BF16:
-        return address.to(tl.pointer_type(tl.bfloat16))
-    else:
-        return address.to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
-def _decode(codes, scale, SIGNED: tl.constexpr):
-    """8-bit codes [rows, QUANT_BLOCK] and their rows' scales [rows] -> fp32 (state_format.decode_*)."""
-    if SIGNED:
-        q = codes.to(tl.float32) * (1.0 / 127.0)
-        return q * tl.abs(q) * scale[:, None]
-    else:
-        q = codes.to(tl.float32) * (1.0 / 255.0)
-        root = q * q * scale[:, None]
-        return root * root
-
-
-@triton.jit
-def _encode(x, SIGNED: tl.constexpr):
-    """fp32 [rows, QUANT_BLOCK] -> (8-bit codes, each row's scale) (state_format.encode_*): the scale is the row's
-    largest |x| (signed) or sqrt(x) (unsigned), the code the rounded square root of the ratio, ties up."""
-    if SIGNED:
-        magnitude = tl.abs(x)
-    else:
-        magnitude = tl.sqrt_rn(x)
-    scale = tl.max(magnitude, axis=1)
-    inverse = tl.where(scale > 0.0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-    root = tl.sqrt_rn(tl.minimum(magnitude * inverse[:, None], 1.0))
-    if SIGNED:
-        code = tl.floor(root * 127.0 + 0.5)
-        return tl.where(x < 0.0, -code, code).to(tl.int8), scale
-    else:
-        return tl.floor(root * 255.0 + 0.5).to(tl.uint8), scale
-
-
-@triton.jit
-def _mix32(x):
-    """state_format.mix32: a 32-bit integer hash (Wellons' lowbias32), on uint32."""
-    x = x ^ (x >> 16)
-    x = x * 0x21F0AAAD
-    x = x ^ (x >> 15)
-    x = x * 0x735A2D97
-    return x ^ (x >> 15)
-
-
-@triton.jit
-def _round_stochastic_bf16(x, random):
-    """state_format.round_stochastic_bf16 with state_format.random_bits: `random` is (this tensor's key for this
-    step, the elements' indices in the tensor); the low 16 bits plus 16 random ones carry into the kept half."""
-    key, elements = random
-    noise = _mix32(elements.to(tl.uint32) ^ key)
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + (noise & 0xFFFF)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low half is zero
-
-
-@triton.jit
-def _load_moment(
-    pointer, scale_rows, mask, row_mask, STATE_FORMAT: tl.constexpr, SIGNED: tl.constexpr, FMT_Q8: tl.constexpr
-):
-    other = None if mask is None else 0.0
-    if STATE_FORMAT == FMT_Q8:
-        codes = tl.load(pointer, mask=mask, other=None if mask is None else 0)
-        return _decode(codes, tl.load(scale_rows, mask=row_mask, other=other), SIGNED)
-    else:
-        return tl.load(pointer, mask=mask, other=other).to(tl.float32)
-
-
-@triton.jit
-def _store_moment(
-    pointer,
-    scale_rows,
-    x,
-    mask,
-    row_mask,
-    random,
-    STATE_FORMAT: tl.constexpr,
-    SIGNED: tl.constexpr,
-    FMT_BF16: tl.constexpr,
-    FMT_Q8: tl.constexpr,
-    STOCHASTIC: tl.constexpr = False,
-):
-    """Stores fp32 values in the state format; bf16 rounds to nearest even, or stochastically with `random` (see
-    `_round_stochastic_bf16`) when STOCHASTIC."""
-    if STATE_FORMAT == FMT_Q8:
-        codes, scale = _encode(x, SIGNED)
-        tl.store(pointer, codes, mask=mask)
-        tl.store(scale_rows, scale, mask=row_mask)
-    elif STATE_FORMAT == FMT_BF16:
-        if STOCHASTIC:
-            tl.store(pointer, _round_stochastic_bf16(x, random), mask=mask)
-        else:
-            tl.store(pointer, to_storage(x, tl.bfloat16), mask=mask)
-    else:
-        tl.store(pointer, x, mask=mask)
-
-
 @triton.jit
 def _adamw_block(
     pointers,
@@ -228,25 +115,25 @@ def _adamw_block(
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
-    m = _load_moment(exp_avg, exp_avg_scale, mask, row_mask, STATE_FORMAT, True, FMT_Q8)
-    v = _load_moment(exp_avg_sq, exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
+    m = load_moment(exp_avg, exp_avg_scale, mask, row_mask, STATE_FORMAT, True, FMT_Q8)
+    v = load_moment(exp_avg_sq, exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
     # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * (g * g)
     if AMSGRAD:  # normalise by the largest second moment so far (torch: state "max_exp_avg_sq")
-        v_max = _load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
+        v_max = load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
         v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
-        _store_moment(
+        store_moment(
             max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8
         )
         denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
     else:
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    _store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, random, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
+    store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, random, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
     # exp_avg_sq: stochastic in bf16 (state_format.py says why)
-    _store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8, True)
+    store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8, True)
     if HAS_MASTER:
         tl.store(master, p, mask=mask)
     tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
@@ -384,10 +271,10 @@ def _tensor_pointers(
     pointers = (
         as_pointer(param_address, PARAM_DTYPE),
         as_pointer(grad_address, PARAM_DTYPE),
-        _moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8),
-        _moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+        moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8),
+        moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
         as_pointer(master_address, tl.float32),
-        _moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+        moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
     )
     scales = (  # 0 but for 8-bit state: the columns of exp_avg's, exp_avg_sq's and max_exp_avg_sq's scales
         as_pointer(load_address(row + COL_EXP_AVG_SCALE), tl.float32),
@@ -398,6 +285,17 @@ def _tensor_pointers(
         param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
     )
     return pointers, scales, aligned
+
+
+@triton.jit
+def _block_offsets(BLOCK: tl.constexpr, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    """A block's element offsets, and its rows: 8-bit state lays a block out as [BLOCK // QUANT_BLOCK,
+    QUANT_BLOCK], a row per quantisation block, so a block's scale is a reduction along its row."""
+    rows = tl.arange(0, BLOCK // QUANT_BLOCK).to(tl.int64)
+    if STATE_FORMAT == FMT_Q8:
+        return rows, rows[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK).to(tl.int64)[None, :]
+    else:
+        return rows, tl.arange(0, BLOCK).to(tl.int64)
 
 
 @triton.jit
@@ -457,12 +355,8 @@ def _adamw_kernel(
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
         scalars = _step_hyperparameters(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
         # state_format.random_key: bf16 stochastic rounding's key for this tensor and step
-        random_key = _mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ _mix32(step.to(tl.uint32)))
-        rows = tl.arange(0, BLOCK // QUANT_BLOCK).to(tl.int64)
-        if STATE_FORMAT == FMT_Q8:  # a row per quantisation block: its scale is a reduction along the row
-            offsets = rows[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK).to(tl.int64)[None, :]
-        else:
-            offsets = tl.arange(0, BLOCK).to(tl.int64)
+        random_key = mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ mix32(step.to(tl.uint32)))
+        rows, offsets = _block_offsets(BLOCK, STATE_FORMAT, FMT_Q8, QUANT_BLOCK)
         full_end = start + (end - start) // BLOCK * BLOCK
         _update_chunk(
             pointers,

@@ -1027,7 +1027,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "lowbit-kernel-codes-truncated",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/state_codes.py",
         "code = tl.floor(root * 127.0 + 0.5)",
         "code = tl.floor(root * 127.0)",
         ["tests/core/test_lowbit.py"],
