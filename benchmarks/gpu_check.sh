@@ -83,7 +83,9 @@ print("python", platform.python_version(), platform.platform())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
-for name in ("triton", "transformers", "peft", "accelerate", "bitsandbytes"):
+# bitsandbytes and torchao are the 8-bit contenders (bnb_8bit, torchao_8bit rows): skipped with
+# the reason when absent; bring their wheels
+for name in ("triton", "transformers", "peft", "accelerate", "bitsandbytes", "torchao"):
     try:
         print(name, __import__(name).__version__)
     except Exception as e:

@@ -190,6 +190,20 @@ class HParams(NamedTuple):
         return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
 
 
+def hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize=False) -> list[float]:
+    """One group's row of the hyper-parameter table, as both backends compute with it (fp32 on the device)."""
+    row = [0.0] * H_SIZE
+    row[H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
+    row[H_BETA1], row[H_BETA2] = beta1, beta2
+    row[H_EPS], row[H_WEIGHT_DECAY] = eps, weight_decay
+    # derived on the host in float64: in fp32 on the device they lose ~1e-5 relative for beta2 = 0.999
+    row[H_ONE_MINUS_BETA1], row[H_ONE_MINUS_BETA2] = 1.0 - beta1, 1.0 - beta2
+    row[H_LOG_BETA1] = math.log(beta1) if beta1 > 0 else float("-inf")
+    row[H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
+    row[H_GRAD_SIGN] = -1.0 if maximize else 1.0
+    return row
+
+
 def check_not_differentiable(differentiable, where: str) -> None:
     """differentiable=True is refused wherever it can come from (constructor, a param group, a state dict)."""
     if differentiable:

@@ -19,7 +19,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import compiled, layout, ops
+from . import compiled, layout, ops, state_format
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .layout import HParams, StepBuffers, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
@@ -50,6 +50,11 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
             updates, multiplying every group's lr (skipped steps do not advance it).
         master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
             the rounded result), so small updates are not lost to rounding.
+        state_precision: how the moments (exp_avg, exp_avg_sq, amsgrad's max_exp_avg_sq) are stored, also per
+            param group: "fp32" (torch's state), "bf16", or "8bit" (blockwise codes with one fp32 scale per
+            block; tensors of fewer than 4096 elements stay fp32). The update dequantises, updates and
+            requantises in the same pass; state_dict() keeps the compact form, torch_state_dict() gives fp32
+            moments under torch's keys (fused_stable/state_format.py, docs/optimizer.md).
         capturable: a whole step can be captured in a CUDA graph and replayed (docs/optimizer.md, "CUDA graphs"): every
             per-step value stays on the device (always true here); change lr through a tensor lr or
             `lr_schedule` so a replay sees the change. Anything that would upload host data while capturing
@@ -85,6 +90,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         max_grad_norm: float | None = None,
         lr_schedule: Schedule | None = None,
         master_weights: bool = False,
+        state_precision: str = "fp32",
         clip: str = "fixed",
         zscore_alpha: float = 0.97,
         zscore_threshold: float = 2.5,
@@ -94,6 +100,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         backend: str | None = None,
     ) -> None:
         defaults = _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
+        defaults["state_precision"] = state_format.check_precision(state_precision)
         rules = StepRules(  # checks itself, before anything is built
             max_grad_norm=max_grad_norm,
             clip=clip,
@@ -329,6 +336,8 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
                 param_group.get("weight_decay", self.defaults["weight_decay"]),
             )
         check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
+        if "state_precision" in param_group:
+            state_format.check_precision(param_group["state_precision"], "a param group's state_precision")
         constructed = hasattr(self, "_buffers")
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])

@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from . import state_format
 from .param_state import ParamStates, Version
 from .sharding import is_dtensor, local
+from .state_format import FP32, Q8, SCALE_SUFFIX
 
 # C-level accessors for map(): a pass over hundreds of params costs tens of microseconds, a Python loop hundreds
 _grad_of = operator.attrgetter("grad")
@@ -110,11 +112,17 @@ class StepPlan:
     members: list[int] | None  # flat positions of the params taking part; None: all of them
     params: list[torch.Tensor]  # the optimizer's param objects taking part (DTensors under FSDP2)
     local_params: list[torch.Tensor]  # what the kernels update (a DTensor's local shard)
-    exp_avgs: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]  # fp32 or bf16 moments, or 8-bit codes (state_format.py)
     exp_avg_sqs: list[torch.Tensor]
     masters: list[torch.Tensor | None]  # fp32 master copy of a low-precision param, or None
     max_exp_avg_sqs: list[torch.Tensor | None]  # amsgrad's running maximum (torch's `max_exp_avg_sq`), or None
     group_amsgrad: list[bool]  # each group's `amsgrad` when built: it decides which state the update uses
+    group_precisions: list[str]  # each group's `state_precision` when built: it decides the states' formats
+    formats: list[int]  # each param's state format (state_format.FP32 / BF16 / Q8)
+    # the 8-bit moments' per-block scales (None for other formats, and without amsgrad for the last)
+    exp_avg_scales: list[torch.Tensor | None]
+    exp_avg_sq_scales: list[torch.Tensor | None]
+    max_exp_avg_sq_scales: list[torch.Tensor | None]
     steps: list[torch.Tensor]  # fp32 0-dim per-param step counters (torch.optim.AdamW's `step`)
     groups: list[int]  # param-group index of each param
     numels: list[int]
@@ -147,8 +155,15 @@ class StepPlan:
         group_params = self.group_params
         if len(param_groups) != len(group_params):
             return None
-        for group, params, size, amsgrad in zip(param_groups, group_params, self.group_sizes, self.group_amsgrad):
-            if group["params"] is not params or len(params) != size or group["amsgrad"] != amsgrad:
+        for group, params, size, amsgrad, precision in zip(
+            param_groups, group_params, self.group_sizes, self.group_amsgrad, self.group_precisions
+        ):
+            if (
+                group["params"] is not params
+                or len(params) != size
+                or group["amsgrad"] != amsgrad
+                or group["state_precision"] != precision
+            ):
                 return None
         if self.sharded:
             return self._sharded_grads()
@@ -250,6 +265,10 @@ def build_plan(
     all_params = [p for params in group_params for p in params]
     groups = [index for index, params in enumerate(group_params) for _ in params]
     group_amsgrad = [bool(group["amsgrad"]) for group in param_groups]
+    group_precisions = [
+        state_format.check_precision(group["state_precision"], f"param_groups[{index}]['state_precision']")
+        for index, group in enumerate(param_groups)
+    ]
     grads = [p.grad for p in all_params]
     members = [i for i, g in enumerate(grads) if g is not None]
     if not members:
@@ -258,13 +277,17 @@ def build_plan(
     local_params = [local(p) for p in params]
     local_grads = [local(grads[i]) for i in members]
     check_grads(local_params, local_grads, dense_layouts)
-    states = []
+    states, formats = [], []
     for p, group in zip(params, (groups[i] for i in members)):
         param_state = state[p]
+        fmt = state_format.format_for(group_precisions[group], local(p).numel())
         if not param_state:
-            init_state(p, param_state, group_amsgrad[group], master_weights, device)
-        check_state(local(p), param_state, group_amsgrad[group])
+            init_state(p, param_state, group_amsgrad[group], master_weights, device, fmt)
+        elif state_format.format_of(param_state) != fmt:  # the group's state_precision changed: convert
+            state_format.convert(param_state, fmt, local(p))
+        check_state(local(p), param_state, group_amsgrad[group], fmt)
         states.append(param_state)
+        formats.append(fmt)
     plan = StepPlan(
         version=version.value,  # after the states created above bumped it
         group_params=group_params,
@@ -280,6 +303,14 @@ def build_plan(
             local(s["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None for i, s in zip(members, states)
         ],
         group_amsgrad=group_amsgrad,
+        group_precisions=group_precisions,
+        formats=formats,
+        exp_avg_scales=_scales(states, "exp_avg"),
+        exp_avg_sq_scales=_scales(states, "exp_avg_sq"),
+        max_exp_avg_sq_scales=[
+            local(s[key]) if group_amsgrad[groups[i]] and key in s else None
+            for i, s, key in zip(members, states, repeat("max_exp_avg_sq" + SCALE_SUFFIX))
+        ],
         steps=[s["step"] for s in states],
         groups=[groups[i] for i in members],
         numels=[p.numel() for p in local_params],
@@ -300,14 +331,20 @@ def build_plan(
     return plan, local_grads
 
 
-def init_state(p: torch.Tensor, state: dict, amsgrad: bool, master_weights: bool, device: torch.device) -> None:
-    """A param's first state, as torch.optim.AdamW's (fp32 moments and `step`), plus amsgrad's maximum and the
-    fp32 master copy of a low-precision param when asked for."""
+def _scales(states: list[dict], key: str) -> list[torch.Tensor | None]:
+    key += SCALE_SUFFIX
+    return [local(s[key]) if key in s else None for s in states]
+
+
+def init_state(
+    p: torch.Tensor, state: dict, amsgrad: bool, master_weights: bool, device: torch.device, fmt: int = FP32
+) -> None:
+    """A param's first state, as torch.optim.AdamW's (zero moments and `step`) in the format `fmt`
+    (state_format.py), plus amsgrad's maximum and the fp32 master copy of a low-precision param when asked for."""
     state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-    if amsgrad:
-        state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    for key in keys:
+        state.update(state_format.zero_moment(p, key, fmt))
     if master_weights and p.dtype != torch.float32:
         state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
 
@@ -342,27 +379,36 @@ def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_lay
             )
 
 
-def check_state(param: torch.Tensor, state: dict, amsgrad: bool = False) -> None:
-    """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not)."""
+def check_state(param: torch.Tensor, state: dict, amsgrad: bool = False, fmt: int = FP32) -> None:
+    """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not), in
+    the format `fmt` its group asks for."""
     required = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("step", "exp_avg", "exp_avg_sq")
     missing = [key for key in required if key not in state]
+    if fmt == Q8:
+        missing += [key + SCALE_SUFFIX for key in required[1:] if key + SCALE_SUFFIX not in state]
     if missing:
         why, saved = (", and its group has amsgrad=True", " saved with amsgrad=True") if amsgrad else ("", "")
         raise ValueError(
             f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}{why}): load a complete AdamW "
             f"state{saved}, or clear that parameter's state (opt.state[p].clear()) to start it afresh"
         )
-    for key in ("exp_avg", "exp_avg_sq", "master_param", "max_exp_avg_sq"):
+    expected = {key: (state_format.moment_dtype(key, fmt), param.numel()) for key in state_format.MOMENT_KEYS}
+    expected["master_param"] = (torch.float32, param.numel())
+    if fmt == Q8:
+        blocks = state_format.num_blocks(param.numel())
+        expected.update({key: (torch.float32, blocks) for key in state_format.SCALE_KEYS})
+    for key, (dtype, numel) in expected.items():
         tensor = state.get(key)
         if tensor is None:
             continue
         tensor = local(tensor)
-        if tensor.numel() != param.numel() or tensor.dtype != torch.float32 or tensor.device != param.device:
+        if tensor.numel() != numel or tensor.dtype != dtype or tensor.device != param.device:
             raise ValueError(
                 f"state {key!r} ({tensor.dtype}, {tuple(tensor.shape)}, {tensor.device}) does not fit its parameter "
-                f"({tuple(param.shape)} on {param.device}): a parameter changed size or a state tensor was replaced by "
-                "one that does not match; give it a matching fp32 tensor, or clear that parameter's state "
-                "(opt.state[p].clear()) to start it afresh"
+                f"({tuple(param.shape)} on {param.device}, state format {state_format.FORMAT_NAMES[fmt]}: {dtype}, "
+                f"{numel} elements): a parameter changed size or a state tensor was replaced by one that does not "
+                "match; give it a matching tensor, or clear that parameter's state (opt.state[p].clear()) to start "
+                "it afresh"
             )
     step = state.get("step")
     if step is not None and (not isinstance(step, torch.Tensor) or step.dtype != torch.float32 or step.numel() != 1):

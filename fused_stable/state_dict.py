@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
-from . import layout, ops
+from . import layout, ops, state_format
 from .layout import HParams, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
 from .sharding import local, norm_reducer
 
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+# taken out before torch's loader, which casts floating state to the param's dtype (8-bit codes are not floating,
+# their fp32 scales are)
+_MOMENT_KEYS = state_format.MOMENT_KEYS + state_format.SCALE_KEYS + ("master_param",)
 _STATE_KEY = "fused_stable"
 _LAYOUT_VERSION = 2  # of the counters saved under _STATE_KEY: 2 added the worst-step window (layout.F_WORST_*)
 
@@ -33,6 +35,35 @@ class SavedState:
             for saved, group in zip(state["param_groups"], self.param_groups):
                 saved["lr"] = group["initial_lr"]
         return state
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """This state as torch.optim.AdamW saves it, from any state_precision: fp32 moments (8-bit ones decoded,
+        bf16 ones widened) under torch's keys (`step`, `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`), no scales,
+        master weights or device counters; param groups without `state_precision`. torch.optim.AdamW's
+        load_state_dict takes it (and casts the moments to each param's dtype, as it always does)."""
+        state = self.state_dict()
+        state.pop(_STATE_KEY)
+        for entry in state["state"].values():
+            for key in state_format.MOMENT_KEYS:
+                if key in entry:
+                    entry[key] = state_format.to_fp32(entry, key)
+            for key in state_format.SCALE_KEYS + ("master_param",):
+                entry.pop(key, None)
+        for group in state["param_groups"]:
+            group.pop("state_precision", None)
+        return state
+
+    def state_bytes(self) -> int:
+        """Bytes the optimizer's per-param state takes (or will take, before the first step): moments in each
+        group's state_precision with their scales, `step`, and master weights; from the param groups."""
+        total = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                numel = local(p).numel()
+                total += state_format.planned_bytes(numel, group["state_precision"], group["amsgrad"]) + 4
+                if self.master_weights and p.dtype != torch.float32:
+                    total += 4 * numel
+        return total
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
@@ -53,7 +84,8 @@ class SavedState:
                 )
             check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
             id_to_param.update(zip(saved["params"], group["params"]))
-        # keep the moments in fp32: torch's loader would cast them to the param dtype (bf16 loses bits)
+        # the moments are kept out of torch's loader, which would cast them to the param dtype (fp32 moments of a bf16
+        # param would lose bits, 8-bit scales too); they are converted to each group's state_precision below
         moments: dict[Any, dict[str, torch.Tensor]] = {}
         plain_state = {}
         for param_id, entry in state_dict["state"].items():
@@ -61,22 +93,26 @@ class SavedState:
             kept = {k: v for k, v in entry.items() if k not in _MOMENT_KEYS}
             taken = {k: v for k, v in entry.items() if k in _MOMENT_KEYS}
             if param is not None:
-                for key, value in taken.items():
-                    if tuple(value.shape) != tuple(local(param).shape) and tuple(value.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"state {key!r} has shape {tuple(value.shape)} but its parameter has shape "
-                            f"{tuple(param.shape)}: this state dict belongs to another model"
-                        )
+                _check_saved_moments(taken, param)
                 moments[param_id] = taken
             plain_state[param_id] = kept
+        precisions = [group["state_precision"] for group in self.param_groups]
         super().load_state_dict({**state_dict, "state": plain_state})
-        for group in self.param_groups:  # torch may have saved tensor betas: the step's tables hold floats
-            group["betas"] = HParams.float_betas(group["betas"])
+        for group, precision in zip(self.param_groups, precisions):
+            group["betas"] = HParams.float_betas(group["betas"])  # torch may save tensor betas: the tables hold floats
+            group["state_precision"] = precision  # this optimizer's, whatever the saved one: moments are converted
+        formats = {
+            id(p): state_format.format_for(group["state_precision"], local(p).numel())
+            for group in self.param_groups
+            for p in group["params"]
+        }
         for param_id, taken in moments.items():
             param = id_to_param[param_id]
             state = self.state[param]
-            for key, value in taken.items():
-                state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+            for key, value in taken.items():  # as saved: fp32, bf16, or 8-bit codes and their fp32 scales
+                dtype = torch.float32 if key == "master_param" else None
+                state[key] = value.to(device=param.device, dtype=dtype, copy=True)
+            state_format.convert(state, formats[id(param)], local(param))  # e.g. torch's fp32 moments quantised
             if "step" in state:
                 step = state["step"]
                 state["step"] = (
@@ -147,6 +183,8 @@ class SavedState:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", True)
+            group.setdefault("state_precision", "fp32")
+        self.defaults.setdefault("state_precision", "fp32")
         if not hasattr(self, "rules"):  # pickled by an older version or by a plain Optimizer
             self.rules, self.master_weights, self.capturable = StepRules(), False, False
         if not hasattr(self, "device"):
@@ -167,6 +205,37 @@ class SavedState:
         self._version.bump()
         self._global_sumsq = norm_reducer(self.param_groups)
         self._show_loaded_lrs()
+
+
+def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:
+    """A saved moment (or its codes) has its param's shape; 8-bit scales one value per block: else the state dict
+    belongs to another model (refused before anything changes)."""
+    for key, value in taken.items():
+        if key in state_format.SCALE_KEYS:
+            blocks = state_format.num_blocks(local(param).numel())
+            if value.dim() != 1 or value.numel() != blocks or value.dtype != torch.float32:
+                raise ValueError(
+                    f"state {key!r} holds {value.numel()} {value.dtype} values, but its parameter of shape "
+                    f"{tuple(param.shape)} has {blocks} blocks of {state_format.QUANT_BLOCK} (one fp32 scale each): "
+                    "this state dict belongs to another model"
+                )
+        elif tuple(value.shape) != tuple(local(param).shape) and tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"state {key!r} has shape {tuple(value.shape)} but its parameter has shape "
+                f"{tuple(param.shape)}: this state dict belongs to another model"
+            )
+        elif key in state_format.MOMENT_KEYS and not _loadable_moment(key, value, taken):
+            raise ValueError(
+                f"state {key!r} is {value.dtype}: a saved moment is floating point (converted to the group's "
+                f"state_precision), or 8-bit codes ({state_format.CODE_DTYPES[key]}) with "
+                f"{key + state_format.SCALE_SUFFIX!r} beside them"
+            )
+
+
+def _loadable_moment(key: str, value: torch.Tensor, taken: dict) -> bool:
+    if value.is_floating_point():
+        return True
+    return value.dtype == state_format.CODE_DTYPES[key] and key + state_format.SCALE_SUFFIX in taken
 
 
 def _check_counters(extra: dict) -> None:

@@ -24,6 +24,8 @@ from .. import layout
 from ..kernels.tables import upload_int64
 from ..layout import HParams, StepBuffers, StepRules
 from ..plan import StepPlan, is_dense
+from ..state_format import FP32
+from .lowbit_reference import LowbitUpdate
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
@@ -95,9 +97,13 @@ class TorchLists:
 
     def __init__(self, plan: StepPlan, grads: list[torch.Tensor], device: torch.device) -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
-        by_update: dict[tuple[int, torch.dtype, bool], list[int]] = {}
-        for index, (group, param) in enumerate(zip(plan.groups, plan.local_params)):
+        by_update: dict[tuple, list[int]] = {}
+        for index, (group, param, fmt) in enumerate(zip(plan.groups, plan.local_params, plan.formats)):
             by_dtype.setdefault(param.dtype, []).append(index)
+            if fmt != FP32:  # bf16 or 8-bit moments: lowbit_reference, which takes any layout
+                key = (group, param.dtype, plan.masters[index] is not None, fmt)
+                by_update.setdefault(key, []).append(index)
+                continue
             tensors = [
                 param,
                 grads[index],
@@ -107,7 +113,7 @@ class TorchLists:
                 plan.max_exp_avg_sqs[index],
             ]
             relayout = not layout_fits_fused_adamw(tensors)
-            by_update.setdefault((group, param.dtype, relayout), []).append(index)
+            by_update.setdefault((group, param.dtype, relayout, FP32), []).append(index)
         everything = list(range(len(plan.local_params)))
         # None stands for "all of them, in order": the usual single dtype and group needs no per-step gathering
         self.norm_indices = [None if indices == everything else indices for indices in by_dtype.values()]
@@ -122,7 +128,9 @@ class TorchLists:
         self.meta = device.type == "meta"  # no values: nothing to compute, and nothing may be read
         self.updates = [
             _Update(plan, group, None if indices == everything else indices, indices, relayout)
-            for (group, _, relayout), indices in by_update.items()
+            if fmt == FP32
+            else LowbitUpdate(plan, group, None if indices == everything else indices, indices, fmt)
+            for (group, _, relayout, fmt), indices in by_update.items()
         ]
 
 
@@ -167,12 +175,16 @@ def adamw_update(
     lr_factor: torch.Tensor,
 ) -> None:
     """AdamW with `_fused_adamw_`, one call per (group, dtype, layout class): it divides the grads by
-    `grad_scale` and leaves everything untouched when `found_inf` is 1."""
+    `grad_scale` and leaves everything untouched when `found_inf` is 1. Groups with bf16 or 8-bit state go to
+    their `LowbitUpdate` (backends/lowbit_reference.py) instead."""
     grad_divisor = grad_mul.reciprocal()
     for update in lists.updates:
         hp = hparams[update.group]
         indices = update.indices
         group_grads = grads if indices is None else [grads[i] for i in indices]
+        if type(update) is LowbitUpdate:  # bf16 or 8-bit moments: the kernel's arithmetic, in torch
+            update(group_grads, hp, grad_mul, skip, lr_factor)
+            continue
         if update.grads32 is not None:  # the update runs on working copies (see _Update)
             if update.copy_in is not None:
                 torch._foreach_copy_(*update.copy_in)

@@ -16,7 +16,6 @@ CUDA graph is being captured.
 from __future__ import annotations
 
 import contextlib
-import math
 import operator
 
 import torch
@@ -93,7 +92,7 @@ class TritonTables:
         from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
 
         norms, updates = [], []
-        for ((dtype, has_master, amsgrad), indices), (chunks, partial_offset, first) in zip(
+        for ((dtype, has_master, amsgrad, state_format_id), indices), (chunks, partial_offset, first) in zip(
             launch_groups.items(), chunk_maps
         ):
             grad_addrs = self.grad_addrs[first : first + len(indices)]
@@ -111,6 +110,7 @@ class TritonTables:
                 param_dtype=dtype,
                 has_master=has_master,
                 amsgrad=amsgrad,
+                state_format_id=state_format_id,
                 config=adamw_config or ADAMW_CONFIG,
             )
             if norm is not None:
@@ -136,7 +136,7 @@ class TritonTables:
             key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
             if key != self.hparams_key:
                 upload(
-                    [_hparam_row(*row) for row in hparams],
+                    [layout.hparam_row(*row) for row in hparams],
                     torch.float32,
                     self.device,
                     "changed hyper-parameters",
@@ -154,10 +154,13 @@ class TritonTables:
 
 
 def _launch_groups(plan: StepPlan) -> dict[tuple, list[int]]:
-    """(param dtype, has master, amsgrad) -> plan indices: one norm and one update launch per group."""
+    """(param dtype, has master, amsgrad, state format) -> plan indices: one norm and one update launch per group
+    (so a step launches once more per further dtype or state format, never per tensor)."""
     launch_groups: dict[tuple, list[int]] = {}
-    for index, (param, master, max_sq) in enumerate(zip(plan.local_params, plan.masters, plan.max_exp_avg_sqs)):
-        launch_groups.setdefault((param.dtype, master is not None, max_sq is not None), []).append(index)
+    for index, (param, master, max_sq, fmt) in enumerate(
+        zip(plan.local_params, plan.masters, plan.max_exp_avg_sqs, plan.formats)
+    ):
+        launch_groups.setdefault((param.dtype, master is not None, max_sq is not None, fmt), []).append(index)
     return launch_groups
 
 
@@ -177,7 +180,8 @@ def _chunk_maps(plan: StepPlan, launch_groups: dict, device: torch.device, chunk
 
 def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
     """The update table of one launch group, row by row in kernels/adamw.py's column order (COL_*)."""
-    rows = []
+    rows, positions = [], plan.positions
+    address = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
     for i in indices:
         master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
         rows += [
@@ -189,6 +193,10 @@ def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
             plan.numels[i],
             plan.groups[i],
             max_sq.data_ptr() if max_sq is not None else 0,
+            address(plan.exp_avg_scales[i]),
+            address(plan.exp_avg_sq_scales[i]),
+            address(plan.max_exp_avg_sq_scales[i]),
+            positions[i],
         ]
     return rows
 
@@ -259,19 +267,6 @@ def _import_kernels():
         run_adamw=adamw.run_adamw,
     )
     return _kernels
-
-
-def _hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize=False) -> list[float]:
-    row = [0.0] * layout.H_SIZE
-    row[layout.H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
-    row[layout.H_BETA1], row[layout.H_BETA2] = beta1, beta2
-    row[layout.H_EPS], row[layout.H_WEIGHT_DECAY] = eps, weight_decay
-    # derived on the host in float64: in fp32 on the device they lose ~1e-5 relative for beta2 = 0.999
-    row[layout.H_ONE_MINUS_BETA1], row[layout.H_ONE_MINUS_BETA2] = 1.0 - beta1, 1.0 - beta2
-    row[layout.H_LOG_BETA1] = math.log(beta1) if beta1 > 0 else float("-inf")
-    row[layout.H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
-    row[layout.H_GRAD_SIGN] = -1.0 if maximize else 1.0
-    return row
 
 
 # --------------------------------------------------------------------------------------------------

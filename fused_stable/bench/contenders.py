@@ -51,7 +51,16 @@ class Contender:
                 return f"fused_stable.FusedAdamW is not importable: {e}"
         if self.key == "torch_compile" and not hasattr(torch, "compile"):
             return "this torch has no torch.compile"
+        if self.key in _EIGHT_BIT_PACKAGES:
+            package = _EIGHT_BIT_PACKAGES[self.key]
+            if device.type != "cuda":  # GPU-plan contenders: their CPU paths are not what users run
+                return f"{package} AdamW8bit is a GPU contender (runs on CUDA only here)"
+            if importlib.util.find_spec(package) is None:
+                return f"{package} is not installed (pip install {package})"
         return None
+
+
+_EIGHT_BIT_PACKAGES = {"bnb_8bit": "bitsandbytes", "torchao_8bit": "torchao"}
 
 
 def _clip(params):
@@ -71,6 +80,42 @@ def build_fused_stable(params, device):
 
     opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM)
     return Built(opt.step, opt, backend=_fused_stable_backend(opt))
+
+
+def build_fused_stable_bf16(params, device):
+    from fused_stable import FusedAdamW
+
+    opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM, state_precision="bf16")
+    return Built(opt.step, opt, backend=_fused_stable_backend(opt))
+
+
+def build_fused_stable_8bit(params, device):
+    from fused_stable import FusedAdamW
+
+    opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM, state_precision="8bit")
+    return Built(opt.step, opt, backend=_fused_stable_backend(opt))
+
+
+def _clip_then(opt, params, backend: str) -> Built:
+    def step():
+        _clip(params)
+        opt.step()
+
+    return Built(step, opt, backend=backend)
+
+
+def build_bnb_8bit(params, device):
+    """bitsandbytes' blockwise 8-bit AdamW (blocks of 256, tensors under 4096 elements kept fp32), torch's clip."""
+    import bitsandbytes as bnb
+
+    return _clip_then(bnb.optim.AdamW8bit(params, lr=LR, weight_decay=WEIGHT_DECAY), params, "bitsandbytes")
+
+
+def build_torchao_8bit(params, device):
+    """torchao's 8-bit AdamW (blockwise quantised subclass tensors, a torch.compile'd step per param), torch's clip."""
+    from torchao.optim import AdamW8bit
+
+    return _clip_then(AdamW8bit(params, lr=LR, weight_decay=WEIGHT_DECAY), params, "torchao")
 
 
 def _build_torch_clip_adamw(params, implementation: str) -> Built:
@@ -192,6 +237,38 @@ CONTENDERS: dict[str, Contender] = {
             isolated=True,
         ),
         Contender("apex", "apex l2norm + FusedAdam", _MAIN, ("norm", "grad_rw", "fused_update"), build_apex),
+        # the precision axis (issue 22): the same step with bf16 and 8-bit moments, and the 8-bit AdamWs users have
+        Contender(
+            "fused_stable_bf16",
+            'fused_stable FusedAdamW(max_grad_norm=1, state_precision="bf16")',
+            _MAIN,
+            ("norm", "fused_update"),
+            build_fused_stable_bf16,
+        ),
+        Contender(
+            "fused_stable_8bit",
+            'fused_stable FusedAdamW(max_grad_norm=1, state_precision="8bit")',
+            _MAIN,
+            ("norm", "fused_update"),
+            build_fused_stable_8bit,
+        ),
+        Contender(
+            "bnb_8bit",
+            "torch clip(foreach) + bitsandbytes AdamW8bit",
+            _MAIN,
+            ("norm", "grad_rw", "fused_update"),
+            build_bnb_8bit,
+            bytes_note="floor: one pass over codes and scales; its lookup tables and per-tensor launches are not bytes",
+        ),
+        Contender(
+            "torchao_8bit",
+            "torch clip(foreach) + torchao AdamW8bit",
+            _MAIN,
+            ("norm", "grad_rw", "fused_update"),
+            build_torchao_8bit,
+            bytes_note="floor (one compiled pass per param over codes and scales)",
+            isolated=True,
+        ),
         Contender(
             "torch_scaler",
             "torch GradScaler: unscale_, clip, step, update",

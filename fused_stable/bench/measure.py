@@ -36,10 +36,10 @@ _PROFILER_CHATTER = re.compile(
 SMALL_SET_BYTES = 256 * MiB  # below this resident size a step could be served from a cache: rotate inputs
 L2_FLUSH_BYTES = 256 * MiB
 
-# Bytes each memory pass moves, from the total bytes of params (P), grads (G) and full-size optimizer state (S:
-# exp_avg + exp_avg_sq, plus master weights if any). "foreach_update" counts torch's _multi_tensor_adam
-# (non-capturable): wd mul 2P, lerp m 2S'+G, mul v 2S', addcmul v 2S'+G, sqrt 2S', div 2S', add eps 2S',
-# addcdiv 2P+2S' with S' one state = S/2, i.e. 4P + 2G + 7S.
+# Bytes each memory pass moves, from the total bytes of params (P), grads (G) and optimizer state (S: exp_avg +
+# exp_avg_sq in their stored format, 8-bit codes with their scales, plus master weights if any).
+# "foreach_update" counts torch's _multi_tensor_adam (non-capturable): wd mul 2P, lerp m 2S'+G, mul v 2S',
+# addcmul v 2S'+G, sqrt 2S', div 2S', add eps 2S', addcdiv 2P+2S' with S' one state = S/2, i.e. 4P + 2G + 7S.
 PASS_BYTES: dict[str, Callable[[int, int, int], int]] = {
     "norm": lambda P, G, S: G,  # read every grad once
     "grad_rw": lambda P, G, S: 2 * G,  # read and write every grad (clip scale, unscale_)
@@ -49,13 +49,29 @@ PASS_BYTES: dict[str, Callable[[int, int, int], int]] = {
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, params) -> int:
-    """Bytes of the per-element optimizer state (tensors as large as their param), found after the first step."""
-    total = 0
+    """Bytes of the per-element optimizer state, found after the first step: tensors as large as their param
+    (fp32 or bf16 moments, 8-bit codes, master weights) and the 8-bit formats' per-block scales (a state tensor
+    of more than one element; a table shared between params, such as bitsandbytes' code map, counts once).
+    torchao's subclass tensors count their codes and scales."""
+    total, seen = 0, set()
     for p in params:
         for value in optimizer.state.get(p, {}).values():
-            if torch.is_tensor(value) and value.numel() == p.numel() and value.numel() > 1:
-                total += value.numel() * value.element_size()
+            for t in _plain_tensors(value):
+                if t.numel() > 1 and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.numel() * t.element_size()
     return total
+
+
+def _plain_tensors(value) -> list[torch.Tensor]:
+    """The plain tensors a state value stores: itself, or a tensor subclass's inner tensors (torchao)."""
+    if not torch.is_tensor(value):
+        return []
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if flatten is None:
+        return [value]
+    names, _ = flatten()
+    return [t for name in names for t in _plain_tensors(getattr(value, name))]
 
 
 def bytes_per_step(passes, params, optimizer) -> int:

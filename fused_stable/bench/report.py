@@ -71,6 +71,8 @@ def environment(device: torch.device) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": _version("triton"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "torchao": _version("torchao"),
         "fused_stable": fs_version,
         "git": _git_revision(),
         "python": platform.python_version(),
@@ -189,7 +191,54 @@ def goals(rows: list[dict], device_type: str) -> list[dict]:
     out.append(
         _goal("fp16 GradScaler path: >= 1.5x torch's recipe", "amp-fp16", amp and amp.get("speedup"), 1.5, True, "x")
     )
-    return out
+    return out + lowbit_goals(rows)
+
+
+def lowbit_goals(rows: list[dict]) -> list[dict]:
+    """Issue 22's GPU targets for 8-bit state: against fused_stable's own fp32 mode and torch's recipe on the dense
+    fp32 set, its byte model's share of copy bandwidth, and bitsandbytes' AdamW8bit on the LoRA set (ratios of
+    speedups against the same baseline timed alongside, so like is compared with like)."""
+
+    def ratio(a, b):
+        return a["speedup"] / b["speedup"] if (a and b and a.get("speedup") and b.get("speedup")) else None
+
+    dense8, dense = _by(rows, "dense-fp32", "fused_stable_8bit"), _by(rows, "dense-fp32", "fused_stable")
+    lora8, bnb = _by(rows, "lora-fp32", "fused_stable_8bit"), _by(rows, "lora-fp32", "bnb_8bit")
+    return [
+        _goal(
+            "8-bit state, dense fp32: >= 1.5x fused_stable fp32 state",
+            "dense-fp32",
+            ratio(dense8, dense),
+            1.5,
+            True,
+            "x",
+        ),
+        _goal(
+            "8-bit state, dense fp32: >= 2x torch fused + foreach clip",
+            "dense-fp32",
+            dense8 and dense8.get("speedup"),
+            2.0,
+            True,
+            "x",
+        ),
+        _goal(
+            "8-bit state, dense fp32: >= 90% of copy bandwidth",
+            "dense-fp32",
+            dense8 and dense8.get("pct_copy_bw"),
+            90.0,
+            True,
+            "%",
+        ),
+        _goal(
+            "8-bit state, LoRA: >= 3x bitsandbytes AdamW8bit + torch clip",
+            "lora-fp32",
+            ratio(lora8, bnb),
+            3.0,
+            True,
+            "x",
+            "no bnb_8bit or fused_stable_8bit row on lora-fp32 (bitsandbytes absent, or not a CUDA run)",
+        ),
+    ]
 
 
 # ---- formatting -------------------------------------------------------------------------------------------
@@ -201,6 +250,7 @@ COLUMNS = [
     "IQR ms",
     "speedup",
     "B/param",
+    "state B/param",
     "GB/s",
     "% copy BW",
     "launches",
@@ -238,7 +288,8 @@ def row_cells(r: dict, name: str | None = None) -> list[str]:
         f"{r['median_s'] * 1e3:.3f}",
         f"{r['iqr_s'] * 1e3:.3f}",
         _f(r.get("speedup"), ".2f") + ("x" if r.get("speedup") is not None else ""),
-        f"{r['bytes_per_param']:.0f}",
+        f"{r['bytes_per_param']:.1f}",
+        _f(r.get("state_bytes_per_param"), ".2f"),
         f"{r['gbps']:.1f}",
         _f(r.get("pct_copy_bw"), ".0f"),
         _f(r.get("launches_per_step"), ".1f"),
@@ -319,7 +370,8 @@ def markdown(result: dict) -> str:
         "",
         "speedup: torch baseline median / row median (baseline: `torch_fused` = clip_grad_norm_"
         "(foreach=True) + AdamW(fused=True); `torch_scaler` for the fp16 AMP set). "
-        "B/param: bytes model (docs/benchmarks.md). launches, syncs: per step (CUDA only). "
+        "B/param: bytes model (docs/benchmarks.md). state B/param: the optimizer's per-element state (moments in "
+        "their format with 8-bit scales, master weights), per param. launches, syncs: per step (CUDA only). "
         "peak MiB: params + grads + optimizer state + the step's transient allocations. "
         "host ms: CPU time of the process during the step call.",
         "",

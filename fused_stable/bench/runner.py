@@ -104,6 +104,7 @@ def _finish(
     nbytes = measure.bytes_per_step(prep.contender.passes, params, built.optimizer)
     row["bytes_per_step"] = nbytes
     row["bytes_per_param"] = nbytes / spec.n_params
+    row["state_bytes_per_param"] = measure.state_bytes(built.optimizer, params) / spec.n_params
     row["gbps"] = nbytes / timing["median_s"] / 1e9
     row["copy_bw_gbps"] = copy_bw / 1e9 if copy_bw else None
     row["pct_copy_bw"] = 100.0 * nbytes / timing["median_s"] / copy_bw if copy_bw else None

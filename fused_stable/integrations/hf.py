@@ -153,9 +153,18 @@ def _trainer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[d
 
 
 def fused_trainer_optimizers(
-    model: torch.nn.Module, args, num_training_steps: int | None = None, **fused_kwargs: Any
+    model: torch.nn.Module,
+    args,
+    num_training_steps: int | None = None,
+    *,
+    state_precision: str = "fp32",
+    **fused_kwargs: Any,
 ) -> tuple[FusedAdamW, DeviceScheduleLR]:
     """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW configured from ``args``.
+
+    ``state_precision`` ("fp32", "bf16" or "8bit") is how the moments are stored (FusedAdamW's option of that
+    name): "8bit" is the fused counterpart of ``optim="adamw_bnb_8bit"``, with the clip and the skip inside the
+    step. The Trainer's checkpoints save the compact state (``optimizer.pt``) and resume from it exactly.
 
     Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm`` (clipping moves
     into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not clip again) and
@@ -169,6 +178,7 @@ def fused_trainer_optimizers(
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
+        state_precision=state_precision,
     )
     if "max_grad_norm" not in fused_kwargs:
         mgn = args.max_grad_norm

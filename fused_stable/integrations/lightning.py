@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ..amp import GradScaler
 from ..optim import FusedAdamW
+from ..state_format import check_precision
 
 __all__ = ["FusedStableCallback", "find_fused_optimizers", "fp16_mixed_precision"]
 
@@ -102,11 +103,16 @@ class FusedStableCallback(Callback):
     for the second, third, ... FusedAdamW (manual optimization with several optimizers). Between logging
     steps it reads nothing from the device. Works with automatic and manual optimization, gradient
     accumulation and checkpoint resume (it keeps no state of its own).
+
+    ``state_precision`` ("fp32", "bf16" or "8bit"; None: as the optimizers were built) sets how every
+    FusedAdamW's moments are stored, for all its param groups, when the fit starts; a state already loaded
+    (a resumed fit) is converted at the next step, and checkpoints then hold the compact form.
     """
 
-    def __init__(self, prefix: str = "", prog_bar: bool = False) -> None:
+    def __init__(self, prefix: str = "", prog_bar: bool = False, state_precision: str | None = None) -> None:
         self.prefix = prefix
         self.prog_bar = prog_bar
+        self.state_precision = None if state_precision is None else check_precision(state_precision)
         self._log_grad_norm = True
         self._seen_global_step: int | None = None
 
@@ -118,6 +124,11 @@ class FusedStableCallback(Callback):
                 f"FusedStableCallback needs configure_optimizers() to return a fused_stable.FusedAdamW (got: {names})"
             )
         self._check_clipping(trainer, pl_module, fused)
+        if self.state_precision is not None:  # every group's: a state already there is converted at the next step
+            for opt in fused:
+                opt.defaults["state_precision"] = self.state_precision
+                for group in opt.param_groups:
+                    group["state_precision"] = self.state_precision
         self._seen_global_step = trainer.global_step
 
     def _check_clipping(self, trainer: Trainer, pl_module: LightningModule, fused: list[FusedAdamW]) -> None:

@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import layout
+from .. import layout, state_format
 from .common import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
+from .state_codes import load_moment, mix32, moment_pointer, store_moment
 from .tables import ChunkMap
 
 # 8 warps x 32 threads x 4 elements = BLOCK: fp32 accesses are 128-bit and 16-bit param / grad accesses 64-bit,
@@ -35,9 +36,12 @@ from .tables import ChunkMap
 # (bar.sync) to convert between the two layouts (tests/core/test_kernels_codegen.py checks this).
 ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 
-# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad
+# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad, the scale
+# columns 0 but for 8-bit state
 COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP, COL_MAX_EXP_AVG_SQ = range(8)
-TABLE_COLUMNS = 8
+COL_EXP_AVG_SCALE, COL_EXP_AVG_SQ_SCALE, COL_MAX_EXP_AVG_SQ_SCALE = 8, 9, 10  # consecutive: the kernel reads them so
+COL_POSITION = 11  # the param's index in the optimizer's flat order: keys bf16 stochastic rounding
+TABLE_COLUMNS = 12
 
 
 @triton.jit
@@ -83,116 +87,215 @@ def _step_hyperparameters(
 
 @triton.jit
 def _adamw_block(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    master,
-    max_exp_avg_sq,
+    pointers,
     mask,
     scalars,
+    scale_rows,
+    row_mask,
+    random,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     AMSGRAD: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
 ):
-    """AdamW on one block, given its pointers (one per element); unmasked (vectorisable) when `mask` is None.
-    `scalars` are `_step_hyperparameters`' (its `grad_mul` carries the clip coefficient, the loss scale and, for
-    maximize=True, the sign)."""
+    """AdamW on one block, given its pointers (one per element: param, grad, exp_avg, exp_avg_sq, master,
+    max_exp_avg_sq); unmasked (vectorisable) when `mask` is None. `scalars` are `_step_hyperparameters'` (its
+    `grad_mul` carries the clip coefficient, the loss scale and, for maximize=True, the sign). With 8-bit state
+    the block is 2-D (a row per quantisation block), `scale_rows` point at the rows' scales of exp_avg,
+    exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist. `random` is what bf16 exp_avg_sq's
+    stochastic rounding draws from: (this tensor's key for this step, the block's element indices)."""
+    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
     grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt = scalars
+    exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale = scale_rows
     other = None if mask is None else 0.0
     g = tl.load(grad, mask=mask, other=other).to(tl.float32) * grad_mul
     if HAS_MASTER:
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
-    m = tl.load(exp_avg, mask=mask, other=other)
-    v = tl.load(exp_avg_sq, mask=mask, other=other)
+    m = load_moment(exp_avg, exp_avg_scale, mask, row_mask, STATE_FORMAT, True, FMT_Q8)
+    v = load_moment(exp_avg_sq, exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
     # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * (g * g)
     if AMSGRAD:  # normalise by the largest second moment so far (torch: state "max_exp_avg_sq")
-        v_max = tl.maximum(tl.load(max_exp_avg_sq, mask=mask, other=other), v, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(max_exp_avg_sq, v_max, mask=mask)
+        v_max = load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
+        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
+        store_moment(
+            max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8
+        )
         denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
     else:
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    tl.store(exp_avg, m, mask=mask)
-    tl.store(exp_avg_sq, v, mask=mask)
+    store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, random, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
+    # exp_avg_sq: stochastic in bf16 (state_format.py says why)
+    store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8, True)
     if HAS_MASTER:
         tl.store(master, p, mask=mask)
     tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
 
 
 @triton.jit
+def _block_pointers(pointers, block_start, offsets, ALIGNED: tl.constexpr):
+    """Each tensor's pointers to the elements of the block at `block_start`, marked 16-byte aligned if ALIGNED."""
+    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
+    if ALIGNED:
+        return (
+            aligned_block(param, block_start) + offsets,
+            aligned_block(grad, block_start) + offsets,
+            aligned_block(exp_avg, block_start) + offsets,
+            aligned_block(exp_avg_sq, block_start) + offsets,
+            aligned_block(master, block_start) + offsets,
+            aligned_block(max_exp_avg_sq, block_start) + offsets,
+        )
+    else:
+        idx = block_start + offsets
+        return param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx
+
+
+@triton.jit
+def _scale_rows(scales, block_start, rows, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    """8-bit state: pointers to the scales of this block's rows; other formats: the (unused) scale pointers."""
+    if STATE_FORMAT == FMT_Q8:
+        first = block_start // QUANT_BLOCK
+        return scales[0] + first + rows, scales[1] + first + rows, scales[2] + first + rows
+    else:
+        return scales
+
+
+@triton.jit
 def _update_chunk(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    master,
-    max_exp_avg_sq,
+    pointers,
+    scales,
     offsets,
+    rows,
     start,
     full_end,
     end,
     aligned,
     scalars,
+    random_key,
     BLOCK: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     AMSGRAD: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
+    QUANT_BLOCK: tl.constexpr,
 ):
-    """AdamW on elements [start, end) of one tensor (`offsets`: 0..BLOCK-1): the full blocks up to `full_end`
-    without a mask, with 16-byte alignment hints when every address of this tensor allows them (decided per
-    tensor, so one unaligned view does not slow the others); then one masked tail."""
+    """AdamW on elements [start, end) of one tensor (`offsets`: 0..BLOCK-1, as [rows, QUANT_BLOCK] for 8-bit
+    state): the full blocks up to `full_end` without a mask, with 16-byte alignment hints when every address of
+    this tensor allows them (decided per tensor, so one unaligned view does not slow the others); then one
+    masked tail."""
     if aligned:
         for block_start in range(start, full_end, BLOCK):
             _adamw_block(
-                aligned_block(param, block_start) + offsets,
-                aligned_block(grad, block_start) + offsets,
-                aligned_block(exp_avg, block_start) + offsets,
-                aligned_block(exp_avg_sq, block_start) + offsets,
-                aligned_block(master, block_start) + offsets,
-                aligned_block(max_exp_avg_sq, block_start) + offsets,
+                _block_pointers(pointers, block_start, offsets, True),
                 None,
                 scalars,
+                _scale_rows(scales, block_start, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
+                None,
+                (random_key, block_start + offsets),
                 PARAM_DTYPE,
                 HAS_MASTER,
                 AMSGRAD,
+                STATE_FORMAT,
+                FMT_BF16,
+                FMT_Q8,
             )
     else:
         for block_start in range(start, full_end, BLOCK):
-            idx = block_start + offsets
             _adamw_block(
-                param + idx,
-                grad + idx,
-                exp_avg + idx,
-                exp_avg_sq + idx,
-                master + idx,
-                max_exp_avg_sq + idx,
+                _block_pointers(pointers, block_start, offsets, False),
                 None,
                 scalars,
+                _scale_rows(scales, block_start, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
+                None,
+                (random_key, block_start + offsets),
                 PARAM_DTYPE,
                 HAS_MASTER,
                 AMSGRAD,
+                STATE_FORMAT,
+                FMT_BF16,
+                FMT_Q8,
             )
     if full_end < end:
-        idx = full_end + offsets
         _adamw_block(
-            param + idx,
-            grad + idx,
-            exp_avg + idx,
-            exp_avg_sq + idx,
-            master + idx,
-            max_exp_avg_sq + idx,
-            idx < end,
+            _block_pointers(pointers, full_end, offsets, False),
+            full_end + offsets < end,
             scalars,
+            _scale_rows(scales, full_end, rows, STATE_FORMAT, FMT_Q8, QUANT_BLOCK),
+            full_end + rows * QUANT_BLOCK < end,
+            (random_key, full_end + offsets),
             PARAM_DTYPE,
             HAS_MASTER,
             AMSGRAD,
+            STATE_FORMAT,
+            FMT_BF16,
+            FMT_Q8,
         )
+
+
+@triton.jit
+def _tensor_pointers(
+    row,
+    grad_address,
+    PARAM_DTYPE: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
+    COL_PARAM: tl.constexpr,
+    COL_EXP_AVG: tl.constexpr,
+    COL_EXP_AVG_SQ: tl.constexpr,
+    COL_MASTER: tl.constexpr,
+    COL_MAX_EXP_AVG_SQ: tl.constexpr,
+    COL_EXP_AVG_SCALE: tl.constexpr,
+):
+    """One tensor's pointers from its row of the update table (param, grad, exp_avg, exp_avg_sq, master,
+    max_exp_avg_sq; in the state format's dtypes), the 8-bit scales' pointers, and whether all are 16-byte
+    aligned."""
+    param_address = load_address(row + COL_PARAM)
+    exp_avg_address = load_address(row + COL_EXP_AVG)
+    exp_avg_sq_address = load_address(row + COL_EXP_AVG_SQ)
+    master_address = load_address(row + COL_MASTER)  # 0 without master weights
+    if AMSGRAD:
+        max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
+    else:
+        max_address = exp_avg_sq_address  # never read or written: keeps the block calls uniform
+    pointers = (
+        as_pointer(param_address, PARAM_DTYPE),
+        as_pointer(grad_address, PARAM_DTYPE),
+        moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8),
+        moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+        as_pointer(master_address, tl.float32),
+        moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+    )
+    scales = (  # 0 but for 8-bit state: the columns of exp_avg's, exp_avg_sq's and max_exp_avg_sq's scales
+        as_pointer(load_address(row + COL_EXP_AVG_SCALE), tl.float32),
+        as_pointer(load_address(row + COL_EXP_AVG_SCALE + 1), tl.float32),
+        as_pointer(load_address(row + COL_EXP_AVG_SCALE + 2), tl.float32),
+    )
+    aligned = is_aligned(
+        param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
+    )
+    return pointers, scales, aligned
+
+
+@triton.jit
+def _block_offsets(BLOCK: tl.constexpr, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.constexpr, QUANT_BLOCK: tl.constexpr):
+    """A block's element offsets, and its rows: 8-bit state lays a block out as [BLOCK // QUANT_BLOCK,
+    QUANT_BLOCK], a row per quantisation block, so a block's scale is a reduction along its row."""
+    rows = tl.arange(0, BLOCK // QUANT_BLOCK).to(tl.int64)
+    if STATE_FORMAT == FMT_Q8:
+        return rows, rows[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK).to(tl.int64)[None, :]
+    else:
+        return rows, tl.arange(0, BLOCK).to(tl.int64)
 
 
 @triton.jit
@@ -208,7 +311,8 @@ def _adamw_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     AMSGRAD: tl.constexpr = False,
-    # the table and buffer layouts, as constexpr arguments with defaults: see the module doc
+    STATE_FORMAT: tl.constexpr = state_format.FP32,  # the moments' format (state_format.py)
+    # the table and buffer layouts and the state formats, as constexpr arguments with defaults: see the module doc
     TABLE_COLUMNS: tl.constexpr = TABLE_COLUMNS,
     COL_PARAM: tl.constexpr = COL_PARAM,
     COL_EXP_AVG: tl.constexpr = COL_EXP_AVG,
@@ -218,55 +322,61 @@ def _adamw_kernel(
     COL_NUMEL: tl.constexpr = COL_NUMEL,
     COL_GROUP: tl.constexpr = COL_GROUP,
     COL_MAX_EXP_AVG_SQ: tl.constexpr = COL_MAX_EXP_AVG_SQ,
+    COL_EXP_AVG_SCALE: tl.constexpr = COL_EXP_AVG_SCALE,  # then exp_avg_sq's and max_exp_avg_sq's
+    COL_POSITION: tl.constexpr = COL_POSITION,
     F_SKIP: tl.constexpr = layout.F_SKIP,
     H_SIZE: tl.constexpr = layout.H_SIZE,
+    FMT_BF16: tl.constexpr = state_format.BF16,
+    FMT_Q8: tl.constexpr = state_format.Q8,
+    QUANT_BLOCK: tl.constexpr = state_format.QUANT_BLOCK,
     LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (kernels/decide.py says why)
 ):
-    if tl.load(fstate + F_SKIP) == 0.0:
+    if tl.load(fstate + F_SKIP) == 0.0:  # a skipped step returns before any load: every state stays bit-identical
         pid = tl.program_id(0).to(tl.int64)
         tensor = tl.load(chunk_tensor + pid)
         start = tl.load(chunk_start + pid)
         row = table + tensor * TABLE_COLUMNS
         end = tl.minimum(start + CHUNK, tl.load(row + COL_NUMEL))
-        param_address = load_address(row + COL_PARAM)
-        grad_address = load_address(grad_addrs + tensor)
-        exp_avg_address = load_address(row + COL_EXP_AVG)
-        exp_avg_sq_address = load_address(row + COL_EXP_AVG_SQ)
-        master_address = load_address(row + COL_MASTER)  # 0 without master weights
-        param = as_pointer(param_address, PARAM_DTYPE)
-        grad = as_pointer(grad_address, PARAM_DTYPE)
-        exp_avg = as_pointer(exp_avg_address, tl.float32)
-        exp_avg_sq = as_pointer(exp_avg_sq_address, tl.float32)
-        master = as_pointer(master_address, tl.float32)
-        if AMSGRAD:
-            max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
-        else:
-            max_address = master_address  # never read or written: keeps the block calls uniform
-        max_exp_avg_sq = as_pointer(max_address, tl.float32)
+        pointers, scales, aligned = _tensor_pointers(
+            row,
+            load_address(grad_addrs + tensor),
+            PARAM_DTYPE,
+            AMSGRAD,
+            STATE_FORMAT,
+            FMT_BF16,
+            FMT_Q8,
+            COL_PARAM,
+            COL_EXP_AVG,
+            COL_EXP_AVG_SQ,
+            COL_MASTER,
+            COL_MAX_EXP_AVG_SQ,
+            COL_EXP_AVG_SCALE,
+        )
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
         scalars = _step_hyperparameters(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
-        offsets = tl.arange(0, BLOCK).to(tl.int64)
+        # state_format.random_key: bf16 stochastic rounding's key for this tensor and step
+        random_key = mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ mix32(step.to(tl.uint32)))
+        rows, offsets = _block_offsets(BLOCK, STATE_FORMAT, FMT_Q8, QUANT_BLOCK)
         full_end = start + (end - start) // BLOCK * BLOCK
-        aligned = is_aligned(
-            param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
-        )
         _update_chunk(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            master,
-            max_exp_avg_sq,
+            pointers,
+            scales,
             offsets,
+            rows,
             start,
             full_end,
             end,
             aligned,
             scalars,
+            random_key,
             BLOCK,
             PARAM_DTYPE,
             HAS_MASTER,
             AMSGRAD,
+            STATE_FORMAT,
+            FMT_BF16,
+            FMT_Q8,
+            QUANT_BLOCK,
         )
 
 
@@ -280,14 +390,24 @@ def prepare_adamw(
     param_dtype: torch.dtype,
     has_master: bool,
     amsgrad: bool = False,
+    state_format_id: int = state_format.FP32,
     config: LaunchConfig = ADAMW_CONFIG,
 ) -> tuple[PreparedLaunch, ArgTemplate] | None:
-    """AdamW over every tensor of one param dtype, with the decision kernel's clip / skip / lr factor; None when
-    there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses, per tensor."""
+    """AdamW over every tensor of one param dtype and state format, with the decision kernel's clip / skip / lr
+    factor; None when there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses,
+    per tensor."""
     if param_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 params, got {param_dtype}")
     if chunks.num_chunks == 0:
         return None
+    if state_format_id == state_format.Q8 and (
+        config.block % state_format.QUANT_BLOCK or chunks.chunk_size % config.block
+    ):
+        # a program's blocks must be whole quantisation blocks, each tensor starting a new one
+        raise ValueError(
+            f"8-bit state needs a block ({config.block}) that is a multiple of {state_format.QUANT_BLOCK} and a "
+            f"chunk ({chunks.chunk_size}) that is a multiple of the block"
+        )
     args = ArgTemplate(
         _adamw_kernel,
         table=table,
@@ -301,6 +421,7 @@ def prepare_adamw(
         CHUNK=chunks.chunk_size,
         BLOCK=config.block,
         AMSGRAD=amsgrad,
+        STATE_FORMAT=state_format_id,
     )
     return PreparedLaunch(_adamw_kernel, chunks.num_chunks, config), args
 

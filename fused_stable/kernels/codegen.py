@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .. import state_format
 from . import adamw, decide, norm
 from .launch import LaunchConfig
 from .tables import CHUNK_SIZE
@@ -203,6 +204,19 @@ def record(kernel: str, constexprs: dict, config: LaunchConfig, arch: int = 90, 
     }
 
 
+def _adamw_record(dtype: str, has_master: bool, amsgrad: bool, fmt: int, config: LaunchConfig, arch: int) -> dict:
+    constexprs = {
+        "PARAM_DTYPE": DTYPES[dtype],
+        "HAS_MASTER": has_master,
+        "CHUNK": CHUNK_SIZE,
+        "BLOCK": config.block,
+        "AMSGRAD": amsgrad,
+        "STATE_FORMAT": fmt,
+    }
+    describe = dict(dtype=dtype, has_master=has_master, amsgrad=amsgrad, state_format=state_format.FORMAT_NAMES[fmt])
+    return record("adamw", constexprs, config, arch, **describe, default=config == adamw.ADAMW_CONFIG)
+
+
 def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
     """Every kernel variant the optimizer launches (with its launch configuration), compiled for sm_<arch>."""
     records = []
@@ -222,24 +236,17 @@ def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
             # amsgrad (one more fp32 state) for the two layouts it adds most to: fp32, and 16-bit with a master
             for amsgrad in (False, True) if has_master == (dtype != tl.float32) and name != "fp16" else (False,):
                 for config in CANDIDATES["adamw"] if candidates else [adamw.ADAMW_CONFIG]:
-                    records.append(
-                        record(
-                            "adamw",
-                            {
-                                "PARAM_DTYPE": dtype,
-                                "HAS_MASTER": has_master,
-                                "CHUNK": CHUNK_SIZE,
-                                "BLOCK": config.block,
-                                "AMSGRAD": amsgrad,
-                            },
-                            config,
-                            arch,
-                            dtype=name,
-                            has_master=has_master,
-                            amsgrad=amsgrad,
-                            default=config == adamw.ADAMW_CONFIG,
-                        )
-                    )
+                    records.append(_adamw_record(name, has_master, amsgrad, state_format.FP32, config, arch))
+    # low-precision state (state_format.py), bf16 moments and 8-bit codes: for fp32 params (with amsgrad too), and
+    # for bf16 params with and without fp32 masters
+    for fmt in (state_format.BF16, state_format.Q8):
+        for name, has_master, amsgrad in (
+            ("fp32", False, False),
+            ("fp32", False, True),
+            ("bf16", True, False),
+            ("bf16", False, False),
+        ):
+            records.append(_adamw_record(name, has_master, amsgrad, fmt, adamw.ADAMW_CONFIG, arch))
     for schedule in range(4):
         records.append(
             record(

@@ -105,6 +105,7 @@ def build_parser() -> OneLineParser:
             "--iters": "--steps",
             "--max-steps": "--steps",
             "--learning-rate": "--lr",
+            "--state_precision": "--state-precision",
         },
     )
     p.add_argument(
@@ -113,6 +114,13 @@ def build_parser() -> OneLineParser:
         help="tiny (the embedded scratch Llama, full fine-tuning; the fast "
         "default) or what `fused-stable sft --model` takes (smollm2-135m, an HF folder, a .gguf file): "
         "LoRA on the identity task, judged by the held-out evaluation after every run",
+    )
+    p.add_argument(
+        "--state-precision",
+        default="fp32",
+        choices=["fp32", "bf16", "8bit"],
+        help="how the guarded recipe's FusedAdamW stores its moments, as `fused-stable sft --state_precision` "
+        "(default: fp32)",
     )
     p.add_argument(
         "--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(tiny))} (default: all)"
@@ -144,7 +152,7 @@ def config_from_args(args) -> StressConfig:
     """The options given, on top of the tiny suite's defaults or the pretrained model's."""
     base = {} if args.model == "tiny" else dict(REAL_MODEL_DEFAULTS)
     given = {name: getattr(args, name) for name in _HELPS if getattr(args, name) is not None}
-    return StressConfig(model=args.model, **{**base, **given})
+    return StressConfig(model=args.model, state_precision=args.state_precision, **{**base, **given})
 
 
 def main(argv: list[str]) -> int:

@@ -193,6 +193,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
             clip="zscore",
             zscore_warmup=cfg.zscore_warmup,
             lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
+            state_precision=cfg.state_precision,
             **guard.config.optimizer_kwargs(),
         )
         opt.param_names = names

@@ -184,7 +184,7 @@ class RunSetup:
                 # what a run killed mid-save left behind (the lock says no other writer is here)
                 for line in checkpoint.clear_leftovers(cfg.output_dir):
                     _log(f"fused-stable sft: note: {line}")
-                outputs.claim(cfg.output_dir, run_entries(cfg))
+                outputs.claim(cfg.output_dir, run_entries(cfg), details={"optimizer_state": optimizer_state(trainer)})
                 with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
                     f.write(dump_yaml(cfg))
         except BaseException:
@@ -208,6 +208,13 @@ class RunSetup:
         """Let go of output_dir's lock (the run ended, or its start failed)."""
         if self.lock is not None:
             self.lock.release()
+
+
+def optimizer_state(trainer) -> dict:
+    """What the run header and run_manifest.json say about the optimizer's state: its precision and size (this
+    process's share under torchrun: FSDP2 shards the state with the params)."""
+    opt = trainer.optimizer
+    return {"precision": opt.defaults["state_precision"], "mib": round(opt.state_bytes() / 2**20, 3)}
 
 
 def setup_run(argv: list[str]) -> RunSetup:
@@ -268,6 +275,7 @@ def setup_run(argv: list[str]) -> RunSetup:
         max_grad_norm=cfg.max_grad_norm or None,
         lr_schedule=schedule,
         clip=cfg.clip,
+        state_precision=cfg.state_precision,
         **guard.config.optimizer_kwargs(),
     )
     optimizer.param_names = groups.names
@@ -424,6 +432,7 @@ def _train(setup: RunSetup, interrupts) -> int:
             f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
             f"device={setup.runtime.device} threads={setup.threads} | "
             f"{n_trainable:,} trainable of {n_total:,} params | "
+            f"optimizer state {cfg.state_precision} {optimizer_state(trainer)['mib']:.1f} MiB | "
             f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
             f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
         )

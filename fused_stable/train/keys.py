@@ -78,6 +78,12 @@ class TrainConfig:
         0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim", Range(0, 1, high_open=True)
     )
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
+    state_precision: str = _key(
+        "fp32",
+        "fp32 | bf16 | 8bit: how AdamW's moments are stored (8bit: blockwise codes with fp32 scales, tensors under "
+        "4096 elements kept fp32), dequantised and requantised inside the fused step",
+        "optim",
+    )
     precision: str = _key(
         "auto", "bf16 | fp16 (dynamic loss scaling) | fp32 | auto (bf16 on a GPU that has it, else fp32)", "optim"
     )
@@ -158,6 +164,7 @@ CHOICES = {
     "tuner": ("lora", "dora", "full"),
     "scheduler": ("cosine", "linear", "constant"),
     "precision": ("auto", "bf16", "fp16", "fp32"),
+    "state_precision": ("fp32", "bf16", "8bit"),
     "clip": ("fixed", "zscore"),
     "guard": ("warn", "skip", "stop", "rollback"),
     "evaluation": ("auto", "on", "off"),
@@ -227,6 +234,8 @@ ALIASES = {
     "bits": "quant_bits",
     "bf16": "precision",
     "fp16": "precision",
+    "optim_bits": "state_precision",
+    "optimizer_state_precision": "state_precision",
     "use_dora": "tuner",
     "gradient_checkpoint": "gradient_checkpointing",
 }

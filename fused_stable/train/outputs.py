@@ -319,14 +319,17 @@ def remove_previous_run(output_dir: str) -> list[str]:
     return removed
 
 
-def claim(output_dir: str, names: list[str], command: str = SFT) -> None:
+def claim(output_dir: str, names: list[str], command: str = SFT, details: dict | None = None) -> None:
     """Record (atomically) that the run in output_dir creates these top-level entries; call it before
-    creating them. Creates output_dir if needed; names already claimed are kept."""
+    creating them. Creates output_dir if needed; names already claimed are kept. `details`: further facts about
+    the run to record beside them (sft: the optimizer state's precision and size)."""
     os.makedirs(output_dir, exist_ok=True)
     manifest = read_manifest(output_dir) or {"created_by": command, "entries": []}
     entries = list(manifest["entries"]) + [n for n in names if n not in manifest["entries"]]
-    if entries == manifest["entries"] and os.path.isfile(os.path.join(output_dir, MANIFEST_FILE)):
+    unchanged = all(manifest.get(key) == value for key, value in (details or {}).items())
+    if entries == manifest["entries"] and unchanged and os.path.isfile(os.path.join(output_dir, MANIFEST_FILE)):
         return
+    manifest.update(details or {})
     manifest["entries"] = entries
     tmp = os.path.join(output_dir, _MANIFEST_TMP)
     with open(tmp, "w", encoding="utf-8") as f:

@@ -60,10 +60,12 @@ def scalar_loop(record, element_bits):
 
 def test_every_kernel_variant_compiles_to_sass_without_spills(records):
     kernels = sorted(
-        (r["kernel"], r.get("dtype"), r.get("has_master"), r.get("amsgrad"), r.get("schedule")) for r in records
+        (r["kernel"], r.get("dtype"), r.get("has_master"), r.get("amsgrad"), r.get("state_format"), r.get("schedule"))
+        for r in records
     )
-    # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master, plus amsgrad for fp32 and bf16 + master; decide
-    assert len(kernels) == 3 + 5 + 2 + 4, kernels
+    # sumsq per dtype; adamw fp32 and bf16/fp16 with/without master, plus amsgrad for fp32 and bf16 + master; the
+    # bf16 and 8-bit state variants (4 each); decide
+    assert len(kernels) == len(set(kernels)) == 3 + 5 + 2 + 8 + 4, kernels
     for r in records:
         assert r["has_cubin"] and r["spill_bytes"] == 0, r
         # at least two blocks of this many warps fit an SM's 64K registers
@@ -71,27 +73,42 @@ def test_every_kernel_variant_compiles_to_sass_without_spills(records):
 
 
 ADAMW_WIDTHS = {
-    # (param dtype, master weights, amsgrad): (loads, stores) of the aligned loop, bits -> count per thread and
-    # block. fp32 arrays (moments, master, amsgrad's max, fp32 params/grads) are 128-bit; 16-bit params and grads
-    # 64-bit: 4 elements per thread, the layout the fp32 arrays share, so no block goes through shared memory.
-    ("fp32", False, False): ({128: 4}, {128: 3}),
-    ("fp32", False, True): ({128: 5}, {128: 4}),
-    ("bf16", False, False): ({64: 2, 128: 2}, {64: 1, 128: 2}),
-    ("bf16", True, False): ({64: 1, 128: 3}, {64: 1, 128: 3}),
-    ("bf16", True, True): ({64: 1, 128: 4}, {64: 1, 128: 4}),
-    ("fp16", False, False): ({64: 2, 128: 2}, {64: 1, 128: 2}),
-    ("fp16", True, False): ({64: 1, 128: 3}, {64: 1, 128: 3}),
+    # (param dtype, master weights, amsgrad, state format): (loads, stores, barriers) of the aligned loop, bits ->
+    # count per thread and block. fp32 arrays (moments, master, amsgrad's max, fp32 params/grads) are 128-bit; 16-bit
+    # params, grads and bf16 moments 64-bit; 8-bit codes 32-bit: 4 elements per thread, the layout every array
+    # shares, so no data goes through shared memory.
+    ("fp32", False, False, "fp32"): ({128: 4}, {128: 3}, 0),
+    ("fp32", False, True, "fp32"): ({128: 5}, {128: 4}, 0),
+    ("bf16", False, False, "fp32"): ({64: 2, 128: 2}, {64: 1, 128: 2}, 0),
+    ("bf16", True, False, "fp32"): ({64: 1, 128: 3}, {64: 1, 128: 3}, 0),
+    ("bf16", True, True, "fp32"): ({64: 1, 128: 4}, {64: 1, 128: 4}, 0),
+    ("fp16", False, False, "fp32"): ({64: 2, 128: 2}, {64: 1, 128: 2}, 0),
+    ("fp16", True, False, "fp32"): ({64: 1, 128: 3}, {64: 1, 128: 3}, 0),
+    # bf16 moments: 64-bit like 16-bit params
+    ("fp32", False, False, "bf16"): ({128: 2, 64: 2}, {64: 2, 128: 1}, 0),
+    ("fp32", False, True, "bf16"): ({128: 2, 64: 3}, {64: 3, 128: 1}, 0),
+    ("bf16", True, False, "bf16"): ({64: 3, 128: 1}, {64: 3, 128: 1}, 0),
+    ("bf16", False, False, "bf16"): ({64: 4}, {64: 3}, 0),
+    # 8-bit: per moment one 32-bit load and store of 4 codes, and its block's fp32 scale (32-bit: every lane of a
+    # warp reads its row's one scale; a warp is one quantisation block). The new scales are a reduction inside each
+    # warp (shuffles), but their store goes through shared memory: 2 bar.sync per moment (Triton gives the store of
+    # the per-row values its own layout); no element data moves through shared memory
+    ("fp32", False, False, "8bit"): ({128: 2, 32: 4}, {32: 4, 128: 1}, 4),
+    ("fp32", False, True, "8bit"): ({128: 2, 32: 6}, {32: 6, 128: 1}, 6),
+    ("bf16", True, False, "8bit"): ({64: 1, 128: 1, 32: 4}, {32: 4, 128: 1, 64: 1}, 4),
+    ("bf16", False, False, "8bit"): ({64: 2, 32: 4}, {32: 4, 64: 1}, 4),
 }
 
 
-def test_update_loop_has_exactly_the_claimed_vector_widths_and_no_barriers(records):
+def test_update_loop_has_exactly_the_claimed_vector_widths_and_barriers(records):
     adamw = [r for r in records if r["kernel"] == "adamw"]
-    assert {(r["dtype"], r["has_master"], r["amsgrad"]) for r in adamw} == set(ADAMW_WIDTHS)
+    key = lambda r: (r["dtype"], r["has_master"], r["amsgrad"], r["state_format"])  # noqa: E731
+    assert {key(r) for r in adamw} == set(ADAMW_WIDTHS)
     for r in adamw:
         loop = vector_loop(r)
-        loads, stores = ADAMW_WIDTHS[(r["dtype"], r["has_master"], r["amsgrad"])]
+        loads, stores, barriers = ADAMW_WIDTHS[key(r)]
         assert loop["loads"] == loads and loop["stores"] == stores, r
-        assert loop["barriers"] == 0, r
+        assert loop["barriers"] == barriers, r
 
 
 def test_norm_loop_reads_128_bits_per_access(records):

@@ -221,3 +221,32 @@ def test_mixin_builds_the_optimizer_inside_train(baseline, tmp_path):
         assert mine["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-5, abs=1e-9)
     for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path):
+    """fused_trainer_optimizers(state_precision="8bit"): the Trainer's optimizer.pt holds the compact state (int8
+    / uint8 codes and fp32 scales, loadable with weights_only=True), and resuming from the checkpoint after step 3
+    ends where the uninterrupted run ends, bit for bit."""
+
+    def train(out, resume=None):
+        model = tiny_llama(vocab_size=128)  # embedding and head of 4096 elements: quantised (the rest is smaller)
+        args = make_args(out, save_strategy="steps", save_steps=3, save_only_model=False)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=TokenDataset(),
+            optimizers=fused_trainer_optimizers(model, args, state_precision="8bit"),
+            callbacks=[FusedStableCallback()],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer
+
+    full, trainer = train(tmp_path / "full")
+    assert all(group["state_precision"] == "8bit" for group in trainer.optimizer.param_groups)
+    saved = torch.load(tmp_path / "full" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    dtypes = {entry["exp_avg"].dtype for entry in saved["state"].values()}
+    assert dtypes == {torch.int8, torch.float32}  # quantised matrices, small tensors (norms) in fp32
+    assert all("exp_avg_scale" in e for e in saved["state"].values() if e["exp_avg"].dtype == torch.int8)
+    resumed, _ = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
+    for p, q in zip(resumed.parameters(), full.parameters()):
+        assert torch.equal(p, q)

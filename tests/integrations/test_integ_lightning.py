@@ -503,3 +503,19 @@ def test_learning_rate_monitor_shows_the_scheduled_lr(tmp_path):
     expected = [LR * schedule().factor(n) for n in range(STEPS)]
     assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)  # the callback's
     assert logged(metrics, "lr-FusedAdamW") == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def test_the_callback_sets_the_state_precision_and_checkpoints_keep_it(tmp_path):
+    """FusedStableCallback(state_precision="bf16"): every group of the FusedAdamW stores bf16 moments from the
+    first step, and a checkpoint holds them as such (the compact form)."""
+    module = LlamaModule(fused_adamw)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_epochs=1)
+    kw = dict(max_steps=-1, max_epochs=1, limit_train_batches=3, enable_checkpointing=True)
+    trainer, _ = fit(module, tmp_path, callbacks=[FusedStableCallback(state_precision="bf16"), ckpt], **kw)
+    opt = fused_of(trainer)
+    assert all(group["state_precision"] == "bf16" for group in opt.param_groups)
+    assert {opt.state[p]["exp_avg_sq"].dtype for p in module.parameters()} == {torch.bfloat16}
+    saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=3.ckpt", weights_only=False)["optimizer_states"][0]
+    assert {entry["exp_avg"].dtype for entry in saved["state"].values()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="state_precision must be one of"):
+        FusedStableCallback(state_precision="int4")

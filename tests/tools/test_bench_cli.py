@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
+from fused_stable import state_format
 from fused_stable.bench import main
 from fused_stable.bench.contenders import CONTENDERS
 from fused_stable.bench.measure import PASS_BYTES, bytes_per_step, quartiles
@@ -131,13 +133,59 @@ def test_gpu_plan_logic_runs_on_cpu_with_a_size_scale(tmp_path, capsys):
         "--compile",
         "off",
         "--contenders",
-        "fused_stable,torch_fused,fused_stable_scaler,torch_scaler",
+        "fused_stable,torch_fused,fused_stable_scaler,torch_scaler,fused_stable_bf16,fused_stable_8bit,bnb_8bit,"
+        "torchao_8bit",
     )
     assert rc == 0 and result["plan"] == "gpu"
     names = [s["name"] for s in result["sets"]]
     assert names[:4] == ["dense-fp32", "dense-bf16", "lora-fp32", "amp-fp16"] and len(names) == 8
     assert _row(result, "lora-fp32", "fused_stable")["n_tensors"] == 448
-    assert all(r["status"] == "ok" for r in result["rows"])
+    contenders = {"bnb_8bit": "bitsandbytes", "torchao_8bit": "torchao"}  # the GPU plan's 8-bit contenders
+    for r in result["rows"]:
+        if r["contender"] in contenders:
+            assert r["status"] == "skipped" and f"{contenders[r['contender']]} AdamW8bit" in r["reason"]
+        else:
+            assert r["status"] == "ok", r
+    # the precision axis on both param dtypes: the state bytes and the byte model follow the format
+    for set_name, param_bytes in (("dense-fp32", 4), ("dense-bf16", 2)):
+        spec = next(s for s in plan_sets("gpu", 1e-4) if s.name == set_name)
+        numels = [math.prod(shape) for shape in spec.shapes]
+        n = sum(numels)
+        for contender, precision in (
+            ("fused_stable", "fp32"),
+            ("fused_stable_bf16", "bf16"),
+            ("fused_stable_8bit", "8bit"),
+        ):
+            r = _row(result, set_name, contender)
+            # (the measure leaves out 1-element state tensors: step counters, and the moments of the 1-element
+            # params this 10^4-fold shrink makes)
+            state = sum(state_format.planned_bytes(k, precision) for k in numels if k > 1) / n
+            assert r["state_bytes_per_param"] == pytest.approx(state), (set_name, contender)
+            # norm reads the grad; the update reads param, grad and state and writes param and state
+            assert r["bytes_per_param"] == pytest.approx(param_bytes * 4 + 2 * state), (set_name, contender)
+    # 24 B/param for fp32 params with bf16 moments (the 1-element params' uncounted state: 0.003 short)
+    assert _row(result, "dense-fp32", "fused_stable_bf16")["bytes_per_param"] == pytest.approx(24.0, abs=0.01)
+
+
+def test_the_8bit_goals_compare_like_with_like():
+    from fused_stable.bench.report import lowbit_goals
+
+    def row(set_name, contender, speedup, **extra):
+        return {"set": set_name, "contender": contender, "status": "ok", "speedup": speedup, **extra}
+
+    rows = [
+        row("dense-fp32", "fused_stable", 1.4),
+        row("dense-fp32", "fused_stable_8bit", 2.8, pct_copy_bw=91.0),
+        row("lora-fp32", "fused_stable_8bit", 6.0),
+        row("lora-fp32", "bnb_8bit", 2.5),
+    ]
+    goals = {g["goal"]: g for g in lowbit_goals(rows)}
+    assert [g["value"] for g in goals.values()] == pytest.approx([2.0, 2.8, 91.0, 2.4])
+    assert [g["passed"] for g in goals.values()] == [True, True, True, False]
+    skipped = [r for r in rows if r["contender"] != "bnb_8bit"]
+    skipped.append({"set": "lora-fp32", "contender": "bnb_8bit", "status": "skipped", "reason": "no"})
+    lora = [g for g in lowbit_goals(skipped) if g["set"] == "lora-fp32"][0]
+    assert lora["value"] is None and lora["passed"] is None and "bitsandbytes" in lora["detail"]
 
 
 def test_speedups_use_the_set_baseline_or_the_one_timed_alongside():

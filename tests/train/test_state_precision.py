@@ -1,0 +1,62 @@
+"""`--state_precision` in sft: the optimizer stores its moments in that format, the run header and
+run_manifest.json say how large the state is, and checkpoints hold the compact state and resume bit for bit."""
+
+import os
+
+import pytest
+import torch
+from sft_helpers import TINY, fit, read_metrics, setup_run
+
+from fused_stable.train import checkpoint, outputs
+
+# full fine-tuning of the tiny model: its matrices are >= 4096 elements, so 8-bit codes are on the path
+RUN = ["--model", "tiny", *TINY, "--tuner", "full", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_at(step_to_crash):
+    def callback(step, optimizer, metrics):
+        if step == step_to_crash:
+            raise Crash(f"simulated crash at step {step}")
+
+    return callback
+
+
+@pytest.mark.slow  # two short runs of the tiny model
+def test_8bit_state_is_reported_checkpointed_compact_and_resumes_bit_for_bit(sft, tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    code, out, err = sft(*RUN, "--state_precision", "8bit", "--output_dir", straight)
+    assert code == 0, err
+    setup = setup_run(*RUN, "--state_precision", "8bit", "--output_dir", tmp_path / "probe")
+    opt = setup.trainer.optimizer
+    assert all(group["state_precision"] == "8bit" for group in opt.param_groups)
+    mib = round(opt.state_bytes() / 2**20, 3)
+    assert f"optimizer state 8bit {mib:.1f} MiB" in out
+    assert outputs.read_manifest(str(straight))["optimizer_state"] == {"precision": "8bit", "mib": mib}
+    saved = torch.load(straight / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    codes = [e for e in saved["state"].values() if e["exp_avg"].dtype == torch.int8]
+    assert codes and all(e["exp_avg_sq"].dtype == torch.uint8 and "exp_avg_sq_scale" in e for e in codes)
+
+    setup = setup_run(*RUN, "--state_precision", "8bit", "--output_dir", broken)
+    setup.trainer.callbacks.append(_crash_at(3))  # after the step-2 checkpoint
+    with pytest.raises(Crash):
+        fit(setup)
+    assert checkpoint.latest_checkpoint(broken).endswith("step-2")
+    code, _, err = sft("--output_dir", broken, "--resume", "latest")
+    assert code == 0, err
+    a, b = read_metrics(straight), read_metrics(broken)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exact floats
+    oa = torch.load(straight / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    ob = torch.load(broken / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
+    for key, state in oa["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, ob["state"][key][k]), (key, k)
+    assert os.path.isdir(broken / "checkpoints" / "step-4")
+
+
+def test_state_precision_is_a_checked_key(sft, tmp_path):
+    code, _, err = sft(*RUN, "--state_precision", "int4", "--output_dir", tmp_path / "run")
+    assert code == 2 and "state_precision" in err and "8bit" in err
