@@ -75,6 +75,10 @@ ACCEPTED = {
     ("guard_skip_ratio", "1e30"): "spikes never skipped",
     ("guard_loss_z", "1e30"): "loss alerts never fire",
     ("guard_loss_rise", "1e30"): "rise alerts never fire",
+    ("val_size", "0"): "no examples held out",
+    ("eval_steps", "0"): "no evaluation during training",
+    ("guard_eval_rise", "0"): "evaluation rise alerts off",
+    ("guard_eval_rise", "1e30"): "evaluation rise alerts never fire",
 }
 
 
