@@ -5,7 +5,7 @@ Recipes:
   LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most fine-tuning scripts do.
 - `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
   stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check
-  with an evaluation of the held-out and retention losses (`fused_stable.train.evaluate.HeldOutLosses`, as
+  (on a pretrained model) with an evaluation of the held-out and retention losses (`fused_stable.train.evaluate.HeldOutLosses`, as
   `fused-stable sft` measures them; the one before the first step is the reference); a rollback restores an
   in-memory snapshot (model, optimizer, scaler) taken at the last clean check, halves the lr and keeps the data
   position (the window that spiked is not replayed).
@@ -30,7 +30,6 @@ from fused_stable.stress.scenarios import Scenario, StressConfig, is_real, shift
 
 RECIPES = ("usual", "guarded")
 FINAL_WINDOW = 10  # steps averaged into the "final loss"
-HELD_OUT_TINY = 32  # tiny: held-out built-in examples (another seed than the training ones) for eval_loss
 EVAL_MAX_LENGTH = 256  # the held-out sets are not cut to the training max_length: their answers stay whole
 
 
@@ -64,10 +63,9 @@ def build_tiny_workload(cfg: StressConfig) -> Workload:
     shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
     model = build_tiny_model(tokenizer)
     _pretrain(model, data.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
-    heldout = data.builtin_examples(HELD_OUT_TINY, seed=cfg.seed + 2)
-    work = Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
-    _add_held_out_losses(work, model, heldout)
-    return work
+    # no evaluations on the tiny model (as sft's retention_probe=auto): its base is a 200-step scratch model, and
+    # full fine-tuning moves its retention loss 1.27x in a clean 20-step run (measured), past the rise factor
+    return Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
 
 
 def build_real_workload(cfg: StressConfig) -> Workload:
@@ -234,8 +232,8 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         scaler = GradScaler("cpu") if scenario.fp16 else None
         sched = None
     snapshot = _snapshot(trainable, opt, scaler, 0) if guard else None
-    losses = work.losses if guard else None  # the guarded recipe evaluates at its checks
-    if losses is not None:
+    held_out = work.losses if guard else None  # the guarded recipe evaluates at its checks
+    if held_out is not None:
         guard.eval_reference(work.start_losses)  # every run starts from the workload's base
         result.evals.append({"step": 0, **work.start_losses})
 
@@ -285,11 +283,11 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
             rows += new_rows
             if guard:
                 result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
-                if losses is not None:
+                if held_out is not None:
                     started = time.perf_counter()
-                    new_rows[-1].update(losses.measure(model))
+                    new_rows[-1].update(held_out.measure(model))
                     eval_s += time.perf_counter() - started
-                    result.evals.append({"step": step, **{key: new_rows[-1][key] for key in losses.names}})
+                    result.evals.append({"step": step, **{key: new_rows[-1][key] for key in held_out.names}})
                 decision = guard.check(step, opt, new_rows)
                 result.alerts += len(decision.alerts)
                 result.eval_alerts += sum(a.kind in EVALUATED.values() for a in decision.alerts)
