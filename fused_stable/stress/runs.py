@@ -4,11 +4,11 @@ Recipes:
 - `usual`: torch.optim.AdamW + torch.nn.utils.clip_grad_norm_(1.0) + transformers-style warm-up/cosine
   LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most fine-tuning scripts do.
 - `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
-  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check
-  (on a pretrained model) with an evaluation of the held-out and retention losses (`fused_stable.train.evaluate.HeldOutLosses`, as
-  `fused-stable sft` measures them; the one before the first step is the reference); a rollback restores an
-  in-memory snapshot (model, optimizer, scaler) taken at the last clean check, halves the lr and keeps the data
-  position (the window that spiked is not replayed).
+  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check (on a
+  pretrained model) with an evaluation of the held-out and retention losses
+  (`fused_stable.train.evaluate.HeldOutLosses`, as `fused-stable sft` measures them; the one before the first step
+  is the reference); a rollback restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean
+  check, halves the lr and keeps the data position (the window that spiked is not replayed).
 
 Both recipes see the same model init, the same data order and the same injected fault, and both are measured
 on the same held-out sets after the run. The workload (the tokenizer, the task's data, the held-out sets, the
