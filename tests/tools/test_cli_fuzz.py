@@ -333,7 +333,7 @@ def _parser_cases(parser, words):
                 yield flag, value
 
 
-STRESS_ACCEPTED = {("--pretrain-steps", "0"), ("--max-rollbacks", "0"), ("--seed", "0")}
+STRESS_ACCEPTED = {("--pretrain-steps", "0"), ("--max-rollbacks", "0"), ("--seed", "0"), ("--eval-rise", "0")}  # 0: off
 STRESS_WORDS = {
     "--scenarios": ["bogus", "", "clean,meteor", "lr_to_high"],
     "--output-dir": ["{t}/a-file", "{t}/a-file/x"],
