@@ -17,7 +17,13 @@ Alert kinds (`Alert.kind`):
 - `nonfinite_loss`: a step's loss was inf/NaN;
 - `loss_rise`: an interval's median loss (or its last 3's) above `loss_rise` (1.5) x the best interval so far;
 - `data_shift`: right after a rollback, the restored model finds the new data bad too: the loss statistics
-  start over instead of rolling back again.
+  start over instead of rolling back again;
+- `eval_loss_rise` / `retention_loss_rise`: an evaluation's held-out loss (`eval_loss`, the user's own held-out
+  data) or retention loss (`retention_loss`, the base model's own answers to general prompts) above `eval_rise`
+  (1.3) x its best so far (the model before its first step included). Forgetting moves neither the training
+  loss nor the gradient norms: these are the signals that see it. The trainer puts the values on the metrics
+  row of the step it evaluated (one device read per evaluation, `fused_stable.train.evaluate`); the guard only
+  compares numbers.
 
 Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of normal steps, which ZClip
 clips gently by design). Policies: `warn` records the alert and goes on; `skip` makes the optimizer skip
@@ -25,7 +31,8 @@ spiking steps on the device (`spike_skip_threshold` = `skip_z` and `spike_skip_r
 and a norm >= 5x its running mean by default, the alert rule; normal small-batch steps reach z 9-12 but only
 ~3x the mean norm, so the ratio is what keeps them) and records them; `stop` asks the trainer to checkpoint and
 exit; `rollback` asks it to restore the last good checkpoint, multiplies the lr by `lr_factor` and skips the
-data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks.
+data window that caused the spike, and gives up (stops) after `max_rollbacks` rollbacks. An evaluation's rise
+has nothing the optimizer could skip: under `skip` it warns.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ LOSS_SPIKE = "loss_spike"  # loss z-score above loss_z
 NONFINITE_LOSS = "nonfinite_loss"  # a step's loss was inf/NaN
 LOSS_RISE = "loss_rise"  # an interval's median loss (or its last 3's) rose above loss_rise x the best so far
 DATA_SHIFT = "data_shift"  # right after a rollback, the restored model finds the new data bad too
+EVAL_LOSS_RISE = "eval_loss_rise"  # an evaluation's held-out loss rose above eval_rise x its best so far
+RETENTION_LOSS_RISE = "retention_loss_rise"  # ...its retention loss (the base model's own answers) did
+# the metrics-row fields an evaluation fills in, and the alert each one raises
+EVALUATED = {"eval_loss": EVAL_LOSS_RISE, "retention_loss": RETENTION_LOSS_RISE}
 
 # what happened (or will happen) because of an alert
 ACTION_WARN = "warn"  # recorded, training goes on
@@ -54,7 +65,7 @@ ACTION_ROLLBACK = "rollback"  # restore the last good checkpoint, lower the lr, 
 ACTION_GIVE_UP = "give_up"  # rollback budget exhausted: stop
 ACTION_REBASELINE = "rebaseline"  # the loss statistics start over on the new data (no rollback)
 # alerts whose cure is a smaller lr; a storm of non-finite steps is rolled back without touching the lr
-_LR_KINDS = (GRAD_SPIKE, LOSS_SPIKE, LOSS_RISE)
+_LR_KINDS = (GRAD_SPIKE, LOSS_SPIKE, LOSS_RISE, EVAL_LOSS_RISE, RETENTION_LOSS_RISE)
 
 _LOSS_STD_EPS = 1e-8
 RISE_TAIL = 3  # the loss rise also looks at the median of an interval's last 3 losses (one spike does not move it)
@@ -74,6 +85,10 @@ class GuardConfig:
         0.01  # the loss std is floored at this fraction of the mean (a flat loss is not a hair trigger)
     )
     loss_rise: float = 1.5  # alert when a logging interval's median loss exceeds this x the best one so far (0: off)
+    # alert when an evaluation's eval_loss or retention_loss exceeds this x its best so far (0: off); chosen
+    # from the clean runs' own noise (docs/guard.md: their worst rise over the best so far was 1.13x on the tiny
+    # model, 1.06x on SmolLM2-135M)
+    eval_rise: float = 1.3
     nonfinite_storm: int = 3  # non-finite-gradient steps within one logging interval that escalate to the policy
     lr_factor: float = 0.5  # rollback multiplies every group's lr by this
     max_rollbacks: int = 3  # give up (stop) when one more rollback would exceed this
@@ -94,8 +109,10 @@ class GuardConfig:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"guard {name} must be a finite number >= 0 (0: the z-score alone), got {value}")
-        if self.loss_rise and not self.loss_rise > 1.0:
-            raise ValueError(f"guard loss_rise must be > 1 (or 0 to disable), got {self.loss_rise}")
+        for name in ("loss_rise", "eval_rise"):
+            value = getattr(self, name)
+            if value and not (value > 1.0 and math.isfinite(value)):
+                raise ValueError(f"guard {name} must be > 1 (or 0 to disable), got {value}")
         if self.loss_rel_floor < 0:
             raise ValueError(f"guard loss_rel_floor must be >= 0, got {self.loss_rel_floor}")
         if self.nonfinite_storm < 1:
@@ -174,8 +191,10 @@ class LossStats:
 @dataclass
 class Alert:
     step: int  # the optimizer step where it happened (trainer count, skipped steps included)
-    kind: str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS | LOSS_RISE | DATA_SHIFT
-    value: float  # the z-score, or the count of non-finite steps, or the loss itself
+    kind: (
+        str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS | LOSS_RISE | DATA_SHIFT | EVAL_LOSS_RISE ...
+    )
+    value: float  # the z-score, the count of non-finite steps, or (rises) the ratio to the best so far
     threshold: float
     action: str  # ACTION_*
     detected_at: int  # the logging step at which the guard read it
@@ -194,6 +213,9 @@ class Alert:
             what = "non-finite loss"
         elif self.kind == LOSS_RISE:
             what = f"loss rose to {self.value:.2f}x its best logging-interval median (alert above {self.threshold:g}x)"
+        elif self.kind in (EVAL_LOSS_RISE, RETENTION_LOSS_RISE):
+            measure = "held-out loss (eval_loss)" if self.kind == EVAL_LOSS_RISE else "retention loss"
+            what = f"{measure} rose to {self.value:.2f}x its best so far (alert above {self.threshold:g}x)"
         else:
             what = (
                 f"the data changed: the restored model's loss is {self.value:.2f}x the best so far; "
@@ -242,6 +264,7 @@ class Guard:
         c = self.config
         self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
         self.best_interval_loss: float | None = None
+        self.best_eval: dict[str, float] = {}  # the lowest eval_loss / retention_loss so far
         self.after_rollback = False
         self.grace_until = -1  # after a data shift: spike alerts only warn up to this step
         self.rollbacks = 0
@@ -338,7 +361,35 @@ class Guard:
                 action = ACTION_SKIPPED if skipped_row else ""
                 alerts.append(alert(int(row["step"]), LOSS_SPIKE, z, c.loss_z, action, loss=loss))
         alerts += self._check_rise(rows, step, top)
+        alerts += self._check_evaluations(rows, step, in_grace=step <= self.grace_until)
         return self._decide(alerts, in_grace=step <= self.grace_until)
+
+    def eval_reference(self, values: dict) -> None:
+        """The evaluation of the model before its first step (the trainer's step 0): the best so far that later
+        evaluations are compared with."""
+        for key in EVALUATED:
+            value = values.get(key)
+            if value is not None and math.isfinite(float(value)):
+                self.best_eval[key] = float(value)
+
+    def _check_evaluations(self, rows: list[dict], step: int, in_grace: bool = False) -> list[Alert]:
+        """Each evaluated row's eval_loss and retention_loss against the best so far: above `eval_rise` x it
+        (or not finite), an alert; lower, the new best. After a data shift (`in_grace`) the held-out losses
+        move with the new data: each evaluation is then the reference, and watching resumes from the level the
+        new data settles at."""
+        alerts = []
+        for row in rows:
+            for key, kind in EVALUATED.items():
+                if row.get(key) is None:
+                    continue
+                value, best = float(row[key]), self.best_eval.get(key)
+                if math.isfinite(value) and (in_grace or best is None or value < best):
+                    self.best_eval[key] = value
+                    continue
+                ratio = value / best if best else math.inf  # a non-finite first value: inf (NaN stays NaN)
+                if self.config.eval_rise and not ratio <= self.config.eval_rise:  # a NaN ratio alerts too
+                    alerts.append(Alert(int(row["step"]), kind, ratio, self.config.eval_rise, "", step, loss=value))
+        return alerts
 
     def _check_rise(self, rows: list[dict], step: int, top: list) -> list[Alert]:
         """The interval's median loss (finite, applied steps: one spike does not move it), and the median of its
@@ -468,6 +519,7 @@ class Guard:
         return {
             "loss_stats": self.loss_stats.state_dict(),
             "best_interval_loss": self.best_interval_loss,
+            "best_eval": dict(self.best_eval),
             "grace_until": self.grace_until,
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
@@ -478,6 +530,7 @@ class Guard:
     def load_state_dict(self, state: dict) -> None:
         self.loss_stats.load_state_dict(state["loss_stats"])
         self.best_interval_loss = state.get("best_interval_loss")
+        self.best_eval = {k: float(v) for k, v in state.get("best_eval", {}).items()}
         self.grace_until = int(state.get("grace_until", -1))
         self.rollbacks = int(state["rollbacks"])
         self.lr_scale = float(state["lr_scale"])

@@ -47,6 +47,8 @@ def run_suite(
         for recipe in RECIPES:
             r = run_one(work, cfg, available[name], recipe)
             knows = f"  general {r.general_after:.3f}  task {r.task_after:.3f}" if r.general_after is not None else ""
+            if r.retention_loss_after is not None:
+                knows += f"  eval loss {r.eval_loss_after:.3f}  retention loss {r.retention_loss_after:.3f}"
             progress(
                 f"  {name:<22} {recipe:<8} final loss {r.final_loss:.3f}{knows}  skipped {r.skipped_steps}  "
                 f"rollbacks {r.rolled_back}  {r.wall_s:.1f}s" + (f"  [{r.message}]" if r.message else "")
@@ -83,6 +85,7 @@ _HELPS = {
     "log_every": "the guarded recipe's guard reads the device every N steps",
     "max_rollbacks": "the guarded recipe gives up (stops) after this many rollbacks",
     "zscore_warmup": "steps the guarded optimizer's norm statistics warm up before a spike can be called",
+    "eval_rise": "the guarded recipe alerts when eval_loss or retention_loss exceeds this x its best so far (0: off)",
     "seed": "data order, the adapters' init and the tiny base model's training",
     "threads": "torch CPU threads (1 is fastest and steadiest on a shared 2-core machine)",
 }
@@ -90,6 +93,7 @@ _RANGES.update(
     lr_multiplier=dict(low=1, high=1e6),
     poison_weight=dict(low=1, high=1e12),
     zscore_warmup=dict(low=1, high=100_000, integer=True),
+    eval_rise=dict(low=0, high=1e6),
 )
 
 
@@ -176,6 +180,8 @@ def main(argv: list[str]) -> int:
                 f"--max-length must be at least {TINY_MIN_LENGTH} on the tiny model (its built-in prompts "
                 f"need it), got {cfg.max_length}"
             )
+        if cfg.eval_rise and not cfg.eval_rise > 1:
+            raise UserError(f"--eval-rise must be above 1 (or 0 to turn the alerts off), got {cfg.eval_rise:g}")
         if cfg.steps < 2 * cfg.log_every:
             raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
         if is_real(cfg):
@@ -222,6 +228,9 @@ def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> i
             f"  ({time.perf_counter() - t0:.0f}s to load and evaluate)",
             flush=True,
         )
+    if work.start_losses is not None:
+        shown = "  ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in work.start_losses.items())
+        print(f"  start: {shown}  (held-out losses: {work.losses.describe()})", flush=True)
     json_path = os.path.join(output_dir, JSON_FILE)
     png_path = os.path.join(output_dir, PNG_FILE)
 
@@ -237,7 +246,7 @@ def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> i
     )
     write(results, finished=True)
     print()
-    print(format_table(results, work.before))
+    print(format_table(results, work.before, work.start_losses))
     plot(results, png_path)
     print(f"\nwrote {json_path} and {png_path} in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0

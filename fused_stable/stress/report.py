@@ -36,28 +36,54 @@ def judge(results: list[RunResult], other_data: Iterable[str] = ()) -> None:
         r.status = "diverged" if bad else "ok"
 
 
-def format_table(results: list[RunResult], before: dict | None = None) -> str:
+def format_table(results: list[RunResult], before: dict | None = None, start_losses: dict | None = None) -> str:
     """The markdown table; with a pretrained model's evaluation, `general` and task accuracy after each run
-    (and the base model's in the first line)."""
+    (and the base model's in the first line); with held-out losses, eval and retention loss after each run
+    (the start's in the first line) and, in the alerts column, how many of the alerts were evaluation rises."""
     evaluated = any(r.general_after is not None for r in results)
+    measured = any(r.eval_loss_after is not None or r.retention_loss_after is not None for r in results)
     header = "| scenario | recipe | outcome | final loss |"
     if evaluated:
         header += " general after | task after |"
+    if measured:
+        header += " eval loss after | retention loss after |"
     header += " skipped steps | rollbacks (steps undone) | alerts | wall time |"
     lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
-    if evaluated and before is not None:
-        lines.append(
-            f"| base model | - | - | - | {before['general']['accuracy']:.3f} | {before['identity']['accuracy']:.3f} "
-            "| - | - | - | - |"
-        )
+    if (evaluated and before is not None) or (measured and start_losses is not None):
+        line = "| base model | - | - | - |"
+        if evaluated:
+            general, task = (before["general"]["accuracy"], before["identity"]["accuracy"]) if before else (None, None)
+            line += f" {_accuracy(general)} | {_accuracy(task)} |"
+        if measured:
+            start = start_losses or {}
+            line += f" {_accuracy(start.get('eval_loss'))} | {_accuracy(start.get('retention_loss'))} |"
+        lines.append(line + " - | - | - | - |")
     for r in results:
-        alerts = str(r.alerts) if r.recipe == "guarded" else "-"
+        alerts = "-"
+        if r.recipe == "guarded":
+            alerts = f"{r.alerts} ({r.eval_alerts} eval)" if measured else str(r.alerts)
         rollbacks = f"{r.rolled_back} ({r.rolled_back_steps})" if r.recipe == "guarded" else "-"
         line = f"| {r.scenario} | {r.recipe} | {r.status} | {r.final_loss:.3f} |"
         if evaluated:
             line += f" {_accuracy(r.general_after)} | {_accuracy(r.task_after)} |"
+        if measured:
+            line += f" {_accuracy(r.eval_loss_after)} | {_accuracy(r.retention_loss_after)} |"
         lines.append(line + f" {r.skipped_steps} | {rollbacks} | {alerts} | {r.wall_s:.1f}s |")
     return "\n".join(lines)
+
+
+def worst_rise(evals: list[dict], key: str) -> float | None:
+    """The largest ratio of an evaluation's `key` to the lowest value before it (the guard's rise measure) over
+    a run's evaluations: on a clean run, the noise a rise factor must clear."""
+    best, worst = None, None
+    for e in evals:
+        value = e.get(key)
+        if value is None or not math.isfinite(value):
+            continue
+        if best is not None and best > 0:
+            worst = max(worst or 0.0, value / best)
+        best = value if best is None else min(best, value)
+    return worst
 
 
 def _accuracy(value: float | None) -> str:
@@ -114,6 +140,11 @@ def write_json(
     """stress.json (written after every run, atomically: a suite cut short keeps what it measured), strict JSON
     in the encoding of `fused_stable.strict_json` (a non-finite loss is the string "NaN" or "Infinity")."""
     before = None
+    rises = {
+        f"{r.scenario}/{r.recipe}": {k: worst_rise(r.evals, k) for k in ("eval_loss", "retention_loss")}
+        for r in results
+        if r.evals
+    }
     if work.before is not None:
         before = {
             "general_before": work.before["general"]["accuracy"],
@@ -125,6 +156,8 @@ def write_json(
         "config": asdict(cfg),
         "finished": finished,
         "base_model": before,
+        "start_losses": work.start_losses,
+        "worst_eval_rise": rises,  # per guarded run: max over its evaluations of value / best before it
         "scenarios": {n: asdict(s) for n, s in known.items() if n in {r.scenario for r in results}},
         "results": [asdict(r) for r in results],
         "environment": {

@@ -4,12 +4,15 @@ Recipes:
 - `usual`: torch.optim.AdamW + torch.nn.utils.clip_grad_norm_(1.0) + transformers-style warm-up/cosine
   LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most fine-tuning scripts do.
 - `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
-  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps; a rollback
-  restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean check, halves the lr and
-  keeps the data position (the window that spiked is not replayed).
+  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check (on a
+  pretrained model) with an evaluation of the held-out and retention losses
+  (`fused_stable.train.evaluate.HeldOutLosses`, as `fused-stable sft` measures them; the one before the first step
+  is the reference); a rollback restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean
+  check, halves the lr and keeps the data position (the window that spiked is not replayed).
 
-Both recipes see the same model init, the same data order and the same injected fault. The workload (the
-tokenizer, the task's data, the base every run starts from) is built once per suite (`build_workload`).
+Both recipes see the same model init, the same data order and the same injected fault, and both are measured
+on the same held-out sets after the run. The workload (the tokenizer, the task's data, the held-out sets, the
+base every run starts from) is built once per suite (`build_workload`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from fused_stable.stress.scenarios import Scenario, StressConfig, is_real, shift
 
 RECIPES = ("usual", "guarded")
 FINAL_WINDOW = 10  # steps averaged into the "final loss"
+EVAL_MAX_LENGTH = 256  # the held-out sets are not cut to the training max_length: their answers stay whole
 
 
 # ---------------------------------------------------------------------------------------------- model and data
@@ -39,6 +43,8 @@ class Workload:
     model: object = None  # a pretrained model with LoRA adapters, shared by the runs (its base stays frozen)
     task_name: str | None = None  # the identity the evaluation expects
     before: dict | None = None  # the held-out evaluation of the base model
+    losses: object = None  # HeldOutLosses: eval_loss and retention_loss (None: not measured)
+    start_losses: dict | None = None  # their values on the model every run starts from
 
 
 def build_workload(cfg: StressConfig) -> Workload:
@@ -57,6 +63,8 @@ def build_tiny_workload(cfg: StressConfig) -> Workload:
     shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
     model = build_tiny_model(tokenizer)
     _pretrain(model, data.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
+    # no evaluations on the tiny model (as sft's retention_probe=auto): its base is a 200-step scratch model, and
+    # full fine-tuning moves its retention loss 1.27x in a clean 20-step run (measured), past the rise factor
     return Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
 
 
@@ -76,11 +84,31 @@ def build_real_workload(cfg: StressConfig) -> Workload:
     examples = tasks.identity_examples(name, author, seed=cfg.seed, general=cfg.examples)
     items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
     shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
-    before = evaluate(model, tokenizer, name=name)
+    before = evaluate(model, tokenizer, name=name, author=author)
     torch.manual_seed(cfg.seed)
     model = apply_tuner(model, TrainConfig(model=cfg.model))
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return Workload(tokenizer, items, shifted_items, init, model=model, task_name=name, before=before)
+    work = Workload(tokenizer, items, shifted_items, init, model=model, task_name=name, before=before)
+    _add_held_out_losses(work, model, tasks.identity_heldout(name, author, cfg.seed))  # LoRA at init: the base
+    return work
+
+
+def _add_held_out_losses(work: Workload, base, heldout: list) -> None:
+    """The sets every run is measured on, as `fused-stable sft` measures them: eval_loss on held-out examples
+    of the task, retention_loss on `base`'s own greedy answers to the retention probe's prompts; and their
+    values on `base`, where every run starts."""
+    from fused_stable.train import data, tasks
+    from fused_stable.train.evaluate import HeldOutLosses, accepts_logits_to_keep, retention_items
+
+    tokenizer = work.tokenizer
+    sets = {
+        "eval_loss": data.tokenize_examples(heldout, tokenizer, EVAL_MAX_LENGTH),
+        "retention_loss": retention_items(base, tokenizer, tasks.retention_prompts(), max_length=EVAL_MAX_LENGTH),
+    }
+    work.losses = HeldOutLosses(
+        sets, pad_id=tokenizer.pad_token_id, device="cpu", keep_logits=accepts_logits_to_keep(base)
+    )
+    work.start_losses = work.losses.measure(base)
 
 
 def _fresh_model(work: Workload):
@@ -153,7 +181,11 @@ class RunResult:
     message: str = ""
     general_after: float | None = None  # pretrained model: held-out general accuracy after the run
     task_after: float | None = None  # ...and the target task's (identity) accuracy
-    eval_s: float = 0.0
+    eval_loss_after: float | None = None  # the held-out losses after the run (both recipes)
+    retention_loss_after: float | None = None
+    evals: list = field(default_factory=list)  # guarded: {"step", "eval_loss", "retention_loss"} at each check
+    eval_alerts: int = 0  # guarded: eval_loss_rise / retention_loss_rise alerts among `alerts`
+    eval_s: float = 0.0  # the evaluations (during the run, and after it)
     cpu_s: float = 0.0  # this process's CPU time for the run and its evaluation
 
 
@@ -165,7 +197,7 @@ def fp16_grad_hooks(model) -> list:
 
 def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) -> RunResult:
     from fused_stable import FusedAdamW, GradScaler, schedules
-    from fused_stable.guard import Guard, GuardConfig
+    from fused_stable.guard import EVALUATED, Guard, GuardConfig
 
     torch.manual_seed(cfg.seed)
     model = _fresh_model(work)
@@ -184,7 +216,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
         scaler = torch.amp.GradScaler("cpu") if scenario.fp16 else None
     else:
-        guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks))
+        guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks, eval_rise=cfg.eval_rise))
         opt = FusedAdamW(
             params,
             lr=lr,
@@ -201,12 +233,17 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         scaler = GradScaler("cpu") if scenario.fp16 else None
         sched = None
     snapshot = _snapshot(trainable, opt, scaler, 0) if guard else None
+    held_out = work.losses if guard else None  # the guarded recipe evaluates at its checks
+    if held_out is not None:
+        guard.eval_reference(work.start_losses)  # every run starts from the workload's base
+        result.evals.append({"step": 0, **work.start_losses})
 
     cpu0 = time.process_time()  # CPU time: on a shared machine, a fairer measure of the cost than the wall clock
     step, k = 0, 0  # optimizer steps (rolled back with the model), micro-batches consumed (never)
     pending: list[torch.Tensor] = []
     rows: list[dict] = []
     t0 = time.perf_counter()
+    eval_s = 0.0
     while step < cfg.steps:
         b = batch(k)
         loss = _loss(model, b)
@@ -247,8 +284,14 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
             rows += new_rows
             if guard:
                 result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
+                if held_out is not None:
+                    started = time.perf_counter()
+                    new_rows[-1].update(held_out.measure(model))
+                    eval_s += time.perf_counter() - started
+                    result.evals.append({"step": step, **{key: new_rows[-1][key] for key in held_out.names}})
                 decision = guard.check(step, opt, new_rows)
                 result.alerts += len(decision.alerts)
+                result.eval_alerts += sum(a.kind in EVALUATED.values() for a in decision.alerts)
                 if decision.action == "rollback":
                     _restore(snapshot, trainable, opt, scaler)
                     result.rolled_back_steps += step - snapshot["step"]
@@ -261,7 +304,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
                     break
                 if step % cfg.snapshot_every == 0 and not decision.alerts:
                     snapshot = _snapshot(trainable, opt, scaler, step)
-    result.wall_s = time.perf_counter() - t0
+    result.wall_s = time.perf_counter() - t0 - eval_s  # training (the evaluations apart, as below)
     for h in hooks:
         h.remove()
     result.losses = [r["loss"] for r in rows]
@@ -269,13 +312,16 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
     result.final_loss = sum(tail) / len(tail) if tail else math.nan
     if guard:
         result.rolled_back = guard.rollbacks
+    t0 = time.perf_counter()
+    if work.losses is not None:  # both recipes: the held-out losses of the model the run ended with
+        after = work.losses.measure(model)
+        result.eval_loss_after, result.retention_loss_after = after.get("eval_loss"), after.get("retention_loss")
     if work.model is not None:  # what the pretrained model still knows, and what it learnt
         from fused_stable.train.evaluate import evaluate
 
-        t0 = time.perf_counter()
         scores = evaluate(model, work.tokenizer, name=work.task_name)
         result.general_after, result.task_after = scores["general"]["accuracy"], scores["identity"]["accuracy"]
-        result.eval_s = time.perf_counter() - t0
+    result.eval_s = eval_s + time.perf_counter() - t0
     result.cpu_s = time.process_time() - cpu0
     return result
 

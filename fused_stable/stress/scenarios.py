@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fused_stable.guard import GuardConfig
+
 
 @dataclass
 class StressConfig:
@@ -33,6 +35,7 @@ class StressConfig:
     seed: int = 0
     threads: int = 1
     examples: int = 2000  # tiny: built-in examples; a pretrained model: general examples mixed into its task
+    eval_rise: float = GuardConfig.eval_rise  # the guarded recipe's rise factor for eval/retention loss
 
 
 TINY_MIN_LENGTH = 96  # the tiny model's built-in prompts are this long

@@ -2,7 +2,8 @@
 data and optimizer, train, and save. User mistakes end with one line on stderr and exit code 2, with nothing
 written; an existing folder is replaced only if it is a run, and only its own entries (`outputs`); SIGINT and
 SIGTERM end with a checkpoint and the command that continues the run (exit code 130 / 143). On the identity
-task the model is evaluated before and after training (`evaluate`, eval.json).
+task the model is evaluated before and after training (`evaluate`, eval.json); during training the held-out and
+retention losses are measured on the loop's evaluation schedule (`_held_out_losses`).
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.guard import Guard
     from fused_stable.train import data, parallel
-    from fused_stable.train.config import guard_config, run_dict
+    from fused_stable.train.config import eval_steps, guard_config, run_dict
+    from fused_stable.train.evaluate import held_out_split
     from fused_stable.train.loop import Trainer
     from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
     from fused_stable.train.runtime import resolve_runtime, set_threads
@@ -246,7 +248,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
     source = resolve_model(cfg.model)
-    examples = _task_examples(cfg)
+    examples, heldout = held_out_split(cfg, _task_examples(cfg))
     tokenizer = load_tokenizer(source, log=_log)
     # an example whose answer max_length cuts off entirely is skipped (counted in a note)
     items = data.fit_to_length(data.tokenize_examples(examples, tokenizer, cfg.max_length), cfg.max_length, log=_log)
@@ -296,7 +298,9 @@ def setup_run(argv: list[str]) -> RunSetup:
         save_steps=cfg.save_steps,
         save_total_limit=cfg.save_total_limit,
         guard=guard,
+        eval_steps=eval_steps(cfg),
     )
+    trainer.evaluator = _held_out_losses(cfg, model, tokenizer, heldout, runtime)
     return RunSetup(
         cfg,
         runtime,
@@ -331,19 +335,58 @@ def _task_examples(cfg):
     return data.load_examples(cfg.dataset, log=_log)
 
 
-def _evaluate(setup: RunSetup, base: bool) -> dict:
-    """The held-out evaluation of the model being trained, or (base=True) of its base. The base is evaluated
-    before `start` restores a checkpoint: a full fine-tune's model is then still the base, and adapters are
-    switched off (also on a resumed run; a QLoRA base stays quantised as in training)."""
+def _base_model(cfg, model, base: bool = True):
+    """A context in which `model` (unwrapped) answers as its base: adapters switched off; a full fine-tune is
+    the base as long as `start` has not restored a checkpoint (also on a resumed run; a QLoRA base stays
+    quantised as in training)."""
     import contextlib
 
+    return model.disable_adapter() if base and cfg.tuner != "full" else contextlib.nullcontext()
+
+
+def _evaluate(setup: RunSetup, base: bool) -> dict:
+    """The held-out evaluation of the model being trained, or (base=True) of its base, evaluated before `start`
+    restores a checkpoint (see `_base_model`)."""
     from fused_stable.train import parallel
     from fused_stable.train.evaluate import evaluate
 
     cfg, model = setup.cfg, parallel.unwrap(setup.model)
-    context = model.disable_adapter() if base and cfg.tuner != "full" else contextlib.nullcontext()
-    with context:
-        return evaluate(model, setup.tokenizer, name=cfg.identity_name, autocast=setup.runtime.autocast())
+    with _base_model(cfg, model, base):
+        return evaluate(
+            model,
+            setup.tokenizer,
+            name=cfg.identity_name,
+            author=cfg.identity_author,
+            autocast=setup.runtime.autocast(),
+        )
+
+
+def _held_out_losses(cfg, model, tokenizer, heldout, runtime):
+    """What the loop measures at its evaluations (None when eval_steps is 0 or there is nothing to measure):
+    eval_loss on the held-out examples, and retention_loss on the base model's own answers to the retention
+    probe's prompts, generated here, before training."""
+    from fused_stable.train import data, parallel, tasks
+    from fused_stable.train.config import eval_steps, retention_probe
+    from fused_stable.train.evaluate import HeldOutLosses, accepts_logits_to_keep, retention_items
+
+    if eval_steps(cfg) == 0:
+        return None
+    sets = {}
+    if heldout:
+        sets["eval_loss"] = data.tokenize_examples(heldout, tokenizer, cfg.max_length)
+    if retention_probe(cfg):
+        started = time.perf_counter()
+        base = parallel.unwrap(model)
+        prompts = tasks.retention_prompts()
+        with _base_model(cfg, base):
+            sets["retention_loss"] = retention_items(
+                base, tokenizer, prompts, max_length=cfg.max_length, autocast=runtime.autocast()
+            )
+        _log(f"retention probe: the base model answered {len(prompts)} prompts ({time.perf_counter() - started:.1f}s)")
+    losses = HeldOutLosses(
+        sets, pad_id=tokenizer.pad_token_id, device=runtime.device, keep_logits=accepts_logits_to_keep(model)
+    )
+    return losses if losses.names else None
 
 
 def run(argv: list[str], interrupts=None) -> int:
@@ -406,7 +449,7 @@ def _report_failure(setup: RunSetup, why: str, before_continuing: str = "", ever
 
 def _train(setup: RunSetup, interrupts) -> int:
     from fused_stable.train import parallel
-    from fused_stable.train.report import plot_curves, read_metrics
+    from fused_stable.train.report import evaluation_summary, plot_curves, read_metrics
 
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
     main_rank = setup.runtime.is_main
@@ -436,6 +479,13 @@ def _train(setup: RunSetup, interrupts) -> int:
             f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
             f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
         )
+        if trainer.evaluator is not None:
+            trainer.reporter.message(
+                f"evaluation every {trainer.eval_steps} steps: {trainer.evaluator.describe()}"
+                if trainer.eval_steps
+                else f"evaluation at checkpoints: {trainer.evaluator.describe()}"
+            )
+            trainer.evaluate_start()  # before the first step (a fresh run): the guard's reference
         t0 = time.perf_counter()
         start_step = trainer.state.step
         try:
@@ -490,7 +540,7 @@ def _train(setup: RunSetup, interrupts) -> int:
         table = format_table(report, cfg.identity_name)
         if main_rank:
             write_eval(cfg.output_dir, report)
-            plot_curves(cfg.output_dir, cfg.max_grad_norm, note=table)
+            plot_curves(cfg.output_dir, cfg.max_grad_norm, note=table, eval_start=trainer.state.eval_start)
         eval_s = time.perf_counter() - t_eval
     if not main_rank:
         return 0
@@ -501,6 +551,13 @@ def _train(setup: RunSetup, interrupts) -> int:
         f"saved {target} and {os.path.join(cfg.output_dir, 'curves.png')}",
         flush=True,
     )
+    evaluated = evaluation_summary(rows, trainer.state.eval_start)
+    if evaluated:
+        share = f" ({100 * trainer.eval_seconds / train_s:.1f}% of it)" if train_s > 0 else ""
+        print(
+            f"{evaluated}\n(evaluations during training: {trainer.evaluations} in {trainer.eval_seconds:.1f}s{share})",
+            flush=True,
+        )
     if table is not None:
         print(
             f"\n{table}\n(evaluation after training {eval_s:.1f}s; answers in "
@@ -519,7 +576,7 @@ def _close_outputs(trainer, cfg, main_rank: bool, failing: bool = False) -> None
     try:
         trainer.reporter.close()
         if main_rank:
-            plot_curves(cfg.output_dir, cfg.max_grad_norm)
+            plot_curves(cfg.output_dir, cfg.max_grad_norm, eval_start=trainer.state.eval_start)
     except OSError as exc:
         if not failing:
             print(f"fused-stable sft: note: could not finish the run's curves and metrics ({exc})", file=sys.stderr)

@@ -19,7 +19,7 @@ import yaml
 
 from fused_stable.argcheck import check_device, parse_number, suggestion
 from fused_stable.errors import UserError
-from fused_stable.train.keys import ALIASES, CHOICES, COUNT, FIELDS, LAUNCH_KEYS, TrainConfig
+from fused_stable.train.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
 
 
 def same_state_value(name: str, saved, now) -> bool:
@@ -212,6 +212,13 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("model", "dataset", "output_dir", "identity_name", "identity_author"):
         if not getattr(cfg, name).strip():
             raise UserError(f"{name} cannot be empty")
+    if cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size):
+        raise UserError(f"val_size must be a fraction below 1 or a whole count of examples, got {cfg.val_size:g}")
+    if cfg.val_size and cfg.dataset == "identity":
+        raise UserError(
+            "val_size does not apply to dataset=identity: the task holds out its own set (the identity "
+            "paraphrases of its evaluation) for eval_loss"
+        )
     check_device(cfg.device)
     try:
         guard_config(cfg)
@@ -231,10 +238,22 @@ def guard_config(cfg: TrainConfig):
         skip_ratio=cfg.guard_skip_ratio,
         loss_z=cfg.guard_loss_z,
         loss_rise=cfg.guard_loss_rise,
+        eval_rise=cfg.guard_eval_rise,
         nonfinite_storm=cfg.guard_nonfinite_storm,
         lr_factor=cfg.guard_lr_factor,
         max_rollbacks=cfg.guard_max_rollbacks,
     )
+
+
+def eval_steps(cfg: TrainConfig) -> int:
+    """The evaluation interval: `eval_steps`, or EVAL_EVERY_LOGS logging intervals when it is none."""
+    return cfg.eval_steps if cfg.eval_steps is not None else EVAL_EVERY_LOGS * cfg.logging_steps
+
+
+def retention_probe(cfg: TrainConfig) -> bool:
+    """Whether the run measures retention_loss: `auto` means a pretrained model (anything but the scratch tiny
+    Llama, whose own answers say nothing worth keeping)."""
+    return cfg.retention_probe == "on" or (cfg.retention_probe == "auto" and cfg.model != "tiny")
 
 
 def run_dict(cfg: TrainConfig) -> dict:

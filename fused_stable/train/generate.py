@@ -1,5 +1,7 @@
 """Greedy, batched answers of a causal LM to chat prompts, formatted as in training: what the held-out
-evaluation scores (`evaluate`) and what the identity task's general answers were generated with (`tasks`)."""
+evaluation scores (`evaluate`), what the retention probe asks the base model before training (its answers as
+token ids, `evaluate.retention_items`), and what the identity task's general answers were generated with
+(`tasks`)."""
 
 from __future__ import annotations
 
@@ -17,18 +19,11 @@ def _as_messages(prompt) -> list[dict]:
 
 
 @torch.no_grad()
-def generate_answers(
-    model,
-    tokenizer,
-    prompts,
-    *,
-    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
-    batch_size: int = 64,
-    autocast=None,
-    return_finished: bool = False,
-) -> list:
-    """Greedy answers to `prompts` (strings, or message lists), formatted as in training, batched with left
-    padding. Returns the answer texts (with `return_finished`, (text, ended with end-of-sequence) pairs)."""
+def generate_answer_ids(
+    model, tokenizer, prompts, *, max_new_tokens: int = EVAL_MAX_NEW_TOKENS, batch_size: int = 64, autocast=None
+) -> list[tuple[list[int], bool]]:
+    """Greedy answers to `prompts` (strings, or message lists) as token ids, formatted as in training, batched
+    with left padding: (the answer's ids without its end-of-sequence token, whether it ended with one)."""
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -59,9 +54,26 @@ def generate_answers(
                 )
             for row in out[:, width:].tolist():
                 finished = eos in row
-                row = row[: row.index(eos)] if finished else row
-                text = tokenizer.decode(row, skip_special_tokens=True).strip()
-                results.append((text, finished) if return_finished else text)
+                results.append((row[: row.index(eos)] if finished else row, finished))
     finally:
         model.train(was_training)
     return results
+
+
+def generate_answers(
+    model,
+    tokenizer,
+    prompts,
+    *,
+    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
+    batch_size: int = 64,
+    autocast=None,
+    return_finished: bool = False,
+) -> list:
+    """Greedy answers to `prompts` (strings, or message lists), formatted as in training, batched with left
+    padding. Returns the answer texts (with `return_finished`, (text, ended with end-of-sequence) pairs)."""
+    answers = generate_answer_ids(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, autocast=autocast
+    )
+    texts = [(tokenizer.decode(ids, skip_special_tokens=True).strip(), finished) for ids, finished in answers]
+    return texts if return_finished else [text for text, _ in texts]

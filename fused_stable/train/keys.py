@@ -29,6 +29,10 @@ class Range:
         return check_range(value, self.low, self.high, low_open=self.low_open, high_open=self.high_open)
 
 
+# eval_steps when none is given: every EVAL_EVERY_LOGS logging intervals. On the default run (27 steps, logging
+# every 10) that is one evaluation during training, at step 20; one evaluation costs 0.6-2 training steps
+# there (measured under load, docs/trainer.md "Evaluation during training"), so evaluating costs ~2-7% of training
+EVAL_EVERY_LOGS = 2
 MAX_COUNT = 10**9  # a bound on counts (steps, examples...) that no real run reaches and no typo passes
 POSITIVE_COUNT = Range(1, MAX_COUNT)
 COUNT = Range(0, MAX_COUNT)  # what an int key without its own range must satisfy
@@ -103,6 +107,27 @@ class TrainConfig:
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
     threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run", Range(0, 4096))
     evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
+    val_size: float = _key(
+        0.0,
+        "examples held out of the data set for eval_loss: a fraction < 1 or a count (0 = none; "
+        "dataset=identity holds out its own set)",
+        "run",
+        Range(0, MAX_COUNT),
+    )
+    eval_steps: int | None = _key(
+        None,
+        "measure eval_loss and retention_loss every N optimizer steps (and before the first); none = "
+        f"{EVAL_EVERY_LOGS} x logging_steps; 0 = no evaluation during training",
+        "run",
+        COUNT,
+    )
+    retention_probe: str = _key(
+        "auto",
+        "retention_loss: before training the base model answers general prompts shipped with the package, "
+        "during training the loss on those answers is measured: auto (on for a pretrained model, off for tiny) "
+        "| on | off",
+        "run",
+    )
     resume: str | None = _key(None, "'latest' or a checkpoint directory to continue from", "run")
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
@@ -141,6 +166,11 @@ class TrainConfig:
         "alert when a logging interval's median loss (or its last 3's) exceeds this x the best so far (0 = off)",
         "guard",
     )
+    guard_eval_rise: float = _key(
+        1.3,
+        "alert when eval_loss or retention_loss exceeds this x its best so far (0 = off)",
+        "guard",
+    )
     guard_nonfinite_storm: int = _key(
         3,
         "non-finite-gradient steps in one logging interval that escalate to the policy "
@@ -168,6 +198,7 @@ CHOICES = {
     "clip": ("fixed", "zscore"),
     "guard": ("warn", "skip", "stop", "rollback"),
     "evaluation": ("auto", "on", "off"),
+    "retention_probe": ("auto", "on", "off"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
@@ -228,6 +259,12 @@ ALIASES = {
     "max_iters": "max_steps",
     "log_steps": "logging_steps",
     "log_every": "logging_steps",
+    "eval_every": "eval_steps",
+    "evaluation_steps": "eval_steps",
+    "eval_interval": "eval_steps",
+    "validation_split": "val_size",
+    "val_set_size": "val_size",
+    "eval_size": "val_size",
     "save_every": "save_steps",
     "load_in_4bit": "quant_bits",
     "load_in_8bit": "quant_bits",
@@ -292,8 +329,9 @@ def help_text() -> str:
             ]  # "all-linear" stays whole
         lines.append("")
     lines += para(
-        "Outputs in output_dir: run_manifest.json (what --overwrite may remove), run.yaml, metrics.jsonl, "
-        "alerts.jsonl, curves.png, eval.json, tensorboard/, checkpoints/step-N/, adapter/ (or model/)."
+        "Outputs in output_dir: run_manifest.json (what --overwrite may remove), run.yaml, metrics.jsonl "
+        "(eval_loss, retention_loss on evaluated steps), alerts.jsonl, curves.png, eval.json, tensorboard/, "
+        "checkpoints/step-N/, adapter/ (or model/)."
     )
     lines += para(
         "Then: fused-stable chat --adapter output_dir, fused-stable export --adapter output_dir --output_dir DIR."

@@ -6,6 +6,12 @@ Nothing reads the device between logging steps: the window loss, grad norm, lr a
 are stacked on the device and read once per `logging_steps`. At each logging step the stability guard
 (fused_stable.guard) and the callbacks see the interval and may answer "stop" or "rollback".
 
+Evaluations (`evaluator`, fused_stable.train.evaluate.HeldOutLosses: `eval_loss`, `retention_loss`) are
+scheduled like logging: before the first step (the guard's reference), then every `eval_steps` optimizer steps
+(an evaluation step is a logging step), and under guard=rollback also at every checkpoint step, so that every
+checkpoint a rollback can return to passed its evaluation. Each evaluation reads the device once; its values
+go on the metrics row of the step it evaluated.
+
 An interrupt (SIGINT or SIGTERM, see `Interrupts`) ends the step under way, logs it, saves a checkpoint and
 stops the loop (`stopped_by == "interrupt"`); under torchrun every rank stops after the same step.
 """
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from fused_stable.guard import Decision, Guard
 from fused_stable.train import checkpoint, parallel
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
+from fused_stable.train.evaluate import HeldOutLosses
 from fused_stable.train.report import AlertLog, Reporter
 from fused_stable.train.runtime import Runtime
 
@@ -90,6 +97,7 @@ class TrainState:
     tokens: int = 0  # non-padding tokens seen
     elapsed_s: float = 0.0  # training time before this process started (resumed runs)
     rollbacks: int = 0
+    eval_start: dict | None = None  # the held-out losses before the first step (the guard's reference)
 
 
 @dataclass
@@ -109,6 +117,12 @@ class Trainer:
     save_total_limit: int = 0
     callbacks: list[Callback] = field(default_factory=list)
     guard: Guard | None = None
+    evaluator: HeldOutLosses | None = None  # eval_loss / retention_loss during training (None: not measured)
+    eval_steps: int = (
+        0  # evaluate every N optimizer steps (0: only before the first step and, under rollback, at checkpoints)
+    )
+    eval_seconds: float = 0.0  # time spent evaluating during fit (this process)
+    evaluations: int = 0  # evaluations during fit (this process)
     alert_log: AlertLog | None = None
     interrupts: Interrupts | None = None
     state: TrainState = field(default_factory=TrainState)
@@ -124,6 +138,7 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> TrainState:
+        self.evaluate_start()  # a no-op when done already (the command does it before it times training)
         model, opt, scaler, device = self.model, self.optimizer, self.scaler, self.runtime.device
         model.train()
         pending: list[torch.Tensor] = []  # per-step device values, read at the next logging step
@@ -209,6 +224,10 @@ class Trainer:
                     rows[-1]["loss_scale"] = scaler.get_scale()
                 pending.clear()
                 pending_meta.clear()
+                if self._evaluation_step() and not signum:  # an interrupt saves at once
+                    rows[-1].update(self._evaluate())
+                    self.evaluations += 1
+                    now = time.perf_counter()  # the next interval's tokens/s leaves the evaluation out
                 t_last_log, tokens_since_log = now, 0
                 if self.reporter is not None:
                     self.reporter.log(rows)
@@ -239,10 +258,42 @@ class Trainer:
     # --------------------------------------------------------------------------------------------- seams
     def _logging_step(self) -> bool:
         step = self.state.step
-        if step % self.logging_steps == 0 or step == self.total_steps:
+        if step % self.logging_steps == 0 or step == self.total_steps or self._evaluation_step():
             return True
         # a checkpoint is what a rollback returns to: the guard looks at the steps before it is written
         return self.guard is not None and bool(self.save_steps) and step % self.save_steps == 0
+
+    def _evaluation_step(self) -> bool:
+        if self.evaluator is None:
+            return False
+        step = self.state.step
+        if self.eval_steps and step % self.eval_steps == 0:
+            return True
+        # under rollback a checkpoint is a rollback target: it is written only after its evaluation passed
+        rolling_back = self.guard is not None and self.guard.config.policy == "rollback"
+        return rolling_back and bool(self.save_steps) and step % self.save_steps == 0
+
+    def _evaluate(self) -> dict:
+        """The held-out losses now (one device read), timed; the console and TensorBoard get them."""
+        started = time.perf_counter()
+        values = self.evaluator.measure(self.model, self.runtime.autocast)
+        seconds = time.perf_counter() - started
+        self.eval_seconds += seconds
+        if self.reporter is not None and self.runtime.is_main:
+            self.reporter.evaluation(self.state.step, values, seconds)
+        return values
+
+    def evaluate_start(self) -> dict | None:
+        """The held-out losses of the model before its first step, once per run (kept in checkpoints): the
+        guard's reference for a rise (for retention_loss: the base model's loss on its own answers)."""
+        if self.evaluator is None or self.state.step != 0 or self.state.eval_start is not None:
+            return None
+        seconds_before = self.eval_seconds
+        self.state.eval_start = self._evaluate()
+        self.eval_seconds = seconds_before  # before training: not part of the cost during training
+        if self.guard is not None:
+            self.guard.eval_reference(self.state.eval_start)
+        return self.state.eval_start
 
     def _run_guard(self, rows: list[dict]) -> Decision:
         if self.guard is None:

@@ -1,6 +1,8 @@
-"""What a run shows and leaves behind: a live progress bar, metrics.jsonl (one line per optimizer step),
-alerts.jsonl (one line per stability-guard alert, `AlertLog`), optional TensorBoard events, and curves.png
-(loss, grad norm vs the clip threshold, lr, skipped steps, alerts).
+"""What a run shows and leaves behind: a live progress bar, metrics.jsonl (one line per optimizer step; the
+rows of evaluated steps also hold `eval_loss` and `retention_loss`), alerts.jsonl (one line per
+stability-guard alert, `AlertLog`), optional TensorBoard events (`train/*`, `eval/loss`,
+`eval/retention_loss`, `guard/*`), curves.png (loss with the evaluations' own lines, grad norm vs the clip
+threshold, lr, skipped steps, alerts) and the end-of-run summary of the evaluations (`evaluation_summary`).
 
 The loop hands rows over only at logging steps, after one device read for the whole interval. Both .jsonl
 files are strict JSON in the encoding of `fused_stable.strict_json` (a non-finite number is the string "NaN",
@@ -24,6 +26,11 @@ from fused_stable import strict_json
 METRICS_FILE = "metrics.jsonl"
 ALERTS_FILE = "alerts.jsonl"
 CURVES_FILE = "curves.png"
+# the evaluations' fields of a metrics row -> (TensorBoard tag, label on curves.png and in the summary)
+EVAL_FIELDS = {
+    "eval_loss": ("eval/loss", "eval loss (held out)"),
+    "retention_loss": ("eval/retention_loss", "retention loss (base model's answers)"),
+}
 
 
 def _fmt(row: dict) -> str:
@@ -147,6 +154,16 @@ class Reporter:
         if not self.console.is_terminal:  # logs and CI: a plain line per logging step instead of a live bar
             print(f"step {last['step']}/{self.total_steps} | {_fmt(last)} | {last['elapsed_s']:.1f}s", flush=True)
 
+    def evaluation(self, step: int, values: dict, seconds: float) -> None:
+        """An evaluation's held-out losses (also on the metrics row of `step`, when there is one): a console line
+        and TensorBoard `eval/loss`, `eval/retention_loss`."""
+        shown = " | ".join(f"{k} {v:.4f}" for k, v in values.items())
+        self.message(f"evaluation at step {step} ({seconds:.1f}s): {shown}")
+        if self.tb is not None:
+            for key, value in values.items():
+                if key in EVAL_FIELDS and math.isfinite(value):
+                    self.tb.add_scalar(EVAL_FIELDS[key][0], value, step)
+
     def alerts(self, alerts: list) -> None:
         """Stability-guard alerts (fused_stable.guard.Alert): a console line each and TensorBoard events."""
         for alert in alerts:
@@ -174,9 +191,31 @@ class Reporter:
             self.tb.close()
 
 
-def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None = None) -> str | None:
+def evaluation_summary(rows: list[dict], start: dict | None = None) -> str | None:
+    """One line per evaluated loss for the end of a run: its value before the first step (`start`), at the
+    last evaluation, and its best (lowest) with the step; None when nothing was evaluated."""
+    lines = []
+    for key in EVAL_FIELDS:
+        points = [(0, start[key])] if start and key in start else []
+        points += [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if not points:
+            continue
+        finite = [p for p in points if math.isfinite(p[1])]
+        best = min(finite, key=lambda p: p[1]) if finite else points[-1]
+        first, last = points[0], points[-1]
+        lines.append(
+            f"{key} {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]}), best {best[1]:.4f} "
+            f"(step {best[0]}), {len(points)} evaluations"
+        )
+    return "\n".join(lines) or None
+
+
+def plot_curves(
+    output_dir: str, max_grad_norm: float | None, note: str | None = None, eval_start: dict | None = None
+) -> str | None:
     """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one); `note` (the before/after
-    evaluation table) is written in a box on the loss panel."""
+    evaluation table) is written in a box on the loss panel, beside the evaluations' lines (`eval_start`: their
+    values before the first step)."""
     rows = read_metrics(output_dir)
     if not rows:
         return None
@@ -191,6 +230,12 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     ax_loss, ax_norm, ax_lr = axes
     ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, color="tab:blue", label="train loss")
+    for (key, (_, label)), color in zip(EVAL_FIELDS.items(), ("tab:red", "tab:brown")):
+        points = [(0, eval_start[key])] if eval_start and key in eval_start else []
+        points += [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if points:
+            ys = [v if math.isfinite(v) else float("nan") for _, v in points]
+            ax_loss.plot([p[0] for p in points], ys, marker="o", ms=3, lw=1.2, color=color, label=label)
     ax_loss.set_ylabel("loss (per token)")
     ax_loss.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {len(rows)} optimizer steps")
     if note:

@@ -10,9 +10,16 @@ evaluation sets.
   says anchors it: these examples cost almost no loss at the start and pull back any drift the identity
   part causes elsewhere (self-distillation against forgetting). The evaluation asks other questions with a
   known short answer (capitals, arithmetic, common facts).
+- leak: prompts whose right answer is not the identity (look-alikes such as "Who made the iPhone?", a
+  follow-up such as "And what about Germany?" after a capital question): an answer that names the identity
+  leaked it.
+- the task's held-out set for `eval_loss` (`identity_heldout`): the identity evaluation paraphrases with an
+  answer template each, so the loss is measured on questions the model was not trained on.
+- the retention probe's prompts (`retention_prompts`): general questions, in none of the sets above, that the
+  base model answers before training (`fused_stable.train.evaluate.retention_items`).
 
-Everything lives in `fused_stable/train/assets/` (package data): `identity_task.json` is hand-written,
-`general_answers.json` is generated.
+Everything lives in `fused_stable/train/assets/` (package data): `identity_task.json` and
+`retention_prompts.json` are hand-written, `general_answers.json` is generated.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from fused_stable.train.data import Example, conversation
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TASK_FILE = os.path.join(ASSETS, "identity_task.json")
 GENERAL_ANSWERS_FILE = os.path.join(ASSETS, "general_answers.json")
+RETENTION_FILE = os.path.join(ASSETS, "retention_prompts.json")
 ANSWER_MODEL = "smollm2-135m"  # the model whose answers general_answers.json holds
 ANSWER_MAX_NEW_TOKENS = 96  # generation budget of those answers
 
@@ -67,13 +75,32 @@ def identity_examples(name: str, author: str, seed: int, general: int | None = N
     return examples
 
 
-def eval_sets(name: str) -> dict[str, list[dict]]:
+def identity_heldout(name: str, author: str, seed: int) -> list[Example]:
+    """The identity task's own held-out set (what `eval_loss` measures on it): every evaluation paraphrase,
+    none of them trained on, answered with an answer template drawn per question (seeded)."""
+    spec = task_spec()["identity"]
+    rng = random.Random(seed)
+    return [
+        conversation(q, rng.choice(spec["answers"]).format(name=name, author=author)) for q in spec["eval_questions"]
+    ]
+
+
+def retention_prompts() -> list[str]:
+    """The retention probe's general prompts (assets/retention_prompts.json)."""
+    return list(_load(RETENTION_FILE)["prompts"])
+
+
+def eval_sets(name: str, author: str | None = None) -> dict[str, list[dict]]:
     """Held-out prompts by set: {"identity": [{"prompt", "expected": [name]}], "general": [{"prompt",
-    "expected": [accepted answers]}]}. None of these prompts is in the training mix."""
+    "expected": [accepted answers]}], "leak": [{"prompt", "forbidden": [name, author]}]}. A prompt is a
+    string (one user turn) or a list of messages (a follow-up question); none of them is in the training mix.
+    `author`: the identity's author (the task's default if None), which a leaking answer may name instead."""
     spec = task_spec()
+    forbidden = [name, author or default_identity()[1]]
     return {
         "identity": [{"prompt": q, "expected": [name]} for q in spec["identity"]["eval_questions"]],
         "general": [{"prompt": row["question"], "expected": row["answers"]} for row in spec["general"]["eval"]],
+        "leak": [{"prompt": p, "forbidden": forbidden} for p in spec["leak"]["prompts"]],
     }
 
 

@@ -117,9 +117,10 @@ class Run:
         self.rows = []
         self.decisions = []
 
-    def run(self, steps, grad_scale=None, loss_at=None, only=None):
-        """grad_scale: {step: factor} for every grad (or only for the tensor named `only`)."""
-        grad_scale, loss_at = grad_scale or {}, loss_at or {}
+    def run(self, steps, grad_scale=None, loss_at=None, only=None, row_at=None):
+        """grad_scale: {step: factor} for every grad (or only for the tensor named `only`); row_at: {step:
+        fields} added to that step's metrics row (an evaluation's values)."""
+        grad_scale, loss_at, row_at = grad_scale or {}, loss_at or {}, row_at or {}
         for _ in range(steps):
             self.step += 1
             for name, p in zip(NAMES, self.params):
@@ -129,6 +130,7 @@ class Run:
             self.opt.zero_grad(set_to_none=True)
             loss = loss_at.get(self.step, 2.0 * math.exp(-self.step / 300) + 0.05 * self.rng.gauss(0, 1))
             self.rows.append({"step": self.step, "loss": loss, "skipped": bool(self.opt.last_step_skipped.item())})
+            self.rows[-1].update(row_at.get(self.step, {}))
             if self.step % self.log_every == 0:
                 decision = self.guard.check(self.step, self.opt, self.rows)
                 self.rows = []

@@ -1,6 +1,7 @@
 """The stability guard inside `fused-stable sft`: each policy acts on a real blow-up of the tiny Llama's logits,
-no false alarms over a normal 200-step run, stop -> exit code 3 -> --resume latest, and a rollback restores
-exactly the checkpointed state (weights, optimizer moments and counters, lr x factor)."""
+no false alarms over a normal 200-step run (its held-out and retention losses measured too), stop -> exit code
+3 -> --resume latest, and a rollback restores exactly the checkpointed state (weights, optimizer moments and
+counters, lr x factor). The evaluation alerts on a real rise: test_guard_trainer_eval.py."""
 
 from __future__ import annotations
 
@@ -87,6 +88,12 @@ def test_no_false_alarms_over_a_normal_200_step_run(monkeypatch, capsys, tmp_pat
             10,
             "--guard",
             "rollback",
+            "--val_size",
+            16,
+            "--retention_probe",
+            "on",
+            "--eval_steps",
+            20,
             "--output_dir",
             out,
         ],
@@ -96,6 +103,8 @@ def test_no_false_alarms_over_a_normal_200_step_run(monkeypatch, capsys, tmp_pat
     rows = metrics(out)
     assert len(rows) == 200 and not any(r["skipped"] for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # the held-out and retention losses were watched all along (their worst rise here: docs/guard.md)
+    assert [r["step"] for r in rows if "eval_loss" in r and "retention_loss" in r] == list(range(20, 201, 20))
 
 
 def test_warn_records_the_spike_with_its_tensors(monkeypatch, capsys, tmp_path):

@@ -75,6 +75,10 @@ ACCEPTED = {
     ("guard_skip_ratio", "1e30"): "spikes never skipped",
     ("guard_loss_z", "1e30"): "loss alerts never fire",
     ("guard_loss_rise", "1e30"): "rise alerts never fire",
+    ("val_size", "0"): "no examples held out",
+    ("eval_steps", "0"): "no evaluation during training",
+    ("guard_eval_rise", "0"): "evaluation rise alerts off",
+    ("guard_eval_rise", "1e30"): "evaluation rise alerts never fire",
 }
 
 
@@ -329,7 +333,7 @@ def _parser_cases(parser, words):
                 yield flag, value
 
 
-STRESS_ACCEPTED = {("--pretrain-steps", "0"), ("--max-rollbacks", "0"), ("--seed", "0")}
+STRESS_ACCEPTED = {("--pretrain-steps", "0"), ("--max-rollbacks", "0"), ("--seed", "0"), ("--eval-rise", "0")}  # 0: off
 STRESS_WORDS = {
     "--scenarios": ["bogus", "", "clean,meteor", "lr_to_high"],
     "--output-dir": ["{t}/a-file", "{t}/a-file/x"],

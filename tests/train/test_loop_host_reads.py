@@ -1,7 +1,9 @@
 """The trainer reads the device only at logging steps: between two logging steps (every micro-batch's forward,
 backward, the fused step, the guard's bookkeeping) it makes no host read at all, and a logging step costs the
 same few reads whatever the number of steps and micro-batches in the interval (README, docs/trainer.md:
-"metrics are read only every logging_steps", "one transfer for the whole interval")."""
+"metrics are read only every logging_steps", "one transfer for the whole interval"). An evaluation of the
+held-out and retention losses adds exactly one read, whatever the number of held-out batches ("one device read
+per evaluation, never per step")."""
 
 import os
 
@@ -59,6 +61,10 @@ def _reads_per_step(tmp_path, *extra):
     return per_step, after
 
 
+def _where(reads):
+    return sorted((name, os.path.basename(where).split(":")[0]) for name, where in reads)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_no_host_read_between_logging_steps(tmp_path, precision):
     per_step, after_last = _reads_per_step(tmp_path, "--precision", precision)
@@ -75,4 +81,30 @@ def test_no_host_read_between_logging_steps(tmp_path, precision):
         [("item", "loop.py")] if precision == "fp16" else []
     )
     for reads in logging_reads:
-        assert sorted((name, os.path.basename(where).split(":")[0]) for name, where in reads) == sorted(expected), reads
+        assert _where(reads) == sorted(expected), reads
+
+
+def test_an_evaluation_reads_the_device_once(tmp_path):
+    """Held-out and retention losses over several batches each (eval every other logging step, and before the
+    first step): one more read at an evaluation, none anywhere else."""
+    per_step, after_last = _reads_per_step(
+        tmp_path,
+        "--val_size",
+        "40",  # 40 held-out examples: 3 batches
+        "--retention_probe",
+        "on",  # 12 probe answers: 1 batch
+        "--eval_steps",
+        2 * LOGGING_STEPS,
+        "--max_steps",
+        STEPS,
+    )
+    logging_bins = {k + 1 for k in range(LOGGING_STEPS, STEPS, LOGGING_STEPS)}
+    base = [("tolist", "guard.py"), ("tolist", "parallel.py")]
+    evaluation = [("tolist", "evaluate.py")]
+    # step 1's bin holds the evaluation before the first step
+    assert _where(per_step[1]) == evaluation, per_step[1]
+    for step, reads in per_step.items():
+        if step not in logging_bins | {1}:
+            assert reads == [], f"host reads during step {step}, not a logging step: {reads}"
+    assert _where(per_step[LOGGING_STEPS + 1]) == sorted(base)  # step 3: logging only
+    assert _where(after_last) == sorted(base + evaluation)  # step 6: logging and an evaluation

@@ -375,6 +375,8 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
         "0.25",
         "--guard_max_rollbacks",
         "2",
+        "--guard_eval_rise",
+        "1.7",
         "--output_dir",
         tmp_path / "g",
     )
@@ -389,7 +391,8 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
         c.nonfinite_storm,
         c.lr_factor,
         c.max_rollbacks,
-    ) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 2)
+        c.eval_rise,
+    ) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 2, 1.7)
     assert setup.trainer.optimizer.rules.spike_skip_threshold == 30.0
 
 

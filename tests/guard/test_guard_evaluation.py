@@ -1,0 +1,160 @@
+"""The guard's evaluation checks on synthetic numbers (docs/guard.md, "What is watched"): an evaluation's
+eval_loss or retention_loss above `eval_rise` x its best so far (the model before its first step included)
+alerts, at the factor itself it does not; each policy answers it (skip has nothing to skip: it warns; rollback
+cuts the lr); after a data shift the evaluations take the new data's level as their reference; the bests travel
+in the guard's state. The trainer-level tests (a real rise on the tiny model) are in test_guard_trainer.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from test_guard import Run
+
+from fused_stable.guard import (
+    ACTION_ROLLBACK,
+    ACTION_STOP,
+    ACTION_WARN,
+    DATA_SHIFT,
+    EVAL_LOSS_RISE,
+    EVALUATED,
+    RETENTION_LOSS_RISE,
+    Guard,
+    GuardConfig,
+)
+
+RISE = GuardConfig().eval_rise
+
+
+def evaluate(run: Run, **values) -> object:
+    """One logging interval (5 steps) whose last row carries an evaluation's values; the guard's decision."""
+    run.run(5, row_at={run.step + 5: values})
+    return run.decisions[-1]
+
+
+def kinds(decision) -> list[str]:
+    return [a.kind for a in decision.alerts]
+
+
+def test_the_alert_kinds_and_fields():
+    assert EVALUATED == {"eval_loss": EVAL_LOSS_RISE, "retention_loss": RETENTION_LOSS_RISE}
+    assert EVAL_LOSS_RISE == "eval_loss_rise" and RETENTION_LOSS_RISE == "retention_loss_rise"
+
+
+@pytest.mark.parametrize("key", ["eval_loss", "retention_loss"])
+def test_a_rise_above_the_factor_alerts_at_the_factor_it_does_not(key):
+    run = Run("warn", log_every=5)
+    run.run(20)
+    run.guard.eval_reference({key: 2.0})  # before the first step
+    assert kinds(evaluate(run, **{key: 1.6})) == []  # lower: the new best
+    assert run.guard.best_eval[key] == 1.6
+    assert kinds(evaluate(run, **{key: 1.6 * RISE})) == []  # exactly the factor: no alert
+    decision = evaluate(run, **{key: math.nextafter(1.6 * RISE, math.inf)})
+    assert kinds(decision) == [EVALUATED[key]]
+    alert = decision.alerts[0]
+    assert alert.value == pytest.approx(RISE) and alert.threshold == RISE and alert.action == ACTION_WARN
+    assert alert.step == alert.detected_at == run.step and alert.loss == pytest.approx(1.6 * RISE)
+    assert "rose to" in alert.describe() and ("retention" in alert.describe()) == (key == "retention_loss")
+    assert run.guard.best_eval[key] == 1.6  # a rise is not a new best
+
+
+def test_the_reference_before_the_first_step_counts_as_best():
+    run = Run("warn", log_every=5)
+    run.run(20)
+    run.guard.eval_reference({"retention_loss": 0.5, "eval_loss": 3.0})
+    decision = evaluate(run, retention_loss=0.7, eval_loss=2.0)  # the first evaluation in training: already 1.4x
+    assert kinds(decision) == [RETENTION_LOSS_RISE] and decision.alerts[0].value == pytest.approx(1.4)
+    # without the reference the first evaluation is only the best so far
+    fresh = Run("warn", log_every=5)
+    fresh.run(20)
+    assert kinds(evaluate(fresh, retention_loss=0.7)) == [] and fresh.guard.best_eval == {"retention_loss": 0.7}
+
+
+def test_each_loss_has_its_own_best_and_one_factor():
+    run = Run("warn", log_every=5)
+    run.run(20)
+    run.guard.eval_reference({"eval_loss": 1.0, "retention_loss": 0.5})
+    decision = evaluate(run, eval_loss=1.2, retention_loss=0.7)  # 1.2x (below 1.3) and 1.4x
+    assert kinds(decision) == [RETENTION_LOSS_RISE]
+    decision = evaluate(run, eval_loss=1.4, retention_loss=0.5)
+    assert kinds(decision) == [EVAL_LOSS_RISE]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nonfinite_evaluation_alerts(bad):
+    run = Run("warn", log_every=5)
+    run.run(20)
+    run.guard.eval_reference({"eval_loss": 1.0})
+    assert kinds(evaluate(run, eval_loss=bad)) == [EVAL_LOSS_RISE]
+    assert run.guard.best_eval == {"eval_loss": 1.0}
+
+
+def test_a_zero_factor_turns_the_alerts_off():
+    run = Run("warn", log_every=5, eval_rise=0)
+    run.run(20)
+    run.guard.eval_reference({"eval_loss": 1.0})
+    assert kinds(evaluate(run, eval_loss=50.0)) == []
+
+
+@pytest.mark.parametrize(
+    "policy, action, alert_action, cut_lr",
+    [
+        ("warn", "continue", ACTION_WARN, False),
+        ("skip", "continue", ACTION_WARN, False),  # nothing for the optimizer to skip: a warning
+        ("stop", "stop", ACTION_STOP, False),
+        ("rollback", "rollback", ACTION_ROLLBACK, True),  # the lr may be the cause: cut it
+    ],
+)
+def test_each_policy_answers_a_rise(policy, action, alert_action, cut_lr):
+    run = Run(policy, log_every=5)
+    run.run(20)
+    run.guard.eval_reference({"retention_loss": 0.5})
+    decision = evaluate(run, retention_loss=1.0)
+    assert decision.action == action and decision.cut_lr is cut_lr
+    assert [(a.kind, a.action) for a in decision.alerts] == [(RETENTION_LOSS_RISE, alert_action)]
+
+
+def test_after_a_data_shift_the_evaluations_follow_the_new_data():
+    """A rollback whose restored model finds the new data bad is a data shift: the held-out losses move with the
+    new data too, so until the guard's statistics are warm again each evaluation is the reference; then a rise
+    from the level the new data settled at alerts again."""
+    run = Run("rollback", log_every=5)
+    run.run(40)
+    run.guard.eval_reference({"eval_loss": 1.0})
+    shifted = {s: 5.0 for s in range(41, 300)}
+    decision = run.run(5, loss_at=shifted)
+    assert decision.action == "rollback"
+    run.guard.apply_rollback(run.opt, cut_lr=decision.cut_lr)
+    run.run(5, loss_at=shifted, row_at={run.step + 5: {"eval_loss": 2.0}})  # 2x: the new data's level
+    decision = run.decisions[-1]
+    assert DATA_SHIFT in kinds(decision) and EVAL_LOSS_RISE not in kinds(decision)
+    assert run.guard.best_eval["eval_loss"] == 2.0
+    # after the grace window a rise above the new level alerts again
+    run.run(5 * math.ceil((run.guard.grace_until - run.step) / 5), loss_at=shifted)
+    assert run.step >= run.guard.grace_until
+    run.run(5, loss_at=shifted, row_at={run.step + 5: {"eval_loss": 2.0 * RISE * 1.01}})
+    assert EVAL_LOSS_RISE in kinds(run.decisions[-1])
+
+
+def test_the_bests_travel_in_the_guard_state():
+    run = Run("rollback", log_every=5)
+    run.run(20)
+    run.guard.eval_reference({"eval_loss": 2.0, "retention_loss": 0.5})
+    evaluate(run, eval_loss=1.5, retention_loss=0.6)
+    state = json.loads(json.dumps(run.guard.state_dict()))  # what a checkpoint's trainer_state.json holds
+    assert state["best_eval"] == {"eval_loss": 1.5, "retention_loss": 0.5}
+    other = Guard(policy="rollback")
+    other.load_state_dict(state)
+    assert other.best_eval == run.guard.best_eval
+    # a state written before the evaluations existed loads with no best
+    del state["best_eval"]
+    older = Guard(policy="rollback")
+    older.load_state_dict(state)
+    assert older.best_eval == {}
+
+
+@pytest.mark.parametrize("bad", [0.5, 1.0, math.inf, -1.0])
+def test_a_bad_factor_is_refused(bad):
+    with pytest.raises(ValueError, match="eval_rise"):
+        GuardConfig(eval_rise=bad)
