@@ -8,10 +8,8 @@ retention losses are measured on the loop's evaluation schedule (`_held_out_loss
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import shlex
 import signal
 import sys
 import time
@@ -19,6 +17,8 @@ from dataclasses import dataclass, field
 
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
+from fused_stable.train import stopped
+from fused_stable.train.run_evaluation import evaluate_run, held_out_losses
 
 RUN_FILE = "run.yaml"
 
@@ -90,16 +90,6 @@ def main(argv: list[str]) -> int:
                     print("fused-stable sft: interrupted before training started; nothing was written", file=sys.stderr)
                 code = interrupts.exit_code
     return code
-
-
-def continue_command(output_dir: str, world_size: int) -> str:
-    """The exact command that continues the run in output_dir."""
-    launcher = (
-        f"torchrun --standalone --nproc-per-node {world_size} -m fused_stable sft"
-        if world_size > 1
-        else "fused-stable sft"
-    )
-    return f"{launcher} --output_dir {shlex.quote(output_dir)} --resume latest"
 
 
 def _resolve(argv: list[str]):
@@ -300,7 +290,7 @@ def setup_run(argv: list[str]) -> RunSetup:
         guard=guard,
         eval_steps=eval_steps(cfg),
     )
-    trainer.evaluator = _held_out_losses(cfg, model, tokenizer, heldout, runtime)
+    trainer.evaluator = held_out_losses(cfg, model, tokenizer, heldout, runtime, log=_log)
     return RunSetup(
         cfg,
         runtime,
@@ -335,60 +325,6 @@ def _task_examples(cfg):
     return data.load_examples(cfg.dataset, log=_log)
 
 
-def _base_model(cfg, model, base: bool = True):
-    """A context in which `model` (unwrapped) answers as its base: adapters switched off; a full fine-tune is
-    the base as long as `start` has not restored a checkpoint (also on a resumed run; a QLoRA base stays
-    quantised as in training)."""
-    import contextlib
-
-    return model.disable_adapter() if base and cfg.tuner != "full" else contextlib.nullcontext()
-
-
-def _evaluate(setup: RunSetup, base: bool) -> dict:
-    """The held-out evaluation of the model being trained, or (base=True) of its base, evaluated before `start`
-    restores a checkpoint (see `_base_model`)."""
-    from fused_stable.train import parallel
-    from fused_stable.train.evaluate import evaluate
-
-    cfg, model = setup.cfg, parallel.unwrap(setup.model)
-    with _base_model(cfg, model, base):
-        return evaluate(
-            model,
-            setup.tokenizer,
-            name=cfg.identity_name,
-            author=cfg.identity_author,
-            autocast=setup.runtime.autocast(),
-        )
-
-
-def _held_out_losses(cfg, model, tokenizer, heldout, runtime):
-    """What the loop measures at its evaluations (None when eval_steps is 0 or there is nothing to measure):
-    eval_loss on the held-out examples, and retention_loss on the base model's own answers to the retention
-    probe's prompts, generated here, before training."""
-    from fused_stable.train import data, parallel, tasks
-    from fused_stable.train.config import eval_steps, retention_probe
-    from fused_stable.train.evaluate import HeldOutLosses, accepts_logits_to_keep, retention_items
-
-    if eval_steps(cfg) == 0:
-        return None
-    sets = {}
-    if heldout:
-        sets["eval_loss"] = data.tokenize_examples(heldout, tokenizer, cfg.max_length)
-    if retention_probe(cfg):
-        started = time.perf_counter()
-        base = parallel.unwrap(model)
-        prompts = tasks.retention_prompts()
-        with _base_model(cfg, base):
-            sets["retention_loss"] = retention_items(
-                base, tokenizer, prompts, max_length=cfg.max_length, autocast=runtime.autocast()
-            )
-        _log(f"retention probe: the base model answered {len(prompts)} prompts ({time.perf_counter() - started:.1f}s)")
-    losses = HeldOutLosses(
-        sets, pad_id=tokenizer.pad_token_id, device=runtime.device, keep_logits=accepts_logits_to_keep(model)
-    )
-    return losses if losses.names else None
-
-
 def run(argv: list[str], interrupts=None) -> int:
     from fused_stable.train import parallel
     from fused_stable.train.loop import Interrupts
@@ -399,52 +335,18 @@ def run(argv: list[str], interrupts=None) -> int:
     try:
         return _train(setup, interrupts)
     except OSError as exc:
-        if exc.errno not in NO_SPACE:
+        if exc.errno not in stopped.NO_SPACE:
             raise
-        _report_failure(setup, f"{NO_SPACE[exc.errno]}: {_what_failed(exc, setup.cfg.output_dir)}", "free space, then ")
-        return FAILED
+        why = f"{stopped.NO_SPACE[exc.errno]}: {stopped.what_failed(exc, setup.cfg.output_dir)}"
+        stopped.report_failure(setup, why, "free space, then ")
+        return stopped.FAILED
     except Exception as exc:
         if not parallel.lost_another_rank(exc, interrupts.signum):
             raise
-        _report_failure(setup, f"rank {parallel.rank()}: {parallel.describe_lost_rank(exc)}", every_rank=True)
-        return FAILED
+        stopped.report_failure(setup, f"rank {parallel.rank()}: {parallel.describe_lost_rank(exc)}", every_rank=True)
+        return stopped.FAILED
     finally:
         setup.release()  # the folder's lock: another run may write it now
-
-
-# the run could not go on for a reason outside it (exit code 1): the disk or quota filled up, or under torchrun
-# another rank died; the newest complete checkpoint is intact and the message says how to continue
-FAILED = 1
-NO_SPACE = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is used up",
-    errno.EFBIG: "a file-size limit was reached",
-}
-
-
-def _what_failed(exc: OSError, output_dir: str) -> str:
-    from fused_stable.train.checkpoint import SaveFailed
-
-    if isinstance(exc, SaveFailed):
-        return f"saving {exc.checkpoint} failed ({exc.strerror}) and left nothing behind"
-    where = exc.filename or f"the files of {output_dir}"
-    return f"writing {where} failed ({exc.strerror})"
-
-
-def _report_failure(setup: RunSetup, why: str, before_continuing: str = "", every_rank: bool = False) -> None:
-    """One line: why the run stopped, the newest complete checkpoint (read back, not assumed) and how to continue."""
-    from fused_stable.train import checkpoint
-
-    if not (every_rank or setup.runtime.is_main):
-        return
-    newest, _ = checkpoint.latest_verified_checkpoint(setup.cfg.output_dir)
-    where = (
-        f"the newest complete checkpoint, {newest}, is intact; {before_continuing}continue: "
-        f"{continue_command(setup.cfg.output_dir, setup.runtime.world_size)}"
-        if newest
-        else "the run has no complete checkpoint (start it again with --overwrite)"
-    )
-    print(f"fused-stable sft: error: {why}; {where}", file=sys.stderr, flush=True)
 
 
 def _train(setup: RunSetup, interrupts) -> int:
@@ -456,7 +358,7 @@ def _train(setup: RunSetup, interrupts) -> int:
     before = None
     if setup.evaluating:  # before anything is written: an interrupt here leaves output_dir untouched
         t_eval = time.perf_counter()
-        before = _evaluate(setup, base=True)
+        before = evaluate_run(setup, base=True)
         _log(
             f"evaluation before training ({time.perf_counter() - t_eval:.1f}s): "
             + ", ".join(f"{s} {before[s]['accuracy']:.2f} of {before[s]['n']}" for s in ("identity", "general"))
@@ -495,7 +397,7 @@ def _train(setup: RunSetup, interrupts) -> int:
             raise
         _close_outputs(trainer, cfg, main_rank)
         train_s = time.perf_counter() - t0
-        resume = continue_command(cfg.output_dir, setup.runtime.world_size)
+        resume = stopped.continue_command(cfg.output_dir, setup.runtime.world_size)
         if trainer.stopped_by == "interrupt":
             if main_rank:
                 name = signal.Signals(interrupts.signum).name
@@ -517,7 +419,7 @@ def _train(setup: RunSetup, interrupts) -> int:
         target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
     except KeyboardInterrupt:  # a second signal: the save (or the step) under way was abandoned
         if main_rank:
-            _report_abandoned(cfg.output_dir, setup.runtime.world_size)
+            stopped.report_abandoned(cfg.output_dir, setup.runtime.world_size)
         return interrupts.exit_code
     table = None
     if setup.evaluating:
@@ -526,7 +428,7 @@ def _train(setup: RunSetup, interrupts) -> int:
         interrupts.deferring = False  # the run is saved: an interrupt now only skips eval.json
         try:
             t_eval = time.perf_counter()
-            after = _evaluate(setup, base=False)
+            after = evaluate_run(setup, base=False)
         except KeyboardInterrupt:
             if main_rank:
                 print(
@@ -580,24 +482,3 @@ def _close_outputs(trainer, cfg, main_rank: bool, failing: bool = False) -> None
     except OSError as exc:
         if not failing:
             print(f"fused-stable sft: note: could not finish the run's curves and metrics ({exc})", file=sys.stderr)
-
-
-def _report_abandoned(output_dir: str, world_size: int) -> None:
-    """After a second interrupt: what is on disk now (read back, not assumed)."""
-    from fused_stable.train import checkpoint
-
-    newest, _ = checkpoint.latest_verified_checkpoint(output_dir)
-    if newest is None:
-        print(
-            "fused-stable sft: interrupted again: stopped at once; the run has no complete checkpoint "
-            "(start it again with --overwrite)",
-            file=sys.stderr,
-            flush=True,
-        )
-    else:
-        print(
-            f"fused-stable sft: interrupted again: stopped at once; the newest complete checkpoint is "
-            f"{newest}\n  continue: {continue_command(output_dir, world_size)}",
-            file=sys.stderr,
-            flush=True,
-        )

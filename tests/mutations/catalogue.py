@@ -1183,7 +1183,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "no-space-is-a-traceback",
         TRAIN + "cli.py",
-        "        if exc.errno not in NO_SPACE:\n            raise\n",
+        "        if exc.errno not in stopped.NO_SPACE:\n            raise\n",
         "        raise\n",
         ["tests/train/test_faults.py"],
         "a full disk during a save is one line and exit code 1",
