@@ -3,7 +3,10 @@ default) or, with `--model smollm2-135m` (any `--model` that `sft` takes), on a 
 
 The command checks its options, builds the workload once, runs every scenario (and `clean`, the reference) with
 both recipes (`run_suite`), and writes the table on stdout, stress.json (after every run, so a suite cut short
-keeps what it measured) and stress.png in --output-dir.
+keeps what it measured) and stress.png in --output-dir. That folder follows sft's and export's rules
+(`fused_stable.train.outputs`): new or empty, or earlier stress results replaced only with `--overwrite` (only
+the files an earlier `fused-stable stress` wrote there, named in its run_manifest.json), and locked while the
+suite writes it.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from fused_stable.argcheck import OneLineParser, check_writable, number, parse_command, suggestion
+from fused_stable.argcheck import OneLineParser, number, parse_command, suggestion
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 from fused_stable.stress.report import format_table, judge, plot, write_json
 from fused_stable.stress.runs import RECIPES, RunResult, Workload, build_workload, run_one
 from fused_stable.stress.scenarios import REAL_MODEL_DEFAULTS, TINY_MIN_LENGTH, StressConfig, is_real, scenarios
+from fused_stable.train import outputs
+
+JSON_FILE, PNG_FILE = "stress.json", "stress.png"  # what a stress run creates in --output-dir (its manifest)
 
 
 def run_suite(
@@ -112,7 +118,14 @@ def build_parser() -> OneLineParser:
         "--scenarios", default="all", help=f"comma-separated subset of {', '.join(scenarios(tiny))} (default: all)"
     )
     p.add_argument(
-        "--output-dir", default="runs/stress", help="where stress.json and stress.png go (default: runs/stress)"
+        "--output-dir",
+        default="runs/stress",
+        help="where stress.json and stress.png go: a new or empty folder (default: runs/stress)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the stress results already in --output-dir (only the files fused-stable stress wrote there)",
     )
     for name, text in _HELPS.items():
         defaults = f"tiny {getattr(tiny, name):g}, pretrained {getattr(real, name):g}"
@@ -161,12 +174,27 @@ def main(argv: list[str]) -> int:
             from fused_stable.train.sources import resolve_model
 
             resolve_model(cfg.model)  # a model that cannot be found: one line, before anything is written
-        check_writable(args.output_dir, "--output-dir")
+        # earlier results are replaced only with --overwrite; anything else in the folder is never touched
+        outputs.check_output_dir(
+            args.output_dir, overwrite=args.overwrite, command=outputs.STRESS, option="--output-dir"
+        )
+        lock = outputs.FolderLock(args.output_dir, outputs.STRESS)
+        lock.acquire()  # FolderBusy if another command is writing the folder right now
     except UserError as exc:
         print(f"fused-stable stress: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        if args.overwrite:
+            outputs.remove_previous_run(args.output_dir)  # only what its manifest names (checked above)
+        # stress.json.tmp too: a suite killed while writing stress.json leaves it, and --overwrite must remove it
+        outputs.claim(args.output_dir, [JSON_FILE, JSON_FILE + ".tmp", PNG_FILE], command=outputs.STRESS)
+        return _run(cfg, names, known, args.output_dir)
+    finally:
+        lock.release()
+
+
+def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> int:
     torch.set_num_threads(cfg.threads)
-    os.makedirs(args.output_dir, exist_ok=True)
     what = (
         f"{cfg.model} with LoRA (r 8, all linear layers) on the identity task"
         if is_real(cfg)
@@ -186,8 +214,8 @@ def main(argv: list[str]) -> int:
             f"  ({time.perf_counter() - t0:.0f}s to load and evaluate)",
             flush=True,
         )
-    json_path = os.path.join(args.output_dir, "stress.json")
-    png_path = os.path.join(args.output_dir, "stress.png")
+    json_path = os.path.join(output_dir, JSON_FILE)
+    png_path = os.path.join(output_dir, PNG_FILE)
 
     def write(results: list[RunResult], finished: bool) -> None:
         write_json(json_path, cfg, known, results, work, time.perf_counter() - t0, finished)

@@ -11,6 +11,11 @@ objects, so a rollback can call them in-process.
 
 Contents: trainable weights (safetensors), optimizer (its state_dict carries the device-side schedule and
 counters), loss scaler, RNG states (python, numpy, torch CPU and CUDA), data position and the config.
+
+A save that cannot write (a full disk or quota, a file-size limit) raises `SaveFailed`, an OSError naming the
+checkpoint, after removing everything it wrote: the earlier checkpoints stay as they were. What a process killed
+mid-save leaves (a hidden temporary directory, a replaced checkpoint moved aside) is never loaded, and the next
+run in the folder clears it (`clear_leftovers`, under the folder's lock).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import time
 import numpy as np
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from fused_stable import strict_json
 from fused_stable.errors import UserError
@@ -41,6 +47,21 @@ _HASH_CHUNK = 4 << 20
 
 class DamagedCheckpoint(UserError):
     """A checkpoint whose marker is missing or broken, or a file that differs from what the marker recorded."""
+
+
+class SaveFailed(OSError):
+    """Writing a checkpoint failed (errno and strerror of the write that failed); nothing of it is left."""
+
+    def __init__(self, checkpoint: str, exc: OSError):
+        super().__init__(exc.errno, exc.strerror or str(exc))
+        self.checkpoint = checkpoint
+
+
+def _save_stage(stage: str, step: int) -> None:
+    """Where a save of `step` has got to: "tmp" (its temporary directory exists), each file's name once that file
+    is written, "renamed" (in place, before its COMPLETE marker), "complete" (marked, before pruning), "pruning"
+    (an old checkpoint renamed away, not yet deleted). Does nothing: the fault tests replace it to kill the
+    process at each of these points (tests/train/fault_script.py), deterministically and without sleeps."""
 
 
 def _fsync_path(path: str) -> None:
@@ -174,12 +195,15 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _remove_dir(path: str, root: str, tag: str) -> None:
+def _remove_dir(path: str, root: str, tag: str) -> str:
     """Remove a checkpoint directory: renamed away first (atomic), so that a kill mid-removal leaves a
-    hidden leftover, never a half-deleted `step-N` that still looks complete."""
+    hidden leftover, never a half-deleted `step-N` that still looks complete. Returns the hidden name."""
     doomed = os.path.join(root, f".{tag}-{os.path.basename(path)}-{os.getpid()}")
     os.rename(path, doomed)
+    if tag == "pruned":
+        _save_stage("pruning", int(os.path.basename(path).split("-")[1]))
     shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
 
 
 def save_checkpoint(
@@ -198,51 +222,128 @@ def save_checkpoint(
     """Write checkpoints/step-<step>/ atomically and return its path; keep only the newest `keep` (0 = all).
     `optimizer_state` / `rng`: already gathered (torchrun: full FSDP2 state, every rank's RNG); by default
     `optimizer.state_dict()` and this process's RNG states. An exception (or KeyboardInterrupt) before the
-    commit removes the temporary directory and leaves every earlier checkpoint as it was."""
+    marker is written removes everything this save wrote and leaves every earlier checkpoint as it was; a write
+    that fails (a full disk) is `SaveFailed`."""
     root = os.path.join(output_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step-{step}")
-    tmp = os.path.join(root, f".tmp-step-{step}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(root, exist_ok=True)
+        tmp = os.path.join(root, f".tmp-step-{step}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        _save_stage("tmp", step)
+        marker = _write_files(
+            tmp,
+            step,
+            model_state=model_state,
+            optimizer_state=optimizer.state_dict() if optimizer_state is None else optimizer_state,
+            scaler=scaler,
+            rng=rng_state() if rng is None else rng,
+            trainer_state=trainer_state,
+            config=config,
+        )
+        _commit(tmp, final, root, step, marker)
+    except OSError as exc:
+        raise SaveFailed(final, exc) from exc
+    _save_stage("complete", step)
+    if keep > 0:
+        for _, old in list_checkpoints(output_dir)[:-keep]:
+            _remove_dir(old, root, "pruned")
+    return final
+
+
+def _write_files(tmp, step, *, model_state, optimizer_state, scaler, rng, trainer_state, config) -> dict:
+    """Every file of the checkpoint into `tmp`, each fsynced; returns the COMPLETE marker's content. Anything
+    raised removes `tmp`."""
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-        save_file(tensors, os.path.join(tmp, "weights.safetensors"))
-        _fsync_path(os.path.join(tmp, "weights.safetensors"))
-        _torch_save(
-            optimizer.state_dict() if optimizer_state is None else optimizer_state, os.path.join(tmp, "optimizer.pt")
-        )
+        # serialised here and written by Python, so that a failed write is an OSError with its errno
+        _write_bytes(os.path.join(tmp, "weights.safetensors"), safetensors_bytes(tensors))
+        _save_stage("weights.safetensors", step)
+        _torch_save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+        _save_stage("optimizer.pt", step)
         if scaler is not None:
             _torch_save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
-        _torch_save(rng_state() if rng is None else rng, os.path.join(tmp, "rng.pt"))
+            _save_stage("scaler.pt", step)
+        _torch_save(rng, os.path.join(tmp, "rng.pt"))
+        _save_stage("rng.pt", step)
         # strict JSON (fused_stable.strict_json): the guard's statistics are floats
         _write_bytes(
             os.path.join(tmp, "trainer_state.json"),
             strict_json.dumps({**trainer_state, "step": step}, indent=2).encode(),
         )
+        _save_stage("trainer_state.json", step)
         _write_bytes(os.path.join(tmp, "config.yaml"), yaml.safe_dump(config, sort_keys=False).encode())
+        _save_stage("config.yaml", step)
         _fsync_path(tmp)
-        marker = {"format": MARKER_FORMAT, "step": step, "time": time.time(), "files": _file_records(tmp)}
+        return {"format": MARKER_FORMAT, "step": step, "time": time.time(), "files": _file_records(tmp)}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _commit(tmp: str, final: str, root: str, step: int, marker: dict) -> None:
+    """Rename `tmp` into place, then write the COMPLETE marker, with SIGINT/SIGTERM held back. A checkpoint of the
+    same step (a rollback replaying it) is moved aside first so that the rename is atomic, and put back if the
+    marker cannot be written; a `step-N` whose marker failed is removed, never left to be passed over."""
     with _signals_held():
-        # a checkpoint of the same step (a rollback replaying it) is replaced: move it aside first so that
-        # the rename below is atomic; older complete checkpoints stay valid throughout
         stale = None
         if os.path.exists(final):
             stale = os.path.join(root, f".old-step-{step}-{os.getpid()}")
             os.rename(final, stale)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if stale:
+                os.rename(stale, final)
+            raise
         _fsync_path(root)
-        _write_bytes(os.path.join(final, COMPLETE_MARKER), json.dumps(marker, indent=1).encode())
-        _fsync_path(final)
+        _save_stage("renamed", step)
+        try:
+            _write_bytes(os.path.join(final, COMPLETE_MARKER), json.dumps(marker, indent=1).encode())
+            _fsync_path(final)
+        except BaseException:
+            _remove_dir(final, root, "failed")
+            if stale:
+                os.rename(stale, final)
+            raise
     if stale:
         shutil.rmtree(stale, ignore_errors=True)
-    if keep > 0:
-        for _, old in list_checkpoints(output_dir)[:-keep]:
-            _remove_dir(old, root, "pruned")
-    return final
+
+
+_LEFTOVER = re.compile(r"^\.(tmp|old|pruned|failed)-step-(\d+)-\d+$")
+
+
+def clear_leftovers(output_dir: str) -> list[str]:
+    """Remove what saves killed part-way left in output_dir/checkpoints (hidden directories: a temporary one, a
+    checkpoint being pruned, a failed one) and return a line for each. A complete checkpoint that a replacing
+    save had moved aside (`.old-step-N-*`) goes back to `step-N` if that has no complete checkpoint. Call it
+    only while holding the folder's lock (no save can be under way)."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    lines = []
+    for name in sorted(os.listdir(root)):
+        match = _LEFTOVER.match(name)
+        if not match:
+            continue
+        path = os.path.join(root, name)
+        final = os.path.join(root, f"step-{match.group(2)}")
+        if match.group(1) == "old" and not os.path.isfile(os.path.join(final, COMPLETE_MARKER)):
+            try:
+                verify_checkpoint(path)
+            except DamagedCheckpoint:
+                pass
+            else:
+                if os.path.isdir(final):
+                    _remove_dir(final, root, "failed")
+                os.rename(path, final)
+                lines.append(f"restored {final} (a save that replaced it was killed before it finished)")
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        lines.append(f"removed {path} (left by a save or a clean-up that was killed part-way)")
+    return lines
 
 
 @contextlib.contextmanager

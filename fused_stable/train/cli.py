@@ -7,6 +7,7 @@ task the model is evaluated before and after training (`evaluate`, eval.json).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shlex
@@ -158,25 +159,37 @@ class RunSetup:
     source: object = None  # the resolved --model (fused_stable.train.sources.ModelSource)
     threads: int = 1
     evaluating: bool = False  # held-out evaluation before and after training (eval.json)
+    lock: object = None  # rank 0's outputs.FolderLock on output_dir, held from `start` until `release`
 
     def start(self) -> None:
-        """Load the checkpoint to resume, then (rank 0) replace the previous run if --overwrite, claim the
-        run's entries in its manifest and write run.yaml. The checkpoint is loaded first, so a start that
-        fails leaves output_dir exactly as it was."""
-        from fused_stable.train import outputs
+        """(Rank 0) lock output_dir; load the checkpoint to resume; then (rank 0) replace the previous run if
+        --overwrite, claim the run's entries in its manifest and write run.yaml. The checkpoint is loaded
+        first, so a start that fails leaves output_dir exactly as it was (and unlocked)."""
+        from fused_stable.train import checkpoint, outputs
         from fused_stable.train.config import dump_yaml
         from fused_stable.train.parallel import QuietReporter
         from fused_stable.train.report import AlertLog, Reporter
 
         cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
-        if self.resume_path is not None:
-            trainer.restore(self.resume_path)
-        if main_rank:  # under torchrun only rank 0 writes output_dir
-            if self.resume_path is None and cfg.overwrite:
-                outputs.remove_previous_run(cfg.output_dir)  # only what its manifest names (checked in setup_run)
-            outputs.claim(cfg.output_dir, run_entries(cfg))
-            with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
-                f.write(dump_yaml(cfg))
+        try:
+            if main_rank:  # under torchrun only rank 0 writes output_dir
+                # a second run into this folder is refused from here until this one ends (or is killed)
+                self.lock = outputs.FolderLock(cfg.output_dir, outputs.SFT)
+                self.lock.acquire()
+            if self.resume_path is not None:
+                trainer.restore(self.resume_path)
+            if main_rank:
+                if self.resume_path is None and cfg.overwrite:
+                    outputs.remove_previous_run(cfg.output_dir)  # only what its manifest names (setup_run checked)
+                # what a run killed mid-save left behind (the lock says no other writer is here)
+                for line in checkpoint.clear_leftovers(cfg.output_dir):
+                    _log(f"fused-stable sft: note: {line}")
+                outputs.claim(cfg.output_dir, run_entries(cfg))
+                with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
+                    f.write(dump_yaml(cfg))
+        except BaseException:
+            self.release()
+            raise
         trainer.reporter = (
             Reporter(
                 cfg.output_dir,
@@ -190,6 +203,11 @@ class RunSetup:
         )
         if trainer.guard is not None and main_rank:
             trainer.alert_log = AlertLog(cfg.output_dir, trainer.state.step)
+
+    def release(self) -> None:
+        """Let go of output_dir's lock (the run ended, or its start failed)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def setup_run(argv: list[str]) -> RunSetup:
@@ -223,9 +241,8 @@ def setup_run(argv: list[str]) -> RunSetup:
     source = resolve_model(cfg.model)
     examples = _task_examples(cfg)
     tokenizer = load_tokenizer(source, log=_log)
-    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
-    if not any(any(label != data.IGNORE_INDEX for label in item.labels[1:]) for item in items):
-        raise UserError(f"max_length={cfg.max_length} cuts off every answer: nothing left to learn from")
+    # an example whose answer max_length cuts off entirely is skipped (counted in a note)
+    items = data.fit_to_length(data.tokenize_examples(examples, tokenizer, cfg.max_length), cfg.max_length, log=_log)
 
     torch.manual_seed(cfg.seed)
     model = load_base_model(cfg, source, tokenizer, runtime.device, runtime.compute_dtype, log=_log)
@@ -303,7 +320,7 @@ def _task_examples(cfg):
         )
     if cfg.dataset == "arithmetic":
         return data.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
-    return data.load_examples(cfg.dataset)
+    return data.load_examples(cfg.dataset, log=_log)
 
 
 def _evaluate(setup: RunSetup, base: bool) -> dict:
@@ -324,11 +341,65 @@ def _evaluate(setup: RunSetup, base: bool) -> dict:
 def run(argv: list[str], interrupts=None) -> int:
     from fused_stable.train import parallel
     from fused_stable.train.loop import Interrupts
-    from fused_stable.train.report import plot_curves, read_metrics
 
     interrupts = interrupts if interrupts is not None else Interrupts(announce=False)
     # torchrun: a bad input seen by any rank stops every rank, before anything is written
     setup = parallel.agree(setup_run, argv)
+    try:
+        return _train(setup, interrupts)
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
+        _report_failure(setup, f"{NO_SPACE[exc.errno]}: {_what_failed(exc, setup.cfg.output_dir)}", "free space, then ")
+        return FAILED
+    except Exception as exc:
+        if not parallel.lost_another_rank(exc, interrupts.signum):
+            raise
+        _report_failure(setup, f"rank {parallel.rank()}: {parallel.describe_lost_rank(exc)}", every_rank=True)
+        return FAILED
+    finally:
+        setup.release()  # the folder's lock: another run may write it now
+
+
+# the run could not go on for a reason outside it (exit code 1): the disk or quota filled up, or under torchrun
+# another rank died; the newest complete checkpoint is intact and the message says how to continue
+FAILED = 1
+NO_SPACE = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file-size limit was reached",
+}
+
+
+def _what_failed(exc: OSError, output_dir: str) -> str:
+    from fused_stable.train.checkpoint import SaveFailed
+
+    if isinstance(exc, SaveFailed):
+        return f"saving {exc.checkpoint} failed ({exc.strerror}) and left nothing behind"
+    where = exc.filename or f"the files of {output_dir}"
+    return f"writing {where} failed ({exc.strerror})"
+
+
+def _report_failure(setup: RunSetup, why: str, before_continuing: str = "", every_rank: bool = False) -> None:
+    """One line: why the run stopped, the newest complete checkpoint (read back, not assumed) and how to continue."""
+    from fused_stable.train import checkpoint
+
+    if not (every_rank or setup.runtime.is_main):
+        return
+    newest, _ = checkpoint.latest_verified_checkpoint(setup.cfg.output_dir)
+    where = (
+        f"the newest complete checkpoint, {newest}, is intact; {before_continuing}continue: "
+        f"{continue_command(setup.cfg.output_dir, setup.runtime.world_size)}"
+        if newest
+        else "the run has no complete checkpoint (start it again with --overwrite)"
+    )
+    print(f"fused-stable sft: error: {why}; {where}", file=sys.stderr, flush=True)
+
+
+def _train(setup: RunSetup, interrupts) -> int:
+    from fused_stable.train import parallel
+    from fused_stable.train.report import plot_curves, read_metrics
+
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
     main_rank = setup.runtime.is_main
     before = None
@@ -360,10 +431,10 @@ def run(argv: list[str], interrupts=None) -> int:
         start_step = trainer.state.step
         try:
             state = trainer.fit()
-        finally:
-            trainer.reporter.close()
-            if main_rank:
-                plot_curves(cfg.output_dir, cfg.max_grad_norm)
+        except BaseException:
+            _close_outputs(trainer, cfg, main_rank, failing=True)
+            raise
+        _close_outputs(trainer, cfg, main_rank)
         train_s = time.perf_counter() - t0
         resume = continue_command(cfg.output_dir, setup.runtime.world_size)
         if trainer.stopped_by == "interrupt":
@@ -429,6 +500,20 @@ def run(argv: list[str], interrupts=None) -> int:
         )
         print(f"talk to it: fused-stable chat --adapter {cfg.output_dir}", flush=True)
     return 0
+
+
+def _close_outputs(trainer, cfg, main_rank: bool, failing: bool = False) -> None:
+    """Flush metrics.jsonl and draw curves.png, also when the run is `failing`: a write that fails then (a full
+    disk) must not replace the error under way, which is reported in its place; otherwise it is a note."""
+    from fused_stable.train.report import plot_curves
+
+    try:
+        trainer.reporter.close()
+        if main_rank:
+            plot_curves(cfg.output_dir, cfg.max_grad_norm)
+    except OSError as exc:
+        if not failing:
+            print(f"fused-stable sft: note: could not finish the run's curves and metrics ({exc})", file=sys.stderr)
 
 
 def _report_abandoned(output_dir: str, world_size: int) -> None:

@@ -16,6 +16,7 @@ import math
 import os
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 @dataclass
 class Example:
     messages: list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
+    source: str = ""  # where it came from, "file:line" (empty for the built-in tasks): what notes name
 
     @property
     def answers(self) -> list[str]:
@@ -43,54 +45,127 @@ def conversation(question: str, answer: str) -> Example:
     return Example([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
 
 
-# ---------------------------------------------------------------------------------------------- file formats
+# ---------------------------------------------------------------------------------------------- rows
+# Every record of a dataset file goes through `parse_row`, the one place a row is checked: a JSON object in one of
+# ROW_FORMATS (the first whose `matches` accepts it parses it), or one line naming the file and line. A new format
+# is one more RowFormat. What is skipped rather than refused (counted, one note per file) is in `load_examples`
+# (empty answers) and `fit_to_length` (answers cut off by max_length).
+@dataclass(frozen=True)
+class RowFormat:
+    name: str
+    matches: Callable[[dict], bool]  # is the record meant to be in this format (its keys)?
+    parse: Callable[[dict, str], Example]  # (record, "file:line") -> Example; UserError names "file:line"
+
+
+def _text(record: dict, key: str, where: str, fmt: str, *, optional: bool = False) -> str:
+    value = record.get(key)
+    if value is None and optional:
+        return ""
+    if key not in record:
+        raise UserError(f"{where}: {fmt} record has no {key!r} (keys: {', '.join(sorted(record)[:6]) or 'none'})")
+    if not isinstance(value, str):
+        raise UserError(f"{where}: {fmt} {key!r} must be a string, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "true/false", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
 def _alpaca_example(record: dict, where: str) -> Example:
-    for key in ("instruction", "output"):
-        if not isinstance(record.get(key), str):
-            raise UserError(f"{where}: alpaca record needs a string {key!r}")
-    extra = record.get("input", "")
-    if not isinstance(extra, str):
-        raise UserError(f"{where}: alpaca 'input' must be a string")
+    instruction = _text(record, "instruction", where, "alpaca")
+    answer = _text(record, "output", where, "alpaca")
+    extra = _text(record, "input", where, "alpaca", optional=True)
     # LLaMA-Factory's alpaca converter: the input follows the instruction in the same user turn
-    question = f"{record['instruction']}\n\n{extra}" if extra.strip() else record["instruction"]
-    return conversation(question, record["output"])
+    question = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return Example(conversation(question, answer).messages, where)
 
 
 def _sharegpt_example(record: dict, where: str) -> Example:
     turns = record["conversations"]
     if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'conversations' must be a non-empty list of turns")
+        raise UserError(f"{where}: 'conversations' must be a non-empty array of turns, got {_json_type(turns)}")
     messages = []
-    for turn in turns:
+    for number, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
-            raise UserError(f"{where}: each turn in 'conversations' must be an object")
+            raise UserError(f"{where}: turn {number} of 'conversations' must be an object, got {_json_type(turn)}")
         speaker = turn.get("from", turn.get("role"))
         text = turn.get("value", turn.get("content"))
-        if speaker not in SHAREGPT_ROLES or not isinstance(text, str):
+        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES or not isinstance(text, str):
             raise UserError(
-                f"{where}: each turn needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value' (got {turn!r:.80})"
+                f"{where}: turn {number} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value' "
+                f"(got {json.dumps(turn, ensure_ascii=False)[:80]})"
             )
         messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no 'gpt'/'assistant' turn to learn from")
-    return Example(messages)
+    return Example(messages, where)
 
 
-def _record_to_example(record, where: str) -> Example:
+ROW_FORMATS: list[RowFormat] = [
+    RowFormat("sharegpt", lambda record: "conversations" in record, _sharegpt_example),
+    RowFormat("alpaca", lambda record: "instruction" in record or "output" in record, _alpaca_example),
+]
+
+
+def parse_row(record, where: str) -> Example:
+    """One record of a dataset file as an Example, or a UserError that starts with `where` ("file:line")."""
     if not isinstance(record, dict):
-        raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "conversations" in record:
-        return _sharegpt_example(record, where)
-    if "instruction" in record or "output" in record:
-        return _alpaca_example(record, where)
+        raise UserError(f"{where}: expected a JSON object, got {_json_type(record)}")
+    for fmt in ROW_FORMATS:
+        if fmt.matches(record):
+            return fmt.parse(record, where)
+    expected = " or ".join(fmt.name for fmt in ROW_FORMATS)
     raise UserError(
-        f"{where}: unknown record format (keys {sorted(record)[:6]}); expected alpaca "
-        "'instruction'/'input'/'output' or sharegpt 'conversations'"
+        f"{where}: unknown record format (keys {sorted(record)[:6]}); expected {expected} "
+        "(alpaca: 'instruction'/'input'/'output', sharegpt: 'conversations')"
     )
 
 
-def _json_array_records(path: str, text: str):
-    """Yield (line, record) for each element of a top-level JSON array, so errors can name the line."""
+def has_empty_answer(example: Example) -> bool:
+    """An assistant turn with nothing in it: there is nothing to learn, and training on it teaches silence."""
+    return any(not answer.strip() for answer in example.answers)
+
+
+# ---------------------------------------------------------------------------------------------- files
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _not_utf8(path: str, raw: bytes, exc: UnicodeDecodeError, offset: int = 0) -> UserError:
+    """`file:line: ...` for invalid UTF-8 at byte exc.start of `raw` (which starts at byte `offset` of the file)."""
+    start = offset + exc.start
+    line_start = raw.rfind(b"\n", 0, exc.start) + 1
+    line = raw.count(b"\n", 0, exc.start) + 1
+    return UserError(
+        f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start - line_start + 1}, "
+        f"byte {start} of the file): save the file as UTF-8"
+    )
+
+
+def _jsonl_rows(path: str, raw: bytes):
+    """Yield ("file:line", record) for each non-blank line of a .jsonl file."""
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(
+                f"{path}:{number}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1}): "
+                "save the file as UTF-8"
+            ) from None
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise UserError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
+        yield f"{path}:{number}", record
+
+
+def _json_array_rows(path: str, text: str):
+    """Yield ("file:line", record) for each element of a top-level JSON array, so errors can name the line."""
     decoder = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
     if not text[pos : pos + 1] == "[":
@@ -108,34 +183,62 @@ def _json_array_records(path: str, text: str):
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-        yield line, record
+        except RecursionError:
+            raise UserError(f"{path}:{line}: invalid JSON (nested too deeply)") from None
+        yield f"{path}:{line}", record
 
 
-def load_examples(path: str) -> list[Example]:
-    """Read a local alpaca or sharegpt dataset (.jsonl: one record per line; .json: an array of records)."""
+def _rows(path: str):
+    """("file:line", record) for every record of a .jsonl or .json dataset file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise UserError(f"dataset file {path!r} cannot be read ({exc.strerror})") from None
+    offset = len(_UTF8_BOM) if raw.startswith(_UTF8_BOM) else 0  # a byte-order mark some editors write
+    raw = raw[offset:]
+    if not raw.strip():
+        raise UserError(f"{path}: the file is empty (no records)")
+    if path.endswith(".jsonl"):
+        yield from _jsonl_rows(path, raw)
+        return
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, raw, exc, offset) from None
+    yield from _json_array_rows(path, text)
+
+
+def load_examples(path: str, log=None) -> list[Example]:
+    """Read a local alpaca or sharegpt dataset (.jsonl: one record per line; .json: an array of records).
+
+    A malformed record is one UserError naming the file and line (invalid UTF-8, not JSON, not an object, a
+    missing key, a value of the wrong type); blank lines are ignored; a record with an empty answer is skipped
+    and counted (one note through `log`); no record left is an error."""
     if not os.path.isfile(path):
         raise UserError(f"dataset file {path!r} not found (give a local .json/.jsonl file or 'builtin')")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     examples: list[Example] = []
-    if path.endswith(".jsonl"):
-        for line_no, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{line_no}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            examples.append(_record_to_example(record, f"{path}:{line_no}"))
-    else:
-        for line_no, record in _json_array_records(path, text):
-            examples.append(_record_to_example(record, f"{path}:{line_no}"))
+    empty: list[str] = []
+    for where, record in _rows(path):
+        example = parse_row(record, where)
+        if has_empty_answer(example):
+            empty.append(where)
+        else:
+            examples.append(example)
+    if empty and not examples:
+        raise UserError(f"{path}: every record has an empty answer ({_lines(empty)}): nothing to learn from")
     if not examples:
         raise UserError(f"{path}: the dataset has no records")
+    if empty and log is not None:
+        log(f"note: {path}: skipped {len(empty)} record(s) with an empty answer ({_lines(empty)})")
     return examples
+
+
+def _lines(sources: list[str], shown: int = 5) -> str:
+    """'lines 3, 9 and 12' from 'file:line' sources (a few of them)."""
+    numbers = [s.rsplit(":", 1)[-1] for s in sources]
+    more = f" and {len(numbers) - shown} more" if len(numbers) > shown else ""
+    return ("line " if len(numbers) == 1 else "lines ") + ", ".join(numbers[:shown]) + more
 
 
 # ---------------------------------------------------------------------------------------------- built-in task
@@ -169,7 +272,7 @@ def builtin_examples(n: int, seed: int) -> list[Example]:
         else:
             word = _random_word(rng)
             record = {"instruction": "Sort the letters.", "input": word, "output": "".join(sorted(word))}
-        examples.append(_alpaca_example(record, "builtin"))
+        examples.append(_alpaca_example(record, ""))
     return examples
 
 
@@ -237,6 +340,13 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 class TokenizedExample:
     input_ids: list[int]
     labels: list[int]
+    length: int = 0  # tokens before truncation to max_length
+    source: str = ""  # the Example's ("file:line")
+
+    def has_answer(self) -> bool:
+        """Whether any answer token is left to learn from (the loss predicts token i+1 from token i, so a label
+        at position 0 does not count)."""
+        return any(label != IGNORE_INDEX for label in self.labels[1:])
 
 
 def tokenize_examples(examples: list[Example], tokenizer, max_length: int) -> list[TokenizedExample]:
@@ -253,8 +363,31 @@ def tokenize_examples(examples: list[Example], tokenizer, max_length: int) -> li
                 piece = piece + [tokenizer.eos_token_id]  # learn to stop after each answer
             ids += piece
             labels += piece if trained else [IGNORE_INDEX] * len(piece)
-        out.append(TokenizedExample(ids[:max_length], labels[:max_length]))
+        out.append(TokenizedExample(ids[:max_length], labels[:max_length], len(ids), example.source))
     return out
+
+
+def fit_to_length(items: list[TokenizedExample], max_length: int, log=None) -> list[TokenizedExample]:
+    """The examples that still have an answer after truncation to max_length (`tokenize_examples` truncates):
+    one whose answer max_length cut off entirely is skipped, and a note (through `log`) counts the skipped and
+    the truncated ones; none left is a UserError."""
+    kept = [item for item in items if item.has_answer()]
+    if not kept:
+        raise UserError(f"max_length={max_length} cuts off every answer: nothing left to learn from")
+    skipped = [item for item in items if not item.has_answer()]
+    truncated = [item for item in kept if item.length > max_length]
+    if log is not None and skipped:
+        log(
+            f"note: max_length={max_length} cuts off the whole answer of {len(skipped)} example(s), which are "
+            f"skipped{_first(skipped)}"
+        )
+    if log is not None and truncated:
+        log(f"note: {len(truncated)} example(s) longer than max_length={max_length} are truncated{_first(truncated)}")
+    return kept
+
+
+def _first(items: list[TokenizedExample]) -> str:
+    return f" (the first: {items[0].source})" if items[0].source else ""
 
 
 @dataclass

@@ -10,6 +10,7 @@ folders with `local_files_only=True`.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,15 +28,17 @@ TINY_INIT_SEED = 0  # the tiny base is the same for every run, so an adapter tra
 
 
 def tiny_llama_config(vocab_size: int) -> LlamaConfig:
-    """A 0.87M-parameter Llama: small enough to train in minutes on 2 CPU cores.
+    """A 0.82M-parameter Llama: small enough to train in minutes on 2 CPU cores.
 
+    Every linear layer's sizes are multiples of 64 (hidden 128, intermediate 320), so bitsandbytes' CPU 4-bit
+    inference path takes all of them (see `PACKED_CPU_PATH`); the lm_head (259 outputs) is never quantised.
     initializer_range 0.1 (not the usual 0.02): with a random, frozen lm_head of std 0.02 and hidden size
     128 the largest logit an adapter could reach is about 2.6 nats, so LoRA could barely lower the loss.
     """
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
-        intermediate_size=344,
+        intermediate_size=320,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
@@ -89,16 +92,70 @@ def quantization_config(quant_bits: int | None, compute_dtype: torch.dtype) -> B
     return None
 
 
+# bitsandbytes' CPU 4-bit inference path (0.50: `Linear4bit.forward` calls `_convert_weight_packed_for_cpu` in eval
+# mode, without gradients, on a CPU with AVX512-BF16; the layer's `support_avx512bf16_for_cpu` says whether it may)
+# repacks a weight in blocks of 32 output rows and its absmax per row of `blocksize` inputs, and asserts on any
+# other shape ("N must be divisible by block_n"). Its generic path (dequantise, matmul) takes every shape. The
+# packed layout is for inference only: its CPU kernel has no autograd formula, and a layer packed by an evaluation
+# stays packed when training resumes, so a model that trains never takes it.
+PACKED_CPU_PATH = "support_avx512bf16_for_cpu"
+PACKED_CPU_BLOCK_N = 32
+
+
+def packed_cpu_path_takes(out_features: int, in_features: int, blocksize: int) -> bool:
+    """Whether bitsandbytes' packed CPU 4-bit path can repack a weight of this shape (see PACKED_CPU_PATH)."""
+    return out_features % PACKED_CPU_BLOCK_N == 0 and in_features % blocksize == 0 and in_features % 2 == 0
+
+
+def use_generic_4bit_path(model, *, training: bool, log=None) -> list[str]:
+    """Keep bitsandbytes' packed CPU path away from the 4-bit layers it cannot take (every layer when the model
+    trains): they run through its generic path, in 4-bit as before. Returns the names of the layers whose shape
+    it cannot take, named in one line through `log` when the packed path is there to be missed. Nothing changes
+    where bitsandbytes has no packed path (another release, no AVX512-BF16, a GPU)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    odd = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear4bit) or not getattr(module, PACKED_CPU_PATH, False):
+            continue
+        state = module.weight.quant_state
+        blocksize = state.blocksize if state is not None else 64
+        fits = packed_cpu_path_takes(module.out_features, module.in_features, blocksize)
+        if not fits:
+            odd.append(f"{name} ({module.in_features} -> {module.out_features})")
+        if training or not fits:
+            setattr(module, PACKED_CPU_PATH, False)
+    if odd and log is not None and not training:
+        log(
+            f"note: bitsandbytes' fast CPU 4-bit path needs output sizes that are multiples of {PACKED_CPU_BLOCK_N} "
+            f"and input sizes that are multiples of 64; {len(odd)} layer(s) run through its generic 4-bit path "
+            f"(same weights, slower): {_named_briefly(odd)}"
+        )
+    return odd
+
+
+def _named_briefly(names: list[str], shown: int = 4) -> str:
+    """Layer names with the block number folded (`model.layers.*.mlp.down_proj (344 -> 128)`), a few of them."""
+    folded = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
+    more = f" and {len(folded) - shown} more" if len(folded) > shown else ""
+    return ", ".join(folded[:shown]) + more
+
+
 def load_base_model(
     cfg: TrainConfig, source: ModelSource, tokenizer, device: torch.device, compute_dtype: torch.dtype, log=None
 ):
     """The base model on `device`: fp32 for full fine-tuning (autocast does the low-precision math), the
     compute dtype for a frozen base under LoRA, or bitsandbytes-quantised when quant_bits is set."""
     base_dtype = torch.float32 if cfg.tuner == "full" else compute_dtype
-    return load_base(source, tokenizer, device, base_dtype, quantization_config(cfg.quant_bits, compute_dtype), log)
+    quant = quantization_config(cfg.quant_bits, compute_dtype)
+    return load_base(source, tokenizer, device, base_dtype, quant, log, training=True)
 
 
-def load_base(source: ModelSource, tokenizer, device, dtype, quant, log=None):
+def load_base(source: ModelSource, tokenizer, device, dtype, quant, log=None, *, training: bool = False):
+    """The base model, bitsandbytes-quantised with `quant`; `training`: it will train (adapters on a 4-bit base
+    never take bitsandbytes' inference-only packed CPU path, see PACKED_CPU_PATH)."""
     if source.kind == TINY and quant is None:
         return build_tiny_model(tokenizer).to(device=device, dtype=dtype)
     scratch = None
@@ -124,7 +181,10 @@ def load_base(source: ModelSource, tokenizer, device, dtype, quant, log=None):
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-    return model if quant is not None else model.to(device)
+    if quant is None:
+        return model.to(device)
+    use_generic_4bit_path(model, training=training, log=log)
+    return model
 
 
 def load_pretrained(source: ModelSource, dtype: torch.dtype = torch.float32, device="cpu", log=None):

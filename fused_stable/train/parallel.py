@@ -112,6 +112,35 @@ def agree_signal(signum: int) -> int:
     return int(flag.item())
 
 
+# what gloo and NCCL say when a peer process is gone (killed, crashed, or torchrun stopped it)
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "communicator was aborted",
+    "Socket Timeout",
+)
+
+
+def lost_another_rank(exc: BaseException, signum: int = 0) -> bool:
+    """Whether `exc`, raised in a process group, means that another rank is gone rather than a bug here: a
+    distributed error, a collective that lost its peer, or any RuntimeError while a signal is pending (torchrun
+    sends SIGTERM to every other rank as soon as one fails)."""
+    if not active():
+        return False
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and (bool(signum) or any(text in str(exc) for text in _PEER_GONE))
+
+
+def describe_lost_rank(exc: BaseException) -> str:
+    """One clause for the message: what the collective saw, without gloo's or NCCL's advice."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    seen = first.split("] ", 1)[-1].split(". This is typically", 1)[0].strip()[:160]
+    return f"another rank stopped ({seen}), so this one cannot go on (torchrun's summary says which rank and why)"
+
+
 def report_error(line: str) -> None:
     """Print `line` on rank 0 only; then wait for every rank, so that torchrun (which stops the other workers
     as soon as one exits) cannot end rank 0 before it has printed. Only for errors every rank raises."""

@@ -1,6 +1,9 @@
 """Helpers for the trainer tests: tiny, fast CLI arguments, metrics reading, in-process runs."""
 
 import os
+import time
+
+import pytest
 
 from fused_stable.train import cli
 
@@ -51,8 +54,24 @@ def setup_run(*argv):
 
 
 def fit(setup):
+    """Start and train an in-process run; then let go of its folder's lock, as the command does at its end (or
+    the kernel, when a process dies), so that a later run in the same folder is not refused as a second writer."""
     setup.start()
     try:
         return setup.trainer.fit()
     finally:
         setup.trainer.reporter.close()
+        setup.release()
+
+
+def wait_for(condition, proc, what, timeout=240):
+    """Poll `condition` until it holds while `proc` (a Popen) runs; fail with its output if it ends first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the process ended (code {proc.returncode}) before {what}:\n{out[-2000:]}\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -11,12 +11,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_helpers import REPO_ROOT, TINY, read_metrics
+from sft_helpers import REPO_ROOT, TINY, read_metrics, wait_for
 
 from fused_stable.train import checkpoint
 
@@ -37,18 +36,6 @@ def _launch(out, *extra, env=None, torchrun=False, pid_dir=None):
     return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(condition, proc, what, timeout=240):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the process ended (code {proc.returncode}) before {what}:\n{out[-2000:]}\n{err[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _rows(out):
     path = os.path.join(out, "metrics.jsonl")
     return len(open(path).read().splitlines()) if os.path.isfile(path) else 0
@@ -63,7 +50,7 @@ def _interrupt_line(err):
 def test_sigint_saves_a_checkpoint_and_continuing_matches_the_uninterrupted_run(sft, tmp_path):
     out, straight = tmp_path / "run", tmp_path / "straight"
     proc = _launch(out, "--max_steps", "12", env={"STEP_SLEEP": "0.3"})
-    _wait_for(lambda: _rows(out) >= 3, proc, "step 3 was logged")
+    wait_for(lambda: _rows(out) >= 3, proc, "step 3 was logged")
     proc.send_signal(signal.SIGINT)
     stdout, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, err[-3000:]
@@ -113,9 +100,9 @@ def test_second_signal_during_the_save_abandons_it_and_keeps_the_earlier_checkpo
         "0",
         env={"STEP_SLEEP": "0.2", "SLOW_SAVE_FLAG": str(flag)},
     )
-    _wait_for(lambda: _rows(out) >= 3 and os.path.isdir(out / "checkpoints" / "step-2"), proc, "step-2 was saved")
+    wait_for(lambda: _rows(out) >= 3 and os.path.isdir(out / "checkpoints" / "step-2"), proc, "step-2 was saved")
     proc.send_signal(signal.SIGTERM)
-    _wait_for(flag.exists, proc, "the interrupt's save began")
+    wait_for(flag.exists, proc, "the interrupt's save began")
     earlier = {
         name: checkpoint.verify_checkpoint(str(out / "checkpoints" / name))["files"]
         for name in os.listdir(out / "checkpoints")
@@ -144,7 +131,7 @@ def test_torchrun_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_pa
     proc = _launch(
         out, "--max_steps", "40", "--save_total_limit", "0", env={"STEP_SLEEP": "0.2"}, torchrun=True, pid_dir=pids
     )
-    _wait_for(lambda: _rows(out) >= 3 and len(os.listdir(pids)) == 2, proc, "step 3 was logged")
+    wait_for(lambda: _rows(out) >= 3 and len(os.listdir(pids)) == 2, proc, "step 3 was logged")
     os.kill(int((pids / "rank-1").read_text()), signal.SIGINT)  # rank 1 only: rank 0 must learn it from rank 1
     stdout, err = proc.communicate(timeout=240)
     assert proc.returncode != 0  # torchrun reports workers that exited non-zero as a failure

@@ -122,6 +122,7 @@ def test_run_that_saved_no_checkpoint_suggests_overwrite(sft, tmp_path):
     setup = setup_run(*RUN, "--output_dir", out)
     setup.start()  # the run began writing, then died before its first checkpoint
     setup.trainer.reporter.close()
+    setup.release()  # as its death would
     line = _one_error_line(*sft(*RUN, "--output_dir", out)[::2])
     assert "saved no checkpoint" in line and "--overwrite" in line
     line = _one_error_line(*sft("--output_dir", out, "--resume", "latest")[::2])

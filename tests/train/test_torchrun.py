@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 
 from fused_stable.integrations.distributed import shard_data
+from fused_stable.train import checkpoint
 from fused_stable.train.data import IGNORE_INDEX, BatchOrder
 from fused_stable.train.report import read_alerts
 
@@ -238,6 +240,40 @@ def test_guard_rollback_takes_every_rank_back_together(tmp_path):
     state = json.loads((out / "checkpoints" / "step-20" / "trainer_state.json").read_text())
     assert state["rollbacks"] == 1 and state["micro_batches"] == 25  # the faulty window is not replayed
     assert all(math.isfinite(r["loss"]) for r in read_metrics(out)[10:])
+
+
+def test_a_rank_killed_mid_run_stops_the_others_with_one_line_and_resume_continues_exactly(ddp_run, tmp_path):
+    """Rank 1 is SIGKILLed after step 3 (an OOM kill, a lost node): rank 0 meets the dead peer in its next
+    collective (or torchrun's SIGTERM first) and stops at once with one line naming the newest complete
+    checkpoint; nothing it has not finished is taken for a checkpoint; `--resume latest` then gives the
+    uninterrupted run's losses and weights."""
+    straight, _ = ddp_run
+    out, death = tmp_path / "killed", tmp_path / "death"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
+    proc = torchrun(*RUN, "--output_dir", out, program=(script,), env={"KILL_RANK": "1:3", "DEATH_FILE": str(death)})
+    ended = time.time()
+    assert proc.returncode != 0
+    # torchrun stops the group as soon as a worker dies and kills what is left 30 s later: rank 0 must have
+    # ended on its own, with its line, well within that
+    assert ended - float(death.read_text()) < 60
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fused-stable sft: error:")]
+    step2 = out / "checkpoints" / "step-2"
+    assert len(lines) == 1 and lines[0].startswith("fused-stable sft: error: rank 0: another rank stopped ("), lines
+    assert lines[0].endswith(
+        f"the newest complete checkpoint, {step2}, is intact; continue: "
+        f"torchrun --standalone --nproc-per-node 2 -m fused_stable sft --output_dir {out} --resume latest"
+    )
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank")]  # no worker traceback
+    codes = {ln.split(":")[1].split()[0] for ln in proc.stderr.splitlines() if ln.strip().startswith("exitcode")}
+    assert codes == {"1", "-9"}, proc.stderr[-3000:]  # rank 0 exited 1 by itself; rank 1 was SIGKILLed
+    assert [step for step, _ in checkpoint.list_checkpoints(str(out))] == [2]
+
+    proc = _ok(torchrun("--output_dir", out, "--resume", "latest"))
+    assert f"resumed from {step2}" in proc.stdout
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(straight)]
+    wa = load_file(straight / "checkpoints" / "step-4" / "weights.safetensors")
+    wb = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_bad_input_one_line_from_rank0_exit_2(tmp_path):

@@ -1,25 +1,42 @@
-"""Launched by test_torchrun.py as `torchrun ... THIS sft ARGS` with FAULT_BATCHES=i,j,...: `fused-stable sft`
-whose logits become non-finite on those micro-batches (data positions), on every rank, as a diverging layer
-would make them; the stability guard must then roll every rank back together."""
+"""Launched by test_torchrun.py as `torchrun ... THIS sft ARGS`: `fused-stable sft` with a fault on its ranks.
+
+FAULT_BATCHES=i,j,...: the logits become non-finite on those micro-batches (data positions), on every rank, as a
+diverging layer would make them; the stability guard must then roll every rank back together.
+KILL_RANK=r:s: rank r SIGKILLs itself at its logging step s (after writing the time of its death to DEATH_FILE),
+as an out-of-memory kill or a lost node would end it; the other ranks must stop within a bounded time.
+"""
 
 import os
+import signal
 import sys
+import time
 
 from fused_stable.train import cli, parallel
 
 
 def main(argv):
-    faults = {int(i) for i in os.environ["FAULT_BATCHES"].split(",")}
+    faults = {int(i) for i in os.environ.get("FAULT_BATCHES", "").split(",") if i}
+    kill_rank, _, kill_step = os.environ.get("KILL_RANK", "").partition(":")
     build = cli.setup_run
 
     def setup_with_fault(args):
         setup = build(args)
         trainer = setup.trainer
+        if faults:
 
-        def hook(module, inputs, output):
-            return output * float("inf") if trainer.state.micro_batches in faults else output
+            def hook(module, inputs, output):
+                return output * float("inf") if trainer.state.micro_batches in faults else output
 
-        parallel.unwrap(setup.model).get_output_embeddings().register_forward_hook(hook)
+            parallel.unwrap(setup.model).get_output_embeddings().register_forward_hook(hook)
+        if kill_rank and int(kill_rank) == parallel.rank():
+
+            def die(step, optimizer, metrics):
+                if step == int(kill_step):
+                    with open(os.environ["DEATH_FILE"], "w") as f:
+                        f.write(str(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            trainer.callbacks.append(die)
         return setup
 
     cli.setup_run = setup_with_fault
