@@ -108,7 +108,7 @@ def _resolve(argv: list[str]):
     from fused_stable.train.config import resolve_config, same_state_value
     from fused_stable.train.keys import STATE_KEYS
 
-    cfg, explicit = resolve_config(argv)
+    cfg, explicit = resolve_config(argv, log=_log)
     if cfg.resume is None:
         return cfg, None, []
     if cfg.resume != "latest" and "output_dir" not in explicit:
@@ -228,7 +228,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.guard import Guard
     from fused_stable.train import data, parallel
-    from fused_stable.train.config import guard_config, run_dict
+    from fused_stable.train.config import guard_config, run_dict, warmup_steps
     from fused_stable.train.loop import Trainer
     from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
     from fused_stable.train.runtime import resolve_runtime, set_threads
@@ -252,11 +252,11 @@ def setup_run(argv: list[str]) -> RunSetup:
     # torchrun: each rank batches its own shard of the rows
     batches = data.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    warmup_steps = int(cfg.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg, total_steps)
     schedule = {
-        "cosine": lambda: schedules.warmup_cosine(total_steps, warmup_steps),
-        "linear": lambda: schedules.warmup_linear(total_steps, warmup_steps),
-        "constant": lambda: schedules.constant(warmup_steps),
+        "cosine": lambda: schedules.warmup_cosine(total_steps, warmup),
+        "linear": lambda: schedules.warmup_linear(total_steps, warmup),
+        "constant": lambda: schedules.constant(warmup),
     }[cfg.scheduler]()
     guard = Guard(guard_config(cfg))
     # clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call; under

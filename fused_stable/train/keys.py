@@ -1,6 +1,7 @@
 """The trainer's keys: every key of `fused-stable sft` is a field of `TrainConfig`, with its default, a help
 line, its group in `--help` and, for a number, the `Range` it must lie in; beside it the choices of the keys
-that take a name (`CHOICES`), the names other tools use for our keys (`ALIASES`, suggested, never accepted),
+that take a name (`CHOICES`), the names other tools use for our keys (`ALIASES`, suggested, never accepted;
+LLaMA-Factory's and ms-swift's own keys are mapped by `anchors`),
 the keys a checkpoint fixes (`STATE_KEYS`) and the help text they make (`help_text`).
 
 A new key is one field here; how keys are read (defaults < YAML < flags) and checked against each other is
@@ -76,6 +77,13 @@ class TrainConfig:
     )
     warmup_ratio: float = _key(
         0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim", Range(0, 1, high_open=True)
+    )
+    warmup_steps: int | None = _key(
+        None,
+        "optimizer steps of warm-up, overriding warmup_ratio when above 0; none or 0 = ceil(warmup_ratio x steps), "
+        "as the HF Trainer rounds it",
+        "optim",
+        COUNT,
     )
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     precision: str = _key(
@@ -195,6 +203,7 @@ ALIASES = {
     "num_train_epochs": "epochs",
     "num_epochs": "epochs",
     "warmup": "warmup_ratio",
+    "num_warmup_steps": "warmup_steps",
     "max_seq_length": "max_length",
     "max_seq_len": "max_length",
     "cutoff_len": "max_length",
