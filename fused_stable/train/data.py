@@ -1,4 +1,4 @@
-"""Instruction data for supervised fine-tuning: local alpaca/sharegpt files, the generated arithmetic task,
+"""Instruction data for supervised fine-tuning: local alpaca/sharegpt/messages files, the generated arithmetic task,
 rendering with the model's own chat template, tokenisation with the prompt masked out of the loss, and a
 deterministic, resumable batch order.
 
@@ -29,6 +29,8 @@ PLAIN_HEADERS = {"system": "### System:\n", "user": "### Instruction:\n", "assis
 PLAIN_RESPONSE = "### Response:\n"
 # ShareGPT speaker names (and the OpenAI-style roles some exports use) -> chat role
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# the `messages` format's roles (ms-swift's standard format, OpenAI's and TRL's conversational datasets)
+MESSAGES_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 
 
 @dataclass
@@ -73,38 +75,131 @@ def _json_type(value) -> str:
     return names.get(type(value), "a number")
 
 
+# the fields each format reads; any other field of a record is one line naming it (never dropped silently)
+ALPACA_FIELDS = ("instruction", "input", "output", "system", "history")
+SHAREGPT_FIELDS = ("conversations", "system")
+MESSAGES_FIELDS = ("messages",)
+TURN_FIELDS = ("from", "value", "role", "content")
+# why a field other trainers define is not read here (the rest are just unknown)
+UNUSABLE_FIELDS = {
+    "tools": "tool calls are not trained here",
+    "images": "images are not trained here (text only)",
+    "videos": "videos are not trained here (text only)",
+    "audios": "audio is not trained here (text only)",
+    "chosen": "preference pairs are for DPO, not sft",
+    "rejected": "preference pairs are for DPO, not sft",
+    "kto_tag": "KTO labels are not trained here",
+}
+
+
+def _no_other_fields(record: dict, where: str, fmt: str, fields: tuple[str, ...]) -> None:
+    extra = [key for key in record if key not in fields]
+    if extra:
+        key = extra[0]
+        why = UNUSABLE_FIELDS.get(key, "the trainer does not use it")
+        raise UserError(
+            f"{where}: {fmt} field {key!r} cannot be used ({why}); {fmt} reads {', '.join(fields)}: remove it"
+        )
+
+
+def _system(record: dict, where: str, fmt: str) -> list[dict]:
+    """A top-level `system` (LLaMA-Factory's alpaca and ShareGPT) as the conversation's first message."""
+    system = _text(record, "system", where, fmt, optional=True)
+    return [{"role": "system", "content": system}] if system.strip() else []
+
+
 def _alpaca_example(record: dict, where: str) -> Example:
+    _no_other_fields(record, where, "alpaca", ALPACA_FIELDS)
     instruction = _text(record, "instruction", where, "alpaca")
     answer = _text(record, "output", where, "alpaca")
     extra = _text(record, "input", where, "alpaca", optional=True)
-    # LLaMA-Factory's alpaca converter: the input follows the instruction in the same user turn
+    # the input follows the instruction in the same user turn (LLaMA-Factory joins them with one newline; this
+    # trainer has always used a blank line, which the built-in arithmetic task and its chat prompts follow)
     question = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    return Example(conversation(question, answer).messages, where)
+    messages = _system(record, where, "alpaca") + _history(record.get("history"), where)
+    return Example(messages + conversation(question, answer).messages, where)
 
 
-def _sharegpt_example(record: dict, where: str) -> Example:
-    turns = record["conversations"]
+def _history(history, where: str) -> list[dict]:
+    """LLaMA-Factory's alpaca `history`: the earlier turns, [[question, answer], ...], oldest first."""
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise UserError(
+            f"{where}: alpaca 'history' must be an array of [question, answer] pairs, got {_json_type(history)}"
+        )
+    messages = []
+    for number, pair in enumerate(history, start=1):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(text, str) for text in pair)):
+            raise UserError(
+                f"{where}: alpaca 'history' item {number} must be a [question, answer] pair of strings "
+                f"(got {json.dumps(pair, ensure_ascii=False)[:80]})"
+            )
+        messages += conversation(pair[0], pair[1]).messages
+    return messages
+
+
+def _turns(record: dict, key: str, where: str, fmt: str, roles: dict) -> list[dict]:
+    """The turns of a ShareGPT `conversations` or a `messages` list as chat messages: each a known role (a
+    system turn only first) with string content, and at least one assistant turn to learn from."""
+    turns = record[key]
     if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'conversations' must be a non-empty array of turns, got {_json_type(turns)}")
+        raise UserError(f"{where}: {key!r} must be a non-empty array of turns, got {_json_type(turns)}")
     messages = []
     for number, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
-            raise UserError(f"{where}: turn {number} of 'conversations' must be an object, got {_json_type(turn)}")
+            raise UserError(f"{where}: turn {number} of {key!r} must be an object, got {_json_type(turn)}")
         speaker = turn.get("from", turn.get("role"))
         text = turn.get("value", turn.get("content"))
-        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES or not isinstance(text, str):
+        if isinstance(speaker, str) and speaker not in roles and speaker in OTHER_ROLES:
+            why = OTHER_ROLES[speaker]
+            raise UserError(f"{where}: turn {number} of {key!r} is a {speaker!r} turn, which cannot be used ({why})")
+        if not isinstance(speaker, str) or speaker not in roles or not isinstance(text, str):
+            names = "'from' in" if fmt == "sharegpt" else "'role' in"
             raise UserError(
-                f"{where}: turn {number} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value' "
-                f"(got {json.dumps(turn, ensure_ascii=False)[:80]})"
+                f"{where}: turn {number} needs {names} {sorted(roles)} and a string "
+                f"'{'value' if fmt == 'sharegpt' else 'content'}' (got {json.dumps(turn, ensure_ascii=False)[:80]})"
             )
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
+        extra = [k for k in turn if k not in TURN_FIELDS]
+        if extra:
+            raise UserError(
+                f"{where}: turn {number} of {key!r} has field {extra[0]!r}, which cannot be used: remove it"
+            )
+        if roles[speaker] == "system" and number != 1:
+            raise UserError(f"{where}: turn {number} of {key!r} is a system turn; a system turn can only come first")
+        messages.append({"role": roles[speaker], "content": text})
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no 'gpt'/'assistant' turn to learn from")
-    return Example(messages, where)
+    return messages
+
+
+# roles other trainers define that a plain conversation cannot hold here
+OTHER_ROLES = {
+    "observation": "tool results are not trained here",
+    "function_call": "tool calls are not trained here",
+    "function": "tool calls are not trained here",
+    "tool": "tool results are not trained here",
+    "tool_call": "tool calls are not trained here",
+}
+
+
+def _sharegpt_example(record: dict, where: str) -> Example:
+    _no_other_fields(record, where, "sharegpt", SHAREGPT_FIELDS)
+    messages = _turns(record, "conversations", where, "sharegpt", SHAREGPT_ROLES)
+    system = _system(record, where, "sharegpt")
+    if system and messages[0]["role"] == "system":
+        raise UserError(f"{where}: sharegpt 'system' and a first 'system' turn: give the system prompt once")
+    return Example(system + messages, where)
+
+
+def _messages_example(record: dict, where: str) -> Example:
+    _no_other_fields(record, where, "messages", MESSAGES_FIELDS)
+    return Example(_turns(record, "messages", where, "messages", MESSAGES_ROLES), where)
 
 
 ROW_FORMATS: list[RowFormat] = [
     RowFormat("sharegpt", lambda record: "conversations" in record, _sharegpt_example),
+    RowFormat("messages", lambda record: "messages" in record, _messages_example),
     RowFormat("alpaca", lambda record: "instruction" in record or "output" in record, _alpaca_example),
 ]
 
@@ -119,7 +214,7 @@ def parse_row(record, where: str) -> Example:
     expected = " or ".join(fmt.name for fmt in ROW_FORMATS)
     raise UserError(
         f"{where}: unknown record format (keys {sorted(record)[:6]}); expected {expected} "
-        "(alpaca: 'instruction'/'input'/'output', sharegpt: 'conversations')"
+        "(alpaca: 'instruction'/'input'/'output', sharegpt: 'conversations', messages: 'messages')"
     )
 
 

@@ -193,7 +193,9 @@ def test_yaml_booleans_for_on_off_keys(tmp_path):
         resolve("--config", write(tmp_path, "identity_name: yes\n"))
 
 
-@pytest.mark.parametrize(("ratio", "total", "steps"), [(0.1, 27, 3), (0.1, 30, 3), (0.05, 100, 5), (0.15, 7, 2), (0.0, 10, 0)])
+@pytest.mark.parametrize(
+    ("ratio", "total", "steps"), [(0.1, 27, 3), (0.1, 30, 3), (0.05, 100, 5), (0.15, 7, 2), (0.0, 10, 0)]
+)
 def test_warmup_ratio_is_rounded_as_the_hf_trainer_rounds_it(tmp_path, ratio, total, steps):
     """The installed transformers' TrainingArguments.get_warmup_steps is the reference (a ratio as warmup_steps
     below 1 in transformers 5, warmup_ratio in 4): a ratio is rounded up."""
