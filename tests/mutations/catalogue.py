@@ -198,8 +198,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "sharegpt-assistant-untrained",
         TRAIN + "data.py",
-        '"assistant": "assistant"}',
-        '"assistant": "user"}',
+        '"gpt": "assistant", "assistant": "assistant"}',
+        '"gpt": "assistant", "assistant": "user"}',
         ["tests/train/test_trainer_promises.py"],
         "ShareGPT assistant turns (role/content) are trained",
         select="sharegpt",
