@@ -101,6 +101,20 @@ def continue_command(output_dir: str, world_size: int) -> str:
     return f"{launcher} --output_dir {shlex.quote(output_dir)} --resume latest"
 
 
+def _no_usable_checkpoint(problem: str, output_dir: str) -> str:
+    """What `--resume latest` found when no checkpoint verifies, and what to do, without deleting any."""
+    from fused_stable.train import checkpoint
+
+    found = checkpoint.list_checkpoints(output_dir, include_incomplete=True)
+    if not found:
+        return f"{problem}; the run never saved one: start it again with --overwrite (without --resume)"
+    names = ", ".join(os.path.basename(path) for _, path in found[-4:])
+    return (
+        f"{problem}; the run saved {len(found)} ({names}) and none verifies: to keep them, start the run again in "
+        "another output_dir (--overwrite here would delete them)"
+    )
+
+
 def _resolve(argv: list[str]):
     """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
     checkpoints `resume latest` passed over (one line each)."""
@@ -118,9 +132,7 @@ def _resolve(argv: list[str]):
         path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
     except UserError as exc:
         if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
-            raise UserError(
-                f"{exc}; the run never saved one: start it again with --overwrite (without --resume)"
-            ) from None
+            raise UserError(_no_usable_checkpoint(str(exc), cfg.output_dir)) from None
         raise
     try:
         saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))

@@ -24,6 +24,7 @@ import torch
 from fused_stable.errors import UserError
 
 IGNORE_INDEX = -100
+BUILTIN_DATASETS = ("identity", "arithmetic")  # `--dataset` names that are no file (cli's _task_examples)
 # the plain format, for tokenizers without a chat template: role -> text before the content
 PLAIN_HEADERS = {"system": "### System:\n", "user": "### Instruction:\n", "assistant": ""}
 PLAIN_RESPONSE = "### Response:\n"
@@ -310,8 +311,15 @@ def load_examples(path: str, log=None) -> list[Example]:
     A malformed record is one UserError naming the file and line (invalid UTF-8, not JSON, not an object, a
     missing key, a value of the wrong type); blank lines are ignored; a record with an empty answer is skipped
     and counted (one note through `log`); no record left is an error."""
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".json", ".jsonl")))[:5]
+        found = f" (it holds {', '.join(files)})" if files else ""
+        raise UserError(f"dataset {path!r} is a directory; give one .json/.jsonl file{found}")
     if not os.path.isfile(path):
-        raise UserError(f"dataset file {path!r} not found (give a local .json/.jsonl file or 'builtin')")
+        raise UserError(
+            f"dataset file {path!r} not found: give a local .json/.jsonl file, or a built-in task: "
+            f"{' or '.join(repr(name) for name in BUILTIN_DATASETS)}"
+        )
     examples: list[Example] = []
     empty: list[str] = []
     for where, record in _rows(path):

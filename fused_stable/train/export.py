@@ -71,6 +71,12 @@ def _dequantised_base(source, tokenizer, quant_bits: int, log):
     return base
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
 def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print) -> dict:
     """Merge and write; returns {"output_dir", "base", "quant_bits", "merged_into"}. Everything is checked
     before the base is loaded; the folder is written next to the target and renamed into place, so a failed
@@ -110,6 +116,7 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
         if os.path.isdir(output_dir):  # a previous export, nothing else (checked above): swapped out, then removed
             previous = tempfile.mkdtemp(prefix=".old-export-", dir=parent)
             os.rename(output_dir, os.path.join(previous, "export"))
+        os.chmod(scratch, 0o777 & ~_umask())  # mkdtemp makes it 0700; a folder made by mkdir follows the umask
         os.rename(scratch, output_dir)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)

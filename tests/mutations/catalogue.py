@@ -1328,8 +1328,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "yaml-boolean-no-quote-hint",
         TRAIN + "config.py",
-        "(YAML reads unquoted yes/no/on/off/true/false as a \"",
-        "(\"",
+        '(YAML reads unquoted yes/no/on/off/true/false as a "',
+        '("',
         ["tests/train/test_anchors.py"],
         "a YAML boolean where a string belongs says to quote it",
         select="yaml_booleans",

@@ -124,6 +124,20 @@ def test_export_overwrite_replaces_only_a_previous_export(runs, tmp_path, capsys
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no scratch or swapped-out folder left
 
 
+def test_export_folder_is_readable_as_the_umask_says(runs, tmp_path, capsys):
+    """The exported folder (made by mkdtemp, 0700) gets the mode mkdir would give it: others can read the model."""
+    import stat
+
+    target = tmp_path / "merged"
+    previous = os.umask(0o027)
+    try:
+        assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(target)]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(target / "model.safetensors").st_mode) == 0o640
+
+
 def test_chat_one_shot_prints_only_the_answer(runs, capsys):
     trained = load_trained(str(runs["lora"]))
     expected = _answers(trained.model, trained.tokenizer, ["Add.\n\n12 + 30"])[0]
@@ -150,6 +164,26 @@ def test_chat_interactive_keeps_the_conversation(runs, capsys, monkeypatch):
     assert seen[1][0] == "Add.\n\n1 + 2" and seen[1][-1] == "Reverse.\n\nabc" and len(seen[1]) == 3  # history
     assert seen[2] == ["Reverse.\n\nabc"]  # after /reset
     assert capsys.readouterr().out.count("assistant> ") == 3
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(runs, capsys, monkeypatch):
+    lines = iter(["Add.\n\n1 + 2", "Reverse.\n\nabc", "Add.\n\n2 + 2", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    seen = []
+    real_answer = chat.answer
+
+    def interrupted_second(model, tokenizer, messages, **kwargs):
+        seen.append([m["content"] for m in messages])
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second answer is generated
+        return real_answer(model, tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(chat, "answer", interrupted_second)
+    assert chat.main(["--adapter", str(runs["lora"]), "--max_new_tokens", "4"]) == 0
+    assert len(seen) == 3, "the session went on after the stopped answer"
+    # the stopped turn is not in the conversation: the third question follows the first answer
+    assert seen[2][0] == "Add.\n\n1 + 2" and seen[2][-1] == "Add.\n\n2 + 2" and len(seen[2]) == 3
+    assert "answer stopped" in capsys.readouterr().err
 
 
 def test_chat_base_model_and_errors(capsys):

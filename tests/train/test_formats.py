@@ -151,3 +151,15 @@ def test_a_field_or_role_that_cannot_be_used_is_one_line(tmp_path, record, probl
     message = str(info.value)
     assert message.startswith(f"{path}:2: ") and "\n" not in message
     assert problem in message
+
+
+def test_a_missing_dataset_names_the_valid_ones_and_a_directory_is_said_so(tmp_path):
+    with pytest.raises(UserError) as info:
+        data.load_examples(str(tmp_path / "nope.jsonl"))
+    assert "not found: give a local .json/.jsonl file, or a built-in task: 'identity' or 'arithmetic'" in str(
+        info.value
+    )
+    assert "builtin" not in str(info.value)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    with pytest.raises(UserError, match=r"is a directory; give one .json/.jsonl file \(it holds train.jsonl\)"):
+        data.load_examples(str(tmp_path))
