@@ -24,8 +24,16 @@ MS_SWIFT = "ms-swift"
 BOTH = (LLAMA_FACTORY, MS_SWIFT)
 # the embedded model under its public (Hugging Face) names
 PUBLIC_MODEL_NAMES = {
-    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
 }
+_BY_PUBLIC_NAME = {name.lower(): alias for name, alias in PUBLIC_MODEL_NAMES.items()}
+
+
+def public_name(alias: str) -> str | None:
+    """The embedded model `alias`'s public (Hugging Face) name, or None."""
+    return next((name for name, known in PUBLIC_MODEL_NAMES.items() if known == alias), None)
+
+
 # LLaMA-Factory's `template` names that are the embedded SmolLM2's own ChatML chat template
 SMOLLM2_TEMPLATES = ("smollm", "smollm2", "chatml")
 
@@ -89,7 +97,7 @@ def public_model(value):
     """A model's public name (`HuggingFaceTB/SmolLM2-135M-Instruct`) as the embedded model it is, unless a local
     folder has that name."""
     text = str(value).strip()
-    return text if os.path.isdir(os.path.expanduser(text)) else PUBLIC_MODEL_NAMES.get(text.lower(), text)
+    return text if os.path.isdir(os.path.expanduser(text)) else _BY_PUBLIC_NAME.get(text.lower(), text)
 
 
 def swift_dataset(value):

@@ -195,3 +195,29 @@ def test_chat_base_model_and_errors(capsys):
     assert chat.main(["--model", "/no/such/model", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not found" in err
+
+
+def test_adapter_of_the_embedded_model_names_its_public_base(tmp_path):
+    """base_model_name_or_path is the public name (other Hugging Face tools resolve it), fused_stable.json says
+    where this project found it, the adapter loads back on it, and saving it warns nothing (peft's offline Hub
+    look-up for embedding layers is not made)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from fused_stable.train.keys import TrainConfig
+    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.saved import inspect_saved, save_final
+    from fused_stable.train.sources import resolve_model
+    from fused_stable.train.tokenizer import build_byte_tokenizer
+
+    source = resolve_model("smollm2-135m")
+    model = get_peft_model(build_tiny_model(), LoraConfig(r=2, target_modules=["q_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_final(model, build_byte_tokenizer(), TrainConfig(), str(tmp_path), source=source)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    trained_with = json.loads((tmp_path / "adapter" / "fused_stable.json").read_text())
+    assert (trained_with["base_model"], trained_with["base_model_file"]) == ("smollm2-135m", source.path)
+    assert inspect_saved(str(tmp_path)).base.reference == "smollm2-135m"
