@@ -176,7 +176,7 @@ class Reporter:
 
 def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None = None) -> str | None:
     """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one); `note` (the before/after
-    evaluation table) is written in a box on the loss panel."""
+    evaluation table) is written in its own panel under the curves, so it hides none of them."""
     rows = read_metrics(output_dir)
     if not rows:
         return None
@@ -185,25 +185,47 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = curves_figure(
+        rows, read_alerts(output_dir), max_grad_norm, note, os.path.basename(os.path.abspath(output_dir))
+    )
+    path = os.path.join(output_dir, CURVES_FILE)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def drawable(text: str) -> bool:
+    """Whether matplotlib's default font has a glyph for every character of `text` (a CJK folder name would
+    be drawn as empty boxes, with a warning per missing glyph)."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    font = FT2Font(font_manager.findfont(font_manager.FontProperties()))
+    return all(font.get_char_index(ord(c)) != 0 for c in text if not c.isspace())
+
+
+def curves_figure(rows: list[dict], alerts: list[dict], max_grad_norm: float | None, note: str | None, name: str):
+    """The figure of curves.png: loss, grad norm and lr panels; the note, if any, in a panel of its own."""
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in rows]
     skipped = [r["step"] for r in rows if r["skipped"]]
-    alerts = read_alerts(output_dir)
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    ax_loss, ax_norm, ax_lr = axes
+    panels = 4 if note else 3
+    heights = [3, 3, 3, 0.25 * (note.count("\n") + 2)] if note else [3, 3, 3]
+    fig, axes = plt.subplots(
+        panels, 1, figsize=(9, 9 + (heights[-1] if note else 0)), gridspec_kw={"height_ratios": heights}
+    )
+    ax_loss, ax_norm, ax_lr = axes[:3]
+    for ax in (ax_norm, ax_lr):
+        ax.sharex(ax_loss)
     ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, color="tab:blue", label="train loss")
     ax_loss.set_ylabel("loss (per token)")
-    ax_loss.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {len(rows)} optimizer steps")
+    # a name the font cannot draw is left out rather than drawn as empty boxes
+    title = f"{name}: " if drawable(name) else ""
+    ax_loss.set_title(f"{title}{len(rows)} optimizer steps")
     if note:
-        ax_loss.text(
-            0.02,
-            0.05,
-            note,
-            transform=ax_loss.transAxes,
-            family="monospace",
-            fontsize=8,
-            va="bottom",
-            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85},
-        )
+        axes[3].axis("off")
+        axes[3].text(0.0, 1.0, note, transform=axes[3].transAxes, family="monospace", fontsize=8, va="top")
     ax_norm.plot(
         steps,
         [r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("nan") for r in rows],
@@ -218,7 +240,7 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
     ax_lr.plot(steps, [r["lr"] for r in rows], lw=1.2, color="tab:green", label="learning rate")
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("optimizer step")
-    for ax in axes:
+    for ax in (ax_loss, ax_norm, ax_lr):
         for i, step in enumerate(skipped):
             ax.axvline(
                 step, color="red", alpha=0.5, lw=1, label="skipped step (non-finite or spike)" if i == 0 else None
@@ -228,7 +250,4 @@ def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None =
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    path = os.path.join(output_dir, CURVES_FILE)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
