@@ -116,6 +116,15 @@ def _dtype(value):
     )
 
 
+def _report_to(value):
+    """The HF Trainer's report_to (a name or a list of names) as our one logger."""
+    names = [str(v).strip().lower() for v in (value if isinstance(value, (list, tuple)) else [value])]
+    names = [n for n in names if n not in ("none", "")] or ["none"]
+    if len(names) > 1 or names[0] not in ("tensorboard", "wandb", "none"):
+        raise Refused("one of tensorboard, wandb or none")
+    return names[0]
+
+
 @dataclass(frozen=True)
 class AnchorKey:
     anchors: tuple[str, ...]  # the trainers that use this name
@@ -172,9 +181,7 @@ KEYS: dict[str, AnchorKey] = {
     "fp16": AnchorKey(BOTH, "precision", _if_true("fp16")),
     "torch_dtype": AnchorKey((MS_SWIFT,), "precision", _dtype),
     "overwrite_output_dir": AnchorKey((LLAMA_FACTORY,), "overwrite"),
-    "report_to": AnchorKey(
-        BOTH, "tensorboard", _choice({"tensorboard": True, "none": False}, "report_to (one logger)")
-    ),
+    "report_to": AnchorKey(BOTH, "report_to", _report_to),
     "resume_from_checkpoint": AnchorKey(BOTH, "resume"),
     "model_name": AnchorKey((MS_SWIFT,), "identity_name", _identity_name),
     "model_author": AnchorKey((MS_SWIFT,), "identity_author", _identity_name),

@@ -40,7 +40,13 @@ def run_entries(cfg) -> list[str]:
         "checkpoints",
         "model" if cfg.tuner == "full" else "adapter",
     ]
-    return names + (["tensorboard"] if cfg.tensorboard else []) + ([EVAL_FILE] if evaluating(cfg) else [])
+    loggers = (["tensorboard"] if tensorboard_on(cfg) else []) + (["wandb"] if cfg.report_to == "wandb" else [])
+    return names + loggers + ([EVAL_FILE] if evaluating(cfg) else [])
+
+
+def tensorboard_on(cfg) -> bool:
+    """TensorBoard events are written with report_to tensorboard (the default) and tensorboard true."""
+    return cfg.tensorboard and cfg.report_to == "tensorboard"
 
 
 def _quiet_third_party_noise() -> None:
@@ -178,7 +184,7 @@ class RunSetup:
         --overwrite, claim the run's entries in its manifest and write run.yaml. The checkpoint is loaded
         first, so a start that fails leaves output_dir exactly as it was (and unlocked)."""
         from fused_stable.train import checkpoint, outputs
-        from fused_stable.train.config import dump_yaml
+        from fused_stable.train.config import dump_yaml, run_dict
         from fused_stable.train.parallel import QuietReporter
         from fused_stable.train.report import AlertLog, Reporter
 
@@ -207,8 +213,9 @@ class RunSetup:
                 cfg.output_dir,
                 trainer.total_steps,
                 trainer.state.step,
-                tensorboard=cfg.tensorboard,
+                tensorboard=tensorboard_on(cfg),
                 max_grad_norm=cfg.max_grad_norm,
+                wandb_config=run_dict(cfg) if cfg.report_to == "wandb" else None,
             )
             if main_rank
             else QuietReporter()

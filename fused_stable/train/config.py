@@ -50,6 +50,8 @@ def _coerce(name: str, value, where: str):
     # `int | None` (types.UnionType) and `typing.Optional[int]` (typing.Union) both mean optional
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if isinstance(value, str) and value.strip().lower() == "none" and "none" in CHOICES.get(name, ()):
+        return "none"  # a choice named none (report_to), not a missing value
     if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         if optional:
             return None

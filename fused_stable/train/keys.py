@@ -102,6 +102,12 @@ class TrainConfig:
     save_steps: int = _key(100, "write a checkpoint every N optimizer steps (0 = only at the end)", "run")
     save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
     tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard", "run")
+    report_to: str = _key(
+        "tensorboard",
+        "tensorboard (output_dir/tensorboard, unless --tensorboard false) | wandb (output_dir/wandb; offline unless "
+        "WANDB_MODE says otherwise; pip install 'fused-stable[wandb]') | none",
+        "run",
+    )
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
     threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run", Range(0, 4096))
     evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
@@ -169,6 +175,7 @@ CHOICES = {
     "clip": ("fixed", "zscore"),
     "guard": ("warn", "skip", "stop", "rollback"),
     "evaluation": ("auto", "on", "off"),
+    "report_to": ("tensorboard", "wandb", "none"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")

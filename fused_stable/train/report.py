@@ -93,7 +93,14 @@ class AlertLog:
 
 class Reporter:
     def __init__(
-        self, output_dir: str, total_steps: int, start_step: int, *, tensorboard: bool, max_grad_norm: float | None
+        self,
+        output_dir: str,
+        total_steps: int,
+        start_step: int,
+        *,
+        tensorboard: bool,
+        max_grad_norm: float | None,
+        wandb_config: dict | None = None,
     ):
         self.output_dir = output_dir
         self.total_steps = total_steps
@@ -117,6 +124,7 @@ class Reporter:
                     file=sys.stderr,
                 )
                 self.tb = None
+        self.wandb = start_wandb(output_dir, wandb_config) if wandb_config is not None else None
         self.console = Console(file=sys.stdout)
         self.progress = Progress(
             TextColumn("[bold]sft"),
@@ -141,6 +149,8 @@ class Reporter:
                     if math.isfinite(row[key]):
                         self.tb.add_scalar(f"train/{key}", row[key], row["step"])
                 self.tb.add_scalar("train/skipped_total", row["skipped_total"], row["step"])
+            if self.wandb is not None:
+                self.wandb.log(wandb_row(row, self.max_grad_norm), step=row["step"])
         self._metrics.flush()
         last = rows[-1]
         self.progress.update(self.task, completed=last["step"], stats=_fmt(last))
@@ -155,6 +165,8 @@ class Reporter:
                 if math.isfinite(alert.value):
                     self.tb.add_scalar(f"guard/{alert.kind}", alert.value, alert.step)
                 self.tb.add_text("guard/alerts", alert.describe(), alert.step)
+            if self.wandb is not None and math.isfinite(alert.value):
+                self.wandb.log({f"guard/{alert.kind}": alert.value}, step=alert.step)
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: metrics.jsonl keeps the trajectory the model actually has (rows up to
@@ -172,6 +184,41 @@ class Reporter:
         self._metrics.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# the names the HF Trainer logs under (its `train/` prefix and `learning_rate`), so dashboards built for HF
+# runs read ours; what the Trainer has no name for is under fused_stable/
+WANDB_NAMES = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/learning_rate"}
+
+
+def wandb_row(row: dict, max_grad_norm: float | None) -> dict:
+    """One metrics row as wandb values: the HF Trainer's names, then clipping, skips and throughput."""
+    values = {name: row[key] for key, name in WANDB_NAMES.items() if math.isfinite(row[key])}
+    if max_grad_norm and math.isfinite(row["grad_norm"]):
+        values["fused_stable/clipped"] = int(row["grad_norm"] > max_grad_norm)
+    values["fused_stable/skipped"] = int(row["skipped"])
+    values["fused_stable/skipped_total"] = row["skipped_total"]
+    if math.isfinite(row["tokens_per_s"]):
+        values["fused_stable/tokens_per_s"] = row["tokens_per_s"]
+    return values
+
+
+def start_wandb(output_dir: str, config: dict):
+    """A wandb run writing under output_dir/wandb: offline unless WANDB_MODE says otherwise (this trainer runs
+    without a network; `wandb sync output_dir/wandb/offline-run-*` uploads it later)."""
+    import wandb
+
+    os.makedirs(os.path.join(output_dir, "wandb"), exist_ok=True)  # wandb writes output_dir/wandb/<run>
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "fused-stable"),
+        name=os.path.basename(os.path.abspath(output_dir)),
+        dir=output_dir,
+        config=config,
+        mode=os.environ.get("WANDB_MODE", "offline"),
+        reinit=True,
+    )
 
 
 def plot_curves(output_dir: str, max_grad_norm: float | None, note: str | None = None) -> str | None:
