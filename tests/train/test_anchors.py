@@ -76,7 +76,7 @@ def test_a_llamafactory_config_maps_every_key(tmp_path):
         "precision": "bf16",
         "logging_steps": 5,
     }
-    assert (cfg.save_steps, cfg.output_dir, cfg.overwrite, cfg.tensorboard, cfg.seed) == (50, "runs/lf", True, False, 7)
+    assert (cfg.save_steps, cfg.output_dir, cfg.overwrite, cfg.report_to, cfg.seed) == (50, "runs/lf", True, "none", 7)
     # LLaMA-Factory's lora_alpha default is 2 x lora_rank; its (HF Trainer's) weight decay is 0
     assert (cfg.lora_alpha, cfg.weight_decay) == (32, 0.0)
     assert {"lr", "tuner", "lora_r", "quant_bits", "max_length"} <= explicit
