@@ -1393,8 +1393,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "export-folder-mode-0700",
         TRAIN + "export.py",
-        "        os.chmod(scratch, 0o777 & ~_umask())",
-        "        pass",
+        "        _modes_from_umask(scratch)\n",
+        "",
         ["tests/train/test_chat_export.py"],
         "the exported folder is readable as the user's umask says",
         select="umask",
@@ -1465,8 +1465,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "damaged-checkpoints-says-overwrite",
         TRAIN + "cli.py",
-        "    if not found:\n        return f\"{problem}; the run never saved one",
-        "    if True:\n        return f\"{problem}; the run never saved one",
+        '    if not found:\n        return f"{problem}; the run never saved one',
+        '    if True:\n        return f"{problem}; the run never saved one',
         ["tests/train/test_checkpoint.py"],
         "every checkpoint damaged: the line says what it found, never to --overwrite",
         select="every_checkpoint_damaged",
