@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -48,6 +49,19 @@ PLAN_DEFAULTS = {
     ),
     "smoke": dict(warmup=1, min_steps=3, min_time=0.0, max_steps=3, compile_sets="", compile_timeout=60.0, copy_mib=8),
 }
+
+
+def load_warning(threads: int, cores: int, load: float) -> str | None:
+    """A line when the machine's 1-minute load average leaves fewer free cores than the benchmark's threads:
+    its CPU timings then measure the contention as much as the step (seen: 170x slower than with one thread)."""
+    free = cores - load
+    if free >= threads:
+        return None
+    return (
+        f"warning: load average {load:.1f} on {cores} cores leaves about {max(free, 0):.1f} free for {threads} "
+        f"thread(s): CPU timings will be slower than on an idle machine (try --threads {max(1, int(free))} or "
+        "an idle machine)"
+    )
 
 
 def build_parser() -> OneLineParser:
@@ -203,6 +217,10 @@ def main(argv: list[str]) -> int:
     deadline = started + args.deadline if args.deadline > 0 else None
     env = report.environment(device)
     copy_bytes = opts.copy_bytes
+    if device.type == "cpu":
+        busy = load_warning(torch.get_num_threads(), os.cpu_count() or 1, os.getloadavg()[0])
+        if busy:
+            console.print(busy, markup=False)
     console.print(f"measuring copy bandwidth on {env['device']} ...", markup=False)
     copy_bw = measure.copy_bandwidth(device, copy_bytes)
     stem = args.name or f"bench-{device.type}-{env['date'][:19].replace(':', '').replace('-', '')}"

@@ -146,8 +146,8 @@ def scenarios(cfg: StressConfig) -> dict[str, Scenario]:
 
 def shift_example(example):
     """The shifted task: the same questions in a terse prompt format ("Q: ..."), everything upper case."""
-    from fused_stable.train import data
+    from fused_stable.train.rows import Example
 
-    return data.Example(
+    return Example(
         [{**m, "content": (("Q: " if m["role"] == "user" else "") + m["content"]).upper()} for m in example.messages]
     )

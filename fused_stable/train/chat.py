@@ -124,7 +124,10 @@ def answer(
 
 
 def _interactive(model, tokenizer, system: str | None, args) -> None:
-    print("type a message; /reset starts a new conversation, /exit (or Ctrl-D) quits", file=sys.stderr)
+    print(
+        "type a message; /reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer",
+        file=sys.stderr,
+    )
     history: list[dict] = []
     while True:
         try:
@@ -143,7 +146,11 @@ def _interactive(model, tokenizer, system: str | None, args) -> None:
         messages = ([{"role": "system", "content": system}] if system else []) + history
         messages.append({"role": "user", "content": text})
         print("assistant> ", end="", flush=True)
-        reply = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        try:
+            reply = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        except KeyboardInterrupt:  # Ctrl-C during an answer stops that answer; at the prompt it quits
+            print("\n(answer stopped: that turn is left out of the conversation)", file=sys.stderr, flush=True)
+            continue
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 

@@ -41,7 +41,13 @@ def run_entries(cfg) -> list[str]:
         "checkpoints",
         "model" if cfg.tuner == "full" else "adapter",
     ]
-    return names + (["tensorboard"] if cfg.tensorboard else []) + ([EVAL_FILE] if evaluating(cfg) else [])
+    loggers = (["tensorboard"] if tensorboard_on(cfg) else []) + (["wandb"] if cfg.report_to == "wandb" else [])
+    return names + loggers + ([EVAL_FILE] if evaluating(cfg) else [])
+
+
+def tensorboard_on(cfg) -> bool:
+    """TensorBoard events are written with report_to tensorboard (the default) and tensorboard true."""
+    return cfg.tensorboard and cfg.report_to == "tensorboard"
 
 
 def _quiet_third_party_noise() -> None:
@@ -99,7 +105,7 @@ def _resolve(argv: list[str]):
     from fused_stable.train.config import resolve_config, same_state_value
     from fused_stable.train.keys import STATE_KEYS
 
-    cfg, explicit = resolve_config(argv)
+    cfg, explicit = resolve_config(argv, log=_log)
     if cfg.resume is None:
         return cfg, None, []
     if cfg.resume != "latest" and "output_dir" not in explicit:
@@ -109,9 +115,7 @@ def _resolve(argv: list[str]):
         path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
     except UserError as exc:
         if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
-            raise UserError(
-                f"{exc}; the run never saved one: start it again with --overwrite (without --resume)"
-            ) from None
+            raise UserError(stopped.no_usable_checkpoint(str(exc), cfg.output_dir)) from None
         raise
     try:
         saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))
@@ -157,7 +161,7 @@ class RunSetup:
         --overwrite, claim the run's entries in its manifest and write run.yaml. The checkpoint is loaded
         first, so a start that fails leaves output_dir exactly as it was (and unlocked)."""
         from fused_stable.train import checkpoint, outputs
-        from fused_stable.train.config import dump_yaml
+        from fused_stable.train.config import dump_yaml, run_dict
         from fused_stable.train.parallel import QuietReporter
         from fused_stable.train.report import AlertLog, Reporter
 
@@ -186,8 +190,9 @@ class RunSetup:
                 cfg.output_dir,
                 trainer.total_steps,
                 trainer.state.step,
-                tensorboard=cfg.tensorboard,
+                tensorboard=tensorboard_on(cfg),
                 max_grad_norm=cfg.max_grad_norm,
+                wandb_config=run_dict(cfg) if cfg.report_to == "wandb" else None,
             )
             if main_rank
             else QuietReporter()
@@ -226,7 +231,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.guard import Guard
     from fused_stable.train import data, parallel
-    from fused_stable.train.config import eval_steps, guard_config, run_dict
+    from fused_stable.train.config import eval_steps, guard_config, run_dict, warmup_steps
     from fused_stable.train.evaluate import held_out_split
     from fused_stable.train.loop import Trainer
     from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
@@ -251,11 +256,11 @@ def setup_run(argv: list[str]) -> RunSetup:
     # torchrun: each rank batches its own shard of the rows
     batches = data.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    warmup_steps = int(cfg.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg, total_steps)
     schedule = {
-        "cosine": lambda: schedules.warmup_cosine(total_steps, warmup_steps),
-        "linear": lambda: schedules.warmup_linear(total_steps, warmup_steps),
-        "constant": lambda: schedules.constant(warmup_steps),
+        "cosine": lambda: schedules.warmup_cosine(total_steps, warmup),
+        "linear": lambda: schedules.warmup_linear(total_steps, warmup),
+        "constant": lambda: schedules.constant(warmup),
     }[cfg.scheduler]()
     guard = Guard(guard_config(cfg))
     # clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call; under

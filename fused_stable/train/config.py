@@ -10,6 +10,7 @@ half-created run behind. The result is stored as run.yaml and in every checkpoin
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -19,6 +20,7 @@ import yaml
 
 from fused_stable.argcheck import check_device, parse_number, suggestion
 from fused_stable.errors import UserError
+from fused_stable.train import anchors
 from fused_stable.train.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
 
 
@@ -33,7 +35,8 @@ def same_state_value(name: str, saved, now) -> bool:
 
 # ------------------------------------------------------------------------------------------ value parsing
 def _unknown_key(name: str, where: str) -> UserError:
-    close = suggestion(name, FIELDS, ALIASES)
+    # an anchor's key misspelt gets that key suggested (it is accepted), ours get ours
+    close = suggestion(name, [*FIELDS, *anchors.KEYS], ALIASES)
     if where == "the command line":
         hint = f"; did you mean --{close}?" if close else "; see `fused-stable sft --help`"
         return UserError(f"unknown option --{name}{hint}")
@@ -47,6 +50,8 @@ def _coerce(name: str, value, where: str):
     # `int | None` (types.UnionType) and `typing.Optional[int]` (typing.Union) both mean optional
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if isinstance(value, str) and value.strip().lower() == "none" and "none" in CHOICES.get(name, ()):
+        return "none"  # a choice named none (report_to), not a missing value
     if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         if optional:
             return None
@@ -72,6 +77,15 @@ def _coerce(name: str, value, where: str):
             if problem.startswith("must be a whole"):
                 raise UserError(f"{name} in {where} must be int (a whole number), got {value!r}") from None
             raise UserError(f"{name} in {where} {problem}") from None
+    if isinstance(value, bool) and {"on", "off"} <= set(CHOICES.get(name, ())):
+        return "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as true/false
+    if isinstance(value, bool):
+        raise UserError(
+            f"{name} in {where} must be a string, got {value!r} (YAML reads unquoted yes/no/on/off/true/false as a "
+            f"boolean: quote the value, e.g. {name}: '{str(value).lower()}')"
+        )
+    if name == "target_modules" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of module names (ms-swift writes them so)
     if not isinstance(value, str):  # a YAML number, list or mapping where a name or path belongs
         raise UserError(f"{name} in {where} must be a string, got {value!r}")
     return value
@@ -110,9 +124,9 @@ def parse_flags(argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:
             raise UserError(f"unexpected argument {token!r}; options are --key value (see `fused-stable sft --help`)")
         name, eq, value = token[2:].partition("=")
         name = name.replace("-", "_")
-        if name != "config" and name not in FIELDS:
+        if name != "config" and name not in FIELDS and not anchors.known(name):
             raise _unknown_key(name, "the command line")
-        is_bool = name in FIELDS and typing.get_type_hints(TrainConfig)[name] is bool
+        is_bool = name in anchors.BOOL_KEYS or name in FIELDS and typing.get_type_hints(TrainConfig)[name] is bool
         if not eq:
             next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             if is_bool and not next_is_value:
@@ -130,27 +144,110 @@ def parse_flags(argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:
     return config_path, flags
 
 
-def resolve_config(argv: list[str], base: dict | None = None) -> tuple[TrainConfig, set[str]]:
-    """defaults (or `base`, a saved run's config) < YAML < flags. Returns the config and the keys set explicitly."""
+def _split(source: dict, where: str) -> tuple[dict, dict]:
+    """(our keys, anchor keys) of one source (the YAML file or the flags); any other name is refused."""
+    ours, theirs = {}, {}
+    for name, value in source.items():
+        name = str(name)
+        if name in FIELDS:
+            ours[name] = value
+        elif anchors.known(name):
+            theirs[name] = value
+        else:
+            raise _unknown_key(name, where)
+    return ours, theirs
+
+
+def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple[TrainConfig, set[str]]:
+    """defaults (or `base`, a saved run's config) < YAML < flags. Returns the config and the keys set explicitly.
+
+    LLaMA-Factory and ms-swift keys in either are mapped onto ours (`anchors`), and the mapping is printed once
+    through `log`; a LLaMA-Factory config's missing training keys take LLaMA-Factory's defaults (below the YAML)."""
     config_path, flags = parse_flags(argv)
     values = {}
     for name, value in (base or {}).items():
         if name not in FIELDS:
             raise UserError(f"unknown key {name!r} in the saved config (written by another version of fused-stable?)")
         values[name] = _coerce(name, value, "the saved config")
-    explicit: set[str] = set()
+    sources = []  # (where, our keys, anchor keys)
     if config_path is not None:
-        for name, value in _read_yaml(config_path).items():
-            if name not in FIELDS:
-                raise _unknown_key(str(name), config_path)
-            values[name] = _coerce(name, value, config_path)
+        sources.append((config_path, *_split(_read_yaml(config_path), config_path)))
+    sources.append(("the command line", *_split(flags, "the command line")))
+    anchor = anchors.anchor_of({name for _, _, theirs in sources for name in theirs})
+    lines: list[str] = []
+    if anchor in anchors.ANCHOR_DEFAULTS and base is None:
+        values.update(anchors.ANCHOR_DEFAULTS[anchor])
+    explicit: set[str] = set()
+    raw_anchor: dict = {}
+    for where, ours, theirs in sources:
+        mapped = anchors.translate(theirs, where)
+        both = sorted(set(mapped.values) & set(ours))
+        if both:
+            raise UserError(f"{where} sets {', '.join(both)} twice: by its own name and by another trainer's name")
+        lines += mapped.lines
+        raw_anchor.update(theirs)
+        label = where if where == config_path else None
+        for name, value in {**mapped.values, **ours}.items():
+            if anchor is not None and name == "max_steps" and value in (-1, "-1"):
+                value = None  # the HF Trainer's "no limit"
+            if anchor is not None and name in ours and name in ("model", "dataset"):
+                value = _anchor_value(anchor, name, value, where, lines)
+            values[name] = _coerce(name, value, label or f"--{name}")
             explicit.add(name)
-    for name, value in flags.items():
-        values[name] = _coerce(name, value, f"--{name}")
-        explicit.add(name)
+    if anchor == anchors.LLAMA_FACTORY and "lora_alpha" not in explicit and "lora_r" in values:
+        values["lora_alpha"] = 2 * values["lora_r"]  # LLaMA-Factory: lora_alpha defaults to 2 x lora_rank
+    if anchor == anchors.LLAMA_FACTORY:
+        values["dataset"], line = _llamafactory_dataset(values.get("dataset", "identity"), raw_anchor)
+        lines += [line] if line else []
+    if anchor == anchors.LLAMA_FACTORY and raw_anchor.get("template") is not None:
+        _check_template(str(raw_anchor["template"]), values.get("model", FIELDS["model"].default))
     cfg = TrainConfig(**values)
     validate(cfg)
+    if lines and log is not None:
+        defaults = ", ".join(
+            f"{k}: {v}" for k, v in anchors.ANCHOR_DEFAULTS.get(anchor, {}).items() if k not in explicit
+        )
+        log(
+            f"{anchor or 'anchor'} keys read as fused-stable sft's:\n  "
+            + "\n  ".join(lines)
+            + (f"\n  {anchor}'s defaults for the keys not given: {defaults}" if defaults else "")
+        )
     return cfg, explicit
+
+
+def _anchor_value(anchor: str, name: str, value, where: str, lines: list):
+    """A key spelt as ours (`model`, `dataset`) but written for another trainer: its value in that trainer's terms."""
+    try:
+        if name == "model":
+            ours = anchors.public_model(value)
+        else:
+            ours = anchors.swift_dataset(value) if anchor == anchors.MS_SWIFT else value
+    except anchors.Refused as exc:
+        raise UserError(f"{where}: {name}: {exc}") from None
+    if ours != value:
+        lines.append(f"{name}: {value} -> {name}: {ours}")
+    return ours
+
+
+def _llamafactory_dataset(dataset: str, raw: dict) -> tuple[str, str | None]:
+    """LLaMA-Factory's `dataset` (a name in dataset_dir/dataset_info.json, dataset_dir defaulting to `data`)
+    as a file path; a path, or a built-in name without an entry, stays as it is."""
+    dataset_dir = str(raw.get("dataset_dir") or "data")
+    if os.path.isfile(dataset) or dataset.lower().endswith((".json", ".jsonl")):
+        return dataset, None
+    if dataset in anchors.dataset_names(dataset_dir) or dataset not in ("identity", "arithmetic"):
+        path = anchors.resolve_dataset(dataset, dataset_dir)
+        return path, f"dataset: {dataset} -> dataset: {path} ({os.path.join(dataset_dir, 'dataset_info.json')})"
+    return dataset, f"dataset: {dataset} -> the built-in {dataset} task (no {dataset_dir}/dataset_info.json entry)"
+
+
+def _check_template(template: str, model: str) -> None:
+    """LLaMA-Factory's `template` is honoured when it is the model's own chat template, the one used here."""
+    if model == "smollm2-135m" and template.lower() not in anchors.SMOLLM2_TEMPLATES:
+        raise UserError(
+            f"template: {template} cannot be honoured: {model} is formatted with its own ChatML chat template "
+            f"(LLaMA-Factory's {' / '.join(anchors.SMOLLM2_TEMPLATES)}); remove the key or use one of those"
+        )
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
@@ -171,13 +268,20 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise UserError(f"{f.name} {problem}, got {value}")
 
 
+# tuner names other tools use for a quantised base: ours is the tuner plus quant_bits
+QUANTISED_TUNERS = {
+    "qlora": "QLoRA is --tuner lora --quant_bits 4",
+    "qdora": "QDoRA is --tuner dora --quant_bits 4",
+}
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
 def validate(cfg: TrainConfig) -> None:
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
-            raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}")
+            hint = QUANTISED_TUNERS.get(getattr(cfg, name)) if name == "tuner" else None
+            hint = f"; {hint}" if hint else ""
+            raise UserError(f"{name} must be one of {' | '.join(allowed)}, got {getattr(cfg, name)!r}{hint}")
     if cfg.quant_bits not in (None, 4, 8):
         raise UserError(f"quant_bits must be 4, 8 or none, got {cfg.quant_bits!r}")
     _check_numbers(cfg)
@@ -254,6 +358,16 @@ def retention_probe(cfg: TrainConfig) -> bool:
     """Whether the run measures retention_loss: `auto` means a pretrained model (anything but the scratch tiny
     Llama, whose own answers say nothing worth keeping)."""
     return cfg.retention_probe == "on" or (cfg.retention_probe == "auto" and cfg.model != "tiny")
+
+
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    """Warm-up steps as the HF Trainer counts them (transformers 5.24 `TrainingArguments.get_warmup_steps`:
+    `int(warmup_steps) if warmup_steps >= 1 else math.ceil(num_training_steps * warmup_steps)`; 4.x, which
+    LLaMA-Factory 0.9 runs: `warmup_steps if warmup_steps > 0 else math.ceil(num_training_steps * warmup_ratio)`):
+    a ratio is rounded up, so 0.1 of 27 steps is 3."""
+    if cfg.warmup_steps:
+        return cfg.warmup_steps
+    return math.ceil(cfg.warmup_ratio * total_steps)
 
 
 def run_dict(cfg: TrainConfig) -> dict:

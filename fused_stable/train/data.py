@@ -1,4 +1,4 @@
-"""Instruction data for supervised fine-tuning: local alpaca/sharegpt files, the generated arithmetic task,
+"""Instruction data for supervised fine-tuning: local alpaca/sharegpt/messages files, the generated arithmetic task,
 rendering with the model's own chat template, tokenisation with the prompt masked out of the loss, and a
 deterministic, resumable batch order.
 
@@ -16,118 +16,18 @@ import math
 import os
 import random
 import string
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fused_stable.errors import UserError
+from fused_stable.train.rows import Example, alpaca_example, has_empty_answer, parse_row
 
 IGNORE_INDEX = -100
+BUILTIN_DATASETS = ("identity", "arithmetic")  # `--dataset` names that are no file (cli's _task_examples)
 # the plain format, for tokenizers without a chat template: role -> text before the content
 PLAIN_HEADERS = {"system": "### System:\n", "user": "### Instruction:\n", "assistant": ""}
 PLAIN_RESPONSE = "### Response:\n"
-# ShareGPT speaker names (and the OpenAI-style roles some exports use) -> chat role
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-@dataclass
-class Example:
-    messages: list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
-    source: str = ""  # where it came from, "file:line" (empty for the built-in tasks): what notes name
-
-    @property
-    def answers(self) -> list[str]:
-        return [m["content"] for m in self.messages if m["role"] == "assistant"]
-
-
-def conversation(question: str, answer: str) -> Example:
-    return Example([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
-
-
-# ---------------------------------------------------------------------------------------------- rows
-# Every record of a dataset file goes through `parse_row`, the one place a row is checked: a JSON object in one of
-# ROW_FORMATS (the first whose `matches` accepts it parses it), or one line naming the file and line. A new format
-# is one more RowFormat. What is skipped rather than refused (counted, one note per file) is in `load_examples`
-# (empty answers) and `fit_to_length` (answers cut off by max_length).
-@dataclass(frozen=True)
-class RowFormat:
-    name: str
-    matches: Callable[[dict], bool]  # is the record meant to be in this format (its keys)?
-    parse: Callable[[dict, str], Example]  # (record, "file:line") -> Example; UserError names "file:line"
-
-
-def _text(record: dict, key: str, where: str, fmt: str, *, optional: bool = False) -> str:
-    value = record.get(key)
-    if value is None and optional:
-        return ""
-    if key not in record:
-        raise UserError(f"{where}: {fmt} record has no {key!r} (keys: {', '.join(sorted(record)[:6]) or 'none'})")
-    if not isinstance(value, str):
-        raise UserError(f"{where}: {fmt} {key!r} must be a string, got {_json_type(value)}")
-    return value
-
-
-def _json_type(value) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "true/false", type(None): "null"}
-    return names.get(type(value), "a number")
-
-
-def _alpaca_example(record: dict, where: str) -> Example:
-    instruction = _text(record, "instruction", where, "alpaca")
-    answer = _text(record, "output", where, "alpaca")
-    extra = _text(record, "input", where, "alpaca", optional=True)
-    # LLaMA-Factory's alpaca converter: the input follows the instruction in the same user turn
-    question = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    return Example(conversation(question, answer).messages, where)
-
-
-def _sharegpt_example(record: dict, where: str) -> Example:
-    turns = record["conversations"]
-    if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'conversations' must be a non-empty array of turns, got {_json_type(turns)}")
-    messages = []
-    for number, turn in enumerate(turns, start=1):
-        if not isinstance(turn, dict):
-            raise UserError(f"{where}: turn {number} of 'conversations' must be an object, got {_json_type(turn)}")
-        speaker = turn.get("from", turn.get("role"))
-        text = turn.get("value", turn.get("content"))
-        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES or not isinstance(text, str):
-            raise UserError(
-                f"{where}: turn {number} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value' "
-                f"(got {json.dumps(turn, ensure_ascii=False)[:80]})"
-            )
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"{where}: the conversation has no 'gpt'/'assistant' turn to learn from")
-    return Example(messages, where)
-
-
-ROW_FORMATS: list[RowFormat] = [
-    RowFormat("sharegpt", lambda record: "conversations" in record, _sharegpt_example),
-    RowFormat("alpaca", lambda record: "instruction" in record or "output" in record, _alpaca_example),
-]
-
-
-def parse_row(record, where: str) -> Example:
-    """One record of a dataset file as an Example, or a UserError that starts with `where` ("file:line")."""
-    if not isinstance(record, dict):
-        raise UserError(f"{where}: expected a JSON object, got {_json_type(record)}")
-    for fmt in ROW_FORMATS:
-        if fmt.matches(record):
-            return fmt.parse(record, where)
-    expected = " or ".join(fmt.name for fmt in ROW_FORMATS)
-    raise UserError(
-        f"{where}: unknown record format (keys {sorted(record)[:6]}); expected {expected} "
-        "(alpaca: 'instruction'/'input'/'output', sharegpt: 'conversations')"
-    )
-
-
-def has_empty_answer(example: Example) -> bool:
-    """An assistant turn with nothing in it: there is nothing to learn, and training on it teaches silence."""
-    return any(not answer.strip() for answer in example.answers)
-
-
 # ---------------------------------------------------------------------------------------------- files
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -215,8 +115,15 @@ def load_examples(path: str, log=None) -> list[Example]:
     A malformed record is one UserError naming the file and line (invalid UTF-8, not JSON, not an object, a
     missing key, a value of the wrong type); blank lines are ignored; a record with an empty answer is skipped
     and counted (one note through `log`); no record left is an error."""
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".json", ".jsonl")))[:5]
+        found = f" (it holds {', '.join(files)})" if files else ""
+        raise UserError(f"dataset {path!r} is a directory; give one .json/.jsonl file{found}")
     if not os.path.isfile(path):
-        raise UserError(f"dataset file {path!r} not found (give a local .json/.jsonl file or 'builtin')")
+        raise UserError(
+            f"dataset file {path!r} not found: give a local .json/.jsonl file, or a built-in task: "
+            f"{' or '.join(repr(name) for name in BUILTIN_DATASETS)}"
+        )
     examples: list[Example] = []
     empty: list[str] = []
     for where, record in _rows(path):
@@ -272,7 +179,7 @@ def builtin_examples(n: int, seed: int) -> list[Example]:
         else:
             word = _random_word(rng)
             record = {"instruction": "Sort the letters.", "input": word, "output": "".join(sorted(word))}
-        examples.append(_alpaca_example(record, ""))
+        examples.append(alpaca_example(record, ""))
     return examples
 
 

@@ -71,6 +71,24 @@ def _dequantised_base(source, tokenizer, quant_bits: int, log):
     return base
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _modes_from_umask(folder: str) -> None:
+    """The modes open() and mkdir would have given: mkdtemp makes the folder 0700 and safetensors writes its
+    files 0600, so other users could not read the model whatever the umask says."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print) -> dict:
     """Merge and write; returns {"output_dir", "base", "quant_bits", "merged_into"}. Everything is checked
     before the base is loaded; the folder is written next to the target and renamed into place, so a failed
@@ -110,6 +128,7 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
         if os.path.isdir(output_dir):  # a previous export, nothing else (checked above): swapped out, then removed
             previous = tempfile.mkdtemp(prefix=".old-export-", dir=parent)
             os.rename(output_dir, os.path.join(previous, "export"))
+        _modes_from_umask(scratch)
         os.rename(scratch, output_dir)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)

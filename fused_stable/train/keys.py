@@ -1,6 +1,7 @@
 """The trainer's keys: every key of `fused-stable sft` is a field of `TrainConfig`, with its default, a help
 line, its group in `--help` and, for a number, the `Range` it must lie in; beside it the choices of the keys
-that take a name (`CHOICES`), the names other tools use for our keys (`ALIASES`, suggested, never accepted),
+that take a name (`CHOICES`), the names other tools use for our keys (`ALIASES`, suggested, never accepted;
+LLaMA-Factory's and ms-swift's own keys are mapped by `anchors`),
 the keys a checkpoint fixes (`STATE_KEYS`) and the help text they make (`help_text`).
 
 A new key is one field here; how keys are read (defaults < YAML < flags) and checked against each other is
@@ -81,6 +82,13 @@ class TrainConfig:
     warmup_ratio: float = _key(
         0.1, "fraction of the optimizer steps spent warming the lr up linearly", "optim", Range(0, 1, high_open=True)
     )
+    warmup_steps: int | None = _key(
+        None,
+        "optimizer steps of warm-up, overriding warmup_ratio when above 0; none or 0 = ceil(warmup_ratio x steps), "
+        "as the HF Trainer rounds it",
+        "optim",
+        COUNT,
+    )
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     state_precision: str = _key(
         "fp32",
@@ -104,6 +112,12 @@ class TrainConfig:
     save_steps: int = _key(100, "write a checkpoint every N optimizer steps (0 = only at the end)", "run")
     save_total_limit: int = _key(3, "keep the newest N checkpoints, removing older ones (0 = keep all)", "run")
     tensorboard: bool = _key(True, "also write TensorBoard event files to output_dir/tensorboard", "run")
+    report_to: str = _key(
+        "tensorboard",
+        "tensorboard (output_dir/tensorboard, unless --tensorboard false) | wandb (output_dir/wandb; offline unless "
+        "WANDB_MODE says otherwise; pip install 'fused-stable[wandb]') | none",
+        "run",
+    )
     device: str = _key("auto", "auto | cpu | cuda | cuda:N", "run")
     threads: int = _key(0, "CPU threads; 0 = OMP_NUM_THREADS or 1 per core", "run", Range(0, 4096))
     evaluation: str = _key("auto", "eval.json before/after: auto (identity) | on | off", "run")
@@ -199,6 +213,7 @@ CHOICES = {
     "guard": ("warn", "skip", "stop", "rollback"),
     "evaluation": ("auto", "on", "off"),
     "retention_probe": ("auto", "on", "off"),
+    "report_to": ("tensorboard", "wandb", "none"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
@@ -233,6 +248,7 @@ ALIASES = {
     "num_train_epochs": "epochs",
     "num_epochs": "epochs",
     "warmup": "warmup_ratio",
+    "num_warmup_steps": "warmup_steps",
     "max_seq_length": "max_length",
     "max_seq_len": "max_length",
     "cutoff_len": "max_length",

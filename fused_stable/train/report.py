@@ -100,7 +100,14 @@ class AlertLog:
 
 class Reporter:
     def __init__(
-        self, output_dir: str, total_steps: int, start_step: int, *, tensorboard: bool, max_grad_norm: float | None
+        self,
+        output_dir: str,
+        total_steps: int,
+        start_step: int,
+        *,
+        tensorboard: bool,
+        max_grad_norm: float | None,
+        wandb_config: dict | None = None,
     ):
         self.output_dir = output_dir
         self.total_steps = total_steps
@@ -124,6 +131,7 @@ class Reporter:
                     file=sys.stderr,
                 )
                 self.tb = None
+        self.wandb = start_wandb(output_dir, wandb_config) if wandb_config is not None else None
         self.console = Console(file=sys.stdout)
         self.progress = Progress(
             TextColumn("[bold]sft"),
@@ -148,6 +156,8 @@ class Reporter:
                     if math.isfinite(row[key]):
                         self.tb.add_scalar(f"train/{key}", row[key], row["step"])
                 self.tb.add_scalar("train/skipped_total", row["skipped_total"], row["step"])
+            if self.wandb is not None:
+                self.wandb.log(wandb_row(row, self.max_grad_norm), step=row["step"])
         self._metrics.flush()
         last = rows[-1]
         self.progress.update(self.task, completed=last["step"], stats=_fmt(last))
@@ -172,6 +182,8 @@ class Reporter:
                 if math.isfinite(alert.value):
                     self.tb.add_scalar(f"guard/{alert.kind}", alert.value, alert.step)
                 self.tb.add_text("guard/alerts", alert.describe(), alert.step)
+            if self.wandb is not None and math.isfinite(alert.value):
+                self.wandb.log({f"guard/{alert.kind}": alert.value}, step=alert.step)
 
     def rewind(self, step: int) -> None:
         """After a rollback to `step`: metrics.jsonl keeps the trajectory the model actually has (rows up to
@@ -189,6 +201,41 @@ class Reporter:
         self._metrics.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# the names the HF Trainer logs under (its `train/` prefix and `learning_rate`), so dashboards built for HF
+# runs read ours; what the Trainer has no name for is under fused_stable/
+WANDB_NAMES = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/learning_rate"}
+
+
+def wandb_row(row: dict, max_grad_norm: float | None) -> dict:
+    """One metrics row as wandb values: the HF Trainer's names, then clipping, skips and throughput."""
+    values = {name: row[key] for key, name in WANDB_NAMES.items() if math.isfinite(row[key])}
+    if max_grad_norm and math.isfinite(row["grad_norm"]):
+        values["fused_stable/clipped"] = int(row["grad_norm"] > max_grad_norm)
+    values["fused_stable/skipped"] = int(row["skipped"])
+    values["fused_stable/skipped_total"] = row["skipped_total"]
+    if math.isfinite(row["tokens_per_s"]):
+        values["fused_stable/tokens_per_s"] = row["tokens_per_s"]
+    return values
+
+
+def start_wandb(output_dir: str, config: dict):
+    """A wandb run writing under output_dir/wandb: offline unless WANDB_MODE says otherwise (this trainer runs
+    without a network; `wandb sync output_dir/wandb/offline-run-*` uploads it later)."""
+    import wandb
+
+    os.makedirs(os.path.join(output_dir, "wandb"), exist_ok=True)  # wandb writes output_dir/wandb/<run>
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "fused-stable"),
+        name=os.path.basename(os.path.abspath(output_dir)),
+        dir=output_dir,
+        config=config,
+        mode=os.environ.get("WANDB_MODE", "offline"),
+        reinit=True,
+    )
 
 
 def evaluation_summary(rows: list[dict], start: dict | None = None) -> str | None:
@@ -214,8 +261,8 @@ def plot_curves(
     output_dir: str, max_grad_norm: float | None, note: str | None = None, eval_start: dict | None = None
 ) -> str | None:
     """curves.png from metrics.jsonl (and alerts.jsonl, if a guard wrote one); `note` (the before/after
-    evaluation table) is written in a box on the loss panel, beside the evaluations' lines (`eval_start`: their
-    values before the first step)."""
+    evaluation table) is written in its own panel under the curves, so it hides none of them; `eval_start`:
+    the evaluations' values before the first step, the first points of their lines."""
     rows = read_metrics(output_dir)
     if not rows:
         return None
@@ -224,11 +271,45 @@ def plot_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    name = os.path.basename(os.path.abspath(output_dir))
+    fig = curves_figure(rows, read_alerts(output_dir), max_grad_norm, note, name, eval_start)
+    path = os.path.join(output_dir, CURVES_FILE)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def drawable(text: str) -> bool:
+    """Whether matplotlib's default font has a glyph for every character of `text` (a CJK folder name would
+    be drawn as empty boxes, with a warning per missing glyph)."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    font = FT2Font(font_manager.findfont(font_manager.FontProperties()))
+    return all(font.get_char_index(ord(c)) != 0 for c in text if not c.isspace())
+
+
+def curves_figure(
+    rows: list[dict],
+    alerts: list[dict],
+    max_grad_norm: float | None,
+    note: str | None,
+    name: str,
+    eval_start: dict | None = None,
+):
+    """The figure of curves.png: loss, grad norm and lr panels; the note, if any, in a panel of its own."""
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in rows]
     skipped = [r["step"] for r in rows if r["skipped"]]
-    alerts = read_alerts(output_dir)
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    ax_loss, ax_norm, ax_lr = axes
+    panels = 4 if note else 3
+    heights = [3, 3, 3, 0.25 * (note.count("\n") + 2)] if note else [3, 3, 3]
+    fig, axes = plt.subplots(
+        panels, 1, figsize=(9, 9 + (heights[-1] if note else 0)), gridspec_kw={"height_ratios": heights}
+    )
+    ax_loss, ax_norm, ax_lr = axes[:3]
+    for ax in (ax_norm, ax_lr):
+        ax.sharex(ax_loss)
     ax_loss.plot(steps, [r["loss"] for r in rows], lw=1.2, color="tab:blue", label="train loss")
     for (key, (_, label)), color in zip(EVAL_FIELDS.items(), ("tab:red", "tab:brown")):
         points = [(0, eval_start[key])] if eval_start and key in eval_start else []
@@ -237,18 +318,12 @@ def plot_curves(
             ys = [v if math.isfinite(v) else float("nan") for _, v in points]
             ax_loss.plot([p[0] for p in points], ys, marker="o", ms=3, lw=1.2, color=color, label=label)
     ax_loss.set_ylabel("loss (per token)")
-    ax_loss.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {len(rows)} optimizer steps")
+    # a name the font cannot draw is left out rather than drawn as empty boxes
+    title = f"{name}: " if drawable(name) else ""
+    ax_loss.set_title(f"{title}{len(rows)} optimizer steps")
     if note:
-        ax_loss.text(
-            0.02,
-            0.05,
-            note,
-            transform=ax_loss.transAxes,
-            family="monospace",
-            fontsize=8,
-            va="bottom",
-            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85},
-        )
+        axes[3].axis("off")
+        axes[3].text(0.0, 1.0, note, transform=axes[3].transAxes, family="monospace", fontsize=8, va="top")
     ax_norm.plot(
         steps,
         [r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("nan") for r in rows],
@@ -263,7 +338,7 @@ def plot_curves(
     ax_lr.plot(steps, [r["lr"] for r in rows], lw=1.2, color="tab:green", label="learning rate")
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("optimizer step")
-    for ax in axes:
+    for ax in (ax_loss, ax_norm, ax_lr):
         for i, step in enumerate(skipped):
             ax.axvline(
                 step, color="red", alpha=0.5, lw=1, label="skipped step (non-finite or spike)" if i == 0 else None
@@ -273,7 +348,4 @@ def plot_curves(
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    path = os.path.join(output_dir, CURVES_FILE)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from fused_stable.errors import UserError
+from fused_stable.train.anchors import public_model
 from fused_stable.train.keys import TrainConfig
 from fused_stable.train.model import fill_special_tokens, load_base, load_pretrained, quantization_config
 from fused_stable.train.sources import ModelSource, resolve_model
@@ -25,21 +26,28 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
     """peft `save_pretrained` of the adapter (or the whole model for tuner=full), with the tokenizer.
     `state_dict`: the full tensors to save instead of the model's own (gathered from FSDP2 shards).
 
-    An adapter records its base as something `--model` accepts again (the alias, 'tiny' or an absolute path;
-    never a cache folder), and fused_stable.json says how that base was loaded (quant_bits, precision), so
-    chat and export rebuild the model the adapter was trained against."""
+    An adapter records its base as other Hugging Face tools can resolve it (`base_model_name_or_path`: the
+    embedded model's public name, HuggingFaceTB/SmolLM2-135M-Instruct, or an absolute path; never a cache
+    folder), and fused_stable.json records where this project found it (`base_model`: what `--model` accepts
+    again, the alias, 'tiny' or the path; `base_model_file`: the GGUF it was read from) and how it was loaded
+    (quant_bits, precision), so chat and export rebuild the model the adapter was trained against."""
     source = source or resolve_model(cfg.model)
     target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
+    extra = {"state_dict": state_dict} if state_dict is not None else {}
     if cfg.tuner != "full":
         for peft_config in model.peft_config.values():
-            peft_config.base_model_name_or_path = source.reference
-    model.save_pretrained(target, **({"state_dict": state_dict} if state_dict is not None else {}))
+            peft_config.base_model_name_or_path = recorded_base(source)
+        # the vocabulary is never resized here, so there are no embedding layers to save; peft's "auto" looks the
+        # base up on the Hub to find out, and warns offline ("Could not find a config file")
+        extra["save_embedding_layers"] = False
+    model.save_pretrained(target, **extra)
     tokenizer.save_pretrained(target)
     if cfg.tuner != "full":
         with open(os.path.join(target, TRAINED_WITH), "w") as f:
             json.dump(
                 {
                     "base_model": source.reference,
+                    "base_model_file": source.path,
                     "tuner": cfg.tuner,
                     "quant_bits": cfg.quant_bits,
                     "precision": cfg.precision,
@@ -49,6 +57,13 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
             )
             f.write("\n")
     return target
+
+
+def recorded_base(source: ModelSource) -> str:
+    """What an adapter names as its base: the embedded model's public name, else what --model accepts."""
+    from fused_stable.train.anchors import public_name
+
+    return (public_name(source.reference) if source.kind == "embedded" else None) or source.reference
 
 
 @dataclass
@@ -137,7 +152,7 @@ def inspect_saved(path: str) -> Saved:
     if weights[0].endswith(".safetensors"):
         _check_safetensors(os.path.join(folder, weights[0]))
     try:
-        source = resolve_model(base_ref)
+        source = resolve_model(public_model(base_ref))  # the embedded model's public name is the embedded model
     except UserError as exc:
         raise UserError(f"the base of {folder}: {exc}") from None
     return Saved(kind, folder, source, quant_bits, str(trained_with.get("precision", "fp32")))

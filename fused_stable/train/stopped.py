@@ -5,6 +5,7 @@ quota filled up, another torchrun rank died) ends it with exit code FAILED."""
 from __future__ import annotations
 
 import errno
+import os
 import shlex
 import sys
 
@@ -73,3 +74,17 @@ def report_abandoned(output_dir: str, world_size: int) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def no_usable_checkpoint(problem: str, output_dir: str) -> str:
+    """What `--resume latest` found when no checkpoint verifies, and what to do, without deleting any."""
+    from fused_stable.train import checkpoint
+
+    found = checkpoint.list_checkpoints(output_dir, include_incomplete=True)
+    if not found:
+        return f"{problem}; the run never saved one: start it again with --overwrite (without --resume)"
+    names = ", ".join(os.path.basename(path) for _, path in found[-4:])
+    return (
+        f"{problem}; the run saved {len(found)} ({names}) and none verifies: to keep them, start the run again in "
+        "another output_dir (--overwrite here would delete them)"
+    )

@@ -29,7 +29,7 @@ import os
 import random
 from functools import cache
 
-from fused_stable.train.data import Example, conversation
+from fused_stable.train.rows import Example, conversation
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TASK_FILE = os.path.join(ASSETS, "identity_task.json")

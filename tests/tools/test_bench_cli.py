@@ -270,3 +270,13 @@ def test_bench_is_quiet_unless_asked(tmp_path, capfd):
             measure.QUIET_PROFILER = True
         err = capfd.readouterr().err
         assert ("USDT" in err) is not quiet and "a real warning" in err
+
+
+def test_a_loaded_machine_is_said_so():
+    from fused_stable.bench.cli import load_warning
+
+    line = load_warning(threads=4, cores=2, load=10.5)
+    assert line.startswith("warning: load average 10.5 on 2 cores leaves about 0.0 free for 4 thread(s)")
+    assert "--threads 1" in line
+    assert load_warning(threads=2, cores=16, load=3.0) is None
+    assert load_warning(threads=2, cores=4, load=2.5) is not None  # 1.5 free cores for 2 threads

@@ -59,6 +59,7 @@ ACCEPTED = {
     ("max_grad_norm", "0"): "no clipping",
     ("max_grad_norm", "1e30"): "a clip that never triggers",
     ("warmup_ratio", "0"): "no warm-up",
+    ("warmup_steps", "0"): "the warm-up from warmup_ratio",
     ("lora_dropout", "0"): "no dropout",
     ("save_steps", "0"): "a checkpoint only at the end",
     ("save_total_limit", "0"): "keep every checkpoint",
@@ -174,7 +175,7 @@ def _yaml_cases():
     for name in FIELDS:
         kind = _base_type(name)
         values = {"a list": "[1, 2]", "a mapping": "{a: 1}"}
-        if kind is not bool:
+        if kind is not bool and not {"on", "off"} <= set(CHOICES.get(name, ())):  # on/off keys take YAML's booleans
             values["a boolean"] = "true"
         if kind is str:
             values["a number"] = "5"
@@ -265,7 +266,7 @@ WORD_CASES = [
     (["--config", "{t}/unknown.yaml"], "not_a_key"),
     (["--config", "{t}/binary.yaml"], "binary.yaml"),
     (["--not_a_key", "1"], "not_a_key"),
-    (["--learning_rate", "1e-4"], "did you mean --lr"),
+    (["--micro_batch_size", "4"], "did you mean --batch_size"),
     (["stray"], "stray"),
     (["--lr"], "--lr needs a value"),
     (["--lr", "--max_steps", "3"], "--lr needs a value"),

@@ -8,7 +8,7 @@ import pytest
 from sft_helpers import TINY, setup_run
 
 from fused_stable.errors import UserError
-from fused_stable.train import data
+from fused_stable.train import data, rows
 
 GOOD = {"instruction": "Add.", "input": "1 + 2", "output": "3"}
 GOOD_LINE = json.dumps(GOOD).encode()
@@ -117,7 +117,7 @@ def test_what_well_formed_files_may_hold(tmp_path):
 
 def test_every_row_goes_through_parse_row():
     # the one place a row is checked: a new format is one more entry of ROW_FORMATS
-    assert [fmt.name for fmt in data.ROW_FORMATS] == ["sharegpt", "alpaca"]
-    assert data.parse_row(GOOD, "f:1").messages[-1] == {"role": "assistant", "content": "3"}
+    assert [fmt.name for fmt in rows.ROW_FORMATS] == ["sharegpt", "messages", "alpaca"]
+    assert rows.parse_row(GOOD, "f:1").messages[-1] == {"role": "assistant", "content": "3"}
     with pytest.raises(UserError, match=r"^f:9: expected a JSON object, got an array$"):
-        data.parse_row([GOOD], "f:9")
+        rows.parse_row([GOOD], "f:9")

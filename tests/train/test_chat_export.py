@@ -124,6 +124,20 @@ def test_export_overwrite_replaces_only_a_previous_export(runs, tmp_path, capsys
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no scratch or swapped-out folder left
 
 
+def test_export_folder_is_readable_as_the_umask_says(runs, tmp_path, capsys):
+    """The exported folder (made by mkdtemp, 0700) gets the mode mkdir would give it: others can read the model."""
+    import stat
+
+    target = tmp_path / "merged"
+    previous = os.umask(0o027)
+    try:
+        assert export.main(["--adapter", str(runs["lora"]), "--output_dir", str(target)]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(target / "model.safetensors").st_mode) == 0o640
+
+
 def test_chat_one_shot_prints_only_the_answer(runs, capsys):
     trained = load_trained(str(runs["lora"]))
     expected = _answers(trained.model, trained.tokenizer, ["Add.\n\n12 + 30"])[0]
@@ -152,6 +166,26 @@ def test_chat_interactive_keeps_the_conversation(runs, capsys, monkeypatch):
     assert capsys.readouterr().out.count("assistant> ") == 3
 
 
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(runs, capsys, monkeypatch):
+    lines = iter(["Add.\n\n1 + 2", "Reverse.\n\nabc", "Add.\n\n2 + 2", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    seen = []
+    real_answer = chat.answer
+
+    def interrupted_second(model, tokenizer, messages, **kwargs):
+        seen.append([m["content"] for m in messages])
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second answer is generated
+        return real_answer(model, tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(chat, "answer", interrupted_second)
+    assert chat.main(["--adapter", str(runs["lora"]), "--max_new_tokens", "4"]) == 0
+    assert len(seen) == 3, "the session went on after the stopped answer"
+    # the stopped turn is not in the conversation: the third question follows the first answer
+    assert seen[2][0] == "Add.\n\n1 + 2" and seen[2][-1] == "Add.\n\n2 + 2" and len(seen[2]) == 3
+    assert "answer stopped" in capsys.readouterr().err
+
+
 def test_chat_base_model_and_errors(capsys):
     assert chat.main(["--model", "tiny", "--prompt", "Add.\n\n1 + 2", "--max_new_tokens", "4"]) == 0
     out, err = capsys.readouterr()
@@ -161,3 +195,29 @@ def test_chat_base_model_and_errors(capsys):
     assert chat.main(["--model", "/no/such/model", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not found" in err
+
+
+def test_adapter_of_the_embedded_model_names_its_public_base(tmp_path):
+    """base_model_name_or_path is the public name (other Hugging Face tools resolve it), fused_stable.json says
+    where this project found it, the adapter loads back on it, and saving it warns nothing (peft's offline Hub
+    look-up for embedding layers is not made)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from fused_stable.train.keys import TrainConfig
+    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.saved import inspect_saved, save_final
+    from fused_stable.train.sources import resolve_model
+    from fused_stable.train.tokenizer import build_byte_tokenizer
+
+    source = resolve_model("smollm2-135m")
+    model = get_peft_model(build_tiny_model(), LoraConfig(r=2, target_modules=["q_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_final(model, build_byte_tokenizer(), TrainConfig(), str(tmp_path), source=source)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    trained_with = json.loads((tmp_path / "adapter" / "fused_stable.json").read_text())
+    assert (trained_with["base_model"], trained_with["base_model_file"]) == ("smollm2-135m", source.path)
+    assert inspect_saved(str(tmp_path)).base.reference == "smollm2-135m"

@@ -245,6 +245,9 @@ def test_resume_latest_with_every_checkpoint_damaged(sft, three_checkpoints, tmp
     code, _, err = sft("--output_dir", run, "--resume", "latest")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "no complete checkpoint" in err and "3 damaged or incomplete" in err and "step-3/optimizer.pt" in err
+    # what it found and what to do, never the advice to --overwrite (which would delete them)
+    assert "the run saved 3 (step-1, step-2, step-3) and none verifies" in err and "never saved" not in err
+    assert "another output_dir (--overwrite here would delete them)" in err
     assert _tree(run) == before
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fused_stable.errors import UserError
-from fused_stable.train import data
+from fused_stable.train import data, rows
 from fused_stable.train.config import resolve_config
 from fused_stable.train.tokenizer import build_byte_tokenizer
 
@@ -85,7 +85,7 @@ def chatml_tok():
 
 def test_chat_template_multi_turn_trains_only_assistant_turns(chatml_tok):
     tok = chatml_tok
-    example = data.Example(
+    example = rows.Example(
         [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello"},
@@ -113,7 +113,7 @@ def test_non_incremental_chat_template_is_refused(chatml_tok):
     tok = PreTrainedTokenizerFast(tokenizer_object=chatml_tok.backend_tokenizer, eos_token="</s>")
     # a template that writes only the last user turn: earlier turns vanish, so prompts cannot be separated
     tok.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>>{% endif %}"
-    example = data.Example(
+    example = rows.Example(
         [
             {"role": "user", "content": "a"},
             {"role": "assistant", "content": "b"},

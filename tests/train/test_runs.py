@@ -17,7 +17,9 @@ def _check_outputs(out_dir, steps, saved="adapter"):
     for row in rows:
         assert METRIC_KEYS <= row.keys()
         assert torch.isfinite(torch.tensor(row["loss"])) and row["loss"] > 0
-        assert row["grad_norm"] > 0 and row["lr"] > 0 and row["tokens_per_s"] > 0
+        assert row["grad_norm"] > 0 and row["lr"] >= 0 and row["tokens_per_s"] > 0
+    # the warm-up is ceil(warmup_ratio x steps), as the HF Trainer rounds it: its first step's lr is 0
+    assert rows[-1]["lr"] > 0
     for name in ("run.yaml", "curves.png", saved):
         assert os.path.exists(os.path.join(out_dir, name)), name
     assert os.path.isfile(os.path.join(out_dir, "checkpoints", f"step-{steps}", "COMPLETE"))
@@ -47,8 +49,9 @@ def test_lora_default_recipe_trains_and_saves(sft, tmp_path):
     ]
     assert config["base_model_name_or_path"] == "tiny"
     assert os.listdir(out / "tensorboard")
-    # warm-up then cosine from the default peak lr 1e-3: int(0.1 * 4) = 0 warm-up steps, then decays
-    assert rows[0]["lr"] == pytest.approx(1e-3) and rows[0]["lr"] > rows[-1]["lr"]
+    # warm-up then cosine from the default peak lr 1e-3: ceil(0.1 * 4) = 1 warm-up step (lr 0, as the HF
+    # Trainer rounds it), then the peak, then it decays
+    assert rows[0]["lr"] == 0 and rows[1]["lr"] == pytest.approx(1e-3) and rows[1]["lr"] > rows[-1]["lr"]
     assert "loss" in stdout and "done:" in stdout
 
 
@@ -113,12 +116,13 @@ def test_loraplus_groups_and_run(sft, tmp_path):
     setup = setup_run(*TINY, "--loraplus_lr_ratio", "16", "--output_dir", tmp_path / "lp")
     groups = setup.trainer.optimizer.param_groups
     names = setup.trainer.optimizer.param_names
-    b_group = [g for g in groups if g["lr"] == pytest.approx(2e-4 * 16)]
+    # the groups' base lrs (group["lr"] shows the scheduled one, 0 at the first warm-up step)
+    b_group = [g for g in groups if g["initial_lr"] == pytest.approx(2e-4 * 16)]
     assert len(b_group) == 1
     b_ids = {id(p) for p in b_group[0]["params"]}
     b_names = [n for n, p in zip(names, [p for g in groups for p in g["params"]]) if id(p) in b_ids]
     assert b_names and all("lora_B" in n for n in b_names)
-    assert all(g["lr"] == pytest.approx(2e-4) for g in groups if g is not b_group[0])
+    assert all(g["initial_lr"] == pytest.approx(2e-4) for g in groups if g is not b_group[0])
     code, _, err = sft(*TINY, "--loraplus_lr_ratio", "16", "--output_dir", tmp_path / "lp2")
     assert code == 0, err
     _check_outputs(tmp_path / "lp2", 4)
