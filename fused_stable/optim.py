@@ -234,6 +234,8 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         if self.rules.schedule is None:
             values = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
         else:
+            if "step" in self.__dict__:  # step() wrapped from outside, as torch's LR schedulers do
+                _refuse_a_torch_scheduler(self)
             shown = self._shown_lrs
             if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
                 self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
@@ -380,6 +382,21 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
 
     def _params_device(self) -> torch.device:
         return local(self.param_groups[0]["params"][0]).device
+
+
+def _refuse_a_torch_scheduler(opt: FusedAdamW) -> None:
+    """With `lr_schedule`, a torch LR scheduler's lr goes nowhere: it fills group["lr"], the shown-lr view that
+    the next step overwrites (or, assigned as a number, becomes the base lr the device schedule multiplies: two
+    schedules compounded), and the user is told nothing. torch's schedulers wrap the step of the optimizer they
+    drive and mark the wrapper (`_wrapped_by_lr_sched`); the HF integration's DeviceScheduleLR writes no lr and
+    marks the optimizer `_device_schedule_only`. Raised before the step launches anything: nothing changes."""
+    wrapped = getattr(opt.__dict__.get("step"), "_wrapped_by_lr_sched", False)
+    if wrapped and not opt.__dict__.get("_device_schedule_only", False):
+        raise ValueError(
+            "a torch LR scheduler drives this FusedAdamW, which already has lr_schedule= (run on the device inside "
+            "step()): its lr would be overwritten or compounded. Drop the torch scheduler, or drop lr_schedule= "
+            "and let the scheduler set group['lr'] (fused_stable.schedules has warm-up + cosine / linear / constant)"
+        )
 
 
 def _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable) -> dict[str, Any]:

@@ -66,6 +66,12 @@ class DeviceScheduleLR(LRScheduler):
     ``LambdaLR`` would write the base lr into ``group["lr"]``, where FusedAdamW shows the scheduled lr.)
     """
 
+    def __init__(self, optimizer, *args: Any, **kwargs: Any) -> None:
+        fused = find_fused_optimizer(optimizer)
+        if fused is not None:  # the one torch scheduler FusedAdamW(lr_schedule=...) accepts: it writes no lr
+            fused._device_schedule_only = True
+        super().__init__(optimizer, *args, **kwargs)
+
     def get_lr(self) -> list[float]:
         return list(self.base_lrs)
 

@@ -152,3 +152,31 @@ def test_pickle_deepcopy_and_a_later_param_group_keep_the_shown_lrs():
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))], "lr": 0.3})
     assert shown(opt) == pytest.approx(expected + [0.3 * SCHEDULE.factor(4)], rel=1e-6)
     assert [g["initial_lr"] for g in opt.param_groups][::2] == [BASES[0], 0.3]
+
+
+def test_a_torch_scheduler_on_top_of_lr_schedule_is_refused_and_changes_nothing():
+    """docs/optimizer.md: a torch LR scheduler on a FusedAdamW with lr_schedule= would compound the two schedules;
+    the next step refuses it with one line, before anything moves."""
+    params, opt = make("torch")
+    set_grads(params, 0)
+    opt.step()
+    LambdaLR(opt, lambda step: 0.5)  # writes 0.5 x the base lr into group["lr"]
+    before = [p.detach().clone() for p in params]
+    applied = int(opt.applied_steps)
+    set_grads(params, 1)
+    with pytest.raises(ValueError, match="a torch LR scheduler drives this FusedAdamW, which already has lr_schedule"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before)) and int(opt.applied_steps) == applied
+
+
+def test_an_assigned_lr_beside_the_hf_device_schedule_is_a_new_base_lr():
+    """The HF integration's DeviceScheduleLR writes no lr: accepted, and an lr assigned beside it is a base lr."""
+    from fused_stable.integrations.hf import DeviceScheduleLR
+
+    params, opt = make("torch")
+    DeviceScheduleLR(opt)
+    opt.param_groups[0]["lr"] = 0.05  # a new base lr (the guard's rollback lowers it so)
+    set_grads(params, 0)
+    opt.step()
+    assert opt.param_groups[0]["initial_lr"] == 0.05
+    assert shown(opt)[0] == pytest.approx(0.05 * SCHEDULE.factor(1), rel=1e-6)

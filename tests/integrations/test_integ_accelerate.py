@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import fused_stable
 from fused_stable import FusedAdamW, schedules
+from fused_stable.integrations.hf import DeviceScheduleLR
 
 STEPS = 5
 LR = 3e-3
@@ -48,7 +49,7 @@ def train(mixed_precision: str, fused: bool, scaler=None, poison_step: int | Non
     sched = schedules.warmup_cosine(STEPS, 2)
     if fused:
         opt = FusedAdamW(model.parameters(), lr=LR, weight_decay=0.1, max_grad_norm=MAX_NORM, lr_schedule=sched)
-        lr_sched = LambdaLR(opt, lambda _: 1.0)
+        lr_sched = DeviceScheduleLR(opt)  # a scheduler object for prepare() that changes no lr
     else:
         kind = dict(fused=torch_kind == "fused")
         opt = (ExactAdamW if torch_kind == "exact" else torch.optim.AdamW)(

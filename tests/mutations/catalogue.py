@@ -1644,4 +1644,22 @@ MUTATIONS: list[Mutation] = [
         "eval_strategy: no (quoted or not) turns the evaluations during training off",
         select="held_out_evaluation_keys",
     ),
+    M(
+        "torch-scheduler-on-lr-schedule-silent",
+        "fused_stable/optim.py",
+        '    if wrapped and not opt.__dict__.get("_device_schedule_only", False):\n',
+        "    if False:\n",
+        ["tests/core/test_shown_lr.py"],
+        "a torch LR scheduler on top of lr_schedule= is refused at the next step, before anything changes",
+        select="torch_scheduler_on_top",
+    ),
+    M(
+        "device-schedule-lr-refused",
+        "fused_stable/integrations/hf.py",
+        "            fused._device_schedule_only = True\n",
+        "            pass\n",
+        ["tests/core/test_shown_lr.py"],
+        "the HF integration's DeviceScheduleLR (it writes no lr) is accepted beside lr_schedule=",
+        select="hf_device_schedule",
+    ),
 ]
