@@ -173,6 +173,8 @@ class Reporter:
             for key, value in values.items():
                 if key in EVAL_FIELDS and math.isfinite(value):
                     self.tb.add_scalar(EVAL_FIELDS[key][0], value, step)
+        if self.wandb is not None and step == 0:  # later evaluations reach wandb on their step's metrics row
+            self.wandb.log({EVAL_FIELDS[k][0]: v for k, v in values.items() if k in EVAL_FIELDS and _finite(v)}, step=0)
 
     def alerts(self, alerts: list) -> None:
         """Stability-guard alerts (fused_stable.guard.Alert): a console line each and TensorBoard events."""
@@ -219,7 +221,13 @@ def wandb_row(row: dict, max_grad_norm: float | None) -> dict:
     values["fused_stable/skipped_total"] = row["skipped_total"]
     if math.isfinite(row["tokens_per_s"]):
         values["fused_stable/tokens_per_s"] = row["tokens_per_s"]
+    # an evaluated step's held-out losses, under the HF Trainer's eval/ names
+    values.update({name: row[key] for key, (name, _) in EVAL_FIELDS.items() if _finite(row.get(key))})
     return values
+
+
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 def start_wandb(output_dir: str, config: dict):

@@ -1662,4 +1662,13 @@ MUTATIONS: list[Mutation] = [
         "the HF integration's DeviceScheduleLR (it writes no lr) is accepted beside lr_schedule=",
         select="hf_device_schedule",
     ),
+    M(
+        "wandb-eval-losses-dropped",
+        TRAIN + "report.py",
+        "    values.update({name: row[key] for key, (name, _) in EVAL_FIELDS.items() if _finite(row.get(key))})\n",
+        "",
+        ["tests/train/test_report_to.py"],
+        "the held-out losses reach wandb as eval/loss at each evaluation's step",
+        select="evaluations_reach_wandb",
+    ),
 ]

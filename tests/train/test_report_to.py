@@ -70,3 +70,15 @@ def test_wandb_offline_needs_no_network(sft, tmp_path, monkeypatch):
     runs = [name for name in os.listdir(out / "wandb") if name.startswith("offline-run-")]
     assert len(runs) == 1
     assert any(name.endswith(".wandb") for name in os.listdir(out / "wandb" / runs[0]))
+
+
+def test_evaluations_reach_wandb_under_the_hf_trainers_eval_names(sft, tmp_path, monkeypatch):
+    """The held-out loss before the first step (step 0) and at each evaluation, as `eval/loss`."""
+    run = FakeRun()
+    monkeypatch.setattr(report, "start_wandb", lambda out, config: run)
+    argv = [*RUN, "--max_steps", "4", "--val_size", "8", "--eval_steps", "2", "--report_to", "wandb"]
+    code, _, err = sft(*argv, "--output_dir", tmp_path / "out")
+    assert code == 0, err
+    evaluated = [step for step, values in run.logged if "eval/loss" in values]
+    assert evaluated == [0, 2, 4], run.logged
+    assert all(values["eval/loss"] > 0 for _, values in run.logged if "eval/loss" in values)
