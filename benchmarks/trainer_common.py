@@ -89,6 +89,8 @@ def hf_training_arguments(setup, out_dir: str, logging_steps: int | None = None)
     """TrainingArguments for the same job as the fused-stable run `setup` (see the module doc)."""
     from transformers import TrainingArguments
 
+    from fused_stable.train.config import warmup_steps
+
     cfg, runtime, trainer = setup.cfg, setup.runtime, setup.trainer
     total = trainer.total_steps
     on_cpu = runtime.device.type == "cpu"
@@ -100,7 +102,7 @@ def hf_training_arguments(setup, out_dir: str, logging_steps: int | None = None)
         learning_rate=cfg.lr,
         weight_decay=cfg.weight_decay,
         lr_scheduler_type=HF_SCHEDULERS[cfg.scheduler],
-        warmup_steps=int(cfg.warmup_ratio * total),  # what setup_run gives FusedAdamW's schedule
+        warmup_steps=warmup_steps(cfg, total),  # what setup_run gives FusedAdamW's schedule
         max_grad_norm=cfg.max_grad_norm or 0.0,
         optim="adamw_torch_fused",
         bf16=runtime.precision == "bf16",

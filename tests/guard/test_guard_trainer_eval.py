@@ -1,8 +1,9 @@
 """The guard's evaluation checks inside `fused-stable sft` (docs/guard.md, "What is watched"), on a real rise of
-the tiny Llama's retention_loss: for five optimizer steps the lr is 50x (a fault keyed by the data position, as
+the tiny Llama's retention_loss: for five optimizer steps the lr is 100x (a fault keyed by the data position, as
 the blow-ups of test_guard_trainer.py are), which moves the model away from its base's own answers (retention
-1.00x -> ~1.47x of the reference, measured, with the 30-step schedule's lr; a 20-step run's lower lr at
-those steps reaches only 1.14x) while the training loss and the gradients stay unremarkable. Each
+1.00x -> 1.62x of the step-5 value at step 15, measured on the tiny model of 320-wide MLPs with the 30-step
+schedule; 50x reached only 1.294x there, under the 1.3 factor) while the training loss and the gradients stay
+unremarkable. Each
 policy answers it: warn and skip warn, stop checkpoints and exits 3, rollback returns to the last checkpoint
 whose evaluation passed, halves the lr and does not replay the window. A clean run with both losses measured
 raises nothing (test_guard_trainer.py's 200-step run)."""
@@ -17,9 +18,12 @@ from test_guard_trainer import FAST
 from fused_stable.train import checkpoint, cli
 from fused_stable.train.report import read_alerts, read_metrics
 
-SPIKE = 50.0  # the lr multiplier inside the fault window
+SPIKE = 100.0  # the lr multiplier inside the fault window
 WINDOW = range(10, 15)  # micro-batches 10-14: steps 11-15 (grad_accum 1)
+# warm-up pinned at 3 steps (ceil(0.1 x 30) is 4 in floating point): the fault window and the steps its rise is
+# seen at below were measured with it
 EVALUATED = [*FAST, "--retention_probe", "on", "--val_size", "16", "--eval_steps", "5", "--threads", "1"]
+EVALUATED += ["--warmup_steps", "3"]
 
 
 def lr_spike(setup, window=WINDOW, factor=SPIKE):
