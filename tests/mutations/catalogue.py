@@ -783,7 +783,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "hf-job-without-warmup",
         "benchmarks/trainer_common.py",
-        "        warmup_steps=int(cfg.warmup_ratio * total),",
+        "        warmup_steps=warmup_steps(cfg, total),",
         "        warmup_steps=0,",
         ["tests/tools/test_trainer_vs_hf.py"],
         "the HF Trainer gets the fused-stable run's warm-up (the same job for both)",
