@@ -75,3 +75,17 @@ def wait_for(condition, proc, what, timeout=240):
             proc.kill()
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+class Crash(Exception):
+    """A simulated crash inside a run (raised by a `crash_at` trainer callback)."""
+
+
+def crash_at(step_to_crash):
+    """A trainer callback that raises Crash after optimizer step `step_to_crash`."""
+
+    def callback(step, optimizer, metrics):
+        if step == step_to_crash:
+            raise Crash(f"simulated crash at step {step}")
+
+    return callback

@@ -11,23 +11,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_helpers import TINY, fit, read_metrics, setup_run
+from sft_helpers import TINY, Crash, crash_at, fit, read_metrics, setup_run
 
 from fused_stable.train import checkpoint
 
 RUN = ["--model", "tiny", *TINY, "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1"]
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_at(step_to_crash):
-    def callback(step, optimizer, metrics):
-        if step == step_to_crash:
-            raise Crash(f"simulated crash at step {step}")
-
-    return callback
 
 
 def _final_weights(out):
@@ -40,7 +28,7 @@ def test_resume_matches_uninterrupted_run_bit_for_bit(sft, tmp_path):
     assert sft(*RUN, "--output_dir", straight)[0] == 0
 
     setup = setup_run(*RUN, "--output_dir", broken)
-    setup.trainer.callbacks.append(_crash_at(5))  # dies after the step-3 checkpoint, mid-way to step 6
+    setup.trainer.callbacks.append(crash_at(5))  # dies after the step-3 checkpoint, mid-way to step 6
     with pytest.raises(Crash):
         fit(setup)
     assert checkpoint.latest_checkpoint(broken).endswith("step-3")

@@ -5,24 +5,12 @@ import os
 
 import pytest
 import torch
-from sft_helpers import TINY, fit, read_metrics, setup_run
+from sft_helpers import TINY, Crash, crash_at, fit, read_metrics, setup_run
 
 from fused_stable.train import checkpoint, outputs
 
 # full fine-tuning of the tiny model: its matrices are >= 4096 elements, so 8-bit codes are on the path
 RUN = ["--model", "tiny", *TINY, "--tuner", "full", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_at(step_to_crash):
-    def callback(step, optimizer, metrics):
-        if step == step_to_crash:
-            raise Crash(f"simulated crash at step {step}")
-
-    return callback
 
 
 @pytest.mark.slow  # two short runs of the tiny model
@@ -41,7 +29,7 @@ def test_8bit_state_is_reported_checkpointed_compact_and_resumes_bit_for_bit(sft
     assert codes and all(e["exp_avg_sq"].dtype == torch.uint8 and "exp_avg_sq_scale" in e for e in codes)
 
     setup = setup_run(*RUN, "--state_precision", "8bit", "--output_dir", broken)
-    setup.trainer.callbacks.append(_crash_at(3))  # after the step-2 checkpoint
+    setup.trainer.callbacks.append(crash_at(3))  # after the step-2 checkpoint
     with pytest.raises(Crash):
         fit(setup)
     assert checkpoint.latest_checkpoint(broken).endswith("step-2")
