@@ -19,7 +19,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import compiled, layout, ops, state_format
+from . import compiled, engines, layout, ops, state_format
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .layout import HParams, StepBuffers, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
@@ -284,6 +284,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         """The plan for the params that have a grad now (plan.build_plan), and those grads; (None, None) when
         none has one."""
         check_not_capturing(self.device, "a new step plan (the first step, or params, state or grads that changed)")
+        engines.refuse_partition_steps(self)  # DeepSpeed ZeRO stepping one partition per call (engines.py)
         if type(self.state) is not ParamStates:  # replaced wholesale (e.g. by torch's __setstate__)
             self.state = ParamStates(self._version, self.state)
         count = sum(len(group["params"]) for group in self.param_groups)
