@@ -20,14 +20,28 @@ from __future__ import annotations
 import sys
 
 from .layout import CLIP_ZSCORE, StepRules
+from .sharding import norm_reducer
 
-# set (True) by the integration on the optimizer it drives
-DRIVEN_BY_ENGINE = "_fused_stable_engine_driven"
+# set by `drive` on the optimizer an integration drives: the reducer of its sum of squares across ranks
+DRIVEN_BY_ENGINE = "_fused_stable_engine_sumsq"
 # the modules of DeepSpeed's optimizer wrappers that step the client optimizer on flat rank partitions
 ZERO_WRAPPER_MODULES = ("deepspeed.runtime.zero.", "deepspeed.runtime.bf16_optimizer")
 # frames looked at above step(): FusedAdamW.step -> _plain_step / hooks -> _fused_step -> _build_plan, plus a
 # GradScaler or a profiler wrapper between the wrapper and step()
 _MAX_DEPTH = 16
+
+
+def drive(optimizer, global_sumsq) -> None:
+    """Marks `optimizer` as driven by an engine integration that calls step() once per engine step over the
+    whole model, whose sum of squares `global_sumsq(local_per_tensor_sumsq, params)` turns into the global one.
+    Kept through everything that recomputes the reducer (add_param_group, load_state_dict, unpickling)."""
+    optimizer.__dict__[DRIVEN_BY_ENGINE] = global_sumsq
+    optimizer._global_sumsq = global_sumsq
+
+
+def norm_reducer_of(optimizer):
+    """The reducer of the optimizer's sum of squares: its engine's (`drive`), else the DTensor one or None."""
+    return optimizer.__dict__.get(DRIVEN_BY_ENGINE) or norm_reducer(optimizer.param_groups)
 
 
 def rules_in_use(rules: StepRules) -> list[str]:
@@ -60,7 +74,7 @@ def zero_wrapper_caller() -> str | None:
 def refuse_partition_steps(optimizer) -> None:
     """Raises when DeepSpeed's ZeRO wrapper steps this optimizer itself while it has a rule that would act on one
     partition (see the module doc); called before a step plan is built, so nothing has changed."""
-    if optimizer.__dict__.get(DRIVEN_BY_ENGINE):
+    if DRIVEN_BY_ENGINE in optimizer.__dict__:
         return
     used = rules_in_use(optimizer.rules)
     if not used:

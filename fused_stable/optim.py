@@ -26,7 +26,7 @@ from .param_state import ParamStates, Version
 from .plan import StepPlan, build_plan
 from .readouts import ReadOuts
 from .schedules import Schedule
-from .sharding import local, norm_reducer, validate_params
+from .sharding import local, validate_params
 from .state_dict import SavedState
 
 # False outside dynamo's tracing (a constant there); bound once, as the check runs in every eager step
@@ -118,7 +118,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         self._check_params(self.param_groups)
         self.device = self._params_device()
         self.backend = ops.resolve_backend(backend, self.device)
-        self._global_sumsq = norm_reducer(self.param_groups)  # DTensor params: the all-reduce of the norm
+        self._global_sumsq = engines.norm_reducer_of(self)  # DTensor params: the all-reduce of the norm
         self._fstate, self._istate = layout.new_counters(self.device)
         self._worst_sumsq = self._new_worst_sumsq()
         self.reset_max_zscore()
@@ -350,7 +350,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()
-            self._global_sumsq = norm_reducer(self.param_groups)
+            self._global_sumsq = engines.norm_reducer_of(self)
             self._version.bump()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:

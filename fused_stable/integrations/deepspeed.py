@@ -36,8 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import FusedAdamW
-from ..engines import DRIVEN_BY_ENGINE
+from .. import FusedAdamW, engines
 
 __all__ = ["EngineStep", "attach", "initialize", "prepare_config"]
 
@@ -154,9 +153,9 @@ class EngineStep:
         self.stage = int(engine.zero_optimization_stage()) if wrapper is not fused else 0
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.engine_steps = 0  # engine steps this integration ran (host count; skipped steps included)
-        fused.__dict__[DRIVEN_BY_ENGINE] = True
         if wrapper is fused:  # ZeRO 0: DeepSpeed all-reduces the grads and calls step() once with every group
             self.calls = 1
+            engines.drive(fused, None)
             return
         name = type(wrapper).__name__
         if name == "DeepSpeedZeroOptimizer":
@@ -173,7 +172,7 @@ class EngineStep:
             if getattr(wrapper, attr, None):
                 raise ValueError(f"DeepSpeed's {attr} is not supported by fused_stable's integration")
         wrapper._optimizer_step = self._group_step  # on the instance: DeepSpeed's loop calls this per group
-        fused._global_sumsq = self._global_sumsq  # the all-reduce of the sum of squares (cf. sharding.py)
+        engines.drive(fused, self._global_sumsq)  # the all-reduce of the sum of squares (cf. sharding.py)
         fused._version.bump()  # DeepSpeed replaced the groups' params by its flat partitions: a new plan
 
     # ------------------------------------------------------------------------------------------
