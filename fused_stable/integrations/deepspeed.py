@@ -171,6 +171,13 @@ class EngineStep:
         for attr in ("torch_autocast_gradscaler", "zenflow", "swap_optimizer"):
             if getattr(wrapper, attr, None):
                 raise ValueError(f"DeepSpeed's {attr} is not supported by fused_stable's integration")
+        devices = {str(flat.device) for flat in self.flats}
+        if devices != {str(fused.device)}:
+            raise ValueError(
+                f"DeepSpeed keeps the optimizer's partitions on {sorted(devices)}, FusedAdamW's step buffers are on "
+                f"{fused.device}: ZeRO-Offload of a model on another device is not supported yet (FusedAdamW would "
+                "have to be built on the offload device); offload with a CPU model, or do not offload"
+            )
         wrapper._optimizer_step = self._group_step  # on the instance: DeepSpeed's loop calls this per group
         engines.drive(fused, self._global_sumsq)  # the all-reduce of the sum of squares (cf. sharding.py)
         fused._version.bump()  # DeepSpeed replaced the groups' params by its flat partitions: a new plan
@@ -250,6 +257,9 @@ class EngineStep:
                 for group in fused.param_groups:
                     group["params"] = []
         self.engine_steps += 1
+        # what engine.get_global_grad_norm() returns (the HF Trainer logs it as grad_norm): the fused step's norm,
+        # a device view (read it when logging)
+        wrapper._global_grad_norm = fused.grad_norm
         last = self.calls - 1
         for call, _ in self.pending[:last]:  # DeepSpeed copied these into the model before the update: again
             self._copy_to_model(call)

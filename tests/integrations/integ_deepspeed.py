@@ -23,6 +23,7 @@ MAX_NORM = 0.05  # every step is clipped (the norms are ~1)
 INF_STEP = 2  # the step whose gradient gets an inf on rank 0 in the skip scenarios
 # a fixed place, so a second test run reuses the first one's build of DeepSpeed's communication op (~80 s)
 EXTENSIONS_DIR = Path(tempfile.gettempdir()) / "fused_stable_deepspeed_extensions"
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("ds_zero*.json"))
 
 
 def schedule():
@@ -188,6 +189,12 @@ def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
                 "norms": norms,
                 **counters(engine),
             }
+    # ZeRO-Offload: FusedAdamW is the offloaded CPU optimizer (zero_force_ds_cpu_optimizer: false)
+    for stage in (1, 2, 3):
+        offload = {"offload_optimizer": {"device": "cpu"}}
+        engine, model = fused_engine(stage, "fp32", 2, zero_optimization={"stage": stage, **offload})
+        norms = train(engine, rank, range(STEPS))
+        results[("offload", stage, 2)] = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
     # ZeRO 0: DeepSpeed all-reduces whole grads and steps once
     engine, model = fused_engine(0, "fp32", 2)
     norms = train(engine, rank, range(STEPS))
@@ -224,6 +231,24 @@ def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
         results[("resume", stage)] = {
             "straight": straight,
             "resumed": (full_fp32_params(engine, model), counters(engine)),
+        }
+    # the example configs train as they are (only the batch size is this test's)
+    for path in EXAMPLE_CONFIGS:
+        from fused_stable.integrations import deepspeed as fs_deepspeed
+
+        cfg = {**fs_deepspeed.prepare_config(path), "train_micro_batch_size_per_gpu": LOCAL_BATCH}
+        zero = cfg["zero_optimization"]
+        engine, model = fused_engine(
+            zero["stage"],
+            "bf16" if cfg.get("bf16", {}).get("enabled") else "fp32",
+            2,
+            **{k: v for k, v in cfg.items() if k not in ("bf16",)},
+        )
+        norms = train(engine, rank, range(STEPS))
+        results[("example", path.name)] = {
+            "norms": norms,
+            **counters(engine),
+            "params": full_fp32_params(engine, model),
         }
     # the refusal: FusedAdamW with its own clip handed to deepspeed.initialize directly
     for stage in (1, 3):

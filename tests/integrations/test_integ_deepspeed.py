@@ -57,9 +57,13 @@ def same_on_every_rank(runs, key):
     return first
 
 
-@pytest.mark.parametrize("stage, groups", [(0, 2), (1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)])
-def test_fp32_trajectory_equals_torch_adamw_with_clip(runs, stage, groups):
-    ours = same_on_every_rank(runs, ("fp32", stage, groups))
+FP32_RUNS = [("fp32", 0, 2), ("fp32", 1, 1), ("fp32", 1, 2), ("fp32", 2, 1), ("fp32", 2, 2), ("fp32", 3, 1)]
+FP32_RUNS += [("fp32", 3, 2), ("offload", 1, 2), ("offload", 2, 2), ("offload", 3, 2)]
+
+
+@pytest.mark.parametrize("kind, stage, groups", FP32_RUNS)
+def test_fp32_trajectory_equals_torch_adamw_with_clip(runs, kind, stage, groups):
+    ours = same_on_every_rank(runs, (kind, stage, groups))
     reference, ref_norms = torch_trajectory(groups)
     fused, _ = torch_trajectory(groups, fused=True)
     exact, _ = torch_trajectory(groups, ExactAdamW)
@@ -111,3 +115,13 @@ def test_fused_clip_under_plain_deepspeed_refuses(runs, stage):
         message = result[("refusal", stage)]
         assert message is not None, "FusedAdamW(max_grad_norm=...) stepped by DeepSpeed's ZeRO wrapper did not refuse"
         assert "fused_stable.integrations.deepspeed" in message and "max_grad_norm" in message
+
+
+@pytest.mark.parametrize("name", [path.name for path in ds.EXAMPLE_CONFIGS])
+def test_example_configs_train(runs, name):
+    assert len(ds.EXAMPLE_CONFIGS) >= 2
+    entry = same_on_every_rank(runs, ("example", name))
+    initial = list(ds.make_model().parameters())
+    assert entry["applied"] == entry["engine_steps"] == ds.STEPS and entry["skipped"] == 0
+    assert all(0 < n < float("inf") for n in entry["norms"])
+    assert all(not torch.equal(p, q.float()) for p, q in zip(entry["params"], initial)), "a param did not move"
