@@ -227,9 +227,9 @@ MUTATIONS: list[Mutation] = [
         "fused_stable/engines.py",
         "    if caller is None:\n        return\n",
         "    return\n",
-        ["tests/integrations/test_integ_deepspeed.py"],
+        ["tests/integrations/test_integ_deepspeed_config.py", "tests/integrations/test_integ_deepspeed.py"],
         "FusedAdamW with its own clip, stepped by DeepSpeed's ZeRO wrapper outside the integration, refuses",
-        select="refuses",
+        select="refuse",
     ),
     M(
         "deepspeed-step-per-group",
