@@ -20,9 +20,9 @@ model's params (DeepSpeed's all-gather, after its loop, then sees the updated va
 What DeepSpeed no longer does: its gradient clipping (`gradient_clipping` must be 0: clip with FusedAdamW's
 `max_grad_norm`); at ZeRO 1-2 without offload its fp64 norm and its overflow check (`compute_grad_norm: false`,
 bf16's `check_grad_overflow: false`, both set by `prepare_config`). Where its config cannot switch them off (ZeRO-3;
-ZeRO 1-2 with `offload_optimizer`) the wrapper's norm is replaced by a constant on the instance, so its host check
-reads that constant and never skips a step on its own; ZeRO-3 still multiplies every gradient partition by 1
-(`unscale_and_clip_grads`) unless replaced, which `attach` does too. docs/integrations.md says what is left.
+ZeRO 1-2 with `offload_optimizer`) the wrapper's norm is replaced by a CPU constant on the instance, so its host
+check reads host memory (no device sync) and never skips a step on its own; ZeRO-3's multiplication of every
+gradient partition by 1 (`unscale_and_clip_grads`) is replaced by nothing. docs/integrations.md says what is left.
 fp16 (DeepSpeed's loss scaler), NVMe offload, partial offload and ZenFlow are refused.
 """
 
@@ -39,6 +39,10 @@ import torch.distributed as dist
 from .. import FusedAdamW, engines
 
 __all__ = ["EngineStep", "attach", "initialize", "prepare_config"]
+
+# what DeepSpeed's own norm becomes where its config cannot switch it off: a CPU constant, so its host check of the
+# norm (`is_invalid_grad_norm`, a bool() of a tensor) reads host memory and never waits for the device
+_HOST_ZERO = torch.zeros(())
 
 
 def _load_config(config: dict | str | Path) -> dict:
@@ -194,7 +198,7 @@ class EngineStep:
         self.process_group = wrapper.real_dp_process_group[0]
         self.offload = bool(wrapper.cpu_offload)
         if self.offload:  # the config cannot switch its norm off with offload: a constant, so it never skips
-            wrapper.scaled_global_norm = lambda norm_type=2: torch.zeros((), device=wrapper.device)
+            wrapper.scaled_global_norm = lambda norm_type=2: _HOST_ZERO
         self.group_of_call = list(range(self.calls))
 
     def _attach_stage_3(self, wrapper) -> None:
@@ -207,7 +211,7 @@ class EngineStep:
         self.group_of_call = [wrapper.sub_group_to_group_id[i] for i in range(self.calls)]
         # ZeRO-3 always takes its norm (fp64 per dtype, read on the host) and multiplies every partition by
         # 1 / (loss scale x clip) = 1: replaced by a constant and by nothing (clip 0 and no loss scale, checked)
-        wrapper._get_norm_groups = lambda: [torch.zeros((), device=wrapper.device)]
+        wrapper._get_norm_groups = lambda: [_HOST_ZERO]
         wrapper.unscale_and_clip_grads = lambda sub_group_id, total_norm: None
         # the client optimizer's groups hold their sub-groups' partitions only while a step runs (DeepSpeed
         # empties them between calls); one list object per group, so FusedAdamW's plan stays valid across steps
