@@ -161,6 +161,10 @@ class EngineStep:
             self.calls = 1
             engines.drive(fused, None)
             return
+        for attr in ("torch_autocast_gradscaler", "zenflow", "swap_optimizer"):
+            if getattr(wrapper, attr, None):
+                raise ValueError(f"DeepSpeed's {attr} is not supported by fused_stable's integration")
+        self.replaced: dict = {}  # the wrapper's methods replaced on its instance, once every check has passed
         name = type(wrapper).__name__
         if name == "DeepSpeedZeroOptimizer":
             self._attach_stage_1_2(wrapper)
@@ -172,9 +176,6 @@ class EngineStep:
                 "DeepSpeedZeroOptimizer, ZeRO-3 DeepSpeedZeroOptimizer_Stage3; bf16 ZeRO-1 with fp32 gradient "
                 "accumulation uses BF16_Optimizer: leave data_types.grad_accum_dtype unset)"
             )
-        for attr in ("torch_autocast_gradscaler", "zenflow", "swap_optimizer"):
-            if getattr(wrapper, attr, None):
-                raise ValueError(f"DeepSpeed's {attr} is not supported by fused_stable's integration")
         devices = {str(flat.device) for flat in self.flats}
         if devices != {str(fused.device)}:
             raise ValueError(
@@ -182,6 +183,8 @@ class EngineStep:
                 f"{fused.device}: ZeRO-Offload of a model on another device is not supported yet (FusedAdamW would "
                 "have to be built on the offload device); offload with a CPU model, or do not offload"
             )
+        for method, replacement in self.replaced.items():
+            setattr(wrapper, method, replacement)
         wrapper._optimizer_step = self._group_step  # on the instance: DeepSpeed's loop calls this per group
         engines.drive(fused, self._global_sumsq)  # the all-reduce of the sum of squares (cf. sharding.py)
         fused._version.bump()  # DeepSpeed replaced the groups' params by its flat partitions: a new plan
@@ -198,7 +201,7 @@ class EngineStep:
         self.process_group = wrapper.real_dp_process_group[0]
         self.offload = bool(wrapper.cpu_offload)
         if self.offload:  # the config cannot switch its norm off with offload: a constant, so it never skips
-            wrapper.scaled_global_norm = lambda norm_type=2: _HOST_ZERO
+            self.replaced["scaled_global_norm"] = lambda norm_type=2: _HOST_ZERO
         self.group_of_call = list(range(self.calls))
 
     def _attach_stage_3(self, wrapper) -> None:
@@ -211,8 +214,8 @@ class EngineStep:
         self.group_of_call = [wrapper.sub_group_to_group_id[i] for i in range(self.calls)]
         # ZeRO-3 always takes its norm (fp64 per dtype, read on the host) and multiplies every partition by
         # 1 / (loss scale x clip) = 1: replaced by a constant and by nothing (clip 0 and no loss scale, checked)
-        wrapper._get_norm_groups = lambda: [_HOST_ZERO]
-        wrapper.unscale_and_clip_grads = lambda sub_group_id, total_norm: None
+        self.replaced["_get_norm_groups"] = lambda: [_HOST_ZERO]
+        self.replaced["unscale_and_clip_grads"] = lambda sub_group_id, total_norm: None
         # the client optimizer's groups hold their sub-groups' partitions only while a step runs (DeepSpeed
         # empties them between calls); one list object per group, so FusedAdamW's plan stays valid across steps
         self.group_params = [[] for _ in self.optimizer.param_groups]
