@@ -5,12 +5,13 @@ nothing at all on a skipped step."""
 
 from __future__ import annotations
 
+import inspect
 import random
 from unittest import mock
 
 import pytest
 import torch
-from helpers import interpret_available
+from helpers import count_host_reads, interpret_available
 
 from fused_stable import FusedAdamW, GradScaler, layout, schedules
 from fused_stable.backends import torch_backend
@@ -245,3 +246,47 @@ def test_meta_and_tensor_lrs_keep_the_tensor_decisions():
     opt.param_groups[0]["lr"] = 1e-2
     assert torch_backend.on_host(opt._hparam_rows(), None) is True
     assert torch_backend.on_host(opt._hparam_rows(), torch.tensor(2.0, dtype=torch.float64)) is False
+
+
+def _reader_lines() -> set[int]:
+    lines = set()
+    for name in torch_backend.HOST_READERS:
+        source, first = inspect.getsourcelines(getattr(torch_backend, name))
+        lines.update(range(first, first + len(source)))
+    return lines
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "tensor"])
+def test_no_host_read_outside_the_host_readers(host):
+    """The 0-dim tensor decisions read nothing on the host (what they are for: no device sync); the CPU step's
+    host decisions read only in torch_backend.HOST_READERS, which is what the host-read guard leaves out."""
+    params = _model_params(4)
+    opt = FusedAdamW(
+        params,
+        lr=1e-2,
+        max_grad_norm=1.0,
+        clip="zscore",
+        zscore_warmup=2,
+        spike_skip_threshold=20.0,
+        lr_schedule=schedules.warmup_cosine(10, 2),
+        backend="torch",
+    )
+    scaler = GradScaler("cpu", init_scale=8.0)
+    with mock.patch.object(torch_backend, "on_host", lambda *a: host):
+        for step in range(4):
+            loss = sum((p * t).sum() for p, t in zip(params, _grads(params, step, 1.0, step == 2)))
+            scaler.scale(loss).backward()
+            with count_host_reads(cpu_host_decisions=True) as reads:
+                scaler.step(opt)
+            with count_host_reads() as guarded:
+                scaler.update()
+            opt.zero_grad()
+            assert guarded.count == 0
+            if not host:
+                assert reads.count == 0, reads.reads
+                continue
+            lines = _reader_lines()
+            sites = [where.rsplit(":", 1) for _, where in reads.reads]
+            assert reads.count >= 2, reads.reads  # the sum of squares, the loss scale (not vacuous)
+            assert all(f.endswith("torch_backend.py") and int(n) in lines for f, n in sites), reads.reads
+    assert opt.skipped_steps.item() == 1
