@@ -1,10 +1,14 @@
 """The fused step with torch's own multi-tensor ops (backend "torch", the default for CPU tensors).
 
-`torch._foreach_norm` (fp32 accumulation) for the norm, a handful of 0-dim tensor ops that mirror the decision
-kernel section by section (`decide`: the functions below it carry the names of kernels/decide.py's jit helpers,
-in the same order), `torch._foreach_add_` on the step counters and `torch._fused_adamw_` with a device
-`grad_scale` (= loss scale / clip coefficient) and `found_inf` (= skip). No host reads, and no
-`_foreach_mul_` clip pass: 32 bytes per fp32 parameter instead of torch's 40.
+`torch._foreach_norm` (fp32 accumulation) for the norm, the decision kernel's sections (`decide`: the functions
+below it carry the names of kernels/decide.py's jit helpers, in the same order), `torch._foreach_add_` on the
+step counters and `torch._fused_adamw_`, and no `_foreach_mul_` clip pass. On CPU tensors the decisions run on
+host scalars with the kernel's rounding (a CPU tensor's value is host memory: the read waits for nothing), and
+the update branches on them: no update on a skipped step, no `grad_scale` when the grads are not scaled (32
+bytes per fp32 parameter instead of torch's 40; 36 when clipped, as torch's CPU kernel writes the scaled grads
+back). Elsewhere (meta, CUDA) the same sections run as 0-dim tensor ops, with a device `grad_scale` (= loss
+scale / clip coefficient) and `found_inf` (= skip) for `_fused_adamw_`: no host reads. docs/design.md, "The
+torch backend", says where the CPU step's time goes.
 
 `TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype and per-(group, dtype)
 lists `_fused_adamw_` takes, the index tensors that put per-tensor norms back in parameter order, and fp32
