@@ -235,9 +235,9 @@ class HostReads:
     ops under them, including those that C++ code or composite ops make (`_local_scalar_dense`, `nonzero`,
     boolean-mask indexing, ...). A read seen at the Python level is counted once, not again at the aten level.
     Reads made by Triton's interpreter are not counted, nor (unless `cpu_host_decisions=True`) those of the torch
-    backend's CPU host decisions (torch_backend.HOST_READERS: CPU tensors, no device to wait for). `reads` lists (name, where) in order; `pause()`
-    suspends counting for host-side work that is no device read on a GPU either (collating a batch from
-    Python lists). With `forbid=True` the first read raises AssertionError instead."""
+    backend's CPU host decisions (torch_backend.HOST_READERS: CPU tensors, no device to wait for). `reads` lists
+    (name, where) in order; `pause()` suspends counting for host-side work that is no device read on a GPU
+    either (collating a batch from Python lists). With `forbid=True` the first read raises AssertionError."""
 
     def __init__(self, forbid: bool = False, what: str = "step()", cpu_host_decisions: bool = False):
         from torch.overrides import TorchFunctionMode
