@@ -211,14 +211,14 @@ def _called_in(function: ast.FunctionDef) -> list[str]:
 
 
 def test_decision_sections_have_the_same_names_and_order_in_both_backends():
-    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch_backend.py defines
+    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch_decide.py defines
     functions of the same names in the same order, so the two can be compared section by section."""
     decide = ast.parse(MODULES["fused_stable.kernels.decide"].read_text())
     kernel_helpers = {n.name for n in decide.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
     (kernel,) = [n for n in decide.body if isinstance(n, ast.FunctionDef) and n.name == "_decide_kernel"]
     sections = [name for name in _called_in(kernel) if name in kernel_helpers]
     assert len(sections) == len(set(sections)) >= 9, sections
-    torch_backend = ast.parse(MODULES["fused_stable.backends.torch_backend"].read_text())
+    torch_backend = ast.parse(MODULES["fused_stable.backends.torch_decide"].read_text())
     defined = [n.name for n in torch_backend.body if isinstance(n, ast.FunctionDef)]
     missing = [name for name in sections if name not in defined]
     assert missing == [], f"the torch backend has no function for these sections: {missing}"

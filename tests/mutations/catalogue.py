@@ -225,7 +225,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the torch backend (CPU default)
     M(
         "torch-steps-advance-on-skip",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "        torch._foreach_add_(steps, 1.0 - skip)\n",
         "        torch._foreach_add_(steps, 1.0)\n",
         ["tests/core/test_host_decisions.py"],
@@ -234,7 +234,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-steps-advance-on-skip",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "    elif not skip:\n        torch._foreach_add_(steps, 1.0)\n",
         "    else:\n        torch._foreach_add_(steps, 1.0)\n",
         ["tests/core/test_skip_and_sync.py"],
@@ -261,7 +261,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-sqrt-not-correctly-rounded",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         'return np.float32(math.sqrt(x)) if x >= 0 else np.float32("nan")',
         "return np.sqrt(x)",
         ["tests/core/test_host_decisions.py"],
@@ -270,7 +270,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-min-keeps-nan",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "    return x if x <= high else np.float32(high)\n",
         "    return np.float32(high) if x > high else x\n",
         ["tests/core/test_host_decisions.py"],
@@ -279,7 +279,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-worst-always-kept",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "        if worse:\n",
         "        if True:\n",
         ["tests/core/test_zscore.py"],
@@ -288,7 +288,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-norm-not-unscaled",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "        norms = norms * grad_scale.reciprocal()\n",
         "        norms = norms\n",
         ["tests/core/test_amp.py"],
@@ -297,7 +297,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-spike-skips-counted-as-nonfinite",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "i[layout.I_SKIPPED_STEPS] + as_long(nonfinite)",
         "i[layout.I_SKIPPED_STEPS] + as_long(skip)",
         ["tests/core/test_zscore.py", "tests/core/test_thresholds.py"],
@@ -306,7 +306,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-last-lr-unscheduled",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "new_f[layout.F_LAST_LR] = lr_factor * lr0",
         "new_f[layout.F_LAST_LR] = lr0 + 0 * lr_factor",
         ["tests/core/test_schedules_and_precision.py"],
@@ -315,7 +315,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-per-tensor-norms-out-of-order",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "norms = torch.empty_like(lists.order, dtype=torch.float32).index_copy_(0, lists.order, torch.cat(norms))",
         "norms = torch.cat(norms)",
         ["tests/core/test_optim_parity.py"],
@@ -324,7 +324,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-zscore-clip-off",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "        ceiling = where(is_spike, minimum(ceiling, spike_ceiling), ceiling)\n",
         "        ceiling = ceiling\n",
         ["tests/core/test_zscore.py"],
@@ -342,7 +342,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-stats-absorb-nonfinite",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "new_f[layout.F_NORM_MEAN] = where(finite, where(in_warmup, warm_mean, ema_mean), mean)",
         "new_f[layout.F_NORM_MEAN] = where(in_warmup, warm_mean, ema_mean)",
         ["tests/core/test_zscore.py"],
@@ -351,7 +351,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-found-inf-ignored",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "        nonfinite = nonfinite | (found_inf != 0)\n",
         "        nonfinite = nonfinite\n",
         ["tests/core/test_amp.py"],
@@ -360,7 +360,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-clip-eps-dropped",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "coef = clamp_max(ceiling / (norm + layout.CLIP_EPS), 1.0)",
         "coef = clamp_max(ceiling / norm, 1.0)",
         ["tests/core/test_optim_parity.py"],
@@ -955,7 +955,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the optimizer
     M(
         "torch-step-equal-sync",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "        torch._foreach_add_(steps, 1.0 - skip)\n",
         "        torch._foreach_add_(steps, 1.0 - skip)\n        torch.equal(skip, skip)\n",
         ["tests/core/test_host_decisions.py"],
@@ -964,7 +964,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-spike-skip-ge",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "spike_skip = is_spike & (zscore > rules.spike_skip_threshold)",
         "spike_skip = is_spike & (zscore >= rules.spike_skip_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -973,7 +973,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-zscore-spike-ge",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "is_spike = ready & finite & (zscore > rules.zscore_threshold)",
         "is_spike = ready & finite & (zscore >= rules.zscore_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -991,7 +991,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "spike-skip-ratio-ignored",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         "(norm >= rules.spike_skip_ratio * mean)",
         "(norm >= 0.0 * mean)",
         ["tests/core/test_zscore.py"],
@@ -1018,7 +1018,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "worst-window-nonfinite-not-worst",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch_decide.py",
         'key = where(nonfinite, float("inf"), zscore)',
         "key = zscore",
         ["tests/core/test_zscore.py"],
