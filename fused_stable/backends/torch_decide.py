@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,8 +12,8 @@ import torch
 from .. import layout
 from ..layout import HParams, StepBuffers, StepRules
 
-if TYPE_CHECKING:
-    from .torch_backend import TorchLists
+# torch_backend.TorchLists (not imported: torch_backend imports this module)
+TorchLists = Any
 
 # The functions that read CPU tensors on the host (the only ones in the torch backend, with torch_backend's
 # `host_scalars`): tests/helpers.py's host-read guard, which stands in for a GPU's syncs, does not count their
