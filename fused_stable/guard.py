@@ -210,6 +210,8 @@ class Guard:
         self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
         self.best_interval_loss: float | None = None
         self.best_eval: dict[str, float] = {}  # the lowest eval_loss / retention_loss so far
+        # [step, best_eval after that check] per evaluated check: a rollback forgets the bests of the steps it undid
+        self.eval_history: list[list] = []
         self.after_rollback = False
         self.grace_until = -1  # after a data shift: spike alerts only warn up to this step
         self.rollbacks = 0
@@ -307,6 +309,8 @@ class Guard:
                 alerts.append(alert(int(row["step"]), LOSS_SPIKE, z, c.loss_z, action, loss=loss))
         alerts += self._check_rise(rows, step, top)
         alerts += self._check_evaluations(rows, step, in_grace=step <= self.grace_until)
+        if any(key in row for row in rows for key in EVALUATED):
+            self.eval_history.append([step, dict(self.best_eval)])
         return self._decide(alerts, in_grace=step <= self.grace_until)
 
     def eval_reference(self, values: dict) -> None:
@@ -316,6 +320,7 @@ class Guard:
             value = values.get(key)
             if value is not None and math.isfinite(float(value)):
                 self.best_eval[key] = float(value)
+        self.eval_history = [[0, dict(self.best_eval)]]
 
     def _check_evaluations(self, rows: list[dict], step: int, in_grace: bool = False) -> list[Alert]:
         """Each evaluated row's eval_loss and retention_loss against the best so far: above `eval_rise` x it
@@ -440,17 +445,24 @@ class Guard:
         return Decision(action, alerts, message, cut_lr)
 
     # ------------------------------------------------------------------------------------------ rollback
-    def apply_rollback(self, optimizer, cut_lr: bool = True) -> None:
-        """After the trainer restored a checkpoint: count the rollback, scale the lr and re-read the restored
-        optimizer's counters. The loss statistics are kept, not restored: they have absorbed the spike at a
-        clipped value, so a lasting change of the data (a new plateau) stops alerting after a few checks
-        instead of rolling back again and again."""
+    def apply_rollback(self, optimizer, cut_lr: bool = True, to_step: int | None = None) -> None:
+        """After the trainer restored a checkpoint (of step `to_step`): count the rollback, scale the lr, re-read
+        the restored optimizer's counters, and take the evaluations' bests back to `to_step`'s (a best of the
+        undone steps is not the restored model's: docs/guard.md). The loss statistics are kept: they have
+        absorbed the spike at a clipped value, so a new plateau stops alerting after a few checks."""
+        if to_step is not None:
+            self._rewind_evaluations(to_step)
         self.rollbacks += 1
         if cut_lr:
             self.lr_scale *= self.config.lr_factor
         self.after_rollback = True
         self.apply_lr(optimizer)
         self._rebaseline(optimizer)
+
+    def _rewind_evaluations(self, to_step: int) -> None:
+        """The bests as they were after the last evaluated check at or before `to_step`."""
+        self.eval_history = [entry for entry in self.eval_history if entry[0] <= to_step]
+        self.best_eval = dict(self.eval_history[-1][1]) if self.eval_history else {}
 
     def apply_lr(self, optimizer) -> None:
         """Every group's lr = its configured lr x lr_scale (a restored checkpoint may carry an older lr)."""
@@ -465,6 +477,7 @@ class Guard:
             "loss_stats": self.loss_stats.state_dict(),
             "best_interval_loss": self.best_interval_loss,
             "best_eval": dict(self.best_eval),
+            "eval_history": [[step, dict(best)] for step, best in self.eval_history],
             "grace_until": self.grace_until,
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
@@ -476,6 +489,9 @@ class Guard:
         self.loss_stats.load_state_dict(state["loss_stats"])
         self.best_interval_loss = state.get("best_interval_loss")
         self.best_eval = {k: float(v) for k, v in state.get("best_eval", {}).items()}
+        self.eval_history = [
+            [int(step), {k: float(v) for k, v in best.items()}] for step, best in state.get("eval_history", [])
+        ]
         self.grace_until = int(state.get("grace_until", -1))
         self.rollbacks = int(state["rollbacks"])
         self.lr_scale = float(state["lr_scale"])

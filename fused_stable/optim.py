@@ -19,14 +19,14 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import compiled, layout, ops, state_format
+from . import compiled, engines, layout, ops, state_format
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .layout import HParams, StepBuffers, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
 from .plan import StepPlan, build_plan
 from .readouts import ReadOuts
 from .schedules import Schedule
-from .sharding import local, norm_reducer, validate_params
+from .sharding import local, validate_params
 from .state_dict import SavedState
 
 # False outside dynamo's tracing (a constant there); bound once, as the check runs in every eager step
@@ -118,7 +118,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         self._check_params(self.param_groups)
         self.device = self._params_device()
         self.backend = ops.resolve_backend(backend, self.device)
-        self._global_sumsq = norm_reducer(self.param_groups)  # DTensor params: the all-reduce of the norm
+        self._global_sumsq = engines.norm_reducer_of(self)  # DTensor params: the all-reduce of the norm
         self._fstate, self._istate = layout.new_counters(self.device)
         self._worst_sumsq = self._new_worst_sumsq()
         self.reset_max_zscore()
@@ -284,6 +284,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         """The plan for the params that have a grad now (plan.build_plan), and those grads; (None, None) when
         none has one."""
         check_not_capturing(self.device, "a new step plan (the first step, or params, state or grads that changed)")
+        engines.refuse_partition_steps(self)  # DeepSpeed ZeRO stepping one partition per call (engines.py)
         if type(self.state) is not ParamStates:  # replaced wholesale (e.g. by torch's __setstate__)
             self.state = ParamStates(self._version, self.state)
         count = sum(len(group["params"]) for group in self.param_groups)
@@ -349,7 +350,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()
-            self._global_sumsq = norm_reducer(self.param_groups)
+            self._global_sumsq = engines.norm_reducer_of(self)
             self._version.bump()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from . import layout, ops, state_format
+from . import engines, layout, ops, state_format
 from .layout import HParams, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
-from .sharding import local, norm_reducer
+from .sharding import local
 
 # taken out before torch's loader, which casts floating state to the param's dtype (8-bit codes are not floating,
 # their fp32 scales are)
@@ -203,7 +203,7 @@ class SavedState:
         self._last_tables = None
         self._hparams = (None, [])
         self._version.bump()
-        self._global_sumsq = norm_reducer(self.param_groups)
+        self._global_sumsq = engines.norm_reducer_of(self)
         self._show_loaded_lrs()
 
 

@@ -23,6 +23,7 @@ REPORTED_PACKAGES = (
     "trl",
     "gradio",
     "selenium",
+    "deepspeed",
 )
 
 

@@ -297,7 +297,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
                     result.rolled_back_steps += step - snapshot["step"]
                     step = snapshot["step"]
                     rows = [r for r in rows if r["step"] <= step]
-                    guard.apply_rollback(opt, cut_lr=decision.cut_lr)
+                    guard.apply_rollback(opt, cut_lr=decision.cut_lr, to_step=step)
                     continue
                 if decision.action == "stop":
                     result.status, result.message = "stopped", decision.message

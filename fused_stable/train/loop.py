@@ -241,7 +241,7 @@ class Trainer:
                 if "rollback" in (decision.action, action):
                     self.rollback()
                     if self.guard is not None:
-                        self.guard.apply_rollback(opt, cut_lr=decision.cut_lr)
+                        self.guard.apply_rollback(opt, cut_lr=decision.cut_lr, to_step=self.state.step)
                     if self.reporter is not None:
                         self.reporter.rewind(self.state.step)
                     if not signum:

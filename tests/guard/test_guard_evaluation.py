@@ -137,6 +137,27 @@ def test_after_a_data_shift_the_evaluations_follow_the_new_data():
     assert EVAL_LOSS_RISE in kinds(run.decisions[-1])
 
 
+def test_a_rollback_forgets_the_bests_of_the_steps_it_undid():
+    """Found on SmolLM2 at 7.5x the lr (docs/guard.md): an evaluation's eval_loss fell to a new best while its
+    retention_loss rose past the factor; after the rollback that best belonged to undone steps, and the restored
+    model's sound eval_loss counted as a rise. The bests go back to those of the restored step."""
+    run = Run("rollback", log_every=5)
+    run.run(20)
+    run.guard.eval_reference({"eval_loss": 3.0, "retention_loss": 0.5})
+    assert kinds(evaluate(run, eval_loss=2.0, retention_loss=0.5)) == []  # step 25: the new eval_loss best
+    kept = run.step
+    decision = evaluate(run, eval_loss=0.8, retention_loss=0.75)  # step 30: eval_loss falls, retention 1.5x
+    assert decision.action == "rollback" and kinds(decision) == [RETENTION_LOSS_RISE]
+    assert run.guard.best_eval == {"eval_loss": 0.8, "retention_loss": 0.5}
+    run.guard.apply_rollback(run.opt, cut_lr=decision.cut_lr, to_step=kept)
+    assert run.guard.best_eval == {"eval_loss": 2.0, "retention_loss": 0.5}
+    assert EVAL_LOSS_RISE not in kinds(evaluate(run, eval_loss=2.4, retention_loss=0.5))  # 1.2x of 2.0, 3x of 0.8
+    # back to before the first step: the reference
+    decision = evaluate(run, eval_loss=1.0, retention_loss=1.0)
+    run.guard.apply_rollback(run.opt, cut_lr=decision.cut_lr, to_step=0)
+    assert run.guard.best_eval == {"eval_loss": 3.0, "retention_loss": 0.5}
+
+
 def test_the_bests_travel_in_the_guard_state():
     run = Run("rollback", log_every=5)
     run.run(20)
@@ -147,6 +168,11 @@ def test_the_bests_travel_in_the_guard_state():
     other = Guard(policy="rollback")
     other.load_state_dict(state)
     assert other.best_eval == run.guard.best_eval
+    assert (
+        other.eval_history
+        == run.guard.eval_history
+        == [[0, {"eval_loss": 2.0, "retention_loss": 0.5}], [25, state["best_eval"]]]
+    )
     # a state written before the evaluations existed loads with no best
     del state["best_eval"]
     older = Guard(policy="rollback")

@@ -101,3 +101,5 @@ def test_rollback_returns_to_the_last_checkpoint_whose_evaluation_passed(monkeyp
     assert state["micro_batches"] == 20  # steps 11-15 replayed on micro-batches 15-19, the fault window skipped
     best = min(state["eval_start"]["retention_loss"], *retention.values())  # the model before its first step too
     assert state["guard"]["best_eval"]["retention_loss"] == pytest.approx(best, rel=1e-6)
+    # the rollback forgot the undone step-15 evaluation's bests: the history is the kept model's
+    assert [step for step, _ in state["guard"]["eval_history"]] == [0, 5, 10, 15]

@@ -85,3 +85,15 @@ def test_rounds_alternate_and_the_results_name_the_load(tmp_path, monkeypatch, c
 def test_a_failing_worker_is_reported(tmp_path):
     run = trainer_vs_hf.run_worker({"row": "nope", "contender": "fused_stable", "round": 1}, 1, 120, tmp_path)
     assert run["status"].startswith("failed (exit 1): ValueError: unknown row or contender")
+
+
+@pytest.mark.parametrize("row", trainer_vs_hf.ROWS)
+def test_no_row_evaluates_during_training(row):
+    """The HF Trainer's job evaluates nothing while it trains: fused-stable's runs must not either (with sft's
+    held-out / retention evaluations on, the smollm2 row evaluated every 2nd step and its tokens/s counted them:
+    0.555x the HF Trainer's, 2026-12-01)."""
+    from fused_stable.train.config import eval_steps, resolve_config, retention_probe
+
+    argv = [str(a) for a in trainer_vs_hf.row_argv(row, trainer_vs_hf.parse_args([]))]
+    cfg, _ = resolve_config(argv)
+    assert eval_steps(cfg) == 0 and not retention_probe(cfg)

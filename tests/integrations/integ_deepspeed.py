@@ -1,0 +1,267 @@
+"""What the DeepSpeed tests run on each of their 2 gloo ranks (test_integ_deepspeed.py asserts on the results).
+
+Every scenario builds a real DeepSpeed engine (DS_ACCELERATOR=cpu) on the same tiny MLP and data; all of them run
+in one spawn, so DeepSpeed is imported, and its communication op JIT-built, once per test run (the build lands in
+EXTENSIONS_DIR, kept between runs). Results are plain tensors and numbers, compared in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+STEPS = 4
+LOCAL_BATCH = 2
+WORLD = 2
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+MAX_NORM = 0.05  # every step is clipped (the norms are ~1)
+INF_STEP = 2  # the step whose gradient gets an inf on rank 0 in the skip scenarios
+# a fixed place, so a second test run reuses the first one's build of DeepSpeed's communication op (~80 s)
+EXTENSIONS_DIR = Path(tempfile.gettempdir()) / "fused_stable_deepspeed_extensions"
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("ds_zero*.json"))
+
+
+def schedule():
+    from fused_stable import schedules
+
+    return schedules.warmup_linear(10, 2)  # lr x 0.5, 1.0, 0.875, ...: a count advanced twice shows
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(WORLD * LOCAL_BATCH, 8, generator=g), torch.randn(WORLD * LOCAL_BATCH, 4, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def param_groups(model: torch.nn.Module, groups: int) -> list:
+    """One group, or a decay / no-decay split (weights, biases) as the HF Trainer makes."""
+    if groups == 1:
+        return [{"params": list(model.parameters())}]
+    return [
+        {"params": [model[0].weight, model[2].weight]},
+        {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0},
+    ]
+
+
+def ds_config(stage: int, dtype: str, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": LOCAL_BATCH, "zero_optimization": {"stage": stage}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    cfg.update(extra)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------------
+# in the ranks
+
+
+def setup_rank(rank: int) -> None:
+    """DeepSpeed's environment, before it is imported (the process group is integ_dist's)."""
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(WORLD))
+
+
+def full_fp32_params(engine, model) -> list[torch.Tensor]:
+    """Every parameter's fp32 value (the fp32 master under ZeRO), whole on every rank."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if engine.zero_optimization_stage() == 0:
+        return [p.detach().float().clone() for p in model.parameters()]
+    return [safe_get_full_fp32_param(p).detach().clone() for p in model.parameters()]
+
+
+def train(engine, rank: int, steps: range, inject_inf_at: int | None = None, model=None) -> list[float]:
+    """Steps on this rank's rows of the global batches; returns the optimizer's grad_norm after each."""
+    fused = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    handle = None
+    norms = []
+    batches = global_batches()
+    for step in steps:
+        if step == inject_inf_at and rank == 0:
+            # one element of the last param's gradient, on rank 0 only: after the reduction it lies in rank 1's
+            # partition, so each rank alone would decide differently
+            def poison(grad):
+                grad = grad.clone()
+                grad.view(-1)[-1] = float("inf")
+                return grad
+
+            handle = list(model.parameters())[-1].register_hook(poison)
+        x, y = batches[step]
+        rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        out = engine(x[rows].to(next(engine.module.parameters()).dtype))
+        loss = F.mse_loss(out.float(), y[rows])
+        engine.backward(loss)
+        engine.step()
+        if handle is not None:
+            handle.remove()
+            handle = None
+        if hasattr(fused, "grad_norm"):
+            norms.append(float(fused.grad_norm))
+        else:
+            norms.append(float(engine.get_global_grad_norm()))
+    return norms
+
+
+def counters(engine) -> dict:
+    fused = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    return {
+        "applied": int(fused.applied_steps),
+        "skipped": int(fused.skipped_steps),
+        "engine_steps": int(engine.global_steps),
+        "last_lr": float(fused.last_lr),
+    }
+
+
+def optimizer_states(engine) -> list[torch.Tensor]:
+    """Every state tensor of this rank's optimizer (its partitions), cloned, in a fixed order."""
+    fused = engine.optimizer.optimizer
+    out = []
+    for state in fused.state.values():
+        out += [state[k].detach().clone() for k in sorted(state) if torch.is_tensor(state[k])]
+    return out
+
+
+def fused_engine(stage, dtype, groups, **config):
+    from fused_stable import FusedAdamW
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    model = make_model()
+    opt = FusedAdamW(
+        param_groups(model, groups),
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=MAX_NORM,
+        lr_schedule=schedule(),
+    )
+    engine, *_ = fs_deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, **config))
+    return engine, model
+
+
+def torch_engine(stage, dtype, groups, fused: bool):
+    """DeepSpeed's own way: torch's AdamW as the client optimizer, DeepSpeed clipping (the bf16 reference)."""
+    import deepspeed
+
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model, groups), lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
+    cfg = ds_config(stage, dtype, gradient_clipping=MAX_NORM, zero_allow_untested_optimizer=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine, model
+
+
+def train_torch_reference(engine, rank):
+    """The bf16 reference, with the fused run's lr schedule applied by hand."""
+    sched = schedule()
+    fused_ = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    norms = []
+    for step in range(STEPS):
+        for group in fused_.param_groups:
+            group["lr"] = LR * sched.factor(step)
+        norms += train(engine, rank, range(step, step + 1))
+    return norms
+
+
+def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
+    setup_rank(rank)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results: dict = {}
+    # fp32 trajectories (compared with one process of torch AdamW + clip_grad_norm_ in the parent)
+    for stage in (1, 2, 3):
+        for groups in (1, 2):
+            engine, model = fused_engine(stage, "fp32", groups)
+            norms = train(engine, rank, range(STEPS))
+            results[("fp32", stage, groups)] = {
+                "params": full_fp32_params(engine, model),
+                "norms": norms,
+                **counters(engine),
+            }
+    # ZeRO-Offload: FusedAdamW is the offloaded CPU optimizer (zero_force_ds_cpu_optimizer: false)
+    for stage in (1, 2, 3):
+        offload = {"offload_optimizer": {"device": "cpu"}}
+        engine, model = fused_engine(stage, "fp32", 2, zero_optimization={"stage": stage, **offload})
+        norms = train(engine, rank, range(STEPS))
+        results[("offload", stage, 2)] = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
+    # ZeRO 0: DeepSpeed all-reduces whole grads and steps once
+    engine, model = fused_engine(0, "fp32", 2)
+    norms = train(engine, rank, range(STEPS))
+    results[("fp32", 0, 2)] = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
+    # bf16: against DeepSpeed with torch's AdamW (for-loop, and fused for the floor) and DeepSpeed's clip
+    for stage in (1, 2, 3):
+        engine, model = fused_engine(stage, "bf16", 2)
+        norms = train(engine, rank, range(STEPS))
+        entry = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
+        for name, fused in (("torch", False), ("torch_fused", True)):
+            engine, model = torch_engine(stage, "bf16", 2, fused)
+            norms = train_torch_reference(engine, rank)
+            entry[name] = {"params": full_fp32_params(engine, model), "norms": norms}
+        results[("bf16", stage, 2)] = entry
+    # an inf on one rank: every rank skips, states bit-identical
+    for stage in (1, 2, 3):
+        engine, model = fused_engine(stage, "fp32", 2)
+        train(engine, rank, range(INF_STEP))
+        before = optimizer_states(engine), full_fp32_params(engine, model)
+        train(engine, rank, range(INF_STEP, INF_STEP + 1), inject_inf_at=INF_STEP, model=model)
+        after = optimizer_states(engine), full_fp32_params(engine, model)
+        results[("inf", stage)] = {"before": before, "after": after, **counters(engine)}
+    # resume from a DeepSpeed checkpoint
+    for stage in (2, 3):
+        ckpt = os.path.join(out_dir, f"ckpt{stage}")
+        engine, model = fused_engine(stage, "fp32", 2)
+        train(engine, rank, range(2))
+        engine.save_checkpoint(ckpt, tag="half")
+        train(engine, rank, range(2, STEPS))
+        straight = full_fp32_params(engine, model), counters(engine)
+        engine, model = fused_engine(stage, "fp32", 2)
+        engine.load_checkpoint(ckpt, tag="half")
+        train(engine, rank, range(2, STEPS))
+        results[("resume", stage)] = {
+            "straight": straight,
+            "resumed": (full_fp32_params(engine, model), counters(engine)),
+        }
+    # the example configs train as they are (only the batch size is this test's)
+    for path in EXAMPLE_CONFIGS:
+        from fused_stable.integrations import deepspeed as fs_deepspeed
+
+        cfg = {**fs_deepspeed.prepare_config(path), "train_micro_batch_size_per_gpu": LOCAL_BATCH}
+        zero = cfg["zero_optimization"]
+        engine, model = fused_engine(
+            zero["stage"],
+            "bf16" if cfg.get("bf16", {}).get("enabled") else "fp32",
+            2,
+            **{k: v for k, v in cfg.items() if k not in ("bf16",)},
+        )
+        norms = train(engine, rank, range(STEPS))
+        results[("example", path.name)] = {
+            "norms": norms,
+            **counters(engine),
+            "params": full_fp32_params(engine, model),
+        }
+    # the refusal: FusedAdamW with its own clip handed to deepspeed.initialize directly
+    for stage in (1, 3):
+        from fused_stable import FusedAdamW
+
+        model = make_model()
+        opt = FusedAdamW(model.parameters(), lr=LR, max_grad_norm=MAX_NORM)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=opt, config=ds_config(stage, "fp32", zero_allow_untested_optimizer=True)
+        )
+        try:
+            train(engine, rank, range(1))
+            results[("refusal", stage)] = None
+        except RuntimeError as error:
+            results[("refusal", stage)] = str(error)
+    return results

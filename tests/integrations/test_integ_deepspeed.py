@@ -1,0 +1,127 @@
+"""FusedAdamW under real DeepSpeed ZeRO 1-3 on 2 gloo ranks (fused_stable.integrations.deepspeed).
+
+One spawn runs every scenario (integ_deepspeed.py): the trajectory of ZeRO 1, 2 and 3 (one and two param groups,
+fp32) equals one process of torch's AdamW + clip_grad_norm_ on the whole batch within the torch-vs-torch floor,
+and in bf16 DeepSpeed's own run with torch's AdamW and DeepSpeed's clip; `applied_steps` is the engine's step
+count and the lr schedule advanced once per engine step; an inf gradient on one rank skips the step on every rank
+with params and states bit-identical; a DeepSpeed checkpoint resumes bit-exactly; FusedAdamW with its own clip
+handed to deepspeed.initialize directly refuses to step. DeepSpeed is in the test extra: not installed is a
+failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import integ_deepspeed as ds
+import pytest
+import torch
+from integ_dist import spawn
+from integ_floor import ExactAdamW, assert_within_floor
+
+
+def test_deepspeed_is_installed():
+    assert importlib.util.find_spec("deepspeed") is not None, (
+        "deepspeed is not installed: it is in the test extra (pip install -e '.[test]'); these tests must run"
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    assert importlib.util.find_spec("deepspeed") is not None, "deepspeed is in the test extra: install it"
+    out_dir = tmp_path_factory.mktemp("deepspeed")
+    return spawn(ds.rank_worker, ds.WORLD, out_dir, str(out_dir))
+
+
+def torch_trajectory(groups: int, optimizer_cls=torch.optim.AdamW, **kwargs):
+    """One process, the whole batch: torch's AdamW + clip_grad_norm_, the fused run's lr schedule by hand."""
+    model = ds.make_model()
+    opt = optimizer_cls(ds.param_groups(model, groups), lr=ds.LR, weight_decay=ds.WEIGHT_DECAY, **kwargs)
+    sched = ds.schedule()
+    norms = []
+    for step, (x, y) in enumerate(ds.global_batches()):
+        for group in opt.param_groups:
+            group["lr"] = ds.LR * sched.factor(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), ds.MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+def same_on_every_rank(runs, key):
+    first = runs[0][key]
+    for other in runs[1:]:
+        for a, b in zip(first["params"], other[key]["params"]):
+            assert torch.equal(a, b), f"{key}: the ranks' params differ"
+    return first
+
+
+FP32_RUNS = [("fp32", 0, 2), ("fp32", 1, 1), ("fp32", 1, 2), ("fp32", 2, 1), ("fp32", 2, 2), ("fp32", 3, 1)]
+FP32_RUNS += [("fp32", 3, 2), ("offload", 1, 2), ("offload", 2, 2), ("offload", 3, 2)]
+
+
+@pytest.mark.parametrize("kind, stage, groups", FP32_RUNS)
+def test_fp32_trajectory_equals_torch_adamw_with_clip(runs, kind, stage, groups):
+    ours = same_on_every_rank(runs, (kind, stage, groups))
+    reference, ref_norms = torch_trajectory(groups)
+    fused, _ = torch_trajectory(groups, fused=True)
+    exact, _ = torch_trajectory(groups, ExactAdamW)
+    assert_within_floor(f"ZeRO-{stage}, {groups} group(s): params", ours["params"], reference, [fused, exact])
+    assert_within_floor(f"ZeRO-{stage}: grad norms", ours["norms"], ref_norms, [ref_norms], factor=4.0)
+    # one decision per engine step: the counters and the schedule advanced once per step, not once per group
+    assert ours["applied"] == ours["engine_steps"] == ds.STEPS
+    assert ours["skipped"] == 0
+    assert ours["last_lr"] == pytest.approx(ds.LR * ds.schedule().factor(ds.STEPS - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_trajectory_equals_deepspeed_with_torch_adamw(runs, stage):
+    ours = same_on_every_rank(runs, ("bf16", stage, 2))
+    reference, fused = ours["torch"], ours["torch_fused"]
+    assert_within_floor(
+        f"bf16 ZeRO-{stage}: fp32 master params", ours["params"], reference["params"], [fused["params"]]
+    )
+    assert_within_floor(f"bf16 ZeRO-{stage}: grad norms", ours["norms"], reference["norms"], [fused["norms"]])
+    assert ours["applied"] == ours["engine_steps"] == ds.STEPS
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_inf_on_one_rank_skips_on_every_rank(runs, stage):
+    for rank, result in enumerate(runs):
+        entry = result[("inf", stage)]
+        (states_before, params_before), (states_after, params_after) = entry["before"], entry["after"]
+        assert states_before and len(states_before) == len(states_after)
+        for a, b in zip(states_before + params_before, states_after + params_after):
+            assert torch.equal(a, b), f"rank {rank}: a state or param changed on the skipped step"
+        assert entry["skipped"] == 1 and entry["applied"] == ds.INF_STEP, f"rank {rank}: {entry}"
+        assert entry["engine_steps"] == ds.INF_STEP + 1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_from_a_deepspeed_checkpoint_is_exact(runs, stage):
+    for rank, result in enumerate(runs):
+        entry = result[("resume", stage)]
+        (straight, straight_counts), (resumed, resumed_counts) = entry["straight"], entry["resumed"]
+        for a, b in zip(straight, resumed):
+            assert torch.equal(a, b), f"rank {rank}: the resumed run's params differ"
+        assert resumed_counts["applied"] == straight_counts["applied"] == ds.STEPS
+        assert resumed_counts["last_lr"] == straight_counts["last_lr"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fused_clip_under_plain_deepspeed_refuses(runs, stage):
+    for result in runs:
+        message = result[("refusal", stage)]
+        assert message is not None, "FusedAdamW(max_grad_norm=...) stepped by DeepSpeed's ZeRO wrapper did not refuse"
+        assert "fused_stable.integrations.deepspeed" in message and "max_grad_norm" in message
+
+
+@pytest.mark.parametrize("name", [path.name for path in ds.EXAMPLE_CONFIGS])
+def test_example_configs_train(runs, name):
+    assert len(ds.EXAMPLE_CONFIGS) >= 2
+    entry = same_on_every_rank(runs, ("example", name))
+    initial = list(ds.make_model().parameters())
+    assert entry["applied"] == entry["engine_steps"] == ds.STEPS and entry["skipped"] == 0
+    assert all(0 < n < float("inf") for n in entry["norms"])
+    assert all(not torch.equal(p, q.float()) for p, q in zip(entry["params"], initial)), "a param did not move"

@@ -1,0 +1,85 @@
+"""fused_stable.integrations.deepspeed without processes: what prepare_config sets and refuses, and the refusal of
+FusedAdamW's own rules when DeepSpeed's ZeRO wrapper code steps it (fused_stable/engines.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fused_stable import FusedAdamW, schedules
+from fused_stable.engines import drive, rules_in_use
+from fused_stable.integrations.deepspeed import prepare_config
+
+
+def test_prepare_config_sets_what_the_integration_needs(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    cfg = prepare_config(path)
+    assert cfg["zero_allow_untested_optimizer"] is True and cfg["gradient_clipping"] == 0.0
+    assert cfg["zero_optimization"]["compute_grad_norm"] is False  # DeepSpeed's fp64 norm off
+    assert cfg["bf16"]["check_grad_overflow"] is False
+    offload = prepare_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    assert offload["zero_force_ds_cpu_optimizer"] is False  # FusedAdamW is the offloaded CPU optimizer
+    assert "compute_grad_norm" not in offload["zero_optimization"]  # DeepSpeed refuses it with offload / ZeRO-3
+    given = {"zero_optimization": {"stage": 1}}
+    prepare_config(given)
+    assert given == {"zero_optimization": {"stage": 1}}, "the caller's dict was changed"
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"gradient_clipping": 1.0}, "max_grad_norm"),
+        ({"fp16": {"enabled": True}}, "bf16"),
+        ({"optimizer": {"type": "AdamW"}}, "client optimizer"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "NVMe"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, "partial"),
+        ({"zero_optimization": {"stage": 4}}, "stage must be"),
+    ],
+)
+def test_prepare_config_refuses_what_it_cannot_take_over(config, words):
+    with pytest.raises(ValueError, match=words):
+        prepare_config(config)
+
+
+def _step_from_module(opt, module_name: str):
+    """opt.step() called from code whose module is `module_name` (as DeepSpeed's wrapper calls it)."""
+    namespace = {"__name__": module_name, "opt": opt}
+    code = compile("def call():\n    opt.step()\n", f"<{module_name}>", "exec")
+    exec(code, namespace)
+    return namespace["call"]()
+
+
+def _optimizer(**rules):
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 0.5)
+    return FusedAdamW([p], lr=0.1, **rules), p
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [{"max_grad_norm": 1.0}, {"clip": "zscore"}, {"spike_skip_threshold": 6.0}, {"lr_schedule": schedules.constant()}],
+    ids=["max_grad_norm", "zscore", "spike_skip", "lr_schedule"],
+)
+def test_rules_refuse_under_zero_wrapper_code(rules):
+    opt, p = _optimizer(**rules)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="fused_stable.integrations.deepspeed") as info:
+        _step_from_module(opt, "deepspeed.runtime.zero.stage_1_and_2")
+    assert rules_in_use(opt.rules)[0].split("=")[0] in str(info.value)
+    assert torch.equal(p, before) and int(opt.applied_steps) == 0  # refused before anything changed
+
+
+def test_no_refusal_without_rules_elsewhere_or_when_driven():
+    opt, p = _optimizer()
+    _step_from_module(opt, "deepspeed.runtime.zero.stage3")  # a plain AdamW: DeepSpeed's own clip is right
+    assert int(opt.applied_steps) == 1
+    opt, p = _optimizer(max_grad_norm=1.0)
+    _step_from_module(opt, "deepspeed.runtime.engine")  # ZeRO 0: whole, all-reduced grads
+    assert int(opt.applied_steps) == 1
+    opt, p = _optimizer(max_grad_norm=1.0)
+    drive(opt, None)  # the integration drives it
+    _step_from_module(opt, "deepspeed.runtime.zero.stage_1_and_2")
+    assert int(opt.applied_steps) == 1
