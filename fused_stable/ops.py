@@ -9,7 +9,7 @@ Backends, one semantics:
   - "torch": torch's own multi-tensor ops (`_foreach_norm`, `_fused_adamw_` with device `grad_scale` and
     `found_inf`), for CPU tensors (the default there).
 No backend reads a device value on the host (the torch backend reads CPU tensors, whose values are on the
-host already: torch_decide.HOST_READERS). `BACKENDS` is the one registry of them: every entry point (this
+host already: host_decide.HOST_READERS). `BACKENDS` is the one registry of them: every entry point (this
 module's functions, compiled.py's custom op) picks a backend module from it and nowhere else.
 """
 

@@ -206,12 +206,12 @@ def _called_from_cpu_host_decisions() -> bool:
     the host: no device queue to wait for, so no sync on any device): only in its `HOST_READERS` functions."""
     import sys
 
-    from fused_stable.backends import torch_backend, torch_decide
+    from fused_stable.backends import host_decide, torch_backend
 
-    files = {torch_backend.__file__, torch_decide.__file__}
+    files = {torch_backend.__file__, host_decide.__file__}
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name in torch_decide.HOST_READERS and frame.f_code.co_filename in files:
+        if frame.f_code.co_name in host_decide.HOST_READERS and frame.f_code.co_filename in files:
             return True
         frame = frame.f_back
     return False
@@ -236,7 +236,7 @@ class HostReads:
     ops under them, including those that C++ code or composite ops make (`_local_scalar_dense`, `nonzero`,
     boolean-mask indexing, ...). A read seen at the Python level is counted once, not again at the aten level.
     Reads made by Triton's interpreter are not counted, nor (unless `cpu_host_decisions=True`) those of the torch
-    backend's CPU host decisions (torch_decide.HOST_READERS: CPU tensors, no device to wait for). `reads` lists
+    backend's CPU host decisions (host_decide.HOST_READERS: CPU tensors, no device to wait for). `reads` lists
     (name, where) in order; `pause()` suspends counting for host-side work that is no device read on a GPU
     either (collating a batch from Python lists). With `forbid=True` the first read raises AssertionError."""
 

@@ -29,8 +29,9 @@ from ..kernels.tables import upload_int64
 from ..layout import HParams, StepBuffers, StepRules
 from ..plan import StepPlan, is_dense
 from ..state_format import FP32
+from . import host_decide
+from .host_decide import HOST_READERS as HOST_READERS
 from .lowbit_reference import LowbitUpdate
-from .torch_decide import HOST_READERS as HOST_READERS
 from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
@@ -167,7 +168,7 @@ def fused_step(
     if host:  # the same decisions on host scalars: a read of a CPU tensor waits for nothing
         fstate, istate, sumsq, grad_scale, found_inf = host_scalars(lists, buffers, sumsq, grad_scale, found_inf)
         with np.errstate(all="ignore"):  # inf and NaN are values here, as on the device: no numpy warnings
-            grad_mul, skip, lr_factor, worse = decide(
+            grad_mul, skip, lr_factor, worse = host_decide.decide(
                 sumsq, fstate, istate, rules, hparams[0].lr, grad_scale, found_inf
             )
     else:

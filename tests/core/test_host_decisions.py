@@ -14,7 +14,7 @@ import torch
 from helpers import count_host_reads, interpret_available
 
 from fused_stable import FusedAdamW, GradScaler, layout, schedules
-from fused_stable.backends import torch_backend, torch_decide
+from fused_stable.backends import host_decide, torch_backend
 
 SPECIAL = [0.0, float("inf"), float("nan"), 1e-30, 1e30, 3e38]
 
@@ -250,8 +250,8 @@ def test_meta_and_tensor_lrs_keep_the_tensor_decisions():
 
 def _reader_lines() -> set[int]:
     lines = set()
-    for name in torch_decide.HOST_READERS:
-        function = getattr(torch_backend, name, None) or getattr(torch_decide, name)
+    for name in host_decide.HOST_READERS:
+        function = getattr(torch_backend, name, None) or getattr(host_decide, name)
         source, first = inspect.getsourcelines(function)
         lines.update((inspect.getsourcefile(function), n) for n in range(first, first + len(source)))
     return lines
