@@ -102,6 +102,20 @@ def backend_param(backend: str):
 
 
 BACKEND_PARAMS = [backend_param(b) for b in CPU_BACKENDS]
+# the torch backend with its 0-dim tensor decisions (the path of meta tensors and of CUDA tensors given this
+# backend) on CPU tensors, which otherwise decide on host scalars: for the tests that pin a decision's edge
+# (a threshold met exactly, the clip's epsilon), which random agreement runs do not reach
+WITH_TENSOR_DECISIONS = [*BACKEND_PARAMS, pytest.param("torch-tensor", id="torch-tensor")]
+
+
+def use_backend(backend: str, monkeypatch) -> str:
+    """The backend name for FusedAdamW: "torch-tensor" is the torch backend with `on_host` off (see above)."""
+    if backend != "torch-tensor":
+        return backend
+    from fused_stable.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend, "on_host", lambda *args: False)
+    return "torch"
 
 
 def reference_adamw_fp64(params, grads_per_step, *, lr, betas, eps, weight_decay, max_norm, round_to=None):
