@@ -8,7 +8,8 @@ Backends, one semantics:
     in the environment arranges that when fused_stable is imported first);
   - "torch": torch's own multi-tensor ops (`_foreach_norm`, `_fused_adamw_` with device `grad_scale` and
     `found_inf`), for CPU tensors (the default there).
-No backend reads a device value on the host. `BACKENDS` is the one registry of them: every entry point (this
+No backend reads a device value on the host (the torch backend reads CPU tensors, whose values are on the
+host already: host_decide.HOST_READERS). `BACKENDS` is the one registry of them: every entry point (this
 module's functions, compiled.py's custom op) picks a backend module from it and nowhere else.
 """
 

@@ -102,6 +102,20 @@ def backend_param(backend: str):
 
 
 BACKEND_PARAMS = [backend_param(b) for b in CPU_BACKENDS]
+# the torch backend with its 0-dim tensor decisions (the path of meta tensors and of CUDA tensors given this
+# backend) on CPU tensors, which otherwise decide on host scalars: for the tests that pin a decision's edge
+# (a threshold met exactly, the clip's epsilon), which random agreement runs do not reach
+WITH_TENSOR_DECISIONS = [*BACKEND_PARAMS, pytest.param("torch-tensor", id="torch-tensor")]
+
+
+def use_backend(backend: str, monkeypatch) -> str:
+    """The backend name for FusedAdamW: "torch-tensor" is the torch backend with `on_host` off (see above)."""
+    if backend != "torch-tensor":
+        return backend
+    from fused_stable.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend, "on_host", lambda *args: False)
+    return "torch"
 
 
 def reference_adamw_fp64(params, grads_per_step, *, lr, betas, eps, weight_decay, max_norm, round_to=None):
@@ -201,6 +215,22 @@ def _called_from_interpreter() -> bool:
     return False
 
 
+def _called_from_cpu_host_decisions() -> bool:
+    """The torch backend's CPU step reads its decisions' inputs on the host by design (a CPU tensor's value is on
+    the host: no device queue to wait for, so no sync on any device): only in its `HOST_READERS` functions."""
+    import sys
+
+    from fused_stable.backends import host_decide, torch_backend
+
+    files = {torch_backend.__file__, host_decide.__file__}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in host_decide.HOST_READERS and frame.f_code.co_filename in files:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _caller() -> str:
     """file:line of the innermost frame outside torch and this file: where the read was written."""
     import sys
@@ -219,15 +249,17 @@ class HostReads:
     Python calls (`.item()`, `bool(t)`, `.tolist()`, `torch.equal`, ...) and a TorchDispatchMode sees the aten
     ops under them, including those that C++ code or composite ops make (`_local_scalar_dense`, `nonzero`,
     boolean-mask indexing, ...). A read seen at the Python level is counted once, not again at the aten level.
-    Reads made by Triton's interpreter are not counted. `reads` lists (name, where) in order; `pause()`
-    suspends counting for host-side work that is no device read on a GPU either (collating a batch from
-    Python lists). With `forbid=True` the first read raises AssertionError instead."""
+    Reads made by Triton's interpreter are not counted, nor (unless `cpu_host_decisions=True`) those of the torch
+    backend's CPU host decisions (host_decide.HOST_READERS: CPU tensors, no device to wait for). `reads` lists
+    (name, where) in order; `pause()` suspends counting for host-side work that is no device read on a GPU
+    either (collating a batch from Python lists). With `forbid=True` the first read raises AssertionError."""
 
-    def __init__(self, forbid: bool = False, what: str = "step()"):
+    def __init__(self, forbid: bool = False, what: str = "step()", cpu_host_decisions: bool = False):
         from torch.overrides import TorchFunctionMode
         from torch.utils._python_dispatch import TorchDispatchMode
 
         self.forbid, self.what = forbid, what
+        self.cpu_host_decisions = cpu_host_decisions
         self.reads: list[tuple[str, str]] = []
         self._inside_counted = 0
         self._paused = 0
@@ -274,6 +306,8 @@ class HostReads:
     def _record(self, name: str) -> bool:
         if self._paused or _called_from_interpreter():
             return False
+        if not self.cpu_host_decisions and _called_from_cpu_host_decisions():
+            return False
         where = _caller()
         if self.forbid:
             raise AssertionError(f"host read {name}() inside {self.what} at {where}")
@@ -319,9 +353,9 @@ def no_host_reads(what: str = "step()"):
 
 
 @contextlib.contextmanager
-def count_host_reads():
-    """`with count_host_reads() as reads:` ... then `reads.count` / `reads.reads`."""
-    with HostReads() as counter:
+def count_host_reads(cpu_host_decisions: bool = False):
+    """`with count_host_reads() as reads:` ... then `reads.count` / `reads.reads` (HostReads says what counts)."""
+    with HostReads(cpu_host_decisions=cpu_host_decisions) as counter:
         yield counter
 
 

@@ -1,10 +1,14 @@
 """The fused step with torch's own multi-tensor ops (backend "torch", the default for CPU tensors).
 
-`torch._foreach_norm` (fp32 accumulation) for the norm, a handful of 0-dim tensor ops that mirror the decision
-kernel section by section (`decide`: the functions below it carry the names of kernels/decide.py's jit helpers,
-in the same order), `torch._foreach_add_` on the step counters and `torch._fused_adamw_` with a device
-`grad_scale` (= loss scale / clip coefficient) and `found_inf` (= skip). No host reads, and no
-`_foreach_mul_` clip pass: 32 bytes per fp32 parameter instead of torch's 40.
+`torch._foreach_norm` (fp32 accumulation) for the norm, the decision kernel's sections (`decide`: the functions
+below it carry the names of kernels/decide.py's jit helpers, in the same order), `torch._foreach_add_` on the
+step counters and `torch._fused_adamw_`, and no `_foreach_mul_` clip pass. On CPU tensors the decisions run on
+host scalars with the kernel's rounding (a CPU tensor's value is host memory: the read waits for nothing), and
+the update branches on them: no update on a skipped step, no `grad_scale` when the grads are not scaled (32
+bytes per fp32 parameter instead of torch's 40; 36 when clipped, as torch's CPU kernel writes the scaled grads
+back). Elsewhere (meta, CUDA) the same sections run as 0-dim tensor ops, with a device `grad_scale` (= loss
+scale / clip coefficient) and `found_inf` (= skip) for `_fused_adamw_`: no host reads. docs/design.md, "The
+torch backend", says where the CPU step's time goes.
 
 `TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype and per-(group, dtype)
 lists `_fused_adamw_` takes, the index tensors that put per-tensor norms back in parameter order, and fp32
@@ -18,14 +22,17 @@ exact, and costs a copy only for them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .. import layout
 from ..kernels.tables import upload_int64
 from ..layout import HParams, StepBuffers, StepRules
 from ..plan import StepPlan, is_dense
 from ..state_format import FP32
+from . import host_decide
+from .host_decide import HOST_READERS as HOST_READERS
 from .lowbit_reference import LowbitUpdate
+from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
@@ -126,6 +133,9 @@ class TorchLists:
         self.base_lrs: torch.Tensor | None = None
         self.steps = plan.steps
         self.meta = device.type == "meta"  # no values: nothing to compute, and nothing may be read
+        self.cpu = device.type == "cpu"  # the decisions may run on host scalars (`on_host`)
+        self.grad_divisor = torch.ones((), dtype=torch.float32, device=device)  # the host path's grad_scale
+        self.host_views: tuple | None = None  # (fstate, istate, numpy arrays on them): host_scalars
         self.updates = [
             _Update(plan, group, None if indices == everything else indices, indices, relayout)
             if fmt == FP32
@@ -145,7 +155,8 @@ def fused_step(
     global_sumsq,
 ) -> None:
     """The norm, the decisions and AdamW for every tensor of `plan` (`fused_stable.backends.Backend.fused_step`),
-    in the order of the Triton path: norm pass, decision kernel, update."""
+    in the order of the Triton path: norm pass, decision kernel, update. On CPU tensors the decisions run on
+    host scalars (`on_host`); elsewhere (meta, or CUDA tensors given this backend) on 0-dim device tensors."""
     lists: TorchLists | None = plan.backend_cache
     if lists is None:
         lists = plan.backend_cache = TorchLists(plan, grads, buffers.fstate.device)
@@ -153,9 +164,17 @@ def fused_step(
     sumsq = global_sumsq(per_tensor_sumsq, plan.params) if global_sumsq else per_tensor_sumsq.sum()
     lists.per_tensor_sumsq = per_tensor_sumsq
 
-    grad_mul, skip, lr_factor, worse = decide(
-        sumsq, buffers.fstate, buffers.istate, rules, hparams[0].lr, grad_scale, found_inf
-    )
+    host = lists.cpu and on_host(hparams, grad_scale)
+    if host:  # the same decisions on host scalars: a read of a CPU tensor waits for nothing
+        fstate, istate, sumsq, grad_scale, found_inf = host_scalars(lists, buffers, sumsq, grad_scale, found_inf)
+        with np.errstate(all="ignore"):  # inf and NaN are values here, as on the device: no numpy warnings
+            grad_mul, skip, lr_factor, worse = host_decide.decide(
+                sumsq, fstate, istate, rules, hparams[0].lr, grad_scale, found_inf
+            )
+    else:
+        grad_mul, skip, lr_factor, worse = decide(
+            sumsq, buffers.fstate, buffers.istate, rules, hparams[0].lr, grad_scale, found_inf
+        )
     keep_worst(buffers.worst_sumsq, per_tensor_sumsq, worse, None if lists.all_positions else lists.positions)
 
     if lists.meta:  # no values to update (the state exists now, as after torch's step); the ops below read scalars
@@ -163,7 +182,34 @@ def fused_step(
     if rules.schedule is not None:
         show_next_lrs(lists, buffers, hparams, rules.schedule)
     advance_steps(lists.steps, skip)
-    adamw_update(lists, grads, hparams, grad_mul, skip, lr_factor)
+    if host:
+        adamw_update_host(lists, grads, hparams, grad_mul, skip, lr_factor)
+    else:
+        adamw_update(lists, grads, hparams, grad_mul, skip, lr_factor)
+
+
+def on_host(hparams: list[HParams], grad_scale: torch.Tensor | None) -> bool:
+    """Whether a CPU step's decisions run on host scalars: all but a tensor lr (whose dtype the 0-dim ops would
+    promote to) and a GradScaler scale that is not one fp32 value, which keep the 0-dim tensor ops."""
+    if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1):
+        return False
+    return not any(type(row.lr) is torch.Tensor for row in hparams)
+
+
+def host_scalars(lists: TorchLists, buffers: StepBuffers, sumsq, grad_scale, found_inf) -> tuple:
+    """The CPU step's host view of what the decisions read: numpy arrays on the memory of the buffers fstate and
+    istate (made once per pair, ~4 us each), and the global sum of squares, loss scale and found_inf flag as
+    numpy fp32 scalars (None where not given)."""
+    cached = lists.host_views
+    if cached is None or cached[0] is not buffers.fstate or cached[1] is not buffers.istate:
+        cached = lists.host_views = (buffers.fstate, buffers.istate, buffers.fstate.numpy(), buffers.istate.numpy())
+    return (
+        cached[2],
+        cached[3],
+        np.float32(sumsq.item()),
+        None if grad_scale is None else np.float32(grad_scale.item()),
+        None if found_inf is None else np.float32(found_inf.item()),
+    )
 
 
 def adamw_update(
@@ -185,238 +231,63 @@ def adamw_update(
         if type(update) is LowbitUpdate:  # bf16 or 8-bit moments: the kernel's arithmetic, in torch
             update(group_grads, hp, grad_mul, skip, lr_factor)
             continue
-        if update.grads32 is not None:  # the update runs on working copies (see _Update)
-            if update.copy_in is not None:
-                torch._foreach_copy_(*update.copy_in)
-            torch._foreach_copy_(update.grads32, group_grads)
-            group_grads = update.grads32
-        torch._fused_adamw_(
-            update.params,
-            group_grads,
-            update.exp_avgs,
-            update.exp_avg_sqs,
-            update.max_exp_avg_sqs,
-            update.steps,
-            lr=lr_factor * hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            weight_decay=hp.weight_decay,
-            eps=hp.eps,
-            amsgrad=update.amsgrad,
-            maximize=hp.maximize,
-            grad_scale=grad_divisor,
-            found_inf=skip,
-        )
-        if update.copy_out is not None:
-            torch._foreach_copy_(*update.copy_out)
+        fused_adamw(update, group_grads, lr_factor * hp.lr, hp, grad_divisor, skip)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# the decisions: kernels/decide.py's sections, under the same names and in the same order, with torch ops on
-# 0-dim tensors (that module says why each is what it is)
-
-
-def per_tensor_sums(lists: TorchLists, grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> torch.Tensor:
-    """Per-tensor sums of squares of the (unscaled) grads, in plan order: `_foreach_norm` per dtype (fp32
-    accumulation), put back in order when there are several dtypes."""
-    norms = [
-        torch.stack(torch._foreach_norm(grads if i is None else [grads[k] for k in i], 2, dtype=torch.float32))
-        for i in lists.norm_indices
-    ]
-    if lists.order is None:
-        norms = norms[0]
-    else:
-        norms = torch.empty_like(lists.order, dtype=torch.float32).index_copy_(0, lists.order, torch.cat(norms))
-    if grad_scale is not None:
-        norms = norms * grad_scale.reciprocal()
-    return norms * norms
-
-
-def decide(
-    sumsq: torch.Tensor,
-    fstate: torch.Tensor,
-    istate: torch.Tensor,
-    rules: StepRules,
-    lr0: float | torch.Tensor,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decision kernel from the global sum of squares on: updates `fstate` / `istate` in place and returns
-    (grad multiplier, skip flag as fp32, lr factor, whether this step is the window's new worst)."""
-    f, i = fstate.unbind(), istate.unbind()
-    new_f, new_i = list(f), list(i)
-    norm, nonfinite, finite = global_norm(sumsq, found_inf)
-    mean, ready, zscore, is_spike, spike_ceiling = zscore_statistics(new_f, new_i, f, i, norm, finite, rules)
-    skip, spike_skip = skip_decision(norm, nonfinite, zscore, is_spike, mean, rules)
-    grad_mul = clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, rules)
-    applied_before, lr_factor = lr_schedule(i, norm, rules)
-    count_step(
-        new_f,
-        new_i,
-        f,
-        i,
-        applied_before,
-        skip,
-        nonfinite,
-        finite,
-        spike_skip,
-        is_spike,
-        norm,
-        grad_mul,
-        lr_factor,
-        lr0,
-        zscore,
-    )
-    worse = worst_step_window(new_f, new_i, f, i, norm, nonfinite, finite, zscore, ready, applied_before)
-    fstate.copy_(torch.stack([x.to(torch.float32) for x in new_f]))
-    istate.copy_(torch.stack(new_i))
-    return grad_mul, new_f[layout.F_SKIP], lr_factor, worse
-
-
-def global_norm(sumsq: torch.Tensor, found_inf: torch.Tensor | None):
-    """The global norm and whether it is non-finite (or GradScaler found inf); and its negation, used below."""
-    norm = sumsq.sqrt()
-    nonfinite = ~torch.isfinite(norm)
-    if found_inf is not None:
-        nonfinite = nonfinite | (found_inf != 0)
-    return norm, nonfinite, ~nonfinite
-
-
-def zscore_statistics(new_f, new_i, f, i, norm, finite, rules: StepRules):
-    """The norm's z-score against the running statistics and the spike test; then the statistics absorb finite
-    norms, a spike only up to its ceiling (plain mean and variance during the warm-up, an EMA after it)."""
-    mean, var, count = f[layout.F_NORM_MEAN], f[layout.F_NORM_VAR], i[layout.I_STATS_COUNT]
-    std = var.clamp(min=0.0).sqrt()
-    ready = count >= rules.zscore_warmup
-    zscore = torch.where(ready & finite, (norm - mean) / (std + layout.ZSCORE_STD_EPS), 0.0)
-    is_spike = ready & finite & (zscore > rules.zscore_threshold)
-    spike_ceiling = mean + rules.zscore_threshold * std
-
-    value = torch.where(is_spike, spike_ceiling, norm)
-    in_warmup = count < rules.zscore_warmup
-    warm_sum = f[layout.F_WARMUP_SUM] + value
-    warm_sumsq = f[layout.F_WARMUP_SUMSQ] + value * value
-    new_count = count + 1
-    warm_mean = warm_sum / new_count
-    warm_var = (warm_sumsq / new_count - warm_mean * warm_mean).clamp(min=0.0)
-    alpha = rules.zscore_alpha
-    ema_mean = alpha * mean + (1.0 - alpha) * value
-    ema_var = alpha * var + (1.0 - alpha) * (value - ema_mean) * (value - ema_mean)
-    new_f[layout.F_WARMUP_SUM] = torch.where(finite & in_warmup, warm_sum, f[layout.F_WARMUP_SUM])
-    new_f[layout.F_WARMUP_SUMSQ] = torch.where(finite & in_warmup, warm_sumsq, f[layout.F_WARMUP_SUMSQ])
-    new_f[layout.F_NORM_MEAN] = torch.where(finite, torch.where(in_warmup, warm_mean, ema_mean), mean)
-    new_f[layout.F_NORM_VAR] = torch.where(finite, torch.where(in_warmup, warm_var, ema_var), var)
-    new_i[layout.I_STATS_COUNT] = torch.where(finite, new_count, count)
-    return mean, ready, zscore, is_spike, spike_ceiling
-
-
-def skip_decision(norm, nonfinite, zscore, is_spike, mean, rules: StepRules):
-    """Whether the step is skipped (non-finite grads, or a spike skip), and whether it is a spike skip."""
-    if rules.spike_skip_threshold:
-        spike_skip = is_spike & (zscore > rules.spike_skip_threshold) & (norm >= rules.spike_skip_ratio * mean)
-    else:
-        spike_skip = torch.zeros_like(is_spike)
-    return nonfinite | spike_skip, spike_skip
-
-
-def clip_coefficient(norm, is_spike, spike_ceiling, grad_scale: torch.Tensor | None, rules: StepRules):
-    """The factor every grad is multiplied by: min(1, ceiling / (norm + eps)) over the loss scale."""
-    ceiling = torch.full_like(norm, rules.max_grad_norm or float("inf"))
-    if rules.clip_mode == layout.CLIP_ZSCORE:
-        ceiling = torch.where(is_spike, torch.minimum(ceiling, spike_ceiling), ceiling)
-    coef = (ceiling / (norm + layout.CLIP_EPS)).clamp(max=1.0)
-    return coef * grad_scale.reciprocal() if grad_scale is not None else coef
-
-
-def lr_schedule(i, norm, rules: StepRules):
-    """The count of updates applied before this one, and the schedule's factor at it (the next step's shown lrs:
-    `show_next_lrs`, once the step's decisions are made)."""
-    applied_before = i[layout.I_APPLIED_STEPS]
-    if rules.schedule is not None:
-        return applied_before, rules.schedule.factor_tensor(applied_before)
-    return applied_before, torch.ones_like(norm)
-
-
-def show_next_lrs(lists: TorchLists, buffers: StepBuffers, hparams: list[HParams], schedule) -> None:
-    """Every group's lr for the next step (base lr x the schedule's factor at the count of updates applied so far)
-    into hparams[:, H_SHOWN_LR], which param_groups[g]["lr"] shows; the decision kernel's `lr_schedule` does this
-    on the Triton path. Float lrs are kept in a device tensor until they change; tensor lrs are read on the device."""
-    lrs = [row.lr for row in hparams]
-    key = tuple(id(lr) if isinstance(lr, torch.Tensor) else lr for lr in lrs)
-    if key != lists.lrs_key:
-        device = buffers.hparams.device
-        lists.base_lrs = torch.tensor([0.0 if isinstance(lr, torch.Tensor) else float(lr) for lr in lrs], device=device)
-        lists.lrs_key = key
-    base = lists.base_lrs
-    if any(isinstance(lr, torch.Tensor) for lr in lrs):
-        base = torch.stack([lr.reshape(()).float() if isinstance(lr, torch.Tensor) else b for lr, b in zip(lrs, base)])
-    factor = schedule.factor_tensor(buffers.istate[layout.I_APPLIED_STEPS])
-    torch.mul(base, factor, out=buffers.hparams[:, layout.H_SHOWN_LR])
-
-
-def count_step(
-    new_f,
-    new_i,
-    f,
-    i,
-    applied_before,
-    skip,
-    nonfinite,
-    finite,
-    spike_skip,
-    is_spike,
-    norm,
-    grad_mul,
-    lr_factor,
-    lr0,
-    zscore,
-):
-    """The counters and the scalars the update reads (grad multiplier, skip flag, lr factor)."""
-    new_i[layout.I_APPLIED_STEPS] = applied_before + (~skip).long()
-    new_i[layout.I_SKIPPED_STEPS] = i[layout.I_SKIPPED_STEPS] + nonfinite.long()
-    new_i[layout.I_SPIKE_SKIPS] = i[layout.I_SPIKE_SKIPS] + (spike_skip & finite).long()
-    new_i[layout.I_SPIKE_COUNT] = i[layout.I_SPIKE_COUNT] + is_spike.long()
-    new_i[layout.I_LAST_SPIKE_STEP] = torch.where(is_spike, applied_before, i[layout.I_LAST_SPIKE_STEP])
-    new_i[layout.I_LAST_STEP_SKIPPED] = skip.long()
-    new_f[layout.F_LAST_SPIKE_NORM] = torch.where(is_spike, norm, f[layout.F_LAST_SPIKE_NORM])
-    new_f[layout.F_GRAD_NORM] = norm
-    new_f[layout.F_GRAD_MUL] = grad_mul
-    new_f[layout.F_SKIP] = skip.float()
-    new_f[layout.F_FOUND_INF] = nonfinite.float()
-    new_f[layout.F_LR_FACTOR] = lr_factor
-    new_f[layout.F_LAST_LR] = lr_factor * lr0
-    new_f[layout.F_LAST_ZSCORE] = zscore
-
-
-def worst_step_window(new_f, new_i, f, i, norm, nonfinite, finite, zscore, ready, applied_before):
-    """The polling window: the largest z-score (its norm and step) and the worst step (a non-finite one counts
-    as the worst), its index among all steps taken and its norm. Returns whether this step is the new worst."""
-    new_max = ready & finite & (zscore > f[layout.F_MAX_ZSCORE])
-    new_f[layout.F_MAX_ZSCORE] = torch.where(new_max, zscore, f[layout.F_MAX_ZSCORE])
-    new_f[layout.F_MAX_ZSCORE_NORM] = torch.where(new_max, norm, f[layout.F_MAX_ZSCORE_NORM])
-    new_i[layout.I_MAX_ZSCORE_STEP] = torch.where(new_max, applied_before, i[layout.I_MAX_ZSCORE_STEP])
-    worst_key = f[layout.F_WORST_KEY]
-    key = torch.where(nonfinite, float("inf"), zscore)
-    worse = key > worst_key
-    new_f[layout.F_WORST_KEY] = torch.where(worse, key, worst_key)
-    new_f[layout.F_WORST_NORM] = torch.where(worse, norm, f[layout.F_WORST_NORM])
-    steps_before = applied_before + i[layout.I_SKIPPED_STEPS] + i[layout.I_SPIKE_SKIPS]  # each step adds to one
-    new_i[layout.I_WORST_STEP] = torch.where(worse, steps_before, i[layout.I_WORST_STEP])
-    return worse
-
-
-def keep_worst(
-    worst_sumsq: torch.Tensor, per_tensor_sumsq: torch.Tensor, worse: torch.Tensor, positions: torch.Tensor | None
+def adamw_update_host(
+    lists: TorchLists,
+    grads: list[torch.Tensor],
+    hparams: list[HParams],
+    grad_mul: np.float32,
+    skip: np.float32,
+    lr_factor: np.float32,
 ) -> None:
-    """The window's per-tensor sums: this step's go to their params' slots when it is the new worst (one op when
-    the plan holds every param in order)."""
-    if positions is None:
-        torch.where(worse, per_tensor_sumsq, worst_sumsq, out=worst_sumsq)
-    else:
-        kept = worst_sumsq.index_select(0, positions)
-        worst_sumsq.index_copy_(0, positions, torch.where(worse, per_tensor_sumsq, kept))
+    """`adamw_update` with the decisions as host scalars: a skipped step runs nothing (what `found_inf` = 1
+    leaves: every tensor untouched), and `_fused_adamw_` gets `grad_scale` only when the grads are scaled
+    (a clip, or a loss scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4
+    bytes per param more than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
+    if skip:
+        return
+    grad_divisor = None
+    if grad_mul != 1.0:
+        grad_divisor = lists.grad_divisor
+        grad_divisor.fill_(float(np.float32(1.0) / grad_mul))
+    scalars = None
+    for update in lists.updates:
+        hp = hparams[update.group]
+        indices = update.indices
+        group_grads = grads if indices is None else [grads[i] for i in indices]
+        if type(update) is LowbitUpdate:  # takes its scalars as 0-dim tensors
+            if scalars is None:
+                scalars = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, skip, lr_factor)]
+            update(group_grads, hp, *scalars)
+            continue
+        fused_adamw(update, group_grads, float(lr_factor * hp.lr), hp, grad_divisor, None)
 
 
-def advance_steps(steps: list[torch.Tensor], skip: torch.Tensor) -> None:
-    """The per-param `step` counters (what the bias correction reads): +1 only when the update is applied."""
-    torch._foreach_add_(steps, 1.0 - skip)
+def fused_adamw(update: _Update, grads: list[torch.Tensor], lr, hp: HParams, grad_divisor, found_inf) -> None:
+    """One `_fused_adamw_` call, on the update's working copies when it has them (see _Update)."""
+    if update.grads32 is not None:
+        if update.copy_in is not None:
+            torch._foreach_copy_(*update.copy_in)
+        torch._foreach_copy_(update.grads32, grads)
+        grads = update.grads32
+    torch._fused_adamw_(
+        update.params,
+        grads,
+        update.exp_avgs,
+        update.exp_avg_sqs,
+        update.max_exp_avg_sqs,
+        update.steps,
+        lr=lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        amsgrad=update.amsgrad,
+        maximize=hp.maximize,
+        grad_scale=grad_divisor,
+        found_inf=found_inf,
+    )
+    if update.copy_out is not None:
+        torch._foreach_copy_(*update.copy_out)

@@ -8,7 +8,7 @@ counter another program is writing) and safe to capture in a CUDA graph; it cost
 
 The kernel is its sections, one @triton.jit helper each, in this order: per_tensor_sums, global_norm,
 zscore_statistics, skip_decision, clip_coefficient, lr_schedule, count_step, worst_step_window, keep_worst,
-advance_steps; backends/torch_backend.py has functions of the same names, in the same order, so the two read
+advance_steps; backends/torch_decide.py has functions of the same names, in the same order, so the two read
 side by side.
 
 The buffer layout (fused_stable/layout.py) reaches the code as constexpr defaults, not as module-level

@@ -210,19 +210,27 @@ def _called_in(function: ast.FunctionDef) -> list[str]:
     return [c.func.id for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
 
 
+SHARED_WITH_THE_TENSOR_DECISIONS = ("per_tensor_sums", "keep_worst", "advance_steps")
+
+
 def test_decision_sections_have_the_same_names_and_order_in_both_backends():
-    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch_backend.py defines
-    functions of the same names in the same order, so the two can be compared section by section."""
+    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch_decide.py (0-dim tensors)
+    and backends/host_decide.py (host scalars) define functions of the same names in the same order, so the
+    three can be compared section by section."""
     decide = ast.parse(MODULES["fused_stable.kernels.decide"].read_text())
     kernel_helpers = {n.name for n in decide.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
     (kernel,) = [n for n in decide.body if isinstance(n, ast.FunctionDef) and n.name == "_decide_kernel"]
     sections = [name for name in _called_in(kernel) if name in kernel_helpers]
     assert len(sections) == len(set(sections)) >= 9, sections
-    torch_backend = ast.parse(MODULES["fused_stable.backends.torch_backend"].read_text())
-    defined = [n.name for n in torch_backend.body if isinstance(n, ast.FunctionDef)]
-    missing = [name for name in sections if name not in defined]
-    assert missing == [], f"the torch backend has no function for these sections: {missing}"
-    assert sorted(sections, key=defined.index) == sections, "the torch backend defines them in another order"
+    for module in ("fused_stable.backends.torch_decide", "fused_stable.backends.host_decide"):
+        tree = ast.parse(MODULES[module].read_text())
+        defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+        missing = [name for name in sections if name not in defined]
+        if module.endswith("host_decide"):  # steps around the decisions that both kinds share (torch_decide.py)
+            missing = [name for name in missing if name not in SHARED_WITH_THE_TENSOR_DECISIONS]
+        assert missing == [], f"{module} has no function for these sections: {missing}"
+        present = [name for name in sections if name in defined]
+        assert sorted(present, key=defined.index) == present, f"{module} defines them in another order"
 
 
 def test_hparams_reach_the_backends_by_name():
