@@ -126,16 +126,15 @@ def _fill(raw: dict, cfg, *, world_size: int | None, precision: str | None, hidd
         "gradient_accumulation_steps": (cfg.grad_accum, "grad_accum"),
         "train_batch_size": (cfg.batch_size * cfg.grad_accum * (world_size or 1), "batch_size x grad_accum x processes"),
     }
-    if world_size is None:
-        del batch["train_batch_size"]
     for key, (value, ours) in batch.items():
         given = out.get(key, "auto")
-        if given != "auto" and given != value:
+        unknown = world_size is None and key == "train_batch_size"  # checked once the process count is known
+        if given != "auto" and given != value and not unknown:
             raise UserError(
                 f"deepspeed: {where} has {key}={given!r}, the trainer's keys make it {value} ({ours}): set it to "
                 '"auto" (or leave it out) and give --batch_size / --grad_accum'
             )
-        out[key] = value
+        out[key] = given if unknown and given != "auto" else value
     if "scheduler" in out:
         raise UserError(
             f"deepspeed: {where} has a `scheduler` section: the lr schedule is the trainer's (--scheduler, "
