@@ -22,7 +22,8 @@ from test_torchrun import first_step_reference
 
 from fused_stable.train import checkpoint
 
-RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0", "--lr", "1e-3"]  # 4 steps, checkpoints at 2 and 4
+# 4 steps, checkpoints at 2 and 4; no LoRA dropout, so that the step-1 grad norm has a reference in one process
+RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0", "--lr", "1e-3", "--lora_dropout", "0"]
 # the build of DeepSpeed's communication op that tests/integrations/integ_deepspeed.py keeps between test runs
 EXTENSIONS_DIR = Path(tempfile.gettempdir()) / "fused_stable_deepspeed_extensions"
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "sft_zero2.json")
@@ -160,15 +161,18 @@ def test_zero3_resume_is_exact(zero3_run, tmp_path):
 def test_example_config_under_the_deepspeed_launcher_matches_the_run_without_deepspeed(tmp_path, sft):
     """examples/sft_zero2.json ("auto" batch keys, bf16 and bucket size filled by the trainer) on one rank of
     DeepSpeed's own launcher, full fine-tuning: the losses, grad norms and lr of the same run in one process
-    without DeepSpeed (ZeRO-2's flat gradient buffer sums the squares in another order: float rounding only)."""
+    without DeepSpeed. The grad norm within 1e-4: ZeRO-2 hands FusedAdamW one flat 821,120-element gradient,
+    whose norm torch's CPU `_foreach_norm` (fp32 accumulation, what clip_grad_norm_ uses too) takes 3.7e-5 off
+    its fp64 value (measured on step 1, where the flat gradient's fp64 norm equals the per-tensor one exactly);
+    per tensor (<= 33K elements) the error is 5e-8."""
     args = [*RUN, "--tuner", "full", "--save_steps", "4"]
     proc = launch("deepspeed", *args, "--deepspeed", EXAMPLE, "--output_dir", tmp_path / "ds")
     assert proc.stdout.count("done: steps 0->4") == 1
     code, _, err = sft(*args, "--output_dir", tmp_path / "plain")
     assert code == 0, err
     ours, plain = read_metrics(tmp_path / "ds"), read_metrics(tmp_path / "plain")
-    for key in ("loss", "grad_norm", "lr"):
-        assert [r[key] for r in ours] == pytest.approx([r[key] for r in plain], rel=1e-5), key
+    for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4), ("lr", 1e-6)):
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in plain], rel=rel), key
     state = json.loads((tmp_path / "ds" / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 2 and state["world_size"] == 1
     wa = load_file(tmp_path / "ds" / "model" / "model.safetensors")
