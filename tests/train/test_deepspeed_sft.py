@@ -264,3 +264,50 @@ def test_resume_through_another_engine_is_refused(tmp_path, saved, now):
         zero.check_resume(str(tmp_path), cfg)
     cfg, _ = resolve_config([] if saved is None else ["--zero_stage", str(saved)])
     zero.check_resume(str(tmp_path), cfg)  # the engine that wrote it
+
+
+def test_a_llamafactory_zero3_config_is_filled_by_the_trainer(tmp_path):
+    """LLaMA-Factory's examples/deepspeed/ds_z3_config.json as it ships (every size "auto", fp16 "auto"): the
+    trainer fills what the HF Trainer fills there, and the integration's keys are set."""
+    from fused_stable.train import zero
+    from fused_stable.train.config import resolve_config
+
+    auto = {"enabled": "auto"}
+    ds = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "fp16": {**auto, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16},
+        "bf16": auto,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
+    cfg, _ = resolve_config(["--deepspeed", _json(tmp_path, ds), "--batch_size", "2", "--grad_accum", "3"])
+
+    class Model:
+        class config:
+            hidden_size = 64
+
+    out = zero.engine_config(cfg, Model(), "bf16")
+    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (
+        2,
+        3,
+        6,
+    )
+    assert out["bf16"]["enabled"] is True and out["fp16"]["enabled"] is False and out["gradient_clipping"] == 0
+    zero_cfg = out["zero_optimization"]
+    assert (zero_cfg["reduce_bucket_size"], zero_cfg["stage3_param_persistence_threshold"]) == (64 * 64, 640)
+    assert zero_cfg["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert out["zero_allow_untested_optimizer"] is True
