@@ -152,7 +152,10 @@ class TrainConfig:
         "deepspeed",
     )
     zero_stage: int | None = _key(
-        None, "0 | 1 | 2 | 3: train through a DeepSpeed ZeRO engine built from the trainer's keys", "deepspeed", Range(0, 3)
+        None,
+        "0 | 1 | 2 | 3: train through a DeepSpeed ZeRO engine built from the trainer's keys",
+        "deepspeed",
+        Range(0, 3),
     )
     offload_optimizer: str = _key(
         "none", "zero_stage 1-3: none | cpu (ZeRO-Offload: FusedAdamW steps the fp32 master on the CPU)", "deepspeed"

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -124,7 +125,7 @@ def _fill(raw: dict, cfg, *, world_size: int | None, precision: str | None, hidd
     batch = {
         "train_micro_batch_size_per_gpu": (cfg.batch_size, "batch_size"),
         "gradient_accumulation_steps": (cfg.grad_accum, "grad_accum"),
-        "train_batch_size": (cfg.batch_size * cfg.grad_accum * (world_size or 1), "batch_size x grad_accum x processes"),
+        "train_batch_size": (cfg.batch_size * cfg.grad_accum * (world_size or 1), "batch_size x grad_accum x ranks"),
     }
     for key, (value, ours) in batch.items():
         given = out.get(key, "auto")
@@ -223,7 +224,8 @@ def _single_process_environment(device: torch.device) -> None:
 
 
 def start(model, optimizer, cfg, runtime) -> Engine:
-    """`deepspeed.initialize` of the model with the trainer's FusedAdamW, attached (fused_stable.integrations.deepspeed)."""
+    """`deepspeed.initialize` of the model with the trainer's FusedAdamW, attached to the engine
+    (fused_stable.integrations.deepspeed)."""
     ds_config = engine_config(cfg, model, runtime.precision)
     _single_process_environment(runtime.device)
     import logging
@@ -233,6 +235,8 @@ def start(model, optimizer, cfg, runtime) -> Engine:
     from fused_stable.integrations import deepspeed as fs_deepspeed
 
     ds_logger.setLevel(logging.WARNING)  # its per-step INFO lines would bury the trainer's own
+    # DeepSpeed's ZeRO calls a collective torch deprecates, once per step and rank: nothing the user can act on
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     engine, *_ = fs_deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     return Engine(engine, stage=int(ds_config["zero_optimization"].get("stage", 0)), adapter=cfg.tuner != "full")
 
@@ -263,7 +267,7 @@ class Engine:
         return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3 keeps an empty tensor on the module
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, output_dir: str, step: int, *, trainer_state: dict, config: dict, keep: int) -> str | None:
+    def save_checkpoint(self, output_dir: str, step: int, *, trainer_state: dict, config: dict, keep: int):
         """Every rank: its partitions through the engine into the checkpoint's temporary directory; then rank 0
         commits it with the trainer's files. Returns the path on rank 0."""
         staged = [checkpoint.staging_dir(output_dir, step) if parallel.rank() == 0 else None]
