@@ -314,6 +314,24 @@ MUTATIONS: list[Mutation] = [
         "QLoRA under ZeRO-3 is refused in one line before the model loads",
         select="qlora",
     ),
+    M(
+        "hf-deepspeed-not-attached",
+        "fused_stable/integrations/hf.py",
+        "            attach(engine)  # the engine exists now; its first step is still to come\n",
+        "            pass\n",
+        ["tests/integrations/test_integ_hf_deepspeed.py"],
+        "under TrainingArguments(deepspeed=...) the mixin attaches the integration before the first step",
+        select="2",
+    ),
+    M(
+        "hf-deepspeed-config-not-prepared",
+        "fused_stable/integrations/hf.py",
+        "            _prepare_deepspeed_config(self)  # before the Trainer builds the engine with it\n",
+        "            pass\n",
+        ["tests/integrations/test_integ_hf_deepspeed.py"],
+        "the Trainer's DeepSpeed config goes through prepare_config before the engine is built",
+        select="2",
+    ),
     # ------------------------------------------------------------------ the torch backend (CPU default)
     M(
         "torch-steps-advance-on-skip",
