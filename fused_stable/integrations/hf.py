@@ -287,6 +287,11 @@ class FusedStableTrainerMixin:
       the one the Trainer computes from the dataloader and ``num_train_epochs``.
     - ``create_scheduler`` returns the ``DeviceScheduleLR`` that goes with the device-side schedule.
     - A ``FusedStableCallback`` is put first in the callbacks unless one is there already.
+    - ``TrainingArguments(deepspeed=...)`` (the way LLaMA-Factory and ms-swift run DeepSpeed): ``create_optimizer``
+      passes the Trainer's DeepSpeed config, as transformers filled it, through
+      ``fused_stable.integrations.deepspeed.prepare_config`` before the engine is built (the ``gradient_clipping``
+      filled with ``max_grad_norm`` becomes 0: FusedAdamW clips), and once the engine exists the integration is
+      attached to it (``_prepare_for_training``), so the clip, skip and schedule are decided once per engine step.
     - ``_get_grad_norm``: transformers >= 5 computes the grad norm every step even with ``max_grad_norm == 0``
       (``accelerator.clip_grad_norm_(params, inf)``: a norm pass and a multiply-by-one pass, plus an unscale
       pass under fp16) just to log it; FusedAdamW already has it, and the callback logs it.
