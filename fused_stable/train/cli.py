@@ -243,6 +243,8 @@ def setup_run(argv: list[str]) -> RunSetup:
     threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
     zero.check_resume(resume_path, cfg)  # DeepSpeed: only through the kind of engine that wrote it
+    if zero.wanted(cfg):  # what depends on the process count and precision, before the model loads
+        zero.engine_config(cfg, None, runtime.precision)
     source = resolve_model(cfg.model)
     examples, heldout = held_out_split(cfg, _task_examples(cfg))
     tokenizer = load_tokenizer(source, log=_log)

@@ -187,6 +187,23 @@ def test_example_config_under_the_deepspeed_launcher_matches_the_run_without_dee
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
 
 
+def test_one_process_without_a_launcher_with_zero_offload(tmp_path):
+    """`python -m fused_stable sft --zero_stage 1 --offload_optimizer cpu` with no launcher at all: the trainer gives
+    DeepSpeed the one-process environment it needs; FusedAdamW is the offloaded CPU optimizer."""
+    out = tmp_path / "offload"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR))
+    env.pop("DS_ACCELERATOR", None)  # set by the trainer for a CPU run
+    args = [*RUN, "--max_steps", "2", "--zero_stage", "1", "--offload_optimizer", "cpu", "--output_dir", out]
+    cmd = [sys.executable, "-m", "fused_stable", "sft", *map(str, args)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("done: steps 0->2") == 1
+    state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["zero_stage"] == 1 and state["world_size"] == 1
+    assert [r["skipped"] for r in read_metrics(out)] == [False, False]
+
+
 def test_guard_rollback_goes_through_the_engine(tmp_path):
     """Non-finite logits on 3 micro-batches in a row on both ranks (ZeRO-2): the guard sees the skipped steps,
     rolls every rank back to the step-10 checkpoint through engine.load_checkpoint and the run completes."""
@@ -235,6 +252,14 @@ REFUSALS = {
     "batch size": (
         lambda p: ["--deepspeed", _json(p, {"train_micro_batch_size_per_gpu": 8})],
         "train_micro_batch_size_per_gpu=8, the trainer's keys make it 4",
+    ),
+    "global batch size": (
+        lambda p: ["--deepspeed", _json(p, {"train_batch_size": 99})],
+        "train_batch_size=99, the trainer's keys make it 8 (batch_size x grad_accum x ranks)",
+    ),
+    "bf16 without precision bf16": (
+        lambda p: ["--deepspeed", _json(p, {"bf16": {"enabled": True}}), "--precision", "fp32"],
+        "enables bf16 but this run's precision is fp32",
     ),
     "offload without stage": (lambda p: ["--offload_optimizer", "cpu"], "offload_optimizer=cpu needs zero_stage"),
     "stage": (lambda p: ["--zero_stage", "4"], "zero_stage must be in [0, 3], got 4"),
