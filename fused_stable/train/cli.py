@@ -242,9 +242,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
-    zero.check_resume(resume_path, cfg)  # DeepSpeed: only through the kind of engine that wrote it
-    if zero.wanted(cfg):  # what depends on the process count and precision, before the model loads
-        zero.engine_config(cfg, None, runtime.precision)
+    zero.check_run(cfg, resume_path, runtime.precision)  # DeepSpeed: what needs the process count and precision
     source = resolve_model(cfg.model)
     examples, heldout = held_out_split(cfg, _task_examples(cfg))
     tokenizer = load_tokenizer(source, log=_log)
@@ -431,10 +429,9 @@ def _train(setup: RunSetup, interrupts) -> int:
             return 3
         if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
             trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
-        if trainer.engine is not None:  # ZeRO-3: gathered from every rank's partitions
-            target = trainer.engine.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
-        else:
-            target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+        # DeepSpeed: at ZeRO-3 gathered from every rank's partitions
+        save_final = trainer.engine.save_final if trainer.engine is not None else parallel.save_final
+        target = save_final(model, setup.tokenizer, cfg, cfg.output_dir)
     except KeyboardInterrupt:  # a second signal: the save (or the step) under way was abandoned
         if main_rank:
             stopped.report_abandoned(cfg.output_dir, setup.runtime.world_size)

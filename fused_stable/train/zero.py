@@ -196,6 +196,14 @@ def engine_config(cfg, model, precision: str) -> dict:
     return _prepare(filled, cfg)
 
 
+def check_run(cfg, resume_path: str | None, precision: str) -> None:
+    """Before the model loads, once the process count and the precision are known: the config's values that depend
+    on them, and the checkpoint to resume."""
+    if wanted(cfg):
+        engine_config(cfg, None, precision)
+    check_resume(resume_path, cfg)
+
+
 def check_resume(path: str | None, cfg) -> None:
     """A checkpoint resumes only through the kind of engine that wrote it (none, or DeepSpeed at the same stage)."""
     if path is None:
