@@ -262,7 +262,7 @@ WORD_CASES = [
     (["--resume", "latest", "--overwrite"], "exclude each other"),
     (["--deepspeed", "{t}/missing"], "missing"),
     (["--deepspeed", "{t}/folder"], "folder"),
-    (["--deepspeed", "{t}/garbage.jsonl"], "invalid JSON"),
+    (["--deepspeed", "{t}/garbage.jsonl"], "garbage.jsonl"),
     (["--config", "{t}/missing.yaml"], "missing.yaml"),
     (["--config", "{t}/folder"], "folder"),
     (["--config", "{t}/bad.yaml"], "bad.yaml"),
