@@ -36,8 +36,24 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def launcher_arguments_removed(argv: list[str]) -> list[str]:
+    """argv without the `--local_rank=N` the `deepspeed` launcher passes every process (unless --no_local_rank; the rank
+    is also in LOCAL_RANK, which is what is read)."""
+    out, skip = [], False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in ("--local_rank", "--local-rank"):
+            skip = "=" not in token and i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit()
+            continue
+        out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = launcher_arguments_removed(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2

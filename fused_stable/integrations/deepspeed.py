@@ -6,7 +6,9 @@ lr schedule decided once per engine step, from the global norm across ranks, gro
 
 `initialize` is `deepspeed.initialize` with the config `prepare_config` makes, followed by `attach(engine)`. For an
 engine made elsewhere, pass the config through `prepare_config` and call `attach` on the engine before its first
-step (the HF Trainer's `deepspeed=` path, which builds the engine inside `train()`, is not wired up yet).
+step: the HF Trainer's `TrainingArguments(deepspeed=...)` path does both through
+`fused_stable.integrations.hf.FusedStableTrainerMixin`, and `fused-stable sft --deepspeed / --zero_stage` through
+`fused_stable.train.zero`.
 
 How: DeepSpeed's ZeRO wrappers call the client optimizer once per param group (ZeRO-3: per sub-group) on flat fp32
 partitions, right after building that group's gradient partition, and copy the result into the model's params

@@ -250,6 +250,27 @@ class FusedStableCallback(TrainerCallback):
         return control
 
 
+def _prepare_deepspeed_config(trainer) -> None:
+    """The Trainer's DeepSpeed config (``TrainingArguments(deepspeed=...)``, its "auto" values filled by
+    transformers) through ``fused_stable.integrations.deepspeed.prepare_config``, in place, before the engine is
+    built. transformers filled ``gradient_clipping`` with ``max_grad_norm``, which FusedAdamW now applies: set to 0."""
+    from .deepspeed import prepare_config
+
+    config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
+    fused = find_fused_optimizer(trainer.optimizer)
+    clipping = config.get("gradient_clipping", 0)
+    if fused is not None and _clips(fused) and clipping not in (0, 0.0, "auto"):
+        if float(clipping) != float(fused.rules.max_grad_norm):
+            raise ValueError(
+                f"the DeepSpeed config clips at gradient_clipping={clipping}, FusedAdamW at max_grad_norm="
+                f"{fused.rules.max_grad_norm}: give one value (the clip is FusedAdamW's, once per engine step)"
+            )
+        config["gradient_clipping"] = 0.0
+    prepared = prepare_config(config)
+    config.clear()
+    config.update(prepared)
+
+
 class FusedStableTrainerMixin:
     """Mix in before a Trainer class to have the Trainer build FusedAdamW itself::
 
@@ -266,6 +287,11 @@ class FusedStableTrainerMixin:
       the one the Trainer computes from the dataloader and ``num_train_epochs``.
     - ``create_scheduler`` returns the ``DeviceScheduleLR`` that goes with the device-side schedule.
     - A ``FusedStableCallback`` is put first in the callbacks unless one is there already.
+    - ``TrainingArguments(deepspeed=...)`` (the way LLaMA-Factory and ms-swift run DeepSpeed): ``create_optimizer``
+      passes the Trainer's DeepSpeed config, as transformers filled it, through
+      ``fused_stable.integrations.deepspeed.prepare_config`` before the engine is built (the ``gradient_clipping``
+      filled with ``max_grad_norm`` becomes 0: FusedAdamW clips), and once the engine exists the integration is
+      attached to it (``_prepare_for_training``), so the clip, skip and schedule are decided once per engine step.
     - ``_get_grad_norm``: transformers >= 5 computes the grad norm every step even with ``max_grad_norm == 0``
       (``accelerator.clip_grad_norm_(params, inf)``: a norm pass and a multiply-by-one pass, plus an unscale
       pass under fp16) just to log it; FusedAdamW already has it, and the callback logs it.
@@ -301,8 +327,19 @@ class FusedStableTrainerMixin:
                 num_training_steps=self._fused_training_steps,
                 **self.fused_optimizer_kwargs,
             )
+        if getattr(self, "is_deepspeed_enabled", False):
+            _prepare_deepspeed_config(self)  # before the Trainer builds the engine with it
         # transformers < 5 has create_optimizer(self), without the model argument
         return super().create_optimizer() if model is None else super().create_optimizer(model)
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any):
+        prepared = super()._prepare_for_training(*args, **kwargs)
+        engine = getattr(self, "deepspeed", None)
+        if engine is not None and not hasattr(engine, "fused_stable_step"):
+            from .deepspeed import attach
+
+            attach(engine)  # the engine exists now; its first step is still to come
+        return prepared
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None and self._fused_scheduler is not None:

@@ -214,7 +214,6 @@ KEYS: dict[str, AnchorKey] = {
 }
 # anchor keys that are known but cannot be honoured here, with why (refused, all in one line)
 REFUSED = {
-    "deepspeed": "DeepSpeed is not used by fused-stable sft",
     "flash_attn": "the attention implementation is the model's default",
     "attn_impl": "the attention implementation is the model's default",
     "max_samples": "a dataset is used whole",

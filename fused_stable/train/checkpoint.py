@@ -10,7 +10,8 @@ so), an explicit checkpoint that is damaged is one line naming the file. The fun
 objects, so a rollback can call them in-process.
 
 Contents: trainable weights (safetensors), optimizer (its state_dict carries the device-side schedule and
-counters), loss scaler, RNG states (python, numpy, torch CPU and CUDA), data position and the config.
+counters), loss scaler, RNG states (python, numpy, torch CPU and CUDA), data position and the config. Under
+DeepSpeed (fused_stable.train.zero) the engine's files, in `deepspeed/`, hold the weights and the optimizer.
 
 A save that cannot write (a full disk or quota, a file-size limit) raises `SaveFailed`, an OSError naming the
 checkpoint, after removing everything it wrote: the earlier checkpoints stay as they were. What a process killed
@@ -109,10 +110,19 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _files(folder: str) -> list[str]:
+    """Every file under `folder` (an engine's files lie in a subfolder), as paths relative to it, sorted."""
+    found = []
+    for parent, dirs, names in os.walk(folder):
+        dirs.sort()
+        found += [os.path.relpath(os.path.join(parent, name), folder) for name in names]
+    return sorted(found)
+
+
 def _file_records(folder: str) -> dict[str, dict]:
     return {
         name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
-        for name in sorted(os.listdir(folder))
+        for name in _files(folder)
     }
 
 
@@ -206,11 +216,23 @@ def _remove_dir(path: str, root: str, tag: str) -> str:
     return doomed
 
 
+def staging_dir(output_dir: str, step: int) -> str:
+    """A new, empty temporary directory for checkpoint `step`, for files other processes write before
+    `save_checkpoint(staged=...)` commits it (DeepSpeed's ranks: fused_stable.train.zero); a kill before the commit
+    leaves a leftover `clear_leftovers` removes."""
+    root = os.path.join(output_dir, "checkpoints")
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-step-{step}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
 def save_checkpoint(
     output_dir: str,
     step: int,
     *,
-    model_state: dict[str, torch.Tensor],
+    model_state: dict[str, torch.Tensor] | None,
     optimizer,
     scaler=None,
     trainer_state: dict,
@@ -218,25 +240,27 @@ def save_checkpoint(
     keep: int = 0,
     optimizer_state: dict | None = None,
     rng: dict | None = None,
+    staged: str | None = None,
 ) -> str:
     """Write checkpoints/step-<step>/ atomically and return its path; keep only the newest `keep` (0 = all).
     `optimizer_state` / `rng`: already gathered (torchrun: full FSDP2 state, every rank's RNG); by default
     `optimizer.state_dict()` and this process's RNG states. An exception (or KeyboardInterrupt) before the
     marker is written removes everything this save wrote and leaves every earlier checkpoint as it was; a write
-    that fails (a full disk) is `SaveFailed`."""
+    that fails (a full disk) is `SaveFailed`. `staged`: a `staging_dir` that already holds an engine's files
+    (then `model_state` and `optimizer` are None: the engine's files hold the weights and the optimizer); they are
+    fsynced, recorded in the marker and committed with the rest."""
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step-{step}")
     try:
-        os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, f".tmp-step-{step}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        tmp = staged if staged is not None else staging_dir(output_dir, step)
         _save_stage("tmp", step)
+        if optimizer_state is None and optimizer is not None:
+            optimizer_state = optimizer.state_dict()
         marker = _write_files(
             tmp,
             step,
             model_state=model_state,
-            optimizer_state=optimizer.state_dict() if optimizer_state is None else optimizer_state,
+            optimizer_state=optimizer_state,
             scaler=scaler,
             rng=rng_state() if rng is None else rng,
             trainer_state=trainer_state,
@@ -256,12 +280,19 @@ def _write_files(tmp, step, *, model_state, optimizer_state, scaler, rng, traine
     """Every file of the checkpoint into `tmp`, each fsynced; returns the COMPLETE marker's content. Anything
     raised removes `tmp`."""
     try:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-        # serialised here and written by Python, so that a failed write is an OSError with its errno
-        _write_bytes(os.path.join(tmp, "weights.safetensors"), safetensors_bytes(tensors))
-        _save_stage("weights.safetensors", step)
-        _torch_save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
-        _save_stage("optimizer.pt", step)
+        for name in _files(tmp):  # what other processes wrote (an engine's partitions): on disk before the commit
+            _fsync_path(os.path.join(tmp, name))
+        for parent, dirs, _ in os.walk(tmp):
+            for name in dirs:
+                _fsync_path(os.path.join(parent, name))
+        if model_state is not None:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+            # serialised here and written by Python, so that a failed write is an OSError with its errno
+            _write_bytes(os.path.join(tmp, "weights.safetensors"), safetensors_bytes(tensors))
+            _save_stage("weights.safetensors", step)
+        if optimizer_state is not None:
+            _torch_save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+            _save_stage("optimizer.pt", step)
         if scaler is not None:
             _torch_save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
             _save_stage("scaler.pt", step)

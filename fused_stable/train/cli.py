@@ -230,7 +230,7 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.guard import Guard
-    from fused_stable.train import data, parallel
+    from fused_stable.train import data, parallel, zero
     from fused_stable.train.config import eval_steps, guard_config, run_dict, warmup_steps
     from fused_stable.train.evaluate import held_out_split
     from fused_stable.train.loop import Trainer
@@ -242,6 +242,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
+    zero.check_run(cfg, resume_path, runtime.precision)  # DeepSpeed: what needs the process count and precision
     source = resolve_model(cfg.model)
     examples, heldout = held_out_split(cfg, _task_examples(cfg))
     tokenizer = load_tokenizer(source, log=_log)
@@ -251,7 +252,8 @@ def setup_run(argv: list[str]) -> RunSetup:
     torch.manual_seed(cfg.seed)
     model = load_base_model(cfg, source, tokenizer, runtime.device, runtime.compute_dtype, log=_log)
     model = apply_tuner(model, cfg)
-    model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
+    if not zero.wanted(cfg):  # (DeepSpeed's engine does the data parallelism itself)
+        model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
     groups = param_groups(parallel.unwrap(model), cfg)
     # torchrun: each rank batches its own shard of the rows
     batches = data.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
@@ -278,8 +280,11 @@ def setup_run(argv: list[str]) -> RunSetup:
     optimizer.param_names = groups.names
     guard.bind(optimizer)
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
+    # DeepSpeed: FusedAdamW attached to the engine (one decision per engine step from the global norm)
+    engine = zero.start(model, optimizer, cfg, runtime) if zero.wanted(cfg) else None
     trainer = Trainer(
-        model=model,
+        model=engine.ds if engine is not None else model,
+        engine=engine,
         optimizer=optimizer,
         scaler=scaler,
         batches=batches,
@@ -355,6 +360,8 @@ def run(argv: list[str], interrupts=None) -> int:
 
 
 def _train(setup: RunSetup, interrupts) -> int:
+    import torch
+
     from fused_stable.train import parallel
     from fused_stable.train.report import evaluation_summary, plot_curves, read_metrics
 
@@ -372,8 +379,9 @@ def _train(setup: RunSetup, interrupts) -> int:
     interrupts.deferring = True  # from here on files are written: an interrupt ends with a checkpoint
     try:
         parallel.agree(setup.start)
-        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        n_total = sum(p.numel() for p in model.parameters())
+        numel = trainer.engine.numel if trainer.engine is not None else torch.numel  # ZeRO-3: partitioned
+        n_trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+        n_total = sum(numel(p) for p in model.parameters())
         if main_rank:
             for reason in setup.passed_over:
                 print(f"fused-stable sft: resume latest passed over a damaged checkpoint: {reason}", file=sys.stderr)
@@ -421,7 +429,9 @@ def _train(setup: RunSetup, interrupts) -> int:
             return 3
         if trainer.stopped_by is None and (cfg.save_steps == 0 or state.step % cfg.save_steps != 0):
             trainer.save()  # the final state is always resumable (e.g. to train further with a larger max_steps)
-        target = parallel.save_final(model, setup.tokenizer, cfg, cfg.output_dir)
+        # DeepSpeed: at ZeRO-3 gathered from every rank's partitions
+        save_final = trainer.engine.save_final if trainer.engine is not None else parallel.save_final
+        target = save_final(model, setup.tokenizer, cfg, cfg.output_dir)
     except KeyboardInterrupt:  # a second signal: the save (or the step) under way was abandoned
         if main_rank:
             stopped.report_abandoned(cfg.output_dir, setup.runtime.world_size)

@@ -324,6 +324,9 @@ def validate(cfg: TrainConfig) -> None:
             "paraphrases of its evaluation) for eval_loss"
         )
     check_device(cfg.device)
+    from fused_stable.train import zero
+
+    zero.check_keys(cfg)  # the DeepSpeed keys and file, before the model loads
     try:
         guard_config(cfg)
     except ValueError as exc:

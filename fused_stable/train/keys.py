@@ -143,6 +143,23 @@ class TrainConfig:
         "run",
     )
     resume: str | None = _key(None, "'latest' or a checkpoint directory to continue from", "run")
+    # DeepSpeed (fused_stable.train.zero): the loop runs through a DeepSpeed engine, FusedAdamW attached to it
+    deepspeed: str | None = _key(
+        None,
+        "a DeepSpeed JSON config: train through its engine (ZeRO 0-3; launch with torchrun or the deepspeed "
+        'launcher); "auto" or absent batch keys and bf16 come from batch_size, grad_accum and precision; no '
+        "optimizer, scheduler or fp16 section, gradient_clipping 0 (the clip is max_grad_norm)",
+        "deepspeed",
+    )
+    zero_stage: int | None = _key(
+        None,
+        "0 | 1 | 2 | 3: train through a DeepSpeed ZeRO engine built from the trainer's keys",
+        "deepspeed",
+        Range(0, 3),
+    )
+    offload_optimizer: str = _key(
+        "none", "zero_stage 1-3: none | cpu (ZeRO-Offload: FusedAdamW steps the fp32 master on the CPU)", "deepspeed"
+    )
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
     guard: str = _key(
@@ -214,6 +231,7 @@ CHOICES = {
     "evaluation": ("auto", "on", "off"),
     "retention_probe": ("auto", "on", "off"),
     "report_to": ("tensorboard", "wandb", "none"),
+    "offload_optimizer": ("none", "cpu"),
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")
@@ -321,6 +339,7 @@ def help_text() -> str:
         "optim": "optimisation:",
         "run": "run:",
         "guard": "stability guard (docs/guard.md):",
+        "deepspeed": "DeepSpeed ZeRO (docs/trainer.md, DeepSpeed):",
     }
     column = 28  # where the help text starts: "  --" + the longest key + a space
     for group, title in titles.items():

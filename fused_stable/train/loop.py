@@ -12,6 +12,10 @@ scheduled like logging: before the first step (the guard's reference), then ever
 checkpoint a rollback can return to passed its evaluation. Each evaluation reads the device once; its values
 go on the metrics row of the step it evaluated.
 
+Under DeepSpeed (`engine`, fused_stable.train.zero) every micro-batch's backward and step go through the engine,
+which steps FusedAdamW at its accumulation boundary (the window's last micro-batch), and checkpoints are the
+engine's.
+
 An interrupt (SIGINT or SIGTERM, see `Interrupts`) ends the step under way, logs it, saves a checkpoint and
 stops the loop (`stopped_by == "interrupt"`); under torchrun every rank stops after the same step.
 """
@@ -125,6 +129,7 @@ class Trainer:
     evaluations: int = 0  # evaluations during fit (this process)
     alert_log: AlertLog | None = None
     interrupts: Interrupts | None = None
+    engine: object | None = None  # fused_stable.train.zero.Engine: the loop runs through DeepSpeed (model: its engine)
     state: TrainState = field(default_factory=TrainState)
     stopped_by: str | None = None  # "guard" | "callback" | "interrupt"
     stop_message: str = ""
@@ -170,14 +175,21 @@ class Trainer:
                     )
                     / label_tokens
                 )
-                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if self.engine is not None:
+                    self.engine.backward(loss)
+                    self.engine.step()  # the window's last micro-batch is the engine's boundary: the fused step
+                else:
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
                 window_loss += loss.detach()
-            if scaler is not None:
+            if self.engine is not None:
+                self.engine.check_step(self.state.step + 1)  # DeepSpeed zeroed the grads at its boundary
+            elif scaler is not None:
                 scaler.step(opt)  # FusedAdamW unscales, checks inf/nan and clips in its own norm pass
                 scaler.update()
             else:
                 opt.step()
-            opt.zero_grad(set_to_none=True)
+            if self.engine is None:
+                opt.zero_grad(set_to_none=True)
 
             self.state.step += 1
             self.state.micro_batches += self.grad_accum
@@ -317,13 +329,24 @@ class Trainer:
         return action
 
     def save(self) -> str | None:
+        trainer_state = {**asdict(self.state), "elapsed_s": self.elapsed(), "world_size": self.runtime.world_size}
+        if self.guard is not None:
+            trainer_state["guard"] = self.guard.state_dict()
+        if self.engine is not None:  # DeepSpeed: every rank writes its partitions, rank 0 commits
+            path = self.engine.save_checkpoint(
+                self.output_dir,
+                self.state.step,
+                trainer_state=trainer_state,
+                config=self.config,
+                keep=self.save_total_limit,
+            )
+            parallel.barrier()
+            self.last_checkpoint = path or self.last_checkpoint
+            return path
         # torchrun: every rank takes part in gathering the state (FSDP2 shards, each rank's RNG); rank 0 writes
         model_state, optimizer_state, rng = parallel.checkpoint_state(self.model, self.optimizer)
         path = None
         if self.runtime.is_main:
-            trainer_state = {**asdict(self.state), "elapsed_s": self.elapsed(), "world_size": self.runtime.world_size}
-            if self.guard is not None:
-                trainer_state["guard"] = self.guard.state_dict()
             path = checkpoint.save_checkpoint(
                 self.output_dir,
                 self.state.step,
@@ -342,7 +365,10 @@ class Trainer:
 
     def restore(self, path: str, restore_data_position: bool = True) -> None:
         """Load a checkpoint into the live model, optimizer, scaler and RNGs (resume, or a rollback)."""
-        saved = parallel.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scaler=self.scaler)
+        if self.engine is not None:
+            saved = self.engine.load_checkpoint(path)
+        else:
+            saved = parallel.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scaler=self.scaler)
         before = self.state
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
         if not restore_data_position:

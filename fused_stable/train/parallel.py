@@ -271,14 +271,11 @@ def checkpoint_state(model, optimizer) -> tuple[dict, dict | None, dict | None]:
     calls it. The trainable weights carry the user's names (no DDP `module.` prefix) and, under FSDP2, are
     gathered into full tensors on rank 0; the optimizer state likewise (None = `optimizer.state_dict()`).
     The RNG states are every rank's (None in a single process = this process's)."""
-    from fused_stable.train.checkpoint import rng_state
     from fused_stable.train.model import trainable_state
 
     if not active():
         return trainable_state(model), None, None
-    rngs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rngs, rng_state())
-    rng = {**rngs[0], "ranks": rngs}  # top level: rank 0's, as a single-process checkpoint has it
+    rng = rank_rngs()
     if not is_fsdp(model):
         return trainable_state(unwrap(model)), None, rng
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -293,6 +290,18 @@ def checkpoint_state(model, optimizer) -> tuple[dict, dict | None, dict | None]:
     if extra is not None:  # global counters: the same on every rank
         optim_state[_OPT_EXTRA] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in extra.items()}
     return model_state, optim_state, rng
+
+
+def rank_rngs() -> dict | None:
+    """Every rank's RNG states (a collective): rank 0's at the top level, as a single-process checkpoint has them,
+    and the list of all under "ranks"; None in a single process (the checkpoint takes this process's)."""
+    from fused_stable.train.checkpoint import rng_state
+
+    if not active():
+        return None
+    rngs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng_state())
+    return {**rngs[0], "ranks": rngs}
 
 
 def load_checkpoint(path: str, *, model, optimizer, scaler) -> dict:

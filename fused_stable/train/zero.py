@@ -1,0 +1,326 @@
+"""The trainer on DeepSpeed: `--deepspeed ds.json`, or `--zero_stage 0|1|2|3 [--offload_optimizer cpu]`, launched
+with `torchrun --nproc_per_node N` or the `deepspeed` launcher (one process too).
+
+- The config (`check_keys` before the model loads, `engine_config` after): the JSON file, or one built from the
+  keys, with the trainer's batch keys filled where the file says "auto" or nothing (a different value is refused),
+  bf16 from `precision`, ZeRO's "auto" bucket sizes from the model's hidden size (as the HF Trainer fills them),
+  then `fused_stable.integrations.deepspeed.prepare_config` (no `optimizer` section, `gradient_clipping` 0, no fp16).
+- The engine (`start`): `fs_deepspeed.initialize` with the trainer's FusedAdamW, so the clip, the skip, the z-score
+  rules and the lr schedule are decided once per engine step from the global norm across ranks. The loop calls
+  `backward` and `step` on every micro-batch; DeepSpeed steps the optimizer at its accumulation boundary, which
+  `check_step` holds to the window's last micro-batch.
+- Checkpoints (`save_checkpoint` / `load_checkpoint`): every rank writes its partitions with
+  `engine.save_checkpoint` into the checkpoint's temporary directory (`step-N/deepspeed/`); rank 0 adds the
+  trainer's files and commits it with checkpoint.py's protocol (atomic rename, a COMPLETE marker over every file,
+  the engine's included), so nothing half-written is ever loaded; `engine.load_checkpoint` restores it (resume,
+  and the guard's rollback).
+- The adapter / model for `export` and `chat` (`save_final`): at ZeRO-3 gathered from the partitions on rank 0
+  (`_zero3_consolidated_16bit_state_dict`), which writes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from fused_stable.errors import UserError
+from fused_stable.train import checkpoint, parallel
+
+ENGINE_DIR = "deepspeed"  # the engine's files inside checkpoints/step-N/ (DeepSpeed's checkpoint tag)
+# ZeRO's bucket sizes the HF Trainer fills from the hidden size when a config says "auto" (transformers'
+# HfTrainerDeepSpeedConfig.trainer_config_finalize)
+_AUTO_SIZES = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+_QUIET = 2**31 - 1  # DeepSpeed's steps_per_print unless the file sets it: the trainer prints its own progress
+
+
+def wanted(cfg) -> bool:
+    """Whether the run trains through a DeepSpeed engine."""
+    return cfg.deepspeed is not None or cfg.zero_stage is not None
+
+
+def check_keys(cfg) -> None:
+    """The DeepSpeed keys and file, checked before anything loads (UserError, one line)."""
+    if cfg.deepspeed is not None and cfg.zero_stage is not None:
+        raise UserError(
+            "deepspeed and zero_stage exclude each other: --deepspeed takes a whole DeepSpeed config (its "
+            "zero_optimization.stage), --zero_stage builds one from the trainer's keys"
+        )
+    if cfg.offload_optimizer != "none" and not cfg.zero_stage:
+        raise UserError(
+            f"offload_optimizer={cfg.offload_optimizer} needs zero_stage 1, 2 or 3 (with --deepspeed, offload in the "
+            "file: zero_optimization.offload_optimizer.device)"
+        )
+    if not wanted(cfg):
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError("--deepspeed / --zero_stage need DeepSpeed: pip install deepspeed")
+    raw = _base_config(cfg)
+    if cfg.precision == "fp16":
+        raise UserError(
+            "precision=fp16 under DeepSpeed: its loss scaler is not taken over by fused_stable's integration; "
+            "use precision bf16 or fp32"
+        )
+    if cfg.quant_bits is not None and stage_of(raw, cfg) == 3:
+        raise UserError(
+            f"quant_bits={cfg.quant_bits} (QLoRA) under ZeRO-3 is not supported: ZeRO-3 partitions the quantised "
+            "base weights, which bitsandbytes' layers cannot gather; use ZeRO 0-2 (the adapters are what trains)"
+        )
+    # every refusal that does not need the model or the process count: the file's own mistakes, named
+    _prepare(_fill(raw, cfg, world_size=None, precision=None, hidden=1), cfg)
+
+
+def _where(cfg) -> str:
+    return cfg.deepspeed if cfg.deepspeed is not None else f"--zero_stage {cfg.zero_stage}"
+
+
+def _base_config(cfg) -> dict:
+    """The file's config (or the one --zero_stage makes), not yet filled."""
+    if cfg.deepspeed is None:
+        zero: dict = {"stage": cfg.zero_stage}
+        if cfg.offload_optimizer != "none":
+            zero["offload_optimizer"] = {"device": cfg.offload_optimizer}
+        return {"zero_optimization": zero}
+    path = cfg.deepspeed
+    if not os.path.isfile(path):
+        raise UserError(f"deepspeed: config file {path!r} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"deepspeed: {path} cannot be read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"deepspeed: {path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"deepspeed: {path} must hold a JSON object (DeepSpeed's config)")
+    zero = raw.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise UserError(f"deepspeed: {path}: zero_optimization must be an object")
+    return raw
+
+
+def stage_of(raw: dict, cfg) -> int:
+    stage = raw.get("zero_optimization", {}).get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise UserError(f"deepspeed: {_where(cfg)}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return int(stage)
+
+
+def _fill(raw: dict, cfg, *, world_size: int | None, precision: str | None, hidden: int) -> dict:
+    """A copy of the config with the trainer's values where it says "auto" or nothing; a value that differs from
+    the trainer's is refused (two sources for one number). `world_size` / `precision` None: not known yet (the
+    checks before the process group and the device), so what depends on them is not checked."""
+    out = copy.deepcopy(raw)
+    where = _where(cfg)
+    batch = {
+        "train_micro_batch_size_per_gpu": (cfg.batch_size, "batch_size"),
+        "gradient_accumulation_steps": (cfg.grad_accum, "grad_accum"),
+        "train_batch_size": (cfg.batch_size * cfg.grad_accum * (world_size or 1), "batch_size x grad_accum x ranks"),
+    }
+    for key, (value, ours) in batch.items():
+        given = out.get(key, "auto")
+        unknown = world_size is None and key == "train_batch_size"  # checked once the process count is known
+        if given != "auto" and given != value and not unknown:
+            raise UserError(
+                f"deepspeed: {where} has {key}={given!r}, the trainer's keys make it {value} ({ours}): set it to "
+                '"auto" (or leave it out) and give --batch_size / --grad_accum'
+            )
+        out[key] = given if unknown and given != "auto" else value
+    if "scheduler" in out:
+        raise UserError(
+            f"deepspeed: {where} has a `scheduler` section: the lr schedule is the trainer's (--scheduler, "
+            "--warmup_ratio, decided inside FusedAdamW's step): remove the section"
+        )
+    bf16 = out.get("bf16", {})
+    if isinstance(bf16, dict):
+        enabled = bf16.get("enabled", "auto")
+        if enabled not in ("auto", False) and precision not in ("bf16", None):
+            raise UserError(
+                f"deepspeed: {where} enables bf16 but this run's precision is {precision}: give --precision bf16 "
+                'or set bf16.enabled to "auto"'
+            )
+        if precision == "bf16" or "bf16" in out:
+            out["bf16"] = {**bf16, "enabled": precision == "bf16"}
+    fp16 = out.get("fp16")
+    if isinstance(fp16, dict) and fp16.get("enabled") == "auto":
+        out["fp16"] = {**fp16, "enabled": False}  # the trainer's fp16 is refused under DeepSpeed (check_keys)
+    if out.get("gradient_clipping") == "auto":
+        out["gradient_clipping"] = 0.0  # the clip is FusedAdamW's max_grad_norm
+    zero = out.setdefault("zero_optimization", {})
+    for key, size in _AUTO_SIZES.items():
+        if zero.get(key) == "auto":
+            zero[key] = size(hidden)
+    left = _auto_keys(out)
+    if left:
+        raise UserError(
+            f'deepspeed: {where}: {left[0]} is "auto", which only the HF Trainer fills; the trainer fills the batch '
+            f"keys, bf16, fp16, gradient_clipping and {', '.join(_AUTO_SIZES)}: give a value"
+        )
+    out.setdefault("steps_per_print", _QUIET)
+    return out
+
+
+def _auto_keys(section: dict, prefix: str = "") -> list[str]:
+    found = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            found += _auto_keys(value, f"{prefix}{key}.")
+        elif value == "auto":
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def _prepare(filled: dict, cfg) -> dict:
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    try:
+        return fs_deepspeed.prepare_config(filled)
+    except ValueError as exc:
+        raise UserError(f"deepspeed: {_where(cfg)}: {exc}") from None
+
+
+def engine_config(cfg, model, precision: str) -> dict:
+    """The config the engine is built with: filled for this model, process count and precision, then prepared."""
+    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
+    filled = _fill(_base_config(cfg), cfg, world_size=parallel.world_size(), precision=precision, hidden=hidden)
+    return _prepare(filled, cfg)
+
+
+def check_run(cfg, resume_path: str | None, precision: str) -> None:
+    """Before the model loads, once the process count and the precision are known: the config's values that depend
+    on them, and the checkpoint to resume."""
+    if wanted(cfg):
+        engine_config(cfg, None, precision)
+    check_resume(resume_path, cfg)
+
+
+def check_resume(path: str | None, cfg) -> None:
+    """A checkpoint resumes only through the kind of engine that wrote it (none, or DeepSpeed at the same stage)."""
+    if path is None:
+        return
+    saved = checkpoint.read_trainer_state(path).get("zero_stage")
+    now = stage_of(_base_config(cfg), cfg) if wanted(cfg) else None
+    if saved != now:
+        how = lambda stage: "without DeepSpeed" if stage is None else f"under DeepSpeed ZeRO-{stage}"  # noqa: E731
+        raise UserError(
+            f"{path!r} was written {how(saved)}, this run trains {how(now)}: resume it with the run's own "
+            "deepspeed / zero_stage keys (leave them out to take the checkpoint's)"
+        )
+
+
+# ------------------------------------------------------------------------------------------ the engine
+def _single_process_environment(device: torch.device) -> None:
+    """What DeepSpeed needs to start without a launcher (one process), and its CPU accelerator on a CPU run."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
+        return
+    with socket.socket() as s:  # a free port for the process group of one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def start(model, optimizer, cfg, runtime) -> Engine:
+    """`deepspeed.initialize` of the model with the trainer's FusedAdamW, attached to the engine
+    (fused_stable.integrations.deepspeed)."""
+    ds_config = engine_config(cfg, model, runtime.precision)
+    _single_process_environment(runtime.device)
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
+
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    ds_logger.setLevel(logging.WARNING)  # its per-step INFO lines would bury the trainer's own
+    # DeepSpeed's ZeRO calls a collective torch deprecates, once per step and rank: nothing the user can act on
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    engine, *_ = fs_deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return Engine(engine, stage=int(ds_config["zero_optimization"].get("stage", 0)), adapter=cfg.tuner != "full")
+
+
+class Engine:
+    """The DeepSpeed engine as the trainer drives it: backward and step per micro-batch, checkpoints, the final save."""
+
+    def __init__(self, ds_engine, stage: int, adapter: bool):
+        self.ds, self.stage, self.adapter = ds_engine, stage, adapter
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # the loop's loss is already divided by the window's label tokens: DeepSpeed must not divide it again
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """Every micro-batch: DeepSpeed counts them and steps the optimizer (and zeroes the grads) at the boundary."""
+        self.ds.step()
+
+    def check_step(self, step: int) -> None:
+        """After the window: DeepSpeed's optimizer steps must be the trainer's (its boundary is the window's end)."""
+        if self.ds.global_steps != step:
+            raise RuntimeError(
+                f"DeepSpeed's engine has taken {self.ds.global_steps} optimizer steps, the trainer {step}: its "
+                f"gradient_accumulation_steps ({self.ds.gradient_accumulation_steps()}) is not the window"
+            )
+
+    def numel(self, param: torch.Tensor) -> int:
+        return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3 keeps an empty tensor on the module
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, output_dir: str, step: int, *, trainer_state: dict, config: dict, keep: int):
+        """Every rank: its partitions through the engine into the checkpoint's temporary directory; then rank 0
+        commits it with the trainer's files. Returns the path on rank 0."""
+        staged = [checkpoint.staging_dir(output_dir, step) if parallel.rank() == 0 else None]
+        if parallel.active():
+            dist.broadcast_object_list(staged, src=0)
+        rng = parallel.rank_rngs()
+        self.ds.save_checkpoint(staged[0], tag=ENGINE_DIR, save_latest=False, exclude_frozen_parameters=self.adapter)
+        parallel.barrier()  # every rank's partitions are written before rank 0 commits
+        if parallel.rank() != 0:
+            return None
+        return checkpoint.save_checkpoint(
+            output_dir,
+            step,
+            model_state=None,
+            optimizer=None,
+            trainer_state={**trainer_state, "zero_stage": self.stage},
+            config=config,
+            keep=keep,
+            rng=rng,
+            staged=staged[0],
+        )
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Every rank: the engine's state (weights, FusedAdamW's state and counters) and its own RNG stream."""
+        if not os.path.isdir(os.path.join(path, ENGINE_DIR)):
+            raise UserError(f"{path} was not written through DeepSpeed (no {ENGINE_DIR}/): resume it without DeepSpeed")
+        loaded, _ = self.ds.load_checkpoint(
+            path, tag=ENGINE_DIR, load_module_strict=not self.adapter, load_lr_scheduler_states=False
+        )
+        if loaded is None:
+            raise UserError(f"{os.path.join(path, ENGINE_DIR)}: DeepSpeed could not load it")
+        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)  # python/numpy states: not weights-only
+        ranks = rng.get("ranks")
+        checkpoint.set_rng_state(ranks[parallel.rank()] if ranks else rng)
+        return checkpoint.read_trainer_state(path)
+
+    def save_final(self, model, tokenizer, cfg, output_dir: str) -> str:
+        """The adapter (or model): at ZeRO-3 gathered from every rank's partitions (a collective); rank 0 writes."""
+        from fused_stable.train.saved import save_final as save_one
+
+        state = None
+        if self.stage == 3:  # the module holds empty partitions: gather the full tensors on rank 0
+            state = self.ds._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=self.adapter)
+        target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
+        if parallel.rank() == 0:
+            target = save_one(model, tokenizer, cfg, output_dir, state_dict=state)
+        parallel.barrier()
+        return target
