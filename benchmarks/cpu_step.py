@@ -26,7 +26,6 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ import torch
 from fused_stable import FusedAdamW
 from fused_stable.bench import measure
 from fused_stable.bench.paramsets import plan_sets, sweep_shapes
+from fused_stable.bench.report import cpu_name
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 1e-2, 1.0
 CONTENDERS = ("fused_stable", "torch_fused", "deepspeed_cpu_adam")
@@ -220,16 +220,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -271,7 +261,7 @@ def main(argv: list[str]) -> int:
         command="python benchmarks/cpu_step.py " + " ".join(argv),
         note=args.note,
         environment=dict(
-            cpu=cpu_model(),
+            cpu=cpu_name(),
             cores=os.cpu_count(),
             torch=torch.__version__,
             deepspeed=ds_version,

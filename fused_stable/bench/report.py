@@ -24,7 +24,7 @@ def _version(module: str) -> str:
         return f"not importable ({type(e).__name__})"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -56,7 +56,7 @@ def environment(device: torch.device) -> dict:
         name = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
         runtime = f"CUDA {torch.version.cuda}"
     else:
-        name = f"{_cpu_name()} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
+        name = f"{cpu_name()} ({os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
         runtime = "CPU"
     try:
         from importlib.metadata import version
