@@ -1,7 +1,11 @@
 """The CPU optimizer step against torch's and DeepSpeed's (issue 28 item 4, issue 27 item 3's CPU figures).
 
 Contenders, all doing the same math (global-norm clip at 1.0 + AdamW, lr 1e-3, weight decay 0.01):
-  - fused_stable: `FusedAdamW(max_grad_norm=1.0).step()` (the torch backend: host decisions + `_fused_adamw_`);
+  - fused_stable: `FusedAdamW(max_grad_norm=1.0).step()` (the torch backend: host decisions and the compiled CPU
+    ops of fused_stable/backends/cpu_ops.py, one norm call and one update call that reads the grads times the
+    clip coefficient without writing them);
+  - fused_stable_torch_ops: the same with torch's ops instead of the compiled ones (`_foreach_norm`,
+    `_fused_adamw_`: what a machine without a C++ compiler runs);
   - torch_fused: `clip_grad_norm_(foreach=True)` + `AdamW(fused=True)` (fused_stable.bench's baseline);
   - deepspeed_cpu_adam: torch's `clip_grad_norm_(foreach=True)` (the stand-in for DeepSpeed's clip, which is a
     norm pass plus a `mul_` pass over the grads too) + `DeepSpeedCPUAdam(adamw_mode=True)`, ZeRO-Offload's CPU
@@ -10,7 +14,8 @@ Contenders, all doing the same math (global-norm clip at 1.0 + AdamW, lr 1e-3, w
 Sets: the `fused-stable bench --plan cpu` LoRA set (448 tensors) and dense set, 32 equal tensors of 16M, 32M
 and 64M params (issue 27's range), and two tiny sets whose step time is the fixed cost per step. Two grad
 regimes: "unclipped" (global norm 0.5: the clip changes nothing) and "clipped" (norm 5 at the first step; the
-clip then stays active every step, as torch's clip and fused_stable both leave the clipped grads in `.grad`).
+clip then stays active every step: torch's clip leaves the clipped grads, at norm 1.0, in `.grad`; fused_stable
+leaves them as they were, at norm 5).
 
 Per set, regime and thread count, `--runs` runs; in each run the contenders take turns step by step
 (fused_stable.bench.measure.time_steps), and the result is each contender's median step time and its ratio to
@@ -32,23 +37,27 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: its CPU accelerator
 
 import torch
 
 from fused_stable import FusedAdamW
+from fused_stable.backends import cpu_ops
 from fused_stable.bench import measure
 from fused_stable.bench.paramsets import plan_sets, sweep_shapes
 from fused_stable.bench.report import cpu_name
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 1e-2, 1.0
-CONTENDERS = ("fused_stable", "torch_fused", "deepspeed_cpu_adam")
+CONTENDERS = ("fused_stable", "fused_stable_torch_ops", "torch_fused", "deepspeed_cpu_adam")
 # bytes per fp32 param of one step, by the bytes model: norm read 4; update read p, g, m, v + write p, m, v 28;
 # a clip pass (or torch's write of the unscaled grads when _fused_adamw_ gets grad_scale) 8 or 4
 BYTES_PER_PARAM = {
     ("fused_stable", "unclipped"): 32,
-    ("fused_stable", "clipped"): 36,  # torch's CPU _fused_adamw_ writes grad / grad_scale back into the grads
+    ("fused_stable", "clipped"): 32,  # the compiled update reads grad * clip coefficient, writes no grad
+    ("fused_stable_torch_ops", "unclipped"): 32,
+    ("fused_stable_torch_ops", "clipped"): 36,  # torch's CPU _fused_adamw_ writes grad / grad_scale back
     ("torch_fused", "unclipped"): 40,
     ("torch_fused", "clipped"): 40,
     ("deepspeed_cpu_adam", "unclipped"): 40,
@@ -102,7 +111,16 @@ def build(contender: str, params):
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
 
     if contender == "fused_stable":
+        if not cpu_ops.available():
+            raise SystemExit("the compiled CPU ops did not build here (see the warning above): nothing to measure")
         return FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM).step
+    if contender == "fused_stable_torch_ops":
+        opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM)
+        # the backend picks its ops when it builds the step plan, at the first step: that one without the
+        # compiled ops (the grads keep their addresses, so the plan stays)
+        with mock.patch.object(cpu_ops, "available", lambda: False):
+            opt.step()
+        return opt.step
     if contender == "torch_fused":
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     else:

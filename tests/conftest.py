@@ -11,6 +11,8 @@ import importlib.metadata
 import os
 import platform
 
+import pytest
+
 # the dependencies whose releases have changed what the tests see; add a new extra's packages here
 REPORTED_PACKAGES = (
     "torch",
@@ -53,6 +55,9 @@ def pytest_sessionstart(session):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "interpret: runs the Triton kernels through Triton's interpreter")
+    config.addinivalue_line(
+        "markers", "torch_ops: the torch backend without its compiled CPU ops (torch's own ops do the step)"
+    )
     try:
         import torch
 
@@ -61,3 +66,13 @@ def pytest_configure(config):
         has_cuda = False
     if not has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _torch_ops_only(request, monkeypatch):
+    """A test marked `torch_ops` (helpers.backend_param("torch-ops")) runs without the compiled CPU ops: the
+    optimizers it builds take torch's ops for the norm and the update (fused_stable/backends/cpu_ops.py)."""
+    if request.node.get_closest_marker("torch_ops") is not None:
+        from fused_stable.backends import cpu_ops
+
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)

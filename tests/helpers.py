@@ -11,8 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 
-# every CPU test of the step runs on both the torch path and the Triton kernels (interpreted)
-CPU_BACKENDS = ["torch", "interpret"]
+# every CPU test of the step runs on the torch path (with the compiled CPU ops of backends/cpu_ops.py, the
+# default, and with torch's ops alone, what a machine that cannot build them runs) and the Triton kernels
+# (interpreted); "torch-ops" is the backend "torch" in a test marked `torch_ops` (see backend_param)
+CPU_BACKENDS = ["torch", "torch-ops", "interpret"]
 
 # dtype -> (rtol, atol) for a low-precision param compared with an fp64 reference that rounds the same way.
 # bf16/fp16: one ulp (rtol = the dtype's eps bounds one ulp anywhere in a binade, atol 0 so tiny values get no
@@ -94,6 +96,8 @@ def interpret_available() -> bool:
 
 def backend_param(backend: str):
     marks = []
+    if backend == "torch-ops":  # the torch backend without its compiled CPU ops (tests/conftest.py switches them off)
+        return pytest.param("torch", marks=[pytest.mark.torch_ops], id=backend)
     if backend == "interpret":
         marks.append(
             pytest.mark.skipif(not interpret_available(), reason="TRITON_INTERPRET=1 was not set before triton import")

@@ -23,9 +23,9 @@ F32 = np.float32
 INF = F32("inf")
 
 # The functions that read CPU tensors on the host (the only ones in the torch backend: torch_backend's
-# `host_scalars` and the schedule's factor below): tests/helpers.py's host-read guard, which stands in for a
-# GPU's syncs, does not count their reads (on a CPU there is no queue to wait for)
-HOST_READERS = ("host_scalars", "host_schedule_factor")
+# `host_scalars`, `compiled_sums` and `read_decisions`, and the schedule's factor below): tests/helpers.py's
+# host-read guard, which stands in for a GPU's syncs, does not count their reads (on a CPU there is no queue)
+HOST_READERS = ("host_scalars", "compiled_sums", "read_decisions", "host_schedule_factor")
 
 
 def sqrt(x):

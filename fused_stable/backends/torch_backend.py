@@ -29,7 +29,7 @@ from ..kernels.tables import upload_int64
 from ..layout import HParams, StepBuffers, StepRules
 from ..plan import StepPlan, is_dense
 from ..state_format import FP32
-from . import host_decide
+from . import cpu_ops, host_decide
 from .host_decide import HOST_READERS as HOST_READERS
 from .lowbit_reference import LowbitUpdate
 from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
@@ -62,6 +62,7 @@ class _Update:
         "grads32",
         "copy_in",
         "copy_out",
+        "compiled",
     )
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool):
@@ -74,6 +75,7 @@ class _Update:
         self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
         self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if self.amsgrad else []
         self.params, self.grads32, self.copy_in, self.copy_out = params, None, None, None
+        self.compiled = False  # run by the compiled CPU op (TorchLists decides: plain fp32 tensors on a CPU)
         dtype = params[0].dtype
         if relayout:  # every tensor of the update as a contiguous fp32 copy, copied in before and back after
             # the param's value comes from its fp32 master when it has one
@@ -142,6 +144,23 @@ class TorchLists:
             else LowbitUpdate(plan, group, None if indices == everything else indices, indices, fmt)
             for (group, _, relayout, fmt), indices in by_update.items()
         ]
+        # the compiled CPU ops (backends/cpu_ops.py) for the norm pass and the plain fp32 updates, where built
+        self.compiled_norm = self.cpu and cpu_ops.available()
+        for update in self.updates:
+            update_tensors = [] if type(update) is LowbitUpdate else update.params + update.exp_avgs
+            update.compiled = (
+                self.compiled_norm
+                and type(update) is _Update
+                and update.grads32 is None
+                and all(t.is_contiguous() for t in update_tensors + update.exp_avg_sqs + update.max_exp_avg_sqs)
+            )
+        # the `step` counters that the compiled update does not advance itself (host decisions)
+        self.uncompiled_steps = [
+            plan.steps[i]
+            for update, indices in zip(self.updates, by_update.values())
+            if not update.compiled
+            for i in indices
+        ]
 
 
 def fused_step(
@@ -160,11 +179,18 @@ def fused_step(
     lists: TorchLists | None = plan.backend_cache
     if lists is None:
         lists = plan.backend_cache = TorchLists(plan, grads, buffers.fstate.device)
-    per_tensor_sumsq = per_tensor_sums(lists, grads, grad_scale)
-    sumsq = global_sumsq(per_tensor_sumsq, plan.params) if global_sumsq else per_tensor_sumsq.sum()
+    host = lists.cpu and on_host(hparams, grad_scale)
+    if lists.compiled_norm and (grad_scale is None or grad_scale.numel() == 1):
+        per_tensor_sumsq, sumsq = compiled_sums(grads, grad_scale)
+        if not host:  # the 0-dim tensor decisions read it as a tensor
+            sumsq = torch.tensor(sumsq, dtype=torch.float32)
+    else:
+        per_tensor_sumsq = per_tensor_sums(lists, grads, grad_scale)
+        sumsq = per_tensor_sumsq.sum()
+    if global_sumsq:
+        sumsq = global_sumsq(per_tensor_sumsq, plan.params)
     lists.per_tensor_sumsq = per_tensor_sumsq
 
-    host = lists.cpu and on_host(hparams, grad_scale)
     if host:  # the same decisions on host scalars: a read of a CPU tensor waits for nothing
         fstate, istate, sumsq, grad_scale, found_inf = host_scalars(lists, buffers, sumsq, grad_scale, found_inf)
         with np.errstate(all="ignore"):  # inf and NaN are values here, as on the device: no numpy warnings
@@ -181,10 +207,12 @@ def fused_step(
         return
     if rules.schedule is not None:
         show_next_lrs(lists, buffers, hparams, rules.schedule)
-    advance_steps(lists.steps, skip)
     if host:
         adamw_update_host(lists, grads, hparams, grad_mul, skip, lr_factor)
+    elif lists.compiled_norm:  # CPU tensors, tensor decisions: the compiled update all the same (one update code)
+        adamw_update_host(lists, grads, *read_decisions(hparams, grad_mul, skip, lr_factor))
     else:
+        advance_steps(lists.steps, skip)
         adamw_update(lists, grads, hparams, grad_mul, skip, lr_factor)
 
 
@@ -196,17 +224,37 @@ def on_host(hparams: list[HParams], grad_scale: torch.Tensor | None) -> bool:
     return not any(type(row.lr) is torch.Tensor for row in hparams)
 
 
+def compiled_sums(grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """Per-tensor sums of squares of the (unscaled) grads, in plan order, and their global sum as a float: the
+    compiled norm pass (one call for every grad, fp64 accumulation; the loss scale, one fp32 value on this
+    path, divided out of both)."""
+    per_tensor_sumsq = torch.empty(len(grads), dtype=torch.float32)
+    sumsq = cpu_ops.sum_squares(grads, per_tensor_sumsq)
+    if grad_scale is not None:
+        inverse = 1.0 / float(grad_scale.item())
+        per_tensor_sumsq.mul_(inverse * inverse)
+        sumsq *= inverse * inverse
+    return per_tensor_sumsq, sumsq
+
+
+def read_decisions(hparams: list[HParams], grad_mul, skip, lr_factor) -> tuple:
+    """The 0-dim CPU tensor decisions as numpy fp32 scalars, and the rows' tensor lrs as floats, for the host
+    update (`adamw_update_host`'s arguments after the grads; a read of host memory)."""
+    rows = [row._replace(lr=float(row.lr)) if type(row.lr) is torch.Tensor else row for row in hparams]
+    return (rows, *(np.float32(x.item()) for x in (grad_mul, skip, lr_factor)))
+
+
 def host_scalars(lists: TorchLists, buffers: StepBuffers, sumsq, grad_scale, found_inf) -> tuple:
     """The CPU step's host view of what the decisions read: numpy arrays on the memory of the buffers fstate and
-    istate (made once per pair, ~4 us each), and the global sum of squares, loss scale and found_inf flag as
-    numpy fp32 scalars (None where not given)."""
+    istate (made once per pair, ~4 us each), and the global sum of squares (a tensor, or the compiled norm's
+    float), loss scale and found_inf flag as numpy fp32 scalars (None where not given)."""
     cached = lists.host_views
     if cached is None or cached[0] is not buffers.fstate or cached[1] is not buffers.istate:
         cached = lists.host_views = (buffers.fstate, buffers.istate, buffers.fstate.numpy(), buffers.istate.numpy())
     return (
         cached[2],
         cached[3],
-        np.float32(sumsq.item()),
+        np.float32(sumsq if type(sumsq) is float else sumsq.item()),
         None if grad_scale is None else np.float32(grad_scale.item()),
         None if found_inf is None else np.float32(found_inf.item()),
     )
@@ -243,11 +291,14 @@ def adamw_update_host(
     lr_factor: np.float32,
 ) -> None:
     """`adamw_update` with the decisions as host scalars: a skipped step runs nothing (what `found_inf` = 1
-    leaves: every tensor untouched), and `_fused_adamw_` gets `grad_scale` only when the grads are scaled
-    (a clip, or a loss scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4
-    bytes per param more than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
+    leaves: every tensor untouched, the `step` counters too). The compiled update (cpu_ops.adamw) reads the
+    grads times `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip, or a loss
+    scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4 bytes per param more
+    than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
     if skip:
         return
+    if lists.uncompiled_steps:  # the compiled update advances its own
+        torch._foreach_add_(lists.uncompiled_steps, 1.0)
     grad_divisor = None
     if grad_mul != 1.0:
         grad_divisor = lists.grad_divisor
@@ -261,6 +312,23 @@ def adamw_update_host(
             if scalars is None:
                 scalars = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, skip, lr_factor)]
             update(group_grads, hp, *scalars)
+            continue
+        if update.compiled:
+            cpu_ops.adamw(
+                update.params,
+                group_grads,
+                update.exp_avgs,
+                update.exp_avg_sqs,
+                update.max_exp_avg_sqs,
+                update.steps,
+                lr=float(lr_factor * hp.lr),
+                beta1=hp.beta1,
+                beta2=hp.beta2,
+                weight_decay=hp.weight_decay,
+                eps=hp.eps,
+                maximize=hp.maximize,
+                grad_mul=float(grad_mul),
+            )
             continue
         fused_adamw(update, group_grads, float(lr_factor * hp.lr), hp, grad_divisor, None)
 

@@ -198,10 +198,12 @@ def _recorded_updates(opt, params, grads):
     return calls
 
 
+@pytest.mark.torch_ops
 def test_the_host_step_reads_unscaled_grads_only_and_skips_without_an_update():
-    """The bytes model (docs/benchmarks.md): an unclipped step gives `_fused_adamw_` no grad_scale, so the grads
-    are read, never written (32 B/param); a clipped one passes 1 / clip coefficient (torch's CPU kernel then
-    writes the clipped grads back: 36); a skipped step makes no update call (4: the norm's read)."""
+    """The bytes model (docs/benchmarks.md) without the compiled CPU ops: an unclipped step gives `_fused_adamw_`
+    no grad_scale, so the grads are read, never written (32 B/param); a clipped one passes 1 / clip coefficient
+    (torch's CPU kernel then writes the clipped grads back: 36); a skipped step makes no update call (4: the
+    norm's read). With the compiled ops: tests/core/test_cpu_ops.py."""
     params = _model_params(2)
     opt = FusedAdamW(params, lr=1e-2, max_grad_norm=1.0, backend="torch")
     small = _grads(params, 0, 1e-3)
@@ -257,10 +259,18 @@ def _reader_lines() -> set[int]:
     return lines
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["host", "tensor"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        pytest.param(True, id="host"),
+        pytest.param(True, id="host-torch-ops", marks=pytest.mark.torch_ops),
+        pytest.param(False, id="tensor", marks=pytest.mark.torch_ops),
+    ],
+)
 def test_no_host_read_outside_the_host_readers(host):
-    """The 0-dim tensor decisions read nothing on the host (what they are for: no device sync); the CPU step's
-    host decisions read only in torch_backend.HOST_READERS, which is what the host-read guard leaves out."""
+    """The 0-dim tensor decisions with torch's ops read nothing on the host (what they are for: no device sync,
+    the path of CUDA and meta tensors); the CPU step's host decisions read only in HOST_READERS, which is what
+    the host-read guard leaves out, with the compiled CPU ops and without them."""
     params = _model_params(4)
     opt = FusedAdamW(
         params,

@@ -42,7 +42,7 @@ def shown(opt):
 @pytest.mark.parametrize(
     "backend, device",
     [
-        *[pytest.param(b, "cpu", id=b, marks=backend_param(b).marks) for b in CPU_BACKENDS],
+        *[pytest.param(backend_param(b).values[0], "cpu", id=b, marks=backend_param(b).marks) for b in CPU_BACKENDS],
         pytest.param(
             "triton",
             "cuda",

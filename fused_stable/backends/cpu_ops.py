@@ -1,0 +1,117 @@
+"""The CPU step's compiled ops (cpu_step.cpp): the norm pass in one call over every grad, and an AdamW that reads
+the grads times the step's multiplier without writing them back (32 bytes per fp32 parameter, clipped or not;
+torch's CPU `_fused_adamw_` writes the scaled grads back: 36) and advances the `step` counters itself.
+
+Built on first use with torch's C++ extension builder (`torch.utils.cpp_extension.load`: a C++17 compiler and
+ninja, ~10-15 s on 2 cores, cached in torch's extensions folder, `TORCH_EXTENSIONS_DIR`, rebuilt when the
+source, the flags, torch or the CPU change), for this machine's CPU (`-march=native`: the update is
+memory-bound only when vectorised). Where the build fails (no compiler) the torch backend runs torch's ops
+instead, with one warning that says so; `FUSED_STABLE_CPU_OPS=0` skips the build (torch's ops always).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+ENV = "FUSED_STABLE_CPU_OPS"
+SOURCE = Path(__file__).with_name("cpu_step.cpp")
+# IEEE fp32 without contraction (the kernels' arithmetic, docs/design.md), sqrt without errno (vectorisable),
+# OpenMP for at::parallel_for (torch's own libgomp: the same soname, so one thread pool and torch's thread count)
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+log = logging.getLogger("fused_stable")
+
+
+def cpu_fingerprint() -> str:
+    """What the build depends on besides its source and flags (which torch's builder checks itself): this CPU's
+    instruction set (`-march=native`) and the Python / torch ABI."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    key = f"{platform.machine()}|{flags}|{torch.__version__}|{platform.python_version()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the compiled ops are loaded (building them first if needed): False when `FUSED_STABLE_CPU_OPS=0`
+    or when the build failed (warned once)."""
+    if os.environ.get(ENV, "1").strip() == "0":
+        return False
+    from torch.utils import cpp_extension
+
+    name = f"fused_stable_cpu_{cpu_fingerprint()}"
+    log.info("fused_stable: loading the compiled CPU step (%s; the first time it is built, ~10-15 s)", name)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: torch's ops still do the step
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(
+            f"fused_stable: the compiled CPU step could not be built ({type(exc).__name__}: {reason[:200]}); the "
+            f"CPU step runs torch's ops instead (36 bytes per param when clipped, not 32). Install a C++ compiler "
+            f"and ninja to build it, or set {ENV}=0 to skip the build.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def sum_squares(grads: list[torch.Tensor], out: torch.Tensor) -> float:
+    """Per-tensor sums of squares of `grads` into `out` (fp32, one per grad; accumulated in fp64 in a fixed
+    order, whatever the thread count), and their global sum (fp64) as the return value."""
+    return torch.ops.fused_stable.sum_squares(grads, out)
+
+
+def adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    grad_mul: float,
+) -> None:
+    """AdamW on contiguous fp32 params and moments, amsgrad when `max_exp_avg_sqs` is not empty: each grad
+    read times `grad_mul` (never written), each `step` advanced by one before its bias corrections."""
+    torch.ops.fused_stable.adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
+        eps,
+        maximize,
+        grad_mul,
+    )

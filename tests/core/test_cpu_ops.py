@@ -1,0 +1,224 @@
+"""The CPU step's compiled ops (fused_stable/backends/cpu_ops.py, cpu_step.cpp): the norm pass against an fp64
+reference, the update against fp64 AdamW with torch's own error as the floor, grads never written, `step`
+advanced only when applied, the same sums whatever the thread count, and the build's fallback (a real failed
+build: no compiler)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fused_stable import FusedAdamW
+from fused_stable.backends import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the compiled CPU ops could not be built here")
+
+# odd sizes around the norm's 65536-element and the update's 16384-element chunks, an empty and a 1-element one
+SIZES = [0, 1, 7, 16383, 16385, 65535, 65537 + 11, 3 * 65536 + 5]
+
+
+def grads_of(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=gen) * 10 ** (k % 3 - 1)).to(dtype) for k, n in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_sum_squares_is_the_fp64_sum_rounded_once(dtype):
+    grads = grads_of(dtype) + [torch.randn(300, 257, generator=torch.Generator().manual_seed(1)).t()]  # transposed
+    out = torch.full((len(grads),), float("nan"))
+    total = cpu_ops.sum_squares(grads, out)
+    exact = torch.stack([g.double().square().sum() for g in grads])
+    # fp64 accumulation of exact squares: the per-tensor sums are the exact ones rounded once to fp32 (a
+    # different fp64 order moves them by ~1e-16 relative, far under half an fp32 ulp, 6e-8)
+    torch.testing.assert_close(out, exact.float(), rtol=0, atol=0)
+    assert abs(total - exact.sum().item()) <= 1e-13 * exact.sum().item()
+
+
+def test_sum_squares_beats_fp32_accumulation_on_a_large_tensor():
+    """The accuracy point of the fp64 accumulation: torch's fp32 `_foreach_norm` is measurably off on a large
+    tensor (its error is the reason for it), the compiled pass is not."""
+    gen = torch.Generator().manual_seed(2)
+    grad = torch.rand(1 << 24, generator=gen) + 1.0
+    exact = grad.double().square().sum().item()
+    out = torch.empty(1)
+    ours = abs(cpu_ops.sum_squares([grad], out) - exact) / exact
+    theirs = abs(torch._foreach_norm([grad], 2)[0].double().item() ** 2 - exact) / exact
+    assert ours < 1e-12, ours
+    assert ours < theirs
+
+
+def test_sum_squares_do_not_depend_on_the_thread_count():
+    grads = grads_of(torch.float32, seed=3)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty(len(grads))
+            results.append((cpu_ops.sum_squares(grads, out), out))
+    finally:
+        torch.set_num_threads(threads)
+    assert results[0][0] == results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_sum_squares_refuses_a_wrong_out():
+    with pytest.raises(RuntimeError, match="one value per grad"):
+        cpu_ops.sum_squares([torch.ones(3), torch.ones(2)], torch.empty(1))
+
+
+def reference_steps(params, grads, steps, *, lr, betas, eps, weight_decay, grad_mul, amsgrad, maximize, dtype):
+    """torch.optim.AdamW (foreach=False) in `dtype` from grads multiplied by `grad_mul` first."""
+    ps = [p.detach().to(dtype).clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(
+        ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=False
+    )
+    for step in range(steps):
+        for p, g in zip(ps, grads[step]):
+            p.grad = g.to(dtype) * grad_mul
+        opt.step()
+    return [p.detach() for p in ps], opt
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+def test_adamw_matches_fp64_adamw_as_closely_as_torch(amsgrad, maximize):
+    """Three steps with a grad multiplier of 0.37 (a clip) and weight decay: the compiled update's distance to
+    fp64 AdamW is at most twice the distance of torch's own fp32 AdamW on the same run (the floor), plus 1e-9."""
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(n, generator=gen) for n in SIZES]
+    grads = [[torch.randn(n, generator=gen) for n in SIZES] for _ in range(3)]
+    hp = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_mul=0.37, amsgrad=amsgrad)
+    exact, _ = reference_steps(params, grads, 3, maximize=maximize, dtype=torch.float64, **hp)
+    torch_fp32, _ = reference_steps(params, grads, 3, maximize=maximize, dtype=torch.float32, **hp)
+
+    ours = [p.clone() for p in params]
+    exp_avgs = [torch.zeros_like(p) for p in params]
+    exp_avg_sqs = [torch.zeros_like(p) for p in params]
+    max_sqs = [torch.zeros_like(p) for p in params] if amsgrad else []
+    steps = [torch.zeros(()) for _ in params]
+    for step in range(3):
+        before = [g.clone() for g in grads[step]]
+        cpu_ops.adamw(
+            ours, grads[step], exp_avgs, exp_avg_sqs, max_sqs, steps, lr=hp["lr"], beta1=0.9, beta2=0.99,
+            weight_decay=0.1, eps=1e-8, maximize=maximize, grad_mul=0.37,
+        )  # fmt: skip
+        assert all(torch.equal(g, b) for g, b in zip(grads[step], before)), "the grads were written"
+    assert all(s.item() == 3.0 for s in steps)
+    floor = max((t.double() - e).abs().max().item() for t, e in zip(torch_fp32, exact) if e.numel())
+    worst = max((o.double() - e).abs().max().item() for o, e in zip(ours, exact) if e.numel())
+    assert worst <= 2 * floor + 1e-9, (worst, floor)
+
+
+def test_adamw_refuses_lists_of_other_lengths_and_dtypes():
+    p = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="one tensor per param"):
+        cpu_ops.adamw(
+            [p], [], [p.clone()], [p.clone()], [], [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,
+            weight_decay=0.0, eps=1e-8, maximize=False, grad_mul=1.0,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        cpu_ops.adamw(
+            [p], [p.double()], [p.clone()], [p.clone()], [], [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,
+            weight_decay=0.0, eps=1e-8, maximize=False, grad_mul=1.0,
+        )  # fmt: skip
+
+
+def clipped_optimizer(seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (33, 4097, 70001)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 3
+    return params, FusedAdamW(params, lr=1e-3, max_grad_norm=0.5, lr_schedule=None)
+
+
+def test_a_clipped_step_reads_the_grads_and_never_writes_them():
+    """32 bytes per param with the clip active: the grads are bit-identical after the step (torch's CPU
+    `_fused_adamw_` given `grad_scale` would hold the clipped grads), and the params moved as clipped AdamW's."""
+    params, opt = clipped_optimizer()
+    grads = [p.grad.clone() for p in params]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    torch.optim.AdamW(ref, lr=1e-3).step()
+    opt.step()
+    assert opt.grad_norm.item() > 0.5  # the clip was active
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_steps_advance_only_on_an_applied_step():
+    params, opt = clipped_optimizer(seed=6)
+    opt.step()
+    params[1].grad[7] = float("inf")
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in params] == [1.0, 1.0, 1.0]
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    params[1].grad[7] = 0.0
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in params] == [2.0, 2.0, 2.0]
+
+
+def run_python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+STEP_AND_REPORT = """
+    import json
+    import warnings
+    import torch
+    from fused_stable import FusedAdamW
+    from fused_stable.backends import cpu_ops
+    p = torch.nn.Parameter(torch.ones(5))
+    p.grad = torch.full((5,), 2.0)
+    opt = FusedAdamW([p], lr=0.1, max_grad_norm=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    print("available", cpu_ops.available())
+    print("warnings", [str(w.message) for w in caught])
+    print("param", json.dumps(p.detach().tolist()))
+"""
+
+
+def test_a_failed_build_warns_once_and_the_step_still_runs(tmp_path):
+    """No compiler (CXX names a missing program, a fresh extensions folder so nothing cached is loaded): one
+    warning that names the cause and the switch, and torch's ops do the step (the same params as with them)."""
+    no_compiler = {"CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = run_python(STEP_AND_REPORT, no_compiler)
+    assert done.returncode == 0, done.stderr
+    assert "available False" in done.stdout
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("warnings")]
+    assert line.count("could not be built") == 1 and "FUSED_STABLE_CPU_OPS=0" in line, line
+    with_ops = run_python(STEP_AND_REPORT, {})
+    assert with_ops.returncode == 0, with_ops.stderr
+    assert "available True" in with_ops.stdout and "warnings []" in with_ops.stdout
+    fallback, compiled = (
+        json.loads(line.removeprefix("param "))
+        for line in (done.stdout + with_ops.stdout).splitlines()
+        if line.startswith("param")
+    )
+    assert fallback != [1.0] * 5
+    assert fallback == pytest.approx(compiled, rel=1e-6)
+
+
+def test_the_switch_skips_the_build(tmp_path):
+    done = run_python(STEP_AND_REPORT, {"FUSED_STABLE_CPU_OPS": "0", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "available False" in done.stdout and "warnings []" in done.stdout
+    assert not any(tmp_path.iterdir())  # nothing was built
