@@ -6,8 +6,10 @@ Backends, one semantics:
   - "interpret": the same kernels run on CPU tensors by Triton's interpreter, which is how they are tested
     without a GPU; it needs TRITON_INTERPRET=1 before triton is first imported (FUSED_STABLE_BACKEND=interpret
     in the environment arranges that when fused_stable is imported first);
-  - "torch": torch's own multi-tensor ops (`_foreach_norm`, `_fused_adamw_` with device `grad_scale` and
-    `found_inf`), for CPU tensors (the default there).
+  - "torch": for CPU tensors (the default there): two compiled CPU ops (backends/cpu_ops.py: one norm call, an
+    AdamW that reads the clipped grads without writing them) around decisions on host scalars, or torch's own
+    multi-tensor ops where the ops cannot be built (`_foreach_norm`, `_fused_adamw_`; with device `grad_scale`
+    and `found_inf` on meta or CUDA tensors).
 No backend reads a device value on the host (the torch backend reads CPU tensors, whose values are on the
 host already: host_decide.HOST_READERS). `BACKENDS` is the one registry of them: every entry point (this
 module's functions, compiled.py's custom op) picks a backend module from it and nowhere else.
