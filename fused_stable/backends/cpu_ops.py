@@ -3,8 +3,8 @@ the grads times the step's multiplier without writing them back (32 bytes per fp
 torch's CPU `_fused_adamw_` writes the scaled grads back: 36) and advances the `step` counters itself.
 
 Built on first use with torch's C++ extension builder (`torch.utils.cpp_extension.load`: a C++17 compiler and
-ninja, ~10-15 s on 2 cores, cached in torch's extensions folder, `TORCH_EXTENSIONS_DIR`, rebuilt when the
-source, the flags, torch or the CPU change), for this machine's CPU (`-march=native`: the update is
+ninja, ~10-15 s on 2 cores, cached in torch's extensions folder, `TORCH_EXTENSIONS_DIR`, under a name that
+changes with the source, the flags, torch, Python and the CPU), for this machine's CPU (`-march=native`: the update is
 memory-bound only when vectorised). Where the build fails (no compiler) the torch backend runs torch's ops
 instead, with one warning that says so; `FUSED_STABLE_CPU_OPS=0` skips the build (torch's ops always).
 """
@@ -31,17 +31,29 @@ LDFLAGS = ["-fopenmp"]
 log = logging.getLogger("fused_stable")
 
 
-def cpu_fingerprint() -> str:
-    """What the build depends on besides its source and flags (which torch's builder checks itself): this CPU's
-    instruction set (`-march=native`) and the Python / torch ABI."""
-    flags = ""
+def build_fingerprint() -> str:
+    """Everything the built library depends on, for its name (its folder in torch's extensions folder): the
+    source and the flags, this CPU's instruction set (`-march=native`) and the Python / torch ABI. torch's
+    builder keys its cache by name alone, so two checkouts with different sources (or two processes building
+    them at once) would otherwise share one folder and load each other's library."""
+    cpu_flags = ""
     try:
         with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+            cpu_flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    key = f"{platform.machine()}|{flags}|{torch.__version__}|{platform.python_version()}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    key = "|".join(
+        [
+            SOURCE.read_text(),
+            *CFLAGS,
+            *LDFLAGS,
+            platform.machine(),
+            cpu_flags,
+            torch.__version__,
+            platform.python_version(),
+        ]
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 @functools.cache
@@ -52,7 +64,7 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    name = f"fused_stable_cpu_{cpu_fingerprint()}"
+    name = f"fused_stable_cpu_{build_fingerprint()}"
     log.info("fused_stable: loading the compiled CPU step (%s; the first time it is built, ~10-15 s)", name)
     try:
         cpp_extension.load(

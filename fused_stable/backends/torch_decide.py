@@ -242,9 +242,7 @@ def keep_worst(
         worst_sumsq.index_copy_(0, positions, torch.where(worse, per_tensor_sumsq, kept))
 
 
-def advance_steps(steps: list[torch.Tensor], skip) -> None:
-    """The per-param `step` counters (what the bias correction reads): +1 only when the update is applied."""
-    if type(skip) is torch.Tensor:
-        torch._foreach_add_(steps, 1.0 - skip)
-    elif not skip:
-        torch._foreach_add_(steps, 1.0)
+def advance_steps(steps: list[torch.Tensor], skip: torch.Tensor) -> None:
+    """The per-param `step` counters (what the bias correction reads): +1 only when the update is applied (the
+    0-dim tensor decisions' skip flag; the host path advances them in torch_backend.adamw_update_host)."""
+    torch._foreach_add_(steps, 1.0 - skip)

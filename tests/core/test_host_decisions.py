@@ -130,7 +130,8 @@ def _grads(params, seed: int, scale: float, poison: bool = False):
     ],
     ids=["clip", "zscore-spike-skip", "schedule", "bf16-state", "bf16-params-masters"],
 )
-def test_the_host_step_agrees_with_the_tensor_step(options):
+@pytest.mark.parametrize("ops", [pytest.param("compiled"), pytest.param("torch-ops", marks=pytest.mark.torch_ops)])
+def test_the_host_step_agrees_with_the_tensor_step(options, ops):
     """Whole optimizer steps, with the clip active and not, a NaN step and a spike: the same counters, and
     params, grads and every state tensor as close as the grad multipliers (an ulp apart at most, see above)
     allow: fp32 within 1e-5, a bf16 value (stochastically rounded) within one of its ulps."""
