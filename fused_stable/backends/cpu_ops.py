@@ -3,10 +3,11 @@ the grads times the step's multiplier without writing them back (32 bytes per fp
 torch's CPU `_fused_adamw_` writes the scaled grads back: 36) and advances the `step` counters itself.
 
 Built on first use with torch's C++ extension builder (`torch.utils.cpp_extension.load`: a C++17 compiler and
-ninja, ~10-15 s on 2 cores, cached in torch's extensions folder, `TORCH_EXTENSIONS_DIR`, under a name that
-changes with the source, the flags, torch, Python and the CPU), for this machine's CPU (`-march=native`: the update is
-memory-bound only when vectorised). Where the build fails (no compiler) the torch backend runs torch's ops
-instead, with one warning that says so; `FUSED_STABLE_CPU_OPS=0` skips the build (torch's ops always).
+ninja, the `ninja` package's binary when PATH has none; ~10-15 s on 2 cores, cached in torch's extensions folder,
+`TORCH_EXTENSIONS_DIR`, under a name that changes with the source, the flags, torch, Python and the CPU), for this
+machine's CPU (`-march=native`: the update is memory-bound only when vectorised). Where the build fails (no
+compiler) the torch backend runs torch's ops instead, with one warning that says so; `FUSED_STABLE_CPU_OPS=0`
+skips the build (torch's ops always).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import warnings
 from pathlib import Path
 
@@ -56,6 +58,18 @@ def build_fingerprint() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package's binary is not on it when the environment's
+    scripts folder is not (a venv's python run without activating it): add it, in this process only."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:  # the build fails and says so (the warning below)
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def available() -> bool:
     """Whether the compiled ops are loaded (building them first if needed): False when `FUSED_STABLE_CPU_OPS=0`
@@ -64,6 +78,7 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    put_ninja_on_path()
     name = f"fused_stable_cpu_{build_fingerprint()}"
     log.info("fused_stable: loading the compiled CPU step (%s; the first time it is built, ~10-15 s)", name)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -222,3 +223,20 @@ def test_the_switch_skips_the_build(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "available False" in done.stdout and "warnings []" in done.stdout
     assert not any(tmp_path.iterdir())  # nothing was built
+
+
+def test_the_build_finds_the_ninja_package_off_the_path(tmp_path):
+    """A venv's python run without activating it: PATH has neither the venv's scripts (the `ninja` package's
+    binary) nor any other ninja; the build still runs (a fresh extensions folder, so it really builds)."""
+    tools = tmp_path / "bin"  # every program of this PATH but ninja (the compiler needs `as`, `ld`, ...)
+    tools.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        if not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            if name != "ninja" and not (tools / name).exists():
+                (tools / name).symlink_to(os.path.join(folder, name))
+    assert shutil.which("ninja", path=str(tools)) is None
+    done = run_python(STEP_AND_REPORT, {"PATH": str(tools), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "available True" in done.stdout and "warnings []" in done.stdout, done.stdout

@@ -362,6 +362,15 @@ MUTATIONS: list[Mutation] = [
         select="torch and nonfinite",
     ),
     M(
+        "cpu-ops-ninja-off-the-path",
+        "fused_stable/backends/cpu_ops.py",
+        "    put_ninja_on_path()\n    name = ",
+        "    name = ",
+        ["tests/core/test_cpu_ops.py"],
+        "the build runs with the ninja package's binary when PATH has no ninja (a venv used without activating)",
+        select="ninja",
+    ),
+    M(
         "cpu-ops-update-ignores-the-clip",
         "fused_stable/backends/cpu_step.cpp",
         "    const float g = grad[i] * grad_mul;\n",
