@@ -106,10 +106,11 @@ def backend_param(backend: str):
 
 
 BACKEND_PARAMS = [backend_param(b) for b in CPU_BACKENDS]
-# the torch backend with its 0-dim tensor decisions (the path of meta tensors and of CUDA tensors given this
-# backend) on CPU tensors, which otherwise decide on host scalars: for the tests that pin a decision's edge
-# (a threshold met exactly, the clip's epsilon), which random agreement runs do not reach
-WITH_TENSOR_DECISIONS = [*BACKEND_PARAMS, pytest.param("torch-tensor", id="torch-tensor")]
+# the torch backend with its 0-dim tensor decisions and torch's ops (the path of meta tensors and of CUDA tensors
+# given this backend) on CPU tensors, which otherwise decide on host scalars and update with the compiled ops: for
+# the tests that pin a decision's edge (a threshold met exactly, the clip's epsilon), which random agreement runs
+# do not reach, and for the update's own skip (`found_inf`), which the host path never calls
+WITH_TENSOR_DECISIONS = [*BACKEND_PARAMS, pytest.param("torch-tensor", id="torch-tensor", marks=pytest.mark.torch_ops)]
 
 
 def use_backend(backend: str, monkeypatch) -> str:
