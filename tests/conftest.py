@@ -58,6 +58,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "torch_ops: the torch backend without its compiled CPU ops (torch's own ops do the step)"
     )
+    config.addinivalue_line(
+        "markers", "tensor_decisions: the torch backend's 0-dim tensor decisions on CPU tensors (not the host's)"
+    )
     try:
         import torch
 
@@ -69,10 +72,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def _torch_ops_only(request, monkeypatch):
-    """A test marked `torch_ops` (helpers.backend_param("torch-ops")) runs without the compiled CPU ops: the
-    optimizers it builds take torch's ops for the norm and the update (fused_stable/backends/cpu_ops.py)."""
+def _torch_backend_variants(request, monkeypatch):
+    """The torch backend's variants of helpers.CPU_BACKENDS / WITH_TENSOR_DECISIONS, for the optimizers the test
+    builds: `torch_ops` without the compiled CPU ops (torch's ops do the norm and the update,
+    fused_stable/backends/cpu_ops.py); `tensor_decisions` with the 0-dim tensor decisions instead of the host
+    ones (torch_backend.on_host off)."""
     if request.node.get_closest_marker("torch_ops") is not None:
         from fused_stable.backends import cpu_ops
 
         monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    if request.node.get_closest_marker("tensor_decisions") is not None:
+        from fused_stable.backends import torch_backend
+
+        monkeypatch.setattr(torch_backend, "on_host", lambda *args: False)

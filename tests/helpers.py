@@ -110,17 +110,11 @@ BACKEND_PARAMS = [backend_param(b) for b in CPU_BACKENDS]
 # given this backend) on CPU tensors, which otherwise decide on host scalars and update with the compiled ops: for
 # the tests that pin a decision's edge (a threshold met exactly, the clip's epsilon), which random agreement runs
 # do not reach, and for the update's own skip (`found_inf`), which the host path never calls
-WITH_TENSOR_DECISIONS = [*BACKEND_PARAMS, pytest.param("torch-tensor", id="torch-tensor", marks=pytest.mark.torch_ops)]
-
-
-def use_backend(backend: str, monkeypatch) -> str:
-    """The backend name for FusedAdamW: "torch-tensor" is the torch backend with `on_host` off (see above)."""
-    if backend != "torch-tensor":
-        return backend
-    from fused_stable.backends import torch_backend
-
-    monkeypatch.setattr(torch_backend, "on_host", lambda *args: False)
-    return "torch"
+# (tests/conftest.py switches both off for the marked test)
+WITH_TENSOR_DECISIONS = [
+    *BACKEND_PARAMS,
+    pytest.param("torch", id="torch-tensor", marks=[pytest.mark.tensor_decisions, pytest.mark.torch_ops]),
+]
 
 
 def reference_adamw_fp64(params, grads_per_step, *, lr, betas, eps, weight_decay, max_norm, round_to=None):

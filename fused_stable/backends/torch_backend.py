@@ -144,23 +144,19 @@ class TorchLists:
             else LowbitUpdate(plan, group, None if indices == everything else indices, indices, fmt)
             for (group, _, relayout, fmt), indices in by_update.items()
         ]
-        # the compiled CPU ops (backends/cpu_ops.py) for the norm pass and the plain fp32 updates, where built
-        self.compiled_norm = self.cpu and cpu_ops.available()
+        # the compiled CPU ops (backends/cpu_ops.py), where built: the norm pass, and the plain fp32 updates
+        self.compiled = self.cpu and cpu_ops.available()
+        self.sumsq_out = torch.empty(len(plan.local_params), dtype=torch.float32) if self.compiled else None
         for update in self.updates:
-            update_tensors = [] if type(update) is LowbitUpdate else update.params + update.exp_avgs
-            update.compiled = (
-                self.compiled_norm
-                and type(update) is _Update
-                and update.grads32 is None
-                and all(t.is_contiguous() for t in update_tensors + update.exp_avg_sqs + update.max_exp_avg_sqs)
-            )
-        # the `step` counters that the compiled update does not advance itself (host decisions)
-        self.uncompiled_steps = [
-            plan.steps[i]
-            for update, indices in zip(self.updates, by_update.values())
-            if not update.compiled
-            for i in indices
-        ]
+            if type(update) is _Update and update.grads32 is None:
+                states = update.params + update.exp_avgs + update.exp_avg_sqs + update.max_exp_avg_sqs
+                update.compiled = self.compiled and all(t.is_contiguous() for t in states)
+        # what the host path does besides the compiled updates: the `step` counters they do not advance, and
+        # whether any `_fused_adamw_` call needs the grad divisor
+        pairs = zip(self.updates, by_update.values())
+        uncompiled = [(u, i) for u, i in pairs if not (type(u) is _Update and u.compiled)]
+        self.uncompiled_steps = [plan.steps[i] for _, indices in uncompiled for i in indices]
+        self.any_fused_adamw = any(type(u) is _Update for u, _ in uncompiled)
 
 
 def fused_step(
@@ -180,8 +176,8 @@ def fused_step(
     if lists is None:
         lists = plan.backend_cache = TorchLists(plan, grads, buffers.fstate.device)
     host = lists.cpu and on_host(hparams, grad_scale)
-    if lists.compiled_norm and (grad_scale is None or grad_scale.numel() == 1):
-        per_tensor_sumsq, sumsq = compiled_sums(grads, grad_scale)
+    if lists.compiled and (grad_scale is None or grad_scale.numel() == 1):
+        per_tensor_sumsq, sumsq = compiled_sums(lists.sumsq_out, grads, grad_scale)
         if not host:  # the 0-dim tensor decisions read it as a tensor
             sumsq = torch.tensor(sumsq, dtype=torch.float32)
     else:
@@ -209,7 +205,7 @@ def fused_step(
         show_next_lrs(lists, buffers, hparams, rules.schedule)
     if host:
         adamw_update_host(lists, grads, hparams, grad_mul, skip, lr_factor)
-    elif lists.compiled_norm:  # CPU tensors, tensor decisions: the compiled update all the same (one update code)
+    elif lists.compiled:  # CPU tensors, tensor decisions: the compiled update all the same (one update code)
         adamw_update_host(lists, grads, *read_decisions(hparams, grad_mul, skip, lr_factor))
     else:
         advance_steps(lists.steps, skip)
@@ -224,11 +220,12 @@ def on_host(hparams: list[HParams], grad_scale: torch.Tensor | None) -> bool:
     return not any(type(row.lr) is torch.Tensor for row in hparams)
 
 
-def compiled_sums(grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> tuple[torch.Tensor, float]:
-    """Per-tensor sums of squares of the (unscaled) grads, in plan order, and their global sum as a float: the
-    compiled norm pass (one call for every grad, fp64 accumulation; the loss scale, one fp32 value on this
-    path, divided out of both)."""
-    per_tensor_sumsq = torch.empty(len(grads), dtype=torch.float32)
+def compiled_sums(
+    per_tensor_sumsq: torch.Tensor, grads: list[torch.Tensor], grad_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, float]:
+    """Per-tensor sums of squares of the (unscaled) grads, in plan order, into the plan's buffer, and their global
+    sum as a float: the compiled norm pass (one call for every grad, fp64 accumulation; the loss scale, one fp32
+    value on this path, divided out of both). The buffer is the last step's sums (readouts.py reads them)."""
     sumsq = cpu_ops.sum_squares(grads, per_tensor_sumsq)
     if grad_scale is not None:
         inverse = 1.0 / float(grad_scale.item())
@@ -300,7 +297,7 @@ def adamw_update_host(
     if lists.uncompiled_steps:  # the compiled update advances its own
         torch._foreach_add_(lists.uncompiled_steps, 1.0)
     grad_divisor = None
-    if grad_mul != 1.0:
+    if grad_mul != 1.0 and lists.any_fused_adamw:
         grad_divisor = lists.grad_divisor
         grad_divisor.fill_(float(np.float32(1.0) / grad_mul))
     scalars = None

@@ -24,7 +24,7 @@ import math
 
 import pytest
 import torch
-from helpers import BACKEND_PARAMS, WITH_TENSOR_DECISIONS, backend_param, ulp_distance, use_backend
+from helpers import BACKEND_PARAMS, WITH_TENSOR_DECISIONS, backend_param, ulp_distance
 
 from fused_stable import FusedAdamW, schedules, state_format
 from fused_stable.state_format import MIN_QUANTISED_NUMEL, QUANT_BLOCK
@@ -240,12 +240,11 @@ def test_with_clipping_codes_differ_by_at_most_one_and_rarely(backend):
 @pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_a_skipped_step_leaves_every_state_tensor_bit_identical(backend, precision, bad, monkeypatch):
+def test_a_skipped_step_leaves_every_state_tensor_bit_identical(backend, precision, bad):
     """Also with the tensor decisions (torch-tensor): there the update runs on a skipped step, told by `found_inf`
     (lowbit_reference's own skip); the host path runs no update at all."""
     shapes = [(64, 100), (9000,), (5000,), (130,)]
     params = make_params(shapes, torch.bfloat16)
-    backend = use_backend(backend, monkeypatch)
     opt = FusedAdamW(params, lr=1e-2, state_precision=precision, backend=backend, amsgrad=True, master_weights=True)
     for step in range(2):
         set_grads(params, step)

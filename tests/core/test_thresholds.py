@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import WITH_TENSOR_DECISIONS, use_backend
+from helpers import WITH_TENSOR_DECISIONS
 
 from fused_stable import FusedAdamW
 from fused_stable.guard import GRAD_SPIKE, LOSS_SPIKE, Guard
@@ -63,8 +63,8 @@ def _norm_at_zscore(opt, z: float) -> np.float32:
 
 
 @pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
-def test_a_zscore_equal_to_the_clip_threshold_is_not_a_spike(backend, monkeypatch):
-    opt = _warm_optimizer(use_backend(backend, monkeypatch))
+def test_a_zscore_equal_to_the_clip_threshold_is_not_a_spike(backend):
+    opt = _warm_optimizer(backend)
     at = _norm_at_zscore(opt, CLIP_Z)
     on = _step_copy(opt, at)
     assert on.spike_count.item() == 0 and on.last_spike_step.item() == -1
@@ -75,8 +75,8 @@ def test_a_zscore_equal_to_the_clip_threshold_is_not_a_spike(backend, monkeypatc
 
 
 @pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
-def test_a_zscore_equal_to_spike_skip_threshold_is_applied_the_next_float_is_skipped(backend, monkeypatch):
-    opt = _warm_optimizer(use_backend(backend, monkeypatch))
+def test_a_zscore_equal_to_spike_skip_threshold_is_applied_the_next_float_is_skipped(backend):
+    opt = _warm_optimizer(backend)
     at = _norm_at_zscore(opt, SKIP_Z)
     on = _step_copy(opt, at)
     assert not on.last_step_skipped.item() and on.spike_skips.item() == 0

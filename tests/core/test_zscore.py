@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from helpers import BACKEND_PARAMS, WITH_TENSOR_DECISIONS, assert_close, use_backend
+from helpers import BACKEND_PARAMS, WITH_TENSOR_DECISIONS, assert_close
 
 from fused_stable import FusedAdamW
 
@@ -81,7 +81,7 @@ NONFINITE_STEPS = 3
     ],
     ids=["zscore", "zscore+ceiling", "fixed+skip", "zscore+skip", "zscore+skip+ratio"],
 )
-def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold, skip_ratio, monkeypatch):
+def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold, skip_ratio):
     alpha, threshold, warmup = 0.9, 2.5, 10
     ref = ZScoreReference(alpha, threshold, warmup, max_norm, clip == "zscore", skip_threshold, skip_ratio)
     direction = torch.randn(50, generator=torch.Generator().manual_seed(0))
@@ -98,7 +98,7 @@ def test_zscore_rules_match_plain_python(backend, clip, max_norm, skip_threshold
         zscore_warmup=warmup,
         spike_skip_threshold=skip_threshold,
         spike_skip_ratio=skip_ratio,
-        backend=use_backend(backend, monkeypatch),
+        backend=backend,
     )
     torch_opt = torch.optim.AdamW([theirs], lr=1e-2)
     for norm in norm_sequence():

@@ -409,8 +409,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "cpu-ops-never-used-for-the-update",
         "fused_stable/backends/torch_backend.py",
-        "            update.compiled = (\n",
-        "            update.compiled = False and (\n",
+        "                update.compiled = self.compiled and all(",
+        "                update.compiled = False and all(",
         ["tests/core/test_cpu_ops.py"],
         "a clipped CPU step reads the grads and never writes them (32 B/param)",
         select="never_writes",
@@ -436,7 +436,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "cpu-ops-tensor-decisions-take-torch-ops",
         "fused_stable/backends/torch_backend.py",
-        "    elif lists.compiled_norm:",
+        "    elif lists.compiled:",
         "    elif False:",
         ["tests/core/test_optim_parity.py"],
         "a tensor lr gives the float lr's step exactly (one update code on CPU)",
@@ -445,8 +445,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "torch-host-grad-scale-always",
         "fused_stable/backends/torch_backend.py",
-        "    if grad_mul != 1.0:\n",
-        "    if True:\n",
+        "    if grad_mul != 1.0 and lists.any_fused_adamw:\n",
+        "    if lists.any_fused_adamw:\n",
         ["tests/core/test_host_decisions.py"],
         "an unscaled CPU step reads the grads and never writes them (32 B/param: no grad_scale)",
         select="unscaled_grads",
