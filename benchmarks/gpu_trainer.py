@@ -468,11 +468,11 @@ def run_recipe(name: str, size: str, device, work: Path) -> dict:
     """One recipe end to end (see the module doc); returns its row."""
     import torch
 
-    from fused_stable.train import chat
-    from fused_stable.train.model import trainable_state
-    from fused_stable.train.parallel import save_final
-    from fused_stable.train.report import read_metrics
-    from fused_stable.train.saved import load_trained
+    from fused_stable.train.run.checkpoint import trainable_state
+    from fused_stable.train.run.parallel import save_final
+    from fused_stable.train.run.report import read_metrics
+    from fused_stable.train.saved import chat
+    from fused_stable.train.saved.final_model import load_trained
 
     need = RECIPE_NEEDS.get(name)
     if need and (why := missing_package(need)):
@@ -555,7 +555,7 @@ def write_model_folder(folder: Path, arch: dict, device) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fused_stable.train.tokenizer import build_byte_tokenizer
+    from fused_stable.train.model.tiny import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
     config = LlamaConfig(**arch, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -613,7 +613,7 @@ def throughput_argv(row: dict, size: str, folder: Path, dataset: Path, device: s
 
 def run_segment(row: dict, contender: str, size: str, argv: list[str], device, work: Path) -> dict:
     """One contender's timed run of one row: build (the same way for both), train, measure, free."""
-    from fused_stable.train.report import read_metrics
+    from fused_stable.train.run.report import read_metrics
 
     s = SIZES[size]
     out = Path(tempfile.mkdtemp(prefix=f"{row['row']}-{contender}-", dir=work))

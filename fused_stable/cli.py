@@ -12,9 +12,12 @@ OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
 SUBCOMMANDS = {
-    "sft": ("fused_stable.train.cli", "supervised fine-tuning (LoRA / QLoRA / DoRA / full) on FusedAdamW"),
-    "chat": ("fused_stable.train.chat", "talk to a base model or a fine-tuned adapter (streamed, greedy by default)"),
-    "export": ("fused_stable.train.export", "merge an adapter into its base: a plain Hugging Face model folder"),
+    "sft": ("fused_stable.train.run.sft", "supervised fine-tuning (LoRA / QLoRA / DoRA / full) on FusedAdamW"),
+    "chat": (
+        "fused_stable.train.saved.chat",
+        "talk to a base model or a fine-tuned adapter (streamed, greedy by default)",
+    ),
+    "export": ("fused_stable.train.saved.export", "merge an adapter into its base: a plain Hugging Face model folder"),
     "bench": ("fused_stable.bench", "benchmark fused_stable against torch's clip + AdamW step"),
     "stress": ("fused_stable.stress.cli", "failure scenarios: the usual recipe vs fused_stable's guarded recipe"),
     "webui": ("fused_stable.webui.cli", "a live page to set up, watch, stop, pause and resume runs (gradio)"),

@@ -1,7 +1,7 @@
 """The stability guard: spike and divergence detection from device-side counters, and what to do about it.
 
 Pure logic, usable without a model or a trainer, and no file I/O (alerts.jsonl is written by
-`fused_stable.train.report.AlertLog`). A `Guard` does nothing per step: it is checked at logging steps with
+`fused_stable.train.run.report.AlertLog`). A `Guard` does nothing per step: it is checked at logging steps with
 `check`, which does one device read for the whole interval and returns a `Decision`. Everything it needs about
 the steps in between, the optimizer's decision kernel already keeps on the device: the running statistics of
 the global grad norm, the largest z-score since the last poll (`FusedAdamW.max_zscore`, so a spike between two
@@ -22,7 +22,7 @@ Alert kinds (`Alert.kind`):
   data) or retention loss (`retention_loss`, the base model's own answers to general prompts) above `eval_rise`
   (1.3) x its best so far (the model before its first step included). Forgetting moves neither the training
   loss nor the gradient norms: these are the signals that see it. The trainer puts the values on the metrics
-  row of the step it evaluated (one device read per evaluation, `fused_stable.train.evaluate`); the guard only
+  row of the step it evaluated (one device read per evaluation, `train.evaluation.held_out`); the guard only
   compares numbers.
 
 Alerts fire far above the optimizer's clip threshold (z 2.5, exceeded by ~1% of normal steps, which ZClip

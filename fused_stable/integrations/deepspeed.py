@@ -8,7 +8,7 @@ lr schedule decided once per engine step, from the global norm across ranks, gro
 engine made elsewhere, pass the config through `prepare_config` and call `attach` on the engine before its first
 step: the HF Trainer's `TrainingArguments(deepspeed=...)` path does both through
 `fused_stable.integrations.hf.FusedStableTrainerMixin`, and `fused-stable sft --deepspeed / --zero_stage` through
-`fused_stable.train.zero`.
+`fused_stable.train.run.deepspeed_run`.
 
 How: DeepSpeed's ZeRO wrappers call the client optimizer once per param group (ZeRO-3: per sub-group) on flat fp32
 partitions, right after building that group's gradient partition, and copy the result into the model's params

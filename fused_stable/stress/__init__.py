@@ -5,7 +5,7 @@ embedded tiny Llama (the fast default) or on a pretrained model with LoRA (any `
 
 A run "diverged" when its final loss (mean of the last 10 steps) is not finite or is above twice the clean
 run's of the same recipe; a run the guard stopped is "stopped". On a pretrained model every run is also judged
-by what the model still knows: the trainer's held-out evaluation (`fused_stable.train.evaluate`) after the run
+by what the model still knows: the trainer's held-out evaluation (`train.evaluation.before_after`) after the run
 (`general_after`, `task_after`) against the base model's. Outputs: a table on stdout, stress.json and
 stress.png in --output-dir. docs/guard.md says exactly what each scenario does and what the suite measured.
 

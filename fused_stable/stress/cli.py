@@ -4,7 +4,7 @@ default) or, with `--model smollm2-135m` (any `--model` that `sft` takes), on a 
 The command checks its options, builds the workload once, runs every scenario (and `clean`, the reference) with
 both recipes (`run_suite`), and writes the table on stdout, stress.json (after every run, so a suite cut short
 keeps what it measured) and stress.png in --output-dir. That folder follows sft's and export's rules
-(`fused_stable.train.outputs`): new or empty, or earlier stress results replaced only with `--overwrite` (only
+(`fused_stable.train.run.outputs`): new or empty, or earlier stress results replaced only with `--overwrite` (only
 the files an earlier `fused-stable stress` wrote there, named in its run_manifest.json), and locked while the
 suite writes it.
 """
@@ -24,7 +24,7 @@ from fused_stable.errors import UserError
 from fused_stable.stress.report import format_table, judge, plot, write_json
 from fused_stable.stress.runs import RECIPES, RunResult, Workload, build_workload, run_one
 from fused_stable.stress.scenarios import REAL_MODEL_DEFAULTS, TINY_MIN_LENGTH, StressConfig, is_real, scenarios
-from fused_stable.train import outputs
+from fused_stable.train.run import outputs
 
 JSON_FILE, PNG_FILE = "stress.json", "stress.png"  # what a stress run creates in --output-dir (its manifest)
 
@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
         if cfg.steps < 2 * cfg.log_every:
             raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
         if is_real(cfg):
-            from fused_stable.train.sources import resolve_model
+            from fused_stable.train.model.sources import resolve_model
 
             resolve_model(cfg.model)  # a model that cannot be found: one line, before anything is written
         # earlier results are replaced only with --overwrite; anything else in the folder is never touched

@@ -6,7 +6,7 @@ Recipes:
 - `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
   stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check (on a
   pretrained model) with an evaluation of the held-out and retention losses
-  (`fused_stable.train.evaluate.HeldOutLosses`, as `fused-stable sft` measures them; the one before the first step
+  (`train.evaluation.held_out.HeldOutLosses`, as `fused-stable sft` measures them; the one before the first step
   is the reference); a rollback restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean
   check, halves the lr and keeps the data position (the window that spiked is not replayed).
 
@@ -53,16 +53,15 @@ def build_workload(cfg: StressConfig) -> Workload:
 
 def build_tiny_workload(cfg: StressConfig) -> Workload:
     """The trainer's tokenizer, built-in task and embedded tiny Llama (full fine-tuning: every weight trains)."""
-    from fused_stable.train import data
-    from fused_stable.train.model import build_tiny_model
-    from fused_stable.train.tokenizer import build_byte_tokenizer
+    from fused_stable.train.data import instructions
+    from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
 
     tokenizer = build_byte_tokenizer()
-    examples = data.builtin_examples(cfg.examples, seed=cfg.seed)
-    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
-    shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
+    examples = instructions.builtin_examples(cfg.examples, seed=cfg.seed)
+    items = instructions.tokenize_examples(examples, tokenizer, cfg.max_length)
+    shifted_items = instructions.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
     model = build_tiny_model(tokenizer)
-    _pretrain(model, data.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
+    _pretrain(model, instructions.BatchOrder(items, cfg.batch_size, cfg.seed + 1, tokenizer.pad_token_id), cfg)
     # no evaluations on the tiny model (as sft's retention_probe=auto): its base is a 200-step scratch model, and
     # full fine-tuning moves its retention loss 1.27x in a clean 20-step run (measured), past the rise factor
     return Workload(tokenizer, items, shifted_items, {k: v.clone() for k, v in model.state_dict().items()})
@@ -72,18 +71,19 @@ def build_real_workload(cfg: StressConfig) -> Workload:
     """A pretrained model (`--model`, resolved as `fused-stable sft` does) with the sft defaults' LoRA adapters
     (r 8, all linear layers), the sft default task (`identity`: who the assistant is, mixed with general
     instructions answered by the base model itself) and its held-out evaluation, taken once on the base."""
-    from fused_stable.train import data, tasks
-    from fused_stable.train.evaluate import evaluate
-    from fused_stable.train.keys import TrainConfig
-    from fused_stable.train.model import apply_tuner, load_pretrained
-    from fused_stable.train.sources import resolve_model
+    from fused_stable.train.config.keys import TrainConfig
+    from fused_stable.train.data import instructions, tasks
+    from fused_stable.train.evaluation.before_after import evaluate
+    from fused_stable.train.model.adapters import apply_tuner
+    from fused_stable.train.model.load import load_pretrained
+    from fused_stable.train.model.sources import resolve_model
 
     source = resolve_model(cfg.model)
     model, tokenizer = load_pretrained(source, dtype=torch.float32)
     name, author = tasks.default_identity()
     examples = tasks.identity_examples(name, author, seed=cfg.seed, general=cfg.examples)
-    items = data.tokenize_examples(examples, tokenizer, cfg.max_length)
-    shifted_items = data.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
+    items = instructions.tokenize_examples(examples, tokenizer, cfg.max_length)
+    shifted_items = instructions.tokenize_examples([shift_example(ex) for ex in examples], tokenizer, cfg.max_length)
     before = evaluate(model, tokenizer, name=name, author=author)
     torch.manual_seed(cfg.seed)
     model = apply_tuner(model, TrainConfig(model=cfg.model))
@@ -97,12 +97,12 @@ def _add_held_out_losses(work: Workload, base, heldout: list) -> None:
     """The sets every run is measured on, as `fused-stable sft` measures them: eval_loss on held-out examples
     of the task, retention_loss on `base`'s own greedy answers to the retention probe's prompts; and their
     values on `base`, where every run starts."""
-    from fused_stable.train import data, tasks
-    from fused_stable.train.evaluate import HeldOutLosses, accepts_logits_to_keep, retention_items
+    from fused_stable.train.data import instructions, tasks
+    from fused_stable.train.evaluation.held_out import HeldOutLosses, accepts_logits_to_keep, retention_items
 
     tokenizer = work.tokenizer
     sets = {
-        "eval_loss": data.tokenize_examples(heldout, tokenizer, EVAL_MAX_LENGTH),
+        "eval_loss": instructions.tokenize_examples(heldout, tokenizer, EVAL_MAX_LENGTH),
         "retention_loss": retention_items(base, tokenizer, tasks.retention_prompts(), max_length=EVAL_MAX_LENGTH),
     }
     work.losses = HeldOutLosses(
@@ -115,13 +115,13 @@ def _fresh_model(work: Workload):
     """The model a run starts from: a new tiny Llama with the pre-trained weights, or the shared pretrained
     model with its adapters reset to their initial values."""
     if work.model is not None:
-        from fused_stable.train.model import load_trainable_state
+        from fused_stable.train.run.checkpoint import load_trainable_state
 
         load_trainable_state(work.model, work.init_state)
         return work.model
     from transformers import LlamaForCausalLM
 
-    from fused_stable.train.model import tiny_llama_config
+    from fused_stable.train.model.tiny import tiny_llama_config
 
     model = LlamaForCausalLM(tiny_llama_config(len(work.tokenizer)))
     model.load_state_dict(work.init_state)
@@ -317,7 +317,7 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
         after = work.losses.measure(model)
         result.eval_loss_after, result.retention_loss_after = after.get("eval_loss"), after.get("retention_loss")
     if work.model is not None:  # what the pretrained model still knows, and what it learnt
-        from fused_stable.train.evaluate import evaluate
+        from fused_stable.train.evaluation.before_after import evaluate
 
         scores = evaluate(model, work.tokenizer, name=work.task_name)
         result.general_after, result.task_after = scores["general"]["accuracy"], scores["identity"]["accuracy"]

@@ -87,11 +87,11 @@ class Scenario:
     def batches(self, items: list, shifted_items: list, tokenizer, cfg: StressConfig) -> Callable[[int], object]:
         """Micro-batch k of a run of this scenario (the same for both recipes): from the shifted task from
         `shift_at` on, and with random labels at `poison_at`."""
-        from fused_stable.train import data
+        from fused_stable.train.data import instructions
 
         pad = tokenizer.pad_token_id
-        normal = data.BatchOrder(items, cfg.batch_size, cfg.seed, pad)
-        shifted = data.BatchOrder(shifted_items, cfg.batch_size, cfg.seed, pad)
+        normal = instructions.BatchOrder(items, cfg.batch_size, cfg.seed, pad)
+        shifted = instructions.BatchOrder(shifted_items, cfg.batch_size, cfg.seed, pad)
         vocab = len(tokenizer)
 
         def batch(k: int):
@@ -100,7 +100,7 @@ class Scenario:
                 gen = torch.Generator().manual_seed(cfg.seed + k)
                 random_labels = torch.randint(3, vocab, b.labels.shape, generator=gen)
                 b.labels = torch.where(b.attention_mask.bool(), random_labels, b.labels)
-                b.num_label_tokens = int((b.labels[:, 1:] != data.IGNORE_INDEX).sum())
+                b.num_label_tokens = int((b.labels[:, 1:] != instructions.IGNORE_INDEX).sum())
             return b
 
         return batch
@@ -146,7 +146,7 @@ def scenarios(cfg: StressConfig) -> dict[str, Scenario]:
 
 def shift_example(example):
     """The shifted task: the same questions in a terse prompt format ("Q: ..."), everything upper case."""
-    from fused_stable.train.rows import Example
+    from fused_stable.train.data.rows import Example
 
     return Example(
         [{**m, "content": (("Q: " if m["role"] == "user" else "") + m["content"]).upper()} for m in example.messages]

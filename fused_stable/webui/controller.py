@@ -26,8 +26,8 @@ import yaml
 
 from fused_stable.argcheck import suggestion
 from fused_stable.errors import UserError
-from fused_stable.train.keys import ALIASES, FIELDS
-from fused_stable.train.outputs import MANIFEST_FILE
+from fused_stable.train.config.keys import ALIASES, FIELDS
+from fused_stable.train.run.outputs import MANIFEST_FILE
 from fused_stable.webui import records
 from fused_stable.webui.lock import WorkspaceLock, process_alive, process_start_time
 from fused_stable.webui.paths import Workspace
@@ -40,7 +40,7 @@ RUNNER = [sys.executable, "-m", "fused_stable.webui.runner"]
 
 
 def builtin_models() -> tuple[str, ...]:
-    from fused_stable.train.sources import EMBEDDED, TINY
+    from fused_stable.train.model.sources import EMBEDDED, TINY
 
     return (TINY, *EMBEDDED)
 
@@ -96,8 +96,8 @@ class RunController:
     def prepare(self, keys: dict) -> Launch:
         """Check a run's keys as `fused-stable sft` would, with its paths inside the workspace; nothing is
         written or started."""
-        from fused_stable.train.config import resolve_config
-        from fused_stable.train.outputs import check_output_dir
+        from fused_stable.train.config.resolve import resolve_config
+        from fused_stable.train.run.outputs import check_output_dir
 
         values = {}
         for name, value in keys.items():

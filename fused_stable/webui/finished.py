@@ -28,8 +28,8 @@ class FinishedRuns:
 
     def _model(self, run_dir: str):
         if self._loaded is None or self._loaded[0] != run_dir:
-            from fused_stable.train.chat import load_chat_model
-            from fused_stable.train.saved import inspect_saved
+            from fused_stable.train.saved.chat import load_chat_model
+            from fused_stable.train.saved.final_model import inspect_saved
 
             self._loaded = None  # the previous model goes before the next one loads
             args = SimpleNamespace(adapter=run_dir, saved=inspect_saved(run_dir))
@@ -40,7 +40,7 @@ class FinishedRuns:
     def reply(self, run: str, messages: list[dict], max_new_tokens: int = 128) -> str:
         """The run's answer (greedy, as `fused-stable chat` gives it) to the conversation `messages`
         ([{"role", "content"}], the last one the user's)."""
-        from fused_stable.train.chat import answer
+        from fused_stable.train.saved.chat import answer
 
         if not messages or messages[-1].get("role") != "user" or not str(messages[-1].get("content", "")).strip():
             raise UserError("write a message first")
@@ -54,7 +54,7 @@ class FinishedRuns:
 
     def export(self, run: str, target: str, overwrite: bool = False) -> dict:
         """`fused-stable export --adapter RUN --output_dir TARGET`, both inside the workspace."""
-        from fused_stable.train.export import export
+        from fused_stable.train.saved.export import export
 
         output_dir = self.workspace.resolve(target, "export folder")
         run_dir = self.finished_dir(run)

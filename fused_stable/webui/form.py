@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typing
 
-from fused_stable.train.keys import FIELDS, TrainConfig
+from fused_stable.train.config.keys import FIELDS, TrainConfig
 
 # tuner label -> the sft keys it sets (others at their defaults)
 TUNERS = {

@@ -18,7 +18,7 @@ import pandas as pd
 import yaml
 
 from fused_stable.errors import UserError
-from fused_stable.train.report import METRICS_FILE
+from fused_stable.train.run.report import METRICS_FILE
 from fused_stable.webui import form
 from fused_stable.webui.controller import BUILTIN_DATASETS, RunController, builtin_models
 from fused_stable.webui.finished import FinishedRuns

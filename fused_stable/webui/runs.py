@@ -22,14 +22,14 @@ from dataclasses import asdict, dataclass, field
 import yaml
 
 from fused_stable import strict_json
-from fused_stable.train.outputs import MANIFEST_FILE
-from fused_stable.train.report import ALERTS_FILE, METRICS_FILE
+from fused_stable.train.run.outputs import MANIFEST_FILE
+from fused_stable.train.run.report import ALERTS_FILE, METRICS_FILE
 from fused_stable.webui.lock import process_alive
 from fused_stable.webui.paths import CONTROL_DIR, Workspace
 from fused_stable.webui.records import RunRecord
 
 STATES = ("running", "paused", "stopped", "finished", "failed")
-EVAL_FILE, RUN_FILE = "eval.json", "run.yaml"  # as fused_stable.train.evaluate and train.cli name them
+EVAL_FILE, RUN_FILE = "eval.json", "run.yaml"  # as fused_stable.train.evaluation.before_after and train.cli name them
 GUARD_STOP_CODE, SIGNAL_CODES = 3, (130, 143)  # `fused-stable sft`'s exit codes (docs/trainer.md)
 # metrics a row may carry besides the training loss (held-out evaluations, when the run schedules them)
 EXTRA_LOSSES = ("eval_loss", "retention_loss")
@@ -71,7 +71,7 @@ def final_artifact(run_dir: str) -> str | None:
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    from fused_stable.train.checkpoint import latest_checkpoint as latest
+    from fused_stable.train.run.checkpoint import latest_checkpoint as latest
 
     return latest(run_dir)
 

@@ -178,7 +178,7 @@ def test_the_checks_see_what_they_claim():
     assert {"fused_stable.sharding", "fused_stable.plan", "fused_stable.ops"} <= GRAPH["fused_stable.optim"]
     assert "fused_stable.kernels.decide" in GRAPH["fused_stable.backends.triton_backend"]  # a function-level import
     assert "fused_stable.sharding" in GRAPH["fused_stable.integrations.distributed"]
-    assert not _core("fused_stable.train.loop") and _core("fused_stable.kernels.adamw")
+    assert not _core("fused_stable.train.run.loop") and _core("fused_stable.kernels.adamw")
 
 
 def test_one_backend_registry_and_one_protocol():

@@ -30,7 +30,7 @@ from fused_stable.guard import (
     GuardConfig,
     LossStats,
 )
-from fused_stable.train.report import AlertLog, read_alerts
+from fused_stable.train.run.report import AlertLog, read_alerts
 
 NAMES = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "head.weight", "norm.weight", "embed.weight"]
 SHAPES = [(8, 8), (8,), (8, 8), (4, 8), (8,), (16, 8)]

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from fused_stable import schedules
-from fused_stable.train import checkpoint, cli
-from fused_stable.train.report import read_alerts, read_metrics
+from fused_stable.train.run import checkpoint, sft
+from fused_stable.train.run.report import read_alerts, read_metrics
 
 FAST = [
     "--model",
@@ -62,9 +62,9 @@ def blow_up(setup, batches, factor=1e3):
 
 
 def run_cli(monkeypatch, capsys, argv, fault_batches=(), factor=1e3):
-    original = cli.setup_run
-    monkeypatch.setattr(cli, "setup_run", lambda a: blow_up(original(a), set(fault_batches), factor))
-    code = cli.main([str(a) for a in argv])
+    original = sft.setup_run
+    monkeypatch.setattr(sft, "setup_run", lambda a: blow_up(original(a), set(fault_batches), factor))
+    code = sft.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -200,7 +200,7 @@ def test_rollback_restores_lowers_the_lr_skips_the_window_then_gives_up(monkeypa
 
 def test_rollback_restores_exactly_the_checkpointed_state(tmp_path):
     out = tmp_path / "exact"
-    setup = cli.setup_run([str(a) for a in [*FAST, "--max_steps", 10, "--guard", "rollback", "--output_dir", out]])
+    setup = sft.setup_run([str(a) for a in [*FAST, "--max_steps", 10, "--guard", "rollback", "--output_dir", out]])
     setup.start()
     try:
         setup.trainer.fit()
@@ -249,5 +249,5 @@ def test_bad_guard_keys_are_one_line_errors(capsys):
         (["--guard_lr_factor", "2"], "guard_lr_factor must be in (0, 1]"),
         (["--clip", "soft"], "clip must be one of fixed | zscore"),
     ):
-        assert cli.main(argv) == 2
+        assert sft.main(argv) == 2
         assert message in capsys.readouterr().err

@@ -15,8 +15,8 @@ import json
 import pytest
 from test_guard_trainer import FAST
 
-from fused_stable.train import checkpoint, cli
-from fused_stable.train.report import read_alerts, read_metrics
+from fused_stable.train.run import checkpoint, sft
+from fused_stable.train.run.report import read_alerts, read_metrics
 
 SPIKE = 100.0  # the lr multiplier inside the fault window
 WINDOW = range(10, 15)  # micro-batches 10-14: steps 11-15 (grad_accum 1)
@@ -41,9 +41,9 @@ def lr_spike(setup, window=WINDOW, factor=SPIKE):
 
 
 def run_spiked(monkeypatch, capsys, argv):
-    original = cli.setup_run
-    monkeypatch.setattr(cli, "setup_run", lambda a: lr_spike(original(a)))
-    code = cli.main([str(a) for a in argv])
+    original = sft.setup_run
+    monkeypatch.setattr(sft, "setup_run", lambda a: lr_spike(original(a)))
+    code = sft.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 

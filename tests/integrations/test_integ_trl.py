@@ -24,7 +24,7 @@ from fused_stable.integrations.hf import (
     find_fused_optimizer,
     fused_trainer_optimizers,
 )
-from fused_stable.train.tokenizer import build_byte_tokenizer
+from fused_stable.train.model.tiny import build_byte_tokenizer
 
 LR = 5e-3
 CLIP = 0.1

@@ -29,7 +29,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ no host reads
     M(
         "loop-loss-read-per-micro-batch",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "window_loss += loss.detach()",
         "window_loss += loss.detach().item()",
         ["tests/train/test_loop_host_reads.py"],
@@ -38,7 +38,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "loop-skip-flag-read-per-step",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "            pending_meta.append((self.state.step, self.elapsed(), window_tokens))\n",
         "            pending_meta.append((self.state.step, self.elapsed(), window_tokens))\n            bool(opt.last_step_skipped)\n",
         ["tests/train/test_loop_host_reads.py"],
@@ -57,7 +57,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "logging-second-device-read",
-        TRAIN + "parallel.py",
+        TRAIN + "run/parallel.py",
         "    return rows, int(total_tokens)\n",
         "    return rows, int(reduced[-1].item())\n",
         ["tests/train/test_logging_reduction.py"],
@@ -93,7 +93,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "guard-config-drops-ratio",
-        TRAIN + "config.py",
+        TRAIN + "config/resolve.py",
         "grad_ratio=cfg.guard_grad_ratio,",
         "",
         ["tests/train/test_trainer_promises.py"],
@@ -103,7 +103,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ checkpoints
     M(
         "checkpoint-never-prunes",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "    if keep > 0:\n",
         "    if keep < 0:\n",
         ["tests/train/test_trainer_promises.py"],
@@ -112,7 +112,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "checkpoint-file-not-fsynced",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "        torch.save(obj, f)\n        f.flush()\n        os.fsync(f.fileno())",
         "        torch.save(obj, f)\n        f.flush()",
         ["tests/train/test_trainer_promises.py"],
@@ -121,7 +121,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "checkpoint-bytes-not-fsynced",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "        f.write(data)\n        f.flush()\n        os.fsync(f.fileno())",
         "        f.write(data)\n        f.flush()",
         ["tests/train/test_trainer_promises.py"],
@@ -130,7 +130,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "checkpoint-dir-not-fsynced",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         '        _fsync_path(root)\n        _save_stage("renamed", step)\n',
         '        _save_stage("renamed", step)\n',
         ["tests/train/test_trainer_promises.py"],
@@ -139,7 +139,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "checkpoint-scaler-not-restored",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "if scaler is not None and os.path.isfile(scaler_path):",
         "if False:",
         ["tests/train/test_trainer_promises.py"],
@@ -148,7 +148,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "checkpoint-marker-never-written",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "_write_bytes(os.path.join(final, COMPLETE_MARKER), json.dumps(marker, indent=1).encode())",
         "None",
         ["tests/train/test_checkpoint.py"],
@@ -158,7 +158,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the model side of the trainer
     M(
         "decay-on-norms-and-biases",
-        TRAIN + "model.py",
+        TRAIN + "model/adapters.py",
         'elif p.ndim < 2 or "lora_magnitude_vector" in name:',
         'elif "lora_magnitude_vector" in name:',
         ["tests/train/test_trainer_promises.py"],
@@ -167,7 +167,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "decay-on-dora-magnitudes",
-        TRAIN + "model.py",
+        TRAIN + "model/adapters.py",
         'elif p.ndim < 2 or "lora_magnitude_vector" in name:',
         "elif p.ndim < 2:",
         ["tests/train/test_trainer_promises.py"],
@@ -178,7 +178,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "gradient-checkpointing-ignored",
-        TRAIN + "model.py",
+        TRAIN + "model/adapters.py",
         "    if cfg.gradient_checkpointing:\n",
         "    if False:\n",
         ["tests/train/test_trainer_promises.py"],
@@ -188,7 +188,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ data
     M(
         "sharegpt-gpt-untrained",
-        TRAIN + "rows.py",
+        TRAIN + "data/rows.py",
         '"gpt": "assistant",',
         '"gpt": "user",',
         ["tests/train/test_trainer_promises.py", "tests/train/test_data.py"],
@@ -197,7 +197,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "sharegpt-assistant-untrained",
-        TRAIN + "rows.py",
+        TRAIN + "data/rows.py",
         '"gpt": "assistant", "assistant": "assistant"}',
         '"gpt": "assistant", "assistant": "user"}',
         ["tests/train/test_trainer_promises.py"],
@@ -206,7 +206,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "labels-all-masked",
-        TRAIN + "data.py",
+        TRAIN + "data/instructions.py",
         "labels += piece if trained else [IGNORE_INDEX] * len(piece)",
         "labels += [IGNORE_INDEX] * len(piece)",
         ["tests/train/test_data.py"],
@@ -249,10 +249,10 @@ MUTATIONS: list[Mutation] = [
         "the skip is global: an inf gradient on one rank skips the step on every rank",
         select="inf_on_one_rank",
     ),
-    # ------------------------------------------------------------------ the trainer on DeepSpeed (train/zero.py)
+    # ------------------------------------------------------------------ the trainer on DeepSpeed (train/run/deepspeed_run.py)
     M(
         "zero-loop-no-engine-step",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "                    self.engine.step()  # the window's last micro-batch is the engine's boundary: the fused step\n",
         "                    pass\n",
         ["tests/train/test_deepspeed_sft.py"],
@@ -261,7 +261,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "zero-loss-divided-twice",
-        TRAIN + "zero.py",
+        TRAIN + "run/deepspeed_run.py",
         "        self.ds.backward(loss, scale_wrt_gas=False)\n",
         "        self.ds.backward(loss)\n",
         ["tests/train/test_deepspeed_sft.py"],
@@ -270,26 +270,26 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "zero-checkpoint-not-through-engine",
-        TRAIN + "zero.py",
-        "        self.ds.save_checkpoint(staged[0], tag=ENGINE_DIR, save_latest=False, "
-        "exclude_frozen_parameters=self.adapter)\n",
-        "        pass\n",
+        TRAIN + "run/checkpoint_contents.py",
+        "    engine.ds.save_checkpoint(staged[0], tag=ENGINE_DIR, save_latest=False, "
+        "exclude_frozen_parameters=engine.adapter)\n",
+        "    pass\n",
         ["tests/train/test_deepspeed_sft.py"],
         "checkpoints hold the engine's state (engine.save_checkpoint), so a resume continues exactly",
         select="zero2_two_ranks",
     ),
     M(
         "zero-restore-not-through-engine",
-        TRAIN + "zero.py",
-        "        loaded, _ = self.ds.load_checkpoint(\n",
-        "        loaded, _ = (lambda *args, **kwargs: (path, None))(\n",
+        TRAIN + "run/checkpoint_contents.py",
+        "    loaded, _ = engine.ds.load_checkpoint(\n",
+        "    loaded, _ = (lambda *args, **kwargs: (path, None))(\n",
         ["tests/train/test_deepspeed_sft.py"],
         "a resume (and a rollback) restores the engine's state through engine.load_checkpoint",
         select="zero2_resume",
     ),
     M(
         "zero-marker-skips-engine-files",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "        for name in _files(folder)\n",
         '        for name in _files(folder)\n        if "/" not in name\n',
         ["tests/train/test_deepspeed_sft.py"],
@@ -298,7 +298,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "zero3-final-save-not-gathered",
-        TRAIN + "zero.py",
+        TRAIN + "run/deepspeed_run.py",
         "        if self.stage == 3:  # the module holds empty partitions: gather the full tensors on rank 0\n",
         "        if False:\n",
         ["tests/train/test_deepspeed_sft.py"],
@@ -307,7 +307,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "zero3-qlora-accepted",
-        TRAIN + "zero.py",
+        TRAIN + "run/deepspeed_run.py",
         "    if cfg.quant_bits is not None and stage_of(raw, cfg) == 3:\n",
         "    if False:\n",
         ["tests/train/test_deepspeed_sft.py"],
@@ -892,7 +892,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the trainer never loses files or work
     M(
         "verify-checksum-skipped",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         '        if _sha256(file) != want.get("sha256"):\n',
         "        if False:\n",
         ["tests/train/test_checkpoint.py"],
@@ -901,7 +901,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "verify-size-skipped",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         '        if size != want.get("bytes"):\n',
         "        if False:\n",
         ["tests/train/test_checkpoint.py"],
@@ -910,7 +910,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "resume-latest-unverified",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "            verify_checkpoint(path)\n            return path, passed_over\n",
         "            return path, passed_over\n",
         ["tests/train/test_checkpoint.py"],
@@ -919,7 +919,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "commit-signals-not-held",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "    held = {signal.SIGINT, signal.SIGTERM}\n",
         "    held = set()\n",
         ["tests/train/test_trainer_promises.py"],
@@ -928,7 +928,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "prune-deletes-in-place",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "    os.rename(path, doomed)\n",
         "    doomed = path\n",
         ["tests/train/test_trainer_promises.py"],
@@ -937,7 +937,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "overwrite-ignores-foreign-files",
-        TRAIN + "outputs.py",
+        TRAIN + "run/outputs.py",
         "    if foreign:\n",
         "    if False:\n",
         ["tests/train/test_outputs.py"],
@@ -946,7 +946,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "folder-without-manifest-is-a-run",
-        TRAIN + "outputs.py",
+        TRAIN + "run/outputs.py",
         "    if manifest is None:\n        raise UserError(",
         "    if manifest is None and False:\n        raise UserError(",
         ["tests/train/test_outputs.py"],
@@ -955,7 +955,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "resume-lr-change-accepted",
-        TRAIN + "keys.py",
+        TRAIN + "config/keys.py",
         '    "lr",\n    "weight_decay",\n)',
         "    )",
         ["tests/train/test_checkpoint.py"],
@@ -964,7 +964,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "interrupt-not-deferred",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "        if first and self.deferring:\n",
         "        if False:\n",
         ["tests/train/test_interrupt.py"],
@@ -973,7 +973,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "interrupt-saves-no-checkpoint",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "            if self.save_steps and self.state.step % self.save_steps == 0 or signum:\n",
         "            if self.save_steps and self.state.step % self.save_steps == 0:\n",
         ["tests/train/test_interrupt.py"],
@@ -982,7 +982,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "elapsed-restarts-on-resume",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "        return self.state.elapsed_s + running\n",
         "        return running\n",
         ["tests/train/test_interrupt.py"],
@@ -991,7 +991,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "guard-skips-checkpoint-steps",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "        return self.guard is not None and bool(self.save_steps) and step % self.save_steps == 0\n",
         "        return False\n",
         ["tests/train/test_trainer_promises.py"],
@@ -1000,7 +1000,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "progress-lines-missing",
-        TRAIN + "report.py",
+        TRAIN + "run/report.py",
         "        if not self.console.is_terminal:  # logs and CI",
         "        if False:  # logs and CI",
         ["tests/train/test_trainer_promises.py"],
@@ -1009,7 +1009,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "early-interrupt-exit-code",
-        TRAIN + "cli.py",
+        TRAIN + "run/sft.py",
         "                code = interrupts.exit_code\n    return code\n",
         "                code = 0\n    return code\n",
         ["tests/train/test_trainer_promises.py"],
@@ -1154,7 +1154,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "export-overwrites-a-run",
-        TRAIN + "outputs.py",
+        TRAIN + "run/outputs.py",
         "    if created_by != command:\n",
         "    if False:\n",
         ["tests/tools/test_cli_fuzz.py"],
@@ -1464,7 +1464,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ faults survived (issue 28)
     M(
         "run-takes-no-lock",
-        TRAIN + "cli.py",
+        TRAIN + "run/sft.py",
         "                self.lock.acquire()\n",
         "                pass\n",
         ["tests/train/test_faults.py"],
@@ -1473,7 +1473,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "busy-folder-not-checked-first",
-        TRAIN + "outputs.py",
+        TRAIN + "run/outputs.py",
         "    if holder is not None:\n        raise FolderBusy(",
         "    if False:\n        raise FolderBusy(",
         ["tests/train/test_faults.py"],
@@ -1482,7 +1482,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "lock-file-left-behind",
-        TRAIN + "outputs.py",
+        TRAIN + "run/outputs.py",
         "                os.remove(self.path)\n",
         "                pass\n",
         ["tests/train/test_faults.py"],
@@ -1491,7 +1491,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "incomplete-checkpoint-counted",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "and (include_incomplete or os.path.isfile(os.path.join(path, COMPLETE_MARKER)))",
         "and True",
         ["tests/train/test_faults.py"],
@@ -1500,7 +1500,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "marker-failure-leaves-step-dir",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         '            _remove_dir(final, root, "failed")\n            if stale:',
         "            if stale:",
         ["tests/train/test_faults.py"],
@@ -1509,7 +1509,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "killed-save-leftovers-kept",
-        TRAIN + "cli.py",
+        TRAIN + "run/sft.py",
         "                for line in checkpoint.clear_leftovers(cfg.output_dir):\n",
         "                for line in []:\n",
         ["tests/train/test_faults.py"],
@@ -1518,8 +1518,8 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "no-space-is-a-traceback",
-        TRAIN + "cli.py",
-        "        if exc.errno not in stopped.NO_SPACE:\n            raise\n",
+        TRAIN + "run/sft.py",
+        "        if exc.errno not in stop_message.NO_SPACE:\n            raise\n",
         "        raise\n",
         ["tests/train/test_faults.py"],
         "a full disk during a save is one line and exit code 1",
@@ -1527,7 +1527,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "failed-save-leaves-its-files",
-        TRAIN + "checkpoint.py",
+        TRAIN + "run/checkpoint.py",
         "    except BaseException:\n        shutil.rmtree(tmp, ignore_errors=True)\n        raise\n\n\ndef _commit",
         "    except BaseException:\n        raise\n\n\ndef _commit",
         ["tests/train/test_faults.py"],
@@ -1536,7 +1536,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cut-metrics-line-stops-resume",
-        TRAIN + "report.py",
+        TRAIN + "run/report.py",
         "        kept = [r for r in read_jsonl(self.metrics_path, tolerant=True)",
         "        kept = [r for r in read_jsonl(self.metrics_path, tolerant=False)",
         ["tests/train/test_faults.py"],
@@ -1545,7 +1545,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "lost-rank-is-a-traceback",
-        TRAIN + "cli.py",
+        TRAIN + "run/sft.py",
         "        if not parallel.lost_another_rank(exc, interrupts.signum):\n            raise\n",
         "        raise\n",
         ["tests/train/test_torchrun.py"],
@@ -1563,7 +1563,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "qlora-packed-path-for-odd-layers",
-        TRAIN + "model.py",
+        TRAIN + "model/load.py",
         "        if training or not fits:\n",
         "        if training:\n",
         ["tests/train/test_qlora_shapes.py"],
@@ -1572,7 +1572,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "qlora-training-takes-packed-path",
-        TRAIN + "model.py",
+        TRAIN + "model/load.py",
         "        if training or not fits:\n",
         "        if not fits:\n",
         ["tests/train/test_qlora_shapes.py"],
@@ -1581,7 +1581,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "bad-row-line-off-by-one",
-        TRAIN + "data.py",
+        TRAIN + "data/instructions.py",
         '    for number, line in enumerate(raw.split(b"\\n"), start=1):\n',
         '    for number, line in enumerate(raw.split(b"\\n"), start=0):\n',
         ["tests/train/test_bad_data.py"],
@@ -1590,7 +1590,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "invalid-utf8-row-accepted",
-        TRAIN + "data.py",
+        TRAIN + "data/instructions.py",
         '            text = line.decode("utf-8")\n',
         '            text = line.decode("utf-8", "replace")\n',
         ["tests/train/test_bad_data.py"],
@@ -1599,7 +1599,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "empty-answer-trained",
-        TRAIN + "data.py",
+        TRAIN + "data/instructions.py",
         "        if has_empty_answer(example):\n            empty.append(where)\n",
         "        if False:\n            empty.append(where)\n",
         ["tests/train/test_bad_data.py"],
@@ -1608,7 +1608,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cut-off-answers-trained",
-        TRAIN + "data.py",
+        TRAIN + "data/instructions.py",
         "    kept = [item for item in items if item.has_answer()]\n",
         "    kept = list(items)\n",
         ["tests/train/test_bad_data.py"],
@@ -1754,7 +1754,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "loop-rollback-bests-not-rewound",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "cut_lr=decision.cut_lr, to_step=self.state.step)",
         "cut_lr=decision.cut_lr)",
         ["tests/guard/test_guard_trainer_eval.py"],
@@ -1763,7 +1763,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "loop-eval-schedule-shifted",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "if self.eval_steps and step % self.eval_steps == 0:",
         "if self.eval_steps and step % self.eval_steps == 1:",
         ["tests/train/test_heldout_losses.py"],
@@ -1772,7 +1772,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "loop-rollback-checkpoint-not-evaluated",
-        TRAIN + "loop.py",
+        TRAIN + "run/loop.py",
         "        return rolling_back and bool(self.save_steps) and step % self.save_steps == 0\n",
         "        return False\n",
         ["tests/train/test_heldout_losses.py"],
@@ -1781,7 +1781,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "eval-read-per-set",
-        TRAIN + "evaluate.py",
+        TRAIN + "evaluation/held_out.py",
         "                means.append(total / self.tokens[name])\n",
         "                means.append(torch.tensor(total.item()) / self.tokens[name])\n",
         ["tests/train/test_heldout_losses.py", "tests/train/test_loop_host_reads.py"],
@@ -1791,7 +1791,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ LLaMA-Factory / ms-swift configs (anchors)
     M(
         "anchor-key-value-not-converted",
-        TRAIN + "anchors.py",
+        TRAIN + "config/foreign_configs.py",
         '"lora_target": AnchorKey((LLAMA_FACTORY,), "target_modules", _modules),',
         '"lora_target": AnchorKey((LLAMA_FACTORY,), "target_modules"),',
         ["tests/train/test_anchors.py"],
@@ -1800,7 +1800,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "anchor-unhonoured-key-dropped",
-        TRAIN + "anchors.py",
+        TRAIN + "config/foreign_configs.py",
         "    if refused:\n        raise UserError(",
         "    if False:\n        raise UserError(",
         ["tests/train/test_anchors.py"],
@@ -1809,7 +1809,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "anchor-mapping-not-printed",
-        TRAIN + "config.py",
+        TRAIN + "config/resolve.py",
         "    if lines and log is not None:",
         "    if False:",
         ["tests/train/test_anchors.py"],
@@ -1818,8 +1818,8 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "anchor-defaults-not-applied",
-        TRAIN + "config.py",
-        "        values.update(anchors.ANCHOR_DEFAULTS[anchor])",
+        TRAIN + "config/resolve.py",
+        "        values.update(foreign_configs.ANCHOR_DEFAULTS[anchor])",
         "        pass",
         ["tests/train/test_anchors.py"],
         "a LLaMA-Factory config's missing training keys take LLaMA-Factory's defaults",
@@ -1827,7 +1827,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "yaml-on-off-boolean-refused",
-        TRAIN + "config.py",
+        TRAIN + "config/resolve.py",
         '        return "on" if value else "off"',
         '        raise UserError(f"{name} must be a string")',
         ["tests/train/test_anchors.py"],
@@ -1836,7 +1836,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "yaml-boolean-no-quote-hint",
-        TRAIN + "config.py",
+        TRAIN + "config/resolve.py",
         '(YAML reads unquoted yes/no/on/off/true/false as a "',
         '("',
         ["tests/train/test_anchors.py"],
@@ -1845,7 +1845,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "warmup-ratio-rounded-down",
-        TRAIN + "config.py",
+        TRAIN + "config/resolve.py",
         "    return math.ceil(cfg.warmup_ratio * total_steps)",
         "    return int(cfg.warmup_ratio * total_steps)",
         ["tests/train/test_anchors.py"],
@@ -1854,7 +1854,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "qlora-tuner-no-hint",
-        TRAIN + "config.py",
+        TRAIN + "config/resolve.py",
         '    "qlora": "QLoRA is --tuner lora --quant_bits 4",',
         '    "qlora_": "QLoRA is --tuner lora --quant_bits 4",',
         ["tests/train/test_anchors.py"],
@@ -1864,7 +1864,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ data formats: no field lost
     M(
         "alpaca-unknown-field-dropped",
-        TRAIN + "rows.py",
+        TRAIN + "data/rows.py",
         '    _no_other_fields(record, where, "alpaca", ALPACA_FIELDS)\n',
         "",
         ["tests/train/test_formats.py"],
@@ -1873,7 +1873,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "alpaca-history-dropped",
-        TRAIN + "rows.py",
+        TRAIN + "data/rows.py",
         '    messages = _system(record, where, "alpaca") + _history(record.get("history"), where)',
         '    messages = _system(record, where, "alpaca")',
         ["tests/train/test_formats.py"],
@@ -1882,7 +1882,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "sharegpt-system-dropped",
-        TRAIN + "rows.py",
+        TRAIN + "data/rows.py",
         "    return Example(system + messages, where)",
         "    return Example(messages, where)",
         ["tests/train/test_formats.py"],
@@ -1891,7 +1891,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "messages-format-refused",
-        TRAIN + "rows.py",
+        TRAIN + "data/rows.py",
         '    RowFormat("messages", lambda record: "messages" in record, _messages_example),\n',
         "",
         ["tests/train/test_formats.py"],
@@ -1901,7 +1901,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ a newcomer's rough edges (issue 29)
     M(
         "export-folder-mode-0700",
-        TRAIN + "export.py",
+        TRAIN + "saved/export.py",
         "        _modes_from_umask(scratch)\n",
         "",
         ["tests/train/test_chat_export.py"],
@@ -1910,7 +1910,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "chat-ctrl-c-ends-the-session",
-        TRAIN + "chat.py",
+        TRAIN + "saved/chat.py",
         "        except KeyboardInterrupt:  # Ctrl-C during an answer stops that answer; at the prompt it quits\n",
         "        except ZeroDivisionError:\n",
         ["tests/train/test_chat_export.py"],
@@ -1919,7 +1919,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "adapter-base-is-the-alias",
-        TRAIN + "saved.py",
+        TRAIN + "saved/final_model.py",
         "            peft_config.base_model_name_or_path = recorded_base(source)",
         "            peft_config.base_model_name_or_path = source.reference",
         ["tests/train/test_chat_export.py"],
@@ -1928,7 +1928,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "peft-offline-hub-warning",
-        TRAIN + "saved.py",
+        TRAIN + "saved/final_model.py",
         '        extra["save_embedding_layers"] = False',
         "        pass",
         ["tests/train/test_chat_export.py"],
@@ -1937,7 +1937,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "curves-note-over-the-loss",
-        TRAIN + "report.py",
+        TRAIN + "run/report.py",
         "        axes[3].text(0.0, 1.0, note, transform=axes[3].transAxes,",
         "        ax_loss.text(0.0, 1.0, note, transform=ax_loss.transAxes,",
         ["tests/train/test_curves.py"],
@@ -1946,7 +1946,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "curves-undrawable-title",
-        TRAIN + "report.py",
+        TRAIN + "run/report.py",
         '    title = f"{name}: " if drawable(name) else ""',
         '    title = f"{name}: "',
         ["tests/train/test_curves.py"],
@@ -1955,7 +1955,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "wandb-not-hf-names",
-        TRAIN + "report.py",
+        TRAIN + "run/report.py",
         '"lr": "train/learning_rate"}',
         '"lr": "train/lr"}',
         ["tests/train/test_report_to.py"],
@@ -1964,7 +1964,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "dataset-directory-not-found",
-        TRAIN + "data.py",
+        TRAIN + "data/instructions.py",
         "    if os.path.isdir(path):\n        files = sorted(",
         "    if False:\n        files = sorted(",
         ["tests/train/test_formats.py"],
@@ -1973,7 +1973,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "damaged-checkpoints-says-overwrite",
-        TRAIN + "stopped.py",
+        TRAIN + "run/stop_message.py",
         '    if not found:\n        return f"{problem}; the run never saved one',
         '    if True:\n        return f"{problem}; the run never saved one',
         ["tests/train/test_checkpoint.py"],
@@ -1991,7 +1991,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "anchor-eval-strategy-no-ignored",
-        TRAIN + "anchors.py",
+        TRAIN + "config/foreign_configs.py",
         '    if value is False or text == "no":  # YAML reads an unquoted `no` as false\n        return 0\n',
         '    if value is False or text == "no":  # YAML reads an unquoted `no` as false\n        return None\n',
         ["tests/train/test_anchors.py"],
@@ -2018,7 +2018,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "wandb-eval-losses-dropped",
-        TRAIN + "report.py",
+        TRAIN + "run/report.py",
         "    values.update({name: row[key] for key, (name, _) in EVAL_FIELDS.items() if _finite(row.get(key))})\n",
         "",
         ["tests/train/test_report_to.py"],

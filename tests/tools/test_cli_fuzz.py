@@ -22,11 +22,11 @@ import pytest
 
 from fused_stable import stress
 from fused_stable.bench import cli as bench_cli
-from fused_stable.train import chat as chat_cli
-from fused_stable.train import cli as sft_cli
-from fused_stable.train import export as export_cli
-from fused_stable.train.config import resolve_config
-from fused_stable.train.keys import CHOICES, FIELDS, TrainConfig
+from fused_stable.train.config.keys import CHOICES, FIELDS, TrainConfig
+from fused_stable.train.config.resolve import resolve_config
+from fused_stable.train.run import sft as sft_cli
+from fused_stable.train.saved import chat as chat_cli
+from fused_stable.train.saved import export as export_cli
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = [
@@ -112,12 +112,12 @@ def snapshot(folder):
 @pytest.fixture
 def no_model_building(monkeypatch):
     """Validation must finish before any model is built: building one fails the test."""
-    from fused_stable.train import model
+    from fused_stable.train.model import load
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built for an input that validation should have refused")
 
-    monkeypatch.setattr(model, "load_base_model", refuse)
+    monkeypatch.setattr(load, "load_base_model", refuse)
 
 
 def _one_line(main, prefix, argv, capsys, needle):
@@ -399,15 +399,16 @@ def test_bench_option(flag, value, tmp_path, capsys):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """chat and export must refuse bad input before any model is loaded: loading one fails the test."""
-    from fused_stable.train import model, saved
+    from fused_stable.train.model import load
+    from fused_stable.train.saved import final_model
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded for an input that should have been refused first")
 
-    # every base model is loaded by model.load_base (export and chat look it up there when they call it;
+    # every base model is loaded by load.load_base (export and chat look it up there when they call it;
     # saved runs hold their own reference)
-    monkeypatch.setattr(model, "load_base", refuse)
-    monkeypatch.setattr(saved, "load_base", refuse)
+    monkeypatch.setattr(load, "load_base", refuse)
+    monkeypatch.setattr(final_model, "load_base", refuse)
 
 
 def _damaged_adapters(tmp):

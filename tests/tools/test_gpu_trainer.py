@@ -82,7 +82,7 @@ def test_sync_recorder_sorts_syncs_by_phase_and_origin():
     """A fake loop in the order fit() calls things: a window's batches, the optimizer step, the logging read.
     Syncs are "warned" from code that claims to live in fused_stable or transformers."""
     sync = f"warnings.warn({gpu_trainer.SYNC_MESSAGE!r})"
-    trainer_code = _code_in(str(ROOT / "fused_stable" / "train" / "loop.py"), f"def read():\n    {sync}\n")
+    trainer_code = _code_in(str(ROOT / "fused_stable" / "train" / "run" / "loop.py"), f"def read():\n    {sync}\n")
     model_code = _code_in("/x/site-packages/transformers/masking_utils.py", f"def fast_all():\n    {sync}\n")
     trainer = types.SimpleNamespace(
         state=types.SimpleNamespace(step=0),
@@ -112,7 +112,7 @@ def test_sync_recorder_sorts_syncs_by_phase_and_origin():
     assert summary["between_logs_trainer"] == 1 and summary["first_step_trainer"] == 1
     assert summary["at_logging_steps"] == 2
     wheres = {s["where"] for s in summary["sites"]}
-    assert any(w.startswith("fused_stable/train/loop.py") for w in wheres)
+    assert any(w.startswith("fused_stable/train/run/loop.py") for w in wheres)
     assert any(w.startswith("transformers/masking_utils.py") for w in wheres)
     # other warnings pass through untouched
     with pytest.warns(UserWarning, match="unrelated"), recorder:
@@ -181,7 +181,7 @@ def test_dry_run_on_cpu_end_to_end(tmp_path, capsys):
 def test_sync_recorder_catches_a_real_cuda_sync():
     """On a GPU: torch's own sync warning reaches the recorder with the Python stack of the sync."""
     sync = "def read(t):\n    return t.sum().item()\n"
-    trainer_code = _code_in(str(ROOT / "fused_stable" / "train" / "loop.py"), sync)
+    trainer_code = _code_in(str(ROOT / "fused_stable" / "train" / "run" / "loop.py"), sync)
     x = torch.ones(1024, device="cuda")
     recorder = gpu_trainer.SyncRecorder(torch.device("cuda"))
     recorder.phase, recorder.step = "step", 1  # between logging steps, after the first step
@@ -190,5 +190,5 @@ def test_sync_recorder_catches_a_real_cuda_sync():
         x.mul_(2)  # no sync
     summary = recorder.summary()
     assert summary["between_logs_trainer"] == 1, summary
-    assert summary["sites"][0]["where"].startswith("fused_stable/train/loop.py:2 read")
+    assert summary["sites"][0]["where"].startswith("fused_stable/train/run/loop.py:2 read")
     assert torch.cuda.get_sync_debug_mode() == 0  # restored

@@ -13,9 +13,9 @@ import pytest
 from fused_stable.cli import OFFLINE_ENVIRONMENT
 
 COMMANDS = {
-    "sft": "fused_stable.train.cli",
-    "chat": "fused_stable.train.chat",
-    "export": "fused_stable.train.export",
+    "sft": "fused_stable.train.run.sft",
+    "chat": "fused_stable.train.saved.chat",
+    "export": "fused_stable.train.saved.export",
     "stress": "fused_stable.stress",
     "bench": "fused_stable.bench",
     "webui": "fused_stable.webui.cli",

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from fused_stable import stress
-from fused_stable.train import outputs
+from fused_stable.train.run import outputs
 
 # the shortest suite: the clean reference only, with both recipes, on the random tiny model
 QUICK = ["--scenarios", "clean", "--steps", "20", "--pretrain-steps", "0", "--log-every", "5", "--threads", "1"]

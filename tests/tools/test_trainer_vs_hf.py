@@ -92,7 +92,7 @@ def test_no_row_evaluates_during_training(row):
     """The HF Trainer's job evaluates nothing while it trains: fused-stable's runs must not either (with sft's
     held-out / retention evaluations on, the smollm2 row evaluated every 2nd step and its tokens/s counted them:
     0.555x the HF Trainer's, 2026-12-01)."""
-    from fused_stable.train.config import eval_steps, resolve_config, retention_probe
+    from fused_stable.train.config.resolve import eval_steps, resolve_config, retention_probe
 
     argv = [str(a) for a in trainer_vs_hf.row_argv(row, trainer_vs_hf.parse_args([]))]
     cfg, _ = resolve_config(argv)

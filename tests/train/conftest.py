@@ -2,7 +2,7 @@
 
 import pytest
 
-from fused_stable.train import cli
+from fused_stable.train.run import sft as sft_command
 
 
 @pytest.fixture
@@ -10,7 +10,7 @@ def sft(capsys):
     """Run the CLI in-process; returns (exit code, stdout, stderr)."""
 
     def run(*argv):
-        code = cli.main([str(a) for a in argv])
+        code = sft_command.main([str(a) for a in argv])
         out, err = capsys.readouterr()
         return code, out, err
 

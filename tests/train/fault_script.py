@@ -1,13 +1,13 @@
 """Launched by test_faults.py as `python THIS PLAN.json`: real `fused-stable sft` processes that die, or run out of
 space, at exact points. The imports are paid once; each case is a child forked from this process (torch has
-started no thread yet at that point), which runs `fused_stable.train.cli.main` with the plan's arguments and its
+started no thread yet at that point), which runs `fused_stable.train.run.sft.main` with the plan's arguments and its
 own output_dir, its stdout and stderr going to `<log>.out` / `<log>.err` (`log`: the output_dir unless the case
 names another place; beside the folder, which must be new). The results, one per case (`{"name", "signal",
 "code"}`), are printed as JSON on stdout.
 
 A case's fault, keyed by what the child does:
   {"kill": [stage, step]}   SIGKILL itself when the checkpoint save of `step` reaches `stage` (the stages of
-                            fused_stable.train.checkpoint._save_stage: "tmp", a file's name, "renamed", ...);
+                            fused_stable.train.run.checkpoint._save_stage: "tmp", a file's name, "renamed", ...);
   {"cut_metrics": step}     write the first half of metrics.jsonl's line for `step`, fsync it, then SIGKILL itself;
   {"file_size_limit": [stage, step, bytes]}  at that save stage, lower RLIMIT_FSIZE to `bytes`: the next write past
                             it fails with EFBIG (Python ignores SIGXFSZ), as on a disk with no space left;
@@ -28,7 +28,11 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 
 from fused_stable import strict_json
-from fused_stable.train import checkpoint, cli, loop, model, report  # noqa: F401
+from fused_stable.train.run import (
+    checkpoint,  # noqa: F401
+    report,
+    sft,
+)
 
 
 def _die() -> None:
@@ -88,7 +92,7 @@ def _child(case: dict, args: list[str]) -> int:
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     _install(case.get("fault", {}))
-    return cli.main([*args, *case.get("extra", []), "--output_dir", out])
+    return sft.main([*args, *case.get("extra", []), "--output_dir", out])
 
 
 def main(plan_path: str) -> int:

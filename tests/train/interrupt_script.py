@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from fused_stable.train import checkpoint, cli
+from fused_stable.train.run import checkpoint, sft
 
 
 def _interrupt_pending() -> bool:
@@ -22,14 +22,14 @@ def _interrupt_pending() -> bool:
 
 def main(argv):
     pause = float(os.environ.get("STEP_SLEEP", "0"))
-    build = cli.setup_run
+    build = sft.setup_run
 
     def slowed(args):
         setup = build(args)
         setup.trainer.callbacks.append(lambda step, optimizer, metrics: time.sleep(pause))
         return setup
 
-    cli.setup_run = slowed
+    sft.setup_run = slowed
     if os.environ.get("PID_DIR"):
         with open(os.path.join(os.environ["PID_DIR"], f"rank-{os.environ.get('RANK', '0')}"), "w") as f:
             f.write(str(os.getpid()))
@@ -45,7 +45,7 @@ def main(argv):
             real_save(obj, path)
 
         checkpoint._torch_save = slow_save
-    return cli.main(argv[1:] if argv[:1] == ["sft"] else argv)
+    return sft.main(argv[1:] if argv[:1] == ["sft"] else argv)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from fused_stable.train import cli
+from fused_stable.train.run import sft
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,14 +43,14 @@ TINY = [
 
 def read_metrics(output_dir):
     """metrics.jsonl as the package reads it back (non-finite numbers as floats)."""
-    from fused_stable.train.report import read_metrics as read
+    from fused_stable.train.run.report import read_metrics as read
 
     return read(str(output_dir))
 
 
 def setup_run(*argv):
     """Build a run in-process (config, model, trainer) without starting it, for tests that look inside."""
-    return cli.setup_run([str(a) for a in argv])
+    return sft.setup_run([str(a) for a in argv])
 
 
 def fit(setup):

@@ -1,4 +1,4 @@
-"""LLaMA-Factory and ms-swift configs run as they are (fused_stable.train.anchors): their keys mapped onto sft's,
+"""LLaMA-Factory and ms-swift configs run as they are (train/config/foreign_configs.py): their keys mapped onto sft's,
 the mapping printed once, the keys that cannot be honoured refused in one line, LLaMA-Factory's defaults for
 what its config leaves out, dataset_info.json, and the hints for near-misses. Config-only: nothing trains here
 (tests/train/test_examples.py trains from the examples/ config of each anchor)."""
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from fused_stable.errors import UserError
-from fused_stable.train import anchors
-from fused_stable.train.config import resolve_config, warmup_steps
+from fused_stable.train.config import foreign_configs
+from fused_stable.train.config.resolve import resolve_config, warmup_steps
 
 
 def write(tmp_path, text, name="run.yaml"):
@@ -94,7 +94,7 @@ def test_llamafactory_defaults_are_the_hf_trainers(tmp_path):
     from transformers import TrainingArguments
 
     hf = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-    defaults = anchors.ANCHOR_DEFAULTS[anchors.LLAMA_FACTORY]
+    defaults = foreign_configs.ANCHOR_DEFAULTS[foreign_configs.LLAMA_FACTORY]
     names = {
         "lr": "learning_rate",
         "weight_decay": "weight_decay",
@@ -274,18 +274,21 @@ def test_every_anchor_key_is_in_the_docs():
     with open(f"{REPO_ROOT}/docs/trainer.md", encoding="utf-8") as f:
         docs = f.read()
     section = docs[docs.index("## Coming from LLaMA-Factory / ms-swift") :]
-    missing = [name for name in [*anchors.KEYS, *anchors.REFUSED] if f"`{name}`" not in section]
+    missing = [name for name in [*foreign_configs.KEYS, *foreign_configs.REFUSED] if f"`{name}`" not in section]
     assert not missing, f"docs/trainer.md's anchor section lacks {missing}"
 
 
 def test_examples_in_each_anchors_format_load():
     from sft_helpers import REPO_ROOT
 
-    for name, anchor in (("llamafactory_lora_sft", anchors.LLAMA_FACTORY), ("ms_swift_lora_sft", anchors.MS_SWIFT)):
+    for name, anchor in (
+        ("llamafactory_lora_sft", foreign_configs.LLAMA_FACTORY),
+        ("ms_swift_lora_sft", foreign_configs.MS_SWIFT),
+    ):
         path = f"{REPO_ROOT}/examples/{name}.yaml"
         with open(path, encoding="utf-8") as f:
             keys = set(yaml.safe_load(f))
-        assert anchors.anchor_of(keys) == anchor
+        assert foreign_configs.anchor_of(keys) == anchor
         cfg, _, lines = resolve("--config", path)
         assert (cfg.model, cfg.dataset, cfg.tuner) == ("smollm2-135m", "identity", "lora")
         assert lines[0].startswith(f"{anchor} keys read as fused-stable sft's:")

@@ -8,7 +8,7 @@ import pytest
 from sft_helpers import TINY, setup_run
 
 from fused_stable.errors import UserError
-from fused_stable.train import data, rows
+from fused_stable.train.data import instructions, rows
 
 GOOD = {"instruction": "Add.", "input": "1 + 2", "output": "3"}
 GOOD_LINE = json.dumps(GOOD).encode()
@@ -110,7 +110,7 @@ def test_what_well_formed_files_may_hold(tmp_path):
     record = {"instruction": "Join\u2028these.", "input": None, "output": "ok"}
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(record, ensure_ascii=False).encode() + b"\r\n\r\n" + GOOD_LINE)
-    examples = data.load_examples(str(path))
+    examples = instructions.load_examples(str(path))
     assert [e.source for e in examples] == [f"{path}:1", f"{path}:3"]
     assert examples[0].messages[0]["content"] == "Join\u2028these." and examples[0].answers == ["ok"]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from sft_helpers import TINY
 
-from fused_stable.train import chat, export
-from fused_stable.train.generate import generate_answers
-from fused_stable.train.saved import inspect_saved, load_trained
+from fused_stable.train.evaluation.generate import generate_answers
+from fused_stable.train.saved import chat, export
+from fused_stable.train.saved.final_model import inspect_saved, load_trained
 
 # a few steps at a high lr, so that the adapter changes the tiny model's answers
 TRAINED = [
@@ -34,13 +34,13 @@ PROMPTS = ["Add.\n\n12 + 30", "Reverse.\n\nhello", "Who are you?"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Adapter runs shared by this module's tests: LoRA, DoRA and QLoRA (4-bit base)."""
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft as sft_command
 
     root = tmp_path_factory.mktemp("chat_export")
     made = {}
     for name, extra in {"lora": [], "dora": ["--tuner", "dora"], "qlora": ["--quant_bits", "4"]}.items():
         out = root / name
-        assert cli.main([*TRAINED, *extra, "--output_dir", str(out)]) == 0
+        assert sft_command.main([*TRAINED, *extra, "--output_dir", str(out)]) == 0
         made[name] = out
     return made
 
@@ -54,8 +54,7 @@ def test_adapter_records_a_base_that_loads_again(runs, tmp_path, sft, monkeypatc
     assert config["base_model_name_or_path"] == "tiny"
     assert json.loads((runs["qlora"] / "adapter" / "fused_stable.json").read_text())["quant_bits"] == 4
     # a local model directory is recorded as an absolute path
-    from fused_stable.train.model import build_tiny_model
-    from fused_stable.train.tokenizer import build_byte_tokenizer
+    from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
 
     local = tmp_path / "local"
     build_tiny_model().save_pretrained(local)
@@ -103,7 +102,7 @@ def test_export_loads_with_transformers_and_answers_like_the_adapter(runs, tmp_p
 def test_export_overwrite_replaces_only_a_previous_export(runs, tmp_path, capsys):
     """A folder holding anything but a previous export is refused, with or without --overwrite, and left as
     it was; a previous export is replaced only with --overwrite (its manifest names what it wrote)."""
-    from fused_stable.train.outputs import read_manifest
+    from fused_stable.train.run.outputs import read_manifest
 
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -215,11 +214,10 @@ def test_adapter_of_the_embedded_model_names_its_public_base(tmp_path):
 
     from peft import LoraConfig, get_peft_model
 
-    from fused_stable.train.keys import TrainConfig
-    from fused_stable.train.model import build_tiny_model
-    from fused_stable.train.saved import inspect_saved, save_final
-    from fused_stable.train.sources import resolve_model
-    from fused_stable.train.tokenizer import build_byte_tokenizer
+    from fused_stable.train.config.keys import TrainConfig
+    from fused_stable.train.model.sources import resolve_model
+    from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
+    from fused_stable.train.saved.final_model import inspect_saved, save_final
 
     source = resolve_model("smollm2-135m")
     model = get_peft_model(build_tiny_model(), LoraConfig(r=2, target_modules=["q_proj"]))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from sft_helpers import TINY, Crash, crash_at, fit, read_metrics, setup_run
 
-from fused_stable.train import checkpoint
+from fused_stable.train.run import checkpoint
 
 RUN = ["--model", "tiny", *TINY, "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1"]
 
@@ -155,10 +155,10 @@ WHY = {
 @pytest.fixture(scope="module")
 def three_checkpoints(tmp_path_factory):
     """A finished 3-step run with a checkpoint after every step (all kept)."""
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft as sft_command
 
     out = tmp_path_factory.mktemp("ckpts") / "run"
-    code = cli.main(
+    code = sft_command.main(
         [*RUN, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", "--output_dir", str(out)]
     )
     assert code == 0

@@ -8,7 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from fused_stable.train import report  # noqa: E402
+from fused_stable.train.run import report  # noqa: E402
 
 NOTE = "held-out evaluation, greedy    before        after\nidentity (answers 'Aster')     0.00 (0/12)   1.00"
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fused_stable.errors import UserError
-from fused_stable.train import data, rows
-from fused_stable.train.config import resolve_config
-from fused_stable.train.tokenizer import build_byte_tokenizer
+from fused_stable.train.config.resolve import resolve_config
+from fused_stable.train.data import instructions, rows
+from fused_stable.train.model.tiny import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +48,21 @@ def test_alpaca_and_sharegpt_files(tmp_path, tok):
         )
         + "\n\n"
     )
-    a, s = data.load_examples(str(alpaca)), data.load_examples(str(share))
+    a, s = instructions.load_examples(str(alpaca)), instructions.load_examples(str(share))
     assert len(a) == 2 and len(s) == 1
     assert a[0].messages == [{"role": "user", "content": "Add.\n\n1 + 2"}, {"role": "assistant", "content": "3"}]
     assert a[1].messages[0]["content"] == "Say hi."
     assert [m["role"] for m in s[0].messages] == ["system", "user", "assistant"] and s[0].answers == ["4"]
-    items = data.tokenize_examples(a + s, tok, 512)
+    items = instructions.tokenize_examples(a + s, tok, 512)
     for item, answer in zip(items, ["3", "hi", "4"]):
-        trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
+        trained = [i for i, label in zip(item.input_ids, item.labels) if label != instructions.IGNORE_INDEX]
         assert tok.decode(trained[:-1]) == answer and trained[-1] == tok.eos_token_id  # answer + </s> only
     # the plain format (the byte tokenizer has no chat template): prompt ids are what generation gets
     assert tok.decode(items[2].input_ids[1:]).startswith(
         "### System:\nbe brief\n\n### Instruction:\n2+2?\n\n### Response:\n4"
     )
-    prompt = data.prompt_ids(tok, s[0].messages[:2])
-    assert items[2].input_ids[: len(prompt)] == prompt and items[2].labels[len(prompt)] != data.IGNORE_INDEX
+    prompt = instructions.prompt_ids(tok, s[0].messages[:2])
+    assert items[2].input_ids[: len(prompt)] == prompt and items[2].labels[len(prompt)] != instructions.IGNORE_INDEX
 
 
 CHATML = (
@@ -93,18 +93,18 @@ def test_chat_template_multi_turn_trains_only_assistant_turns(chatml_tok):
             {"role": "assistant", "content": "4"},
         ]
     )
-    segments = data.render(example, tok)
+    segments = instructions.render(example, tok)
     assert "".join(text for text, _ in segments) == tok.apply_chat_template(example.messages, tokenize=False)
     assert [text for text, trained in segments if trained] == ["hello<|im_end|>\n", "4<|im_end|>\n"]
-    (item,) = data.tokenize_examples([example], tok, 512)
+    (item,) = instructions.tokenize_examples([example], tok, 512)
     assert item.input_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")  # the template's own tokens, no extra <s>
-    trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
+    trained = [i for i, label in zip(item.input_ids, item.labels) if label != instructions.IGNORE_INDEX]
     assert tok.decode(trained) == "hello<|im_end|>\n4<|im_end|>\n"
     assert trained.count(tok.eos_token_id) == 2  # learns to end each turn
     # generation asks exactly where training put the answer
-    prompt = data.prompt_ids(tok, example.messages[:3])
-    assert item.input_ids[: len(prompt)] == prompt and item.labels[len(prompt)] != data.IGNORE_INDEX
-    assert item.labels[len(prompt) - 1] == data.IGNORE_INDEX
+    prompt = instructions.prompt_ids(tok, example.messages[:3])
+    assert item.input_ids[: len(prompt)] == prompt and item.labels[len(prompt)] != instructions.IGNORE_INDEX
+    assert item.labels[len(prompt) - 1] == instructions.IGNORE_INDEX
 
 
 def test_non_incremental_chat_template_is_refused(chatml_tok):
@@ -122,22 +122,22 @@ def test_non_incremental_chat_template_is_refused(chatml_tok):
         ]
     )
     with pytest.raises(UserError, match="turn by turn"):
-        data.render(example, tok)
+        instructions.render(example, tok)
 
 
 def test_collate_masks_padding(tok):
-    items = data.tokenize_examples(data.builtin_examples(3, seed=0), tok, 512)
-    batch = data.collate(items, tok.pad_token_id)
+    items = instructions.tokenize_examples(instructions.builtin_examples(3, seed=0), tok, 512)
+    batch = instructions.collate(items, tok.pad_token_id)
     pad = batch.attention_mask == 0
     assert pad.any()
-    assert (batch.labels[pad] == data.IGNORE_INDEX).all() and (batch.input_ids[pad] == tok.pad_token_id).all()
+    assert (batch.labels[pad] == instructions.IGNORE_INDEX).all() and (batch.input_ids[pad] == tok.pad_token_id).all()
     assert batch.num_tokens == sum(len(i.input_ids) for i in items)
-    assert batch.num_label_tokens == int((batch.labels[:, 1:] != data.IGNORE_INDEX).sum()) > 0
+    assert batch.num_label_tokens == int((batch.labels[:, 1:] != instructions.IGNORE_INDEX).sum()) > 0
 
 
 def test_batch_order_is_a_function_of_position(tok):
-    items = data.tokenize_examples(data.builtin_examples(10, seed=1), tok, 512)
-    a, b = data.BatchOrder(items, 3, seed=5, pad_id=0), data.BatchOrder(items, 3, seed=5, pad_id=0)
+    items = instructions.tokenize_examples(instructions.builtin_examples(10, seed=1), tok, 512)
+    a, b = instructions.BatchOrder(items, 3, seed=5, pad_id=0), instructions.BatchOrder(items, 3, seed=5, pad_id=0)
     assert a.batches_per_epoch == 4
     seq = [a.batch(k).input_ids for k in range(9)]
     assert torch.equal(b.batch(7).input_ids, seq[7])  # random access: what resume relies on
@@ -145,7 +145,7 @@ def test_batch_order_is_a_function_of_position(tok):
 
 
 def test_arithmetic_answers_are_correct():
-    for example in data.builtin_examples(50, seed=3):
+    for example in instructions.builtin_examples(50, seed=3):
         ((question, answer),) = [(example.messages[0]["content"], example.answers[0])]
         instruction, given = question.split("\n\n")
         if instruction == "Add.":

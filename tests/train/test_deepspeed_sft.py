@@ -1,4 +1,4 @@
-"""`fused-stable sft --zero_stage N` / `--deepspeed ds.json` (fused_stable.train.zero) with real DeepSpeed and real
+"""`fused-stable sft --zero_stage N` / `--deepspeed ds.json` (train/run/deepspeed_run.py) with real DeepSpeed and real
 processes on CPU (gloo): ZeRO-2 and ZeRO-3 on 2 ranks under torchrun train, read the same signals as without
 DeepSpeed (the step-1 loss is the mean over the ranks, the grad norm the global one) and resume exactly; ZeRO-3's
 adapter is gathered, so `fused-stable export` merges it and transformers loads the result; the example config
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 from test_torchrun import first_step_reference
 
-from fused_stable.train import checkpoint
+from fused_stable.train.run import checkpoint
 
 # 4 steps, checkpoints at 2 and 4; no LoRA dropout, so that the step-1 grad norm has a reference in one process
 RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0", "--lr", "1e-3", "--lora_dropout", "0"]
@@ -96,7 +96,7 @@ def _resume_exactly(out, tmp_path, saved):
     assert proc.stdout.count("done: steps 2->4") == 1
     a, b = read_metrics(out), read_metrics(broken)
     assert [(r["loss"], r["grad_norm"], r["lr"]) for r in a] == [(r["loss"], r["grad_norm"], r["lr"]) for r in b]
-    name = "adapter_model.safetensors" if saved == "adapter" else "model.safetensors"
+    name = "adapter_model.safetensors" if saved == "adapter" else "load.safetensors"
     wa, wb = load_file(out / saved / name), load_file(broken / saved / name)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     return wa
@@ -145,14 +145,14 @@ def test_zero3_two_ranks_trains_and_the_export_loads_with_transformers(zero3_run
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert adapter and all(v.dim() == 2 and v.numel() > 0 for v in adapter.values())
     assert all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
-    from fused_stable.train import export
+    from fused_stable.train.saved import export
 
     assert export.main(["--adapter", str(out), "--output_dir", str(tmp_path / "exported")]) == 0
     merged = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).named_parameters())
     # the merge is W + (alpha / r) B A with the gathered A and B, on the base the run started from
     base = dict(setup_run(*RUN, "--output_dir", tmp_path / "base").model.get_base_model().named_parameters())
     for layer in range(4):
-        prefix = f"model.layers.{layer}.self_attn.q_proj"
+        prefix = f"load.layers.{layer}.self_attn.q_proj"
         a = adapter[f"base_model.model.{prefix}.lora_A.weight"]
         b = adapter[f"base_model.model.{prefix}.lora_B.weight"]
         expected = base[f"{prefix}.base_layer.weight"].detach() + 2.0 * b @ a
@@ -180,8 +180,8 @@ def test_example_config_under_the_deepspeed_launcher_matches_the_run_without_dee
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in plain], rel=rel), key
     state = json.loads((tmp_path / "ds" / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 2 and state["world_size"] == 1
-    wa = load_file(tmp_path / "ds" / "model" / "model.safetensors")
-    wb = load_file(tmp_path / "plain" / "model" / "model.safetensors")
+    wa = load_file(tmp_path / "ds" / "model" / "load.safetensors")
+    wb = load_file(tmp_path / "plain" / "model" / "load.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
@@ -213,7 +213,7 @@ def test_guard_rollback_goes_through_the_engine(tmp_path):
     args += ["--logging_steps", 5, "--save_steps", 10, "--max_steps", 20, "--guard", "rollback", "--zero_stage", 2]
     proc = launch("torchrun", *args, "--output_dir", out, program=(script,), env={"FAULT_BATCHES": "12,13,14"})
     assert proc.stdout.count("done: steps 0->20") == 1
-    from fused_stable.train.report import read_alerts
+    from fused_stable.train.run.report import read_alerts
 
     rollbacks = [a for a in read_alerts(str(out)) if a["action"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["detected_at"] == 15
@@ -269,12 +269,13 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_bad_deepspeed_input_is_one_line_before_the_model_loads(case, sft, tmp_path, monkeypatch):
-    from fused_stable.train import model
+
+    from fused_stable.train.model import load
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the DeepSpeed input was checked")
 
-    monkeypatch.setattr(model, "load_base_model", no_model)
+    monkeypatch.setattr(load, "load_base_model", no_model)
     argv, expected = REFUSALS[case]
     code, _, err = sft(*TINY, *argv(tmp_path), "--output_dir", tmp_path / "run")
     assert code == 2 and err.count("\n") == 1 and err.startswith(ERROR_PREFIX), err
@@ -285,22 +286,22 @@ def test_bad_deepspeed_input_is_one_line_before_the_model_loads(case, sft, tmp_p
 @pytest.mark.parametrize("saved, now", [(2, None), (None, 2), (2, 3)])
 def test_resume_through_another_engine_is_refused(tmp_path, saved, now):
     from fused_stable.errors import UserError
-    from fused_stable.train import zero
-    from fused_stable.train.config import resolve_config
+    from fused_stable.train.config.resolve import resolve_config
+    from fused_stable.train.run import deepspeed_run
 
     (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 2, "zero_stage": saved}))
     cfg, _ = resolve_config([] if now is None else ["--zero_stage", str(now)])
     with pytest.raises(UserError, match="resume it with the run's own deepspeed / zero_stage keys"):
-        zero.check_resume(str(tmp_path), cfg)
+        deepspeed_run.check_resume(str(tmp_path), cfg)
     cfg, _ = resolve_config([] if saved is None else ["--zero_stage", str(saved)])
-    zero.check_resume(str(tmp_path), cfg)  # the engine that wrote it
+    deepspeed_run.check_resume(str(tmp_path), cfg)  # the engine that wrote it
 
 
 def test_a_llamafactory_zero3_config_is_filled_by_the_trainer(tmp_path):
     """LLaMA-Factory's examples/deepspeed/ds_z3_config.json as it ships (every size "auto", fp16 "auto"): the
     trainer fills what the HF Trainer fills there, and the integration's keys are set."""
-    from fused_stable.train import zero
-    from fused_stable.train.config import resolve_config
+    from fused_stable.train.config.resolve import resolve_config
+    from fused_stable.train.run import deepspeed_run
 
     auto = {"enabled": "auto"}
     ds = {
@@ -330,7 +331,7 @@ def test_a_llamafactory_zero3_config_is_filled_by_the_trainer(tmp_path):
         class config:
             hidden_size = 64
 
-    out = zero.engine_config(cfg, Model(), "bf16")
+    out = deepspeed_run.engine_config(cfg, Model(), "bf16")
     assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (
         2,
         3,

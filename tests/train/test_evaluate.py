@@ -7,11 +7,10 @@ import json
 import pytest
 from sft_helpers import TINY
 
-from fused_stable.train import tasks
-from fused_stable.train.evaluate import SETS, contains_answer, eval_report, evaluate, format_table, judge
-from fused_stable.train.generate import generate_answers
-from fused_stable.train.model import build_tiny_model
-from fused_stable.train.tokenizer import build_byte_tokenizer
+from fused_stable.train.data import tasks
+from fused_stable.train.evaluation.before_after import SETS, contains_answer, eval_report, evaluate, format_table, judge
+from fused_stable.train.evaluation.generate import generate_answers
+from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
 
 # the identity task on the tiny model: a few steps at a high lr so that the answers change
 IDENTITY_TINY = [
@@ -220,7 +219,7 @@ def test_sft_writes_eval_json_before_is_the_base(sft, tmp_path):
     assert [e["after"] for e in report["examples"]] != [e["before"] for e in report["examples"]]
     assert "held-out evaluation" in stdout and "evaluation before training" in stdout
     assert (out / "curves.png").stat().st_size > 0
-    from fused_stable.train.outputs import read_manifest
+    from fused_stable.train.run.outputs import read_manifest
 
     assert "eval.json" in read_manifest(str(out))["entries"]  # a later --overwrite removes it with the run
 

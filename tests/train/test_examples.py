@@ -12,9 +12,9 @@ import pytest
 import yaml
 from sft_helpers import REPO_ROOT, read_metrics
 
-from fused_stable.train import anchors
-from fused_stable.train.config import resolve_config, run_dict
-from fused_stable.train.keys import FIELDS
+from fused_stable.train.config import foreign_configs
+from fused_stable.train.config.keys import FIELDS
+from fused_stable.train.config.resolve import resolve_config, run_dict
 
 EXAMPLES = Path(REPO_ROOT) / "examples"
 CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
@@ -33,10 +33,10 @@ def test_every_documented_example_is_there():
 def test_example_loads_as_written_and_says_what_it_is_for(path):
     cfg, explicit = resolve_config(["--config", str(path)])
     keys = set(yaml.safe_load(path.read_text()))
-    if anchors.anchor_of(keys) is None:
+    if foreign_configs.anchor_of(keys) is None:
         assert explicit == keys, "every key of the file is read as a key"
     else:  # written for LLaMA-Factory or ms-swift: every key is ours or one the mapping reads
-        assert all(k in FIELDS or anchors.known(k) for k in keys)
+        assert all(k in FIELDS or foreign_configs.known(k) for k in keys)
         assert explicit >= keys & set(FIELDS)
     assert path.read_text().startswith("# "), f"{path.name} starts with a comment saying what it is for"
     assert cfg.output_dir.startswith("runs/"), "an example writes under runs/, like the default run"

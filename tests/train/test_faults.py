@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, wait_for
 
-from fused_stable.train import checkpoint, outputs
+from fused_stable.train.run import checkpoint, outputs
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_script.py")
 # 6 steps, a checkpoint at steps 3 and 6, a log line per step: the faults hit the step-6 save
@@ -86,10 +86,10 @@ def faulted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def straight(faulted, tmp_path_factory):
     """The same run, never interrupted (in this process)."""
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft as sft_command
 
     out = tmp_path_factory.mktemp("straight") / "run"
-    assert cli.main([*RUN, "--output_dir", str(out)]) == 0
+    assert sft_command.main([*RUN, "--output_dir", str(out)]) == 0
     return out
 
 
@@ -191,12 +191,13 @@ def test_a_second_run_into_a_busy_folder_is_refused_at_once_and_a_killed_run_lea
         assert holder is not None and holder["pid"] == int((pids / "rank-0").read_text())
 
         # refused before any model is loaded, with or without --overwrite, and the running folder is untouched
-        from fused_stable.train import model
+
+        from fused_stable.train.model import load
 
         def no_model(*args, **kwargs):
             raise AssertionError("the second run loaded a model before it was refused")
 
-        monkeypatch.setattr(model, "load_base_model", no_model)
+        monkeypatch.setattr(load, "load_base_model", no_model)
         before = sorted(os.listdir(out))
         for extra in ([], ["--overwrite", "true"], ["--resume", "latest"]):
             code, _, err = (

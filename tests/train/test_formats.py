@@ -9,8 +9,8 @@ import json
 import pytest
 
 from fused_stable.errors import UserError
-from fused_stable.train import data
-from fused_stable.train.tokenizer import build_byte_tokenizer
+from fused_stable.train.data import instructions
+from fused_stable.train.model.tiny import build_byte_tokenizer
 
 ALPACA = {
     "system": "Answer in one word.",
@@ -46,7 +46,7 @@ def assistant(text):
 def load(tmp_path, *records, name="d.jsonl"):
     path = tmp_path / name
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    return data.load_examples(str(path))
+    return instructions.load_examples(str(path))
 
 
 def test_every_field_becomes_part_of_the_conversation(tmp_path):
@@ -69,21 +69,21 @@ def test_every_field_becomes_part_of_the_conversation(tmp_path):
 def test_plain_format_on_the_tiny_model_trains_every_answer(tmp_path):
     tok = build_byte_tokenizer()
     (alpaca,) = load(tmp_path, ALPACA)
-    segments = data.render(alpaca, tok)
+    segments = instructions.render(alpaca, tok)
     text = "".join(t for t, _ in segments)
     assert text.startswith(
         "### System:\nAnswer in one word.\n\n### Instruction:\nCapital of France?\n\n### Response:\n"
     )
     assert [t for t, trained in segments if trained] == ["Paris", "Rome", "Madrid"]
-    (item,) = data.tokenize_examples([alpaca], tok, 512)
-    trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
+    (item,) = instructions.tokenize_examples([alpaca], tok, 512)
+    trained = [i for i, label in zip(item.input_ids, item.labels) if label != instructions.IGNORE_INDEX]
     assert tok.decode(trained) == "Paris</s>Rome</s>Madrid</s>"
 
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from fused_stable.train.model import load_tokenizer
-    from fused_stable.train.sources import resolve_model
+    from fused_stable.train.model.load import load_tokenizer
+    from fused_stable.train.model.sources import resolve_model
 
     return load_tokenizer(resolve_model("smollm2-135m"))
 
@@ -98,11 +98,11 @@ def test_smollm2_chat_template_exact_tokens(tmp_path, smollm2_tokenizer):
         (sharegpt, [("Capital of France?", "Paris")]),
         (messages, [("Capital of France?", "Paris"), ("And of Spain?", "Madrid")]),
     ):
-        segments = data.render(example, tok)
+        segments = instructions.render(example, tok)
         assert "".join(t for t, _ in segments) == system + "".join(turn.format(q, a) for q, a in turns)
         assert [t for t, trained in segments if trained] == [f"{a}<|im_end|>\n" for _, a in turns]
-        (item,) = data.tokenize_examples([example], tok, 512)
-        trained = [i for i, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX]
+        (item,) = instructions.tokenize_examples([example], tok, 512)
+        trained = [i for i, label in zip(item.input_ids, item.labels) if label != instructions.IGNORE_INDEX]
         assert tok.decode(trained) == "".join(f"{a}<|im_end|>\n" for _, a in turns)
         # the template's own special tokens, one id each, and the same ids as the whole conversation tokenised
         whole = tok(system + "".join(turn.format(q, a) for q, a in turns), add_special_tokens=False)["input_ids"]
@@ -110,7 +110,7 @@ def test_smollm2_chat_template_exact_tokens(tmp_path, smollm2_tokenizer):
         assert trained.count(tok.convert_tokens_to_ids("<|im_end|>")) == len(turns)
     # no system field: SmolLM2's template writes its own default system prompt, as at chat time
     (plain,) = load(tmp_path, {"instruction": "Hi", "output": "Hello"}, name="p.jsonl")
-    assert "".join(t for t, _ in data.render(plain, tok)).startswith(
+    assert "".join(t for t, _ in instructions.render(plain, tok)).startswith(
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     )
 
@@ -147,7 +147,7 @@ def test_a_field_or_role_that_cannot_be_used_is_one_line(tmp_path, record, probl
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"instruction": "ok", "output": "ok"}) + "\n" + json.dumps(record) + "\n")
     with pytest.raises(UserError) as info:
-        data.load_examples(str(path))
+        instructions.load_examples(str(path))
     message = str(info.value)
     assert message.startswith(f"{path}:2: ") and "\n" not in message
     assert problem in message
@@ -155,11 +155,11 @@ def test_a_field_or_role_that_cannot_be_used_is_one_line(tmp_path, record, probl
 
 def test_a_missing_dataset_names_the_valid_ones_and_a_directory_is_said_so(tmp_path):
     with pytest.raises(UserError) as info:
-        data.load_examples(str(tmp_path / "nope.jsonl"))
+        instructions.load_examples(str(tmp_path / "nope.jsonl"))
     assert "not found: give a local .json/.jsonl file, or a built-in task: 'identity' or 'arithmetic'" in str(
         info.value
     )
     assert "builtin" not in str(info.value)
     (tmp_path / "train.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
     with pytest.raises(UserError, match=r"is a directory; give one .json/.jsonl file \(it holds train.jsonl\)"):
-        data.load_examples(str(tmp_path))
+        instructions.load_examples(str(tmp_path))

@@ -18,11 +18,10 @@ from helpers import count_host_reads
 from sft_helpers import TINY, fit, read_metrics, setup_run
 
 from fused_stable.errors import UserError
-from fused_stable.train import data, tasks
-from fused_stable.train.evaluate import HeldOutLosses, retention_items, split_examples
-from fused_stable.train.keys import EVAL_EVERY_LOGS
-from fused_stable.train.model import build_tiny_model
-from fused_stable.train.tokenizer import build_byte_tokenizer
+from fused_stable.train.config.keys import EVAL_EVERY_LOGS
+from fused_stable.train.data import instructions, tasks
+from fused_stable.train.evaluation.held_out import HeldOutLosses, retention_items, split_examples
+from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
 
 # the tiny run with 16 of its 64 examples held out, evaluated every 4 steps (logging every 2)
 HELD_OUT = [*TINY, "--val_size", "16", "--eval_steps", "4", "--max_steps", "8", "--save_steps", "0"]
@@ -67,11 +66,11 @@ def _training_loss(model, items, pad_id):
     total, tokens = 0.0, 0
     with torch.no_grad():
         for item in items:
-            b = data.collate([item], pad_id)
+            b = instructions.collate([item], pad_id)
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
             labels = b.labels[:, 1:].reshape(-1)
             total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels, reduction="sum").item()
-            tokens += int((labels != data.IGNORE_INDEX).sum())
+            tokens += int((labels != instructions.IGNORE_INDEX).sum())
     return total / tokens
 
 
@@ -79,7 +78,7 @@ def _training_loss(model, items, pad_id):
 def test_eval_loss_is_the_training_loss_on_the_held_out_set_read_once(keep_logits):
     tokenizer = build_byte_tokenizer()
     model = build_tiny_model(tokenizer).train()
-    items = data.tokenize_examples(data.builtin_examples(20, seed=5), tokenizer, 96)
+    items = instructions.tokenize_examples(instructions.builtin_examples(20, seed=5), tokenizer, 96)
     losses = HeldOutLosses(
         {"eval_loss": items[:12], "retention_loss": items[12:]},
         pad_id=tokenizer.pad_token_id,
@@ -92,7 +91,7 @@ def test_eval_loss_is_the_training_loss_on_the_held_out_set_read_once(keep_logit
     # summed on the device, one read (transformers' own mask helper reads the padding mask inside the model's
     # forward, as in training: tests/train/test_loop_host_reads.py)
     ours = [(name, where) for name, where in reads.reads if os.sep + "transformers" + os.sep not in where]
-    assert [(name, os.path.basename(where).split(":")[0]) for name, where in ours] == [("tolist", "evaluate.py")]
+    assert [(name, os.path.basename(where).split(":")[0]) for name, where in ours] == [("tolist", "held_out.py")]
     assert model.training  # measured in eval mode (no dropout), handed back in training mode
     model.eval()
     assert values["eval_loss"] == pytest.approx(_training_loss(model, items[:12], tokenizer.pad_token_id), rel=1e-5)
@@ -100,7 +99,7 @@ def test_eval_loss_is_the_training_loss_on_the_held_out_set_read_once(keep_logit
         _training_loss(model, items[12:], tokenizer.pad_token_id), rel=1e-5
     )
     assert losses.tokens["eval_loss"] == sum(
-        sum(lab != data.IGNORE_INDEX for lab in it.labels[1:]) for it in items[:12]
+        sum(lab != instructions.IGNORE_INDEX for lab in it.labels[1:]) for it in items[:12]
     )
 
 
@@ -133,15 +132,15 @@ def test_sft_measures_eval_loss_on_its_schedule(tmp_path):
 def test_the_held_out_examples_are_not_trained_on(tmp_path):
     setup = setup_run(*HELD_OUT, "--output_dir", tmp_path / "run")
     trained = [item.input_ids for item in setup.trainer.batches.items]
-    train, heldout = split_examples(data.builtin_examples(64, seed=42), 16, seed=42)
-    assert trained == [i.input_ids for i in data.tokenize_examples(train, setup.tokenizer, 96)]
+    train, heldout = split_examples(instructions.builtin_examples(64, seed=42), 16, seed=42)
+    assert trained == [i.input_ids for i in instructions.tokenize_examples(train, setup.tokenizer, 96)]
     assert len(trained) == 48 and setup.trainer.evaluator.examples["eval_loss"] == 16
     measured = [
         tuple(ids[: int(mask.sum())].tolist())  # right-padded: the row's own tokens first
         for b in setup.trainer.evaluator.batches["eval_loss"]
         for ids, mask in zip(b.input_ids, b.attention_mask)
     ]
-    heldout_ids = [tuple(i.input_ids) for i in data.tokenize_examples(heldout, setup.tokenizer, 96)]
+    heldout_ids = [tuple(i.input_ids) for i in instructions.tokenize_examples(heldout, setup.tokenizer, 96)]
     assert sorted(measured) == sorted(heldout_ids)  # what eval_loss measures is exactly the held-out set
 
 
@@ -226,7 +225,7 @@ def test_a_resumed_run_keeps_its_reference_and_bests(sft, tmp_path):
 
 def test_a_set_whose_answers_are_all_cut_off_is_not_measured():
     tokenizer = build_byte_tokenizer()
-    item = data.TokenizedExample([1, 2, 3], [data.IGNORE_INDEX] * 3)
+    item = instructions.TokenizedExample([1, 2, 3], [instructions.IGNORE_INDEX] * 3)
     losses = HeldOutLosses({"eval_loss": [item]}, pad_id=tokenizer.pad_token_id, device="cpu")
     assert losses.names == []
     with pytest.raises(UserError):

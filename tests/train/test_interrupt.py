@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, wait_for
 
-from fused_stable.train import checkpoint
+from fused_stable.train.run import checkpoint
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interrupt_script.py")
 # logging every step (the interrupt script sleeps there), no periodic checkpoint unless a test asks for one

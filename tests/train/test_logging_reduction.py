@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import count_host_reads
 
-from fused_stable.train import parallel
+from fused_stable.train.run import parallel
 
 
 def rank_rows(rank: int) -> torch.Tensor:

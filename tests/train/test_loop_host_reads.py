@@ -100,7 +100,7 @@ def test_an_evaluation_reads_the_device_once(tmp_path):
     )
     logging_bins = {k + 1 for k in range(LOGGING_STEPS, STEPS, LOGGING_STEPS)}
     base = [("tolist", "guard.py"), ("tolist", "parallel.py")]
-    evaluation = [("tolist", "evaluate.py")]
+    evaluation = [("tolist", "held_out.py")]
     # step 1's bin holds the evaluation before the first step
     assert _where(per_step[1]) == evaluation, per_step[1]
     for step, reads in per_step.items():

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from sft_helpers import REPO_ROOT, TINY, fit, read_metrics, setup_run
 
-from fused_stable.train import outputs
+from fused_stable.train.run import outputs
 
 RUN = ["--model", "tiny", *TINY, "--max_steps", "2"]
 
@@ -38,10 +38,10 @@ def _one_error_line(code, err):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished 2-step run with TensorBoard events; tests copy it before changing anything."""
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft as sft_command
 
     out = tmp_path_factory.mktemp("outputs") / "run"
-    assert cli.main([str(a) for a in (*RUN, "--tensorboard", "true", "--output_dir", out)]) == 0
+    assert sft_command.main([str(a) for a in (*RUN, "--tensorboard", "true", "--output_dir", out)]) == 0
     return out
 
 
@@ -201,7 +201,7 @@ def test_failed_resume_writes_nothing(sft, finished, tmp_path):
 
 
 def _rewrite_marker(ckpt):
-    from fused_stable.train.checkpoint import COMPLETE_MARKER, _file_records
+    from fused_stable.train.run.checkpoint import COMPLETE_MARKER, _file_records
 
     marker = json.loads((ckpt / COMPLETE_MARKER).read_text())
     os.remove(ckpt / COMPLETE_MARKER)

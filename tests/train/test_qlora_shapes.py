@@ -20,8 +20,8 @@ bnb_modules = pytest.importorskip("bitsandbytes.nn.modules")
 
 from sft_helpers import TINY, setup_run  # noqa: E402
 
-from fused_stable.train import chat  # noqa: E402
-from fused_stable.train.model import PACKED_CPU_PATH, packed_cpu_path_takes  # noqa: E402
+from fused_stable.train.model.load import PACKED_CPU_PATH, packed_cpu_path_takes  # noqa: E402
+from fused_stable.train.saved import chat  # noqa: E402
 
 needs_packed_path = pytest.mark.skipif(
     not hasattr(bnb_functional, "_convert_weight_packed_for_cpu"),
@@ -50,7 +50,7 @@ def _odd_model(folder):
     (200 is no multiple of 32 or 64: it cannot)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fused_stable.train.tokenizer import build_byte_tokenizer
+    from fused_stable.train.model.tiny import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
     config = LlamaConfig(
@@ -111,7 +111,7 @@ def test_odd_sized_model_trains_chats_and_exports_in_4bit(tmp_path, sft, capsys,
     setup = setup_run(*args, "--output_dir", tmp_path / "inspect")
     layers = {n: m for n, m in setup.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(layers) == 2 * 7 and not any(getattr(m, PACKED_CPU_PATH) for m in layers.values())
-    from fused_stable.train.generate import generate_answers
+    from fused_stable.train.evaluation.generate import generate_answers
 
     generate_answers(setup.model, setup.tokenizer, ["Add.\n\n1 + 2"], max_new_tokens=2, batch_size=1)
     assert packed_cpu_path == []
@@ -129,6 +129,6 @@ def test_odd_sized_model_trains_chats_and_exports_in_4bit(tmp_path, sft, capsys,
     assert "model.layers.*.mlp.gate_proj (128 -> 200)" in notes[0] and "self_attn" not in notes[0]
     assert packed_cpu_path and set(packed_cpu_path) == {(128, 128)}  # q, k, v, o of both blocks
 
-    from fused_stable.train import export
+    from fused_stable.train.saved import export
 
     assert export.main(["--adapter", str(out), "--output_dir", str(tmp_path / "merged")]) == 0

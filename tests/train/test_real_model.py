@@ -2,7 +2,7 @@
 evaluation of the base, a few QLoRA and bf16 steps, export equality and chat one-shot.
 
 Slow: each test loads a 135M-parameter model. The GGUF conversion happens once per machine (the cache folder,
-see fused_stable.train.sources; parallel test workers wait for each other's conversion).
+see fused_stable.train.model.sources; parallel test workers wait for each other's conversion).
 """
 
 import json
@@ -14,7 +14,7 @@ import pytest
 import torch
 from sft_helpers import REPO_ROOT, read_metrics
 
-from fused_stable.train import sources
+from fused_stable.train.model import sources
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def sft_session():
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft
 
     def run(*argv):
         import contextlib
@@ -59,14 +59,14 @@ def sft_session():
 
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main([str(a) for a in argv])
+            code = sft.main([str(a) for a in argv])
         return code, out.getvalue(), err.getvalue()
 
     return run
 
 
 def _greedy(model, tokenizer, prompts=PROMPTS, max_new_tokens=24):
-    from fused_stable.train.generate import generate_answers
+    from fused_stable.train.evaluation.generate import generate_answers
 
     return generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=1)
 
@@ -76,7 +76,7 @@ def test_gguf_conversion_equals_loading_the_gguf(smollm2):
     config has no quantization_config (so bitsandbytes can quantise it) and the tokenizer keeps ChatML."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fused_stable.train.model import load_pretrained
+    from fused_stable.train.model.load import load_pretrained
 
     folder = sources.ensure_converted(smollm2.path)
     config = json.loads(open(os.path.join(folder, "config.json")).read())
@@ -96,8 +96,8 @@ def test_gguf_conversion_equals_loading_the_gguf(smollm2):
 
 def test_base_model_evaluation(smollm2):
     """Before training the base model does not know the new name and knows about half the general answers."""
-    from fused_stable.train.evaluate import evaluate
-    from fused_stable.train.model import load_pretrained
+    from fused_stable.train.evaluation.before_after import evaluate
+    from fused_stable.train.model.load import load_pretrained
 
     model, tokenizer = load_pretrained(smollm2)
     result = evaluate(model, tokenizer)
@@ -164,9 +164,9 @@ def test_export_and_chat_answer_like_the_adapter(smollm2, sft_session, tmp_path)
     (One test, not three: test workers would each train their own copy of a shared fixture.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fused_stable.train.export import export
-    from fused_stable.train.model import load_pretrained
-    from fused_stable.train.saved import load_trained
+    from fused_stable.train.model.load import load_pretrained
+    from fused_stable.train.saved.export import export
+    from fused_stable.train.saved.final_model import load_trained
 
     run = tmp_path / "lora"
     code, _, err = sft_session(*FEW, "--max_steps", "6", "--lr", "2e-3", "--warmup_ratio", "0", "--output_dir", run)

@@ -6,14 +6,14 @@ import os
 import pytest
 from sft_helpers import TINY
 
-from fused_stable.train import report
-from fused_stable.train.config import resolve_config
+from fused_stable.train.config.resolve import resolve_config
+from fused_stable.train.run import report
 
 RUN = [*TINY, "--max_steps", "2", "--logging_steps", "1", "--save_steps", "0", "--evaluation", "off"]
 
 
 def test_report_to_choices_and_what_each_writes(tmp_path):
-    from fused_stable.train.cli import run_entries
+    from fused_stable.train.run.sft import run_entries
 
     for value, tensorboard, wandb in (("tensorboard", True, False), ("wandb", False, True), ("none", False, False)):
         cfg, _ = resolve_config(["--report_to", value])

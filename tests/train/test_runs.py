@@ -179,7 +179,7 @@ def test_full_finetune_with_gradient_checkpointing(sft, tmp_path):
     assert os.path.isfile(out / "model" / "config.json")
     from transformers import AutoModelForCausalLM
 
-    from fused_stable.train.model import build_tiny_model
+    from fused_stable.train.model.tiny import build_tiny_model
 
     saved = AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True)
     base = build_tiny_model()
@@ -190,8 +190,7 @@ def test_full_finetune_with_gradient_checkpointing(sft, tmp_path):
 
 def test_local_model_directory(sft, tmp_path):
     """A local Hugging Face directory (the tiny model and tokenizer saved to disk) loads offline."""
-    from fused_stable.train.model import build_tiny_model
-    from fused_stable.train.tokenizer import build_byte_tokenizer
+    from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
 
     local = tmp_path / "local-model"
     build_tiny_model().save_pretrained(local)

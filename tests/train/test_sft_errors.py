@@ -80,7 +80,7 @@ def test_unknown_flag_far_from_every_key_gets_no_guess(sft, flag):
 
 
 def test_key_name_and_key_dash_name_are_the_same_key():
-    from fused_stable.train.config import resolve_config
+    from fused_stable.train.config.resolve import resolve_config
 
     a, _ = resolve_config(["--max_grad_norm", "0.5", "--grad-accum", "3", "--save-total-limit=2"])
     b, _ = resolve_config(["--max-grad-norm", "0.5", "--grad_accum", "3", "--save_total_limit=2"])
@@ -153,7 +153,7 @@ def test_unwritable_output_dir_before_the_model_is_built(tmp_path):
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from fused_stable.train import cli; sys.exit(cli.main(sys.argv[1:]))",
+        "import sys; from fused_stable.train.run import sft; sys.exit(sft.main(sys.argv[1:]))",
         *RUN,
         "--output_dir",
         str(parent / "run"),
@@ -187,7 +187,7 @@ def test_real_process_exit_code_and_stderr(tmp_path):
 
 
 def test_help_lists_every_key_with_default_within_100_columns(sft):
-    from fused_stable.train.keys import FIELDS
+    from fused_stable.train.config.keys import FIELDS
 
     code, out, _ = sft("--help")
     assert code == 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fused_stable.errors import UserError
-from fused_stable.train import runtime, sources
+from fused_stable.train.model import sources
+from fused_stable.train.run import runtime
 
 
 def test_resolve_kinds(tmp_path):

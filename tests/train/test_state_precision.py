@@ -7,7 +7,7 @@ import pytest
 import torch
 from sft_helpers import TINY, Crash, crash_at, fit, read_metrics, setup_run
 
-from fused_stable.train import checkpoint, outputs
+from fused_stable.train.run import checkpoint, outputs
 
 # full fine-tuning of the tiny model: its matrices are >= 4096 elements, so 8-bit codes are on the path
 RUN = ["--model", "tiny", *TINY, "--tuner", "full", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 
 from fused_stable.integrations.distributed import shard_data
-from fused_stable.train import checkpoint
-from fused_stable.train.data import IGNORE_INDEX, BatchOrder
-from fused_stable.train.report import read_alerts
+from fused_stable.train.data.instructions import IGNORE_INDEX, BatchOrder
+from fused_stable.train.run import checkpoint
+from fused_stable.train.run.report import read_alerts
 
 # 4 steps of 2 micro-batches of 4 rows per rank, a checkpoint every 2 steps, all kept
 RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0"]

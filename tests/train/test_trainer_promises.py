@@ -14,8 +14,9 @@ import torch
 from sft_helpers import TINY, fit, read_metrics, setup_run
 
 from fused_stable import GradScaler
-from fused_stable.train import checkpoint, data
-from fused_stable.train.tokenizer import build_byte_tokenizer
+from fused_stable.train.data import instructions
+from fused_stable.train.model.tiny import build_byte_tokenizer
+from fused_stable.train.run import checkpoint
 
 # TINY names --model tiny: these tests are about the trainer, not the default model
 SHORT = TINY
@@ -191,7 +192,7 @@ def test_weight_decay_on_matrices_only_full_finetune_with_biases(tmp_path):
     """tuner=full on a local Llama with attention and MLP biases: norms and biases get no weight decay."""
     from transformers import LlamaForCausalLM
 
-    from fused_stable.train.model import tiny_llama_config
+    from fused_stable.train.model.tiny import tiny_llama_config
 
     tok = build_byte_tokenizer()
     config = tiny_llama_config(len(tok))
@@ -317,7 +318,7 @@ def test_resume_restores_the_loss_scaler_state(tmp_path):
 
 # ------------------------------------------------------------------------------------------- sharegpt
 def _trained_text(item, tok):
-    return tok.decode([t for t, label in zip(item.input_ids, item.labels) if label != data.IGNORE_INDEX])
+    return tok.decode([t for t, label in zip(item.input_ids, item.labels) if label != instructions.IGNORE_INDEX])
 
 
 @pytest.mark.parametrize("style", ["from/value", "role/content"])
@@ -333,7 +334,7 @@ def test_sharegpt_learns_every_assistant_turn_and_nothing_else(tmp_path, style):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps(record) + "\n")
     tok = build_byte_tokenizer()
-    [item] = data.tokenize_examples(data.load_examples(str(path)), tok, 512)
+    [item] = instructions.tokenize_examples(instructions.load_examples(str(path)), tok, 512)
     eos = tok.eos_token
     assert _trained_text(item, tok) == f"4{eos}6!{eos}"  # both answers (+ </s>), no prompt, no system text
     # and the trainer sees those label tokens in its batches
@@ -439,19 +440,19 @@ def test_without_a_terminal_one_progress_line_per_logging_step(tmp_path, capsys)
 @pytest.mark.skipif(not hasattr(signal, "raise_signal"), reason="needs signal.raise_signal")
 def test_an_interrupt_before_training_starts_stops_at_once_and_writes_nothing(tmp_path, monkeypatch, capsys):
     """docs/trainer.md: an interrupt before training starts stops at once (exit 130): nothing has been written."""
-    from fused_stable.train import cli
+    from fused_stable.train.run import sft
 
-    real_setup = cli.setup_run
+    real_setup = sft.setup_run
 
     def setup_then_ctrl_c(argv):
         setup = real_setup(argv)
         signal.raise_signal(signal.SIGINT)  # arrives while the model is built: nothing written yet
         return setup
 
-    monkeypatch.setattr(cli, "setup_run", setup_then_ctrl_c)
+    monkeypatch.setattr(sft, "setup_run", setup_then_ctrl_c)
     before = signal.getsignal(signal.SIGINT)  # Python's default, or "ignore" in an xdist worker
     out = tmp_path / "run"
-    code = cli.main([str(a) for a in (*SHORT, "--output_dir", out)])
+    code = sft.main([str(a) for a in (*SHORT, "--output_dir", out)])
     err = capsys.readouterr().err
     assert code == 130
     assert "interrupted before training started; nothing was written" in err

@@ -11,13 +11,13 @@ import signal
 import sys
 import time
 
-from fused_stable.train import cli, parallel
+from fused_stable.train.run import parallel, sft
 
 
 def main(argv):
     faults = {int(i) for i in os.environ.get("FAULT_BATCHES", "").split(",") if i}
     kill_rank, _, kill_step = os.environ.get("KILL_RANK", "").partition(":")
-    build = cli.setup_run
+    build = sft.setup_run
 
     def setup_with_fault(args):
         setup = build(args)
@@ -39,8 +39,8 @@ def main(argv):
             trainer.callbacks.append(die)
         return setup
 
-    cli.setup_run = setup_with_fault
-    return cli.main(argv[1:] if argv[:1] == ["sft"] else argv)
+    sft.setup_run = setup_with_fault
+    return sft.main(argv[1:] if argv[:1] == ["sft"] else argv)
 
 
 if __name__ == "__main__":

@@ -5,20 +5,20 @@ SFT_ARGS` with a sleep of SECONDS after every logging step (the tests log every 
 import sys
 import time
 
-from fused_stable.train import cli
+from fused_stable.train.run import sft
 from fused_stable.webui import runner
 
 
 def main(argv):
     pause = float(argv[0])
-    build = cli.setup_run
+    build = sft.setup_run
 
     def slowed(args):
         setup = build(args)
         setup.trainer.callbacks.append(lambda step, optimizer, metrics: time.sleep(pause))
         return setup
 
-    cli.setup_run = slowed
+    sft.setup_run = slowed
     return runner.main(argv[1:])
 
 

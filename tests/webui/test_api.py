@@ -15,8 +15,8 @@ from gradio_client import handle_file
 from gradio_client.exceptions import AppError
 from safetensors.torch import load_file
 
-from fused_stable.train import cli, outputs
-from fused_stable.train.report import read_metrics
+from fused_stable.train.run import outputs, sft
+from fused_stable.train.run.report import read_metrics
 from fused_stable.webui.runs import STATES
 
 
@@ -80,7 +80,7 @@ def test_start_pause_resume_reaches_the_uninterrupted_weights(served, tmp_path, 
     # the same run without the pause, straight through in this process
     straight = tmp_path / "straight"
     flags = [f"--{k}={v}" for k, v in {**TINY_KEYS, "max_steps": 16, "output_dir": straight}.items()]
-    assert cli.main(flags) == 0, capsys.readouterr().err
+    assert sft.main(flags) == 0, capsys.readouterr().err
     a = load_file(straight / "adapter" / "adapter_model.safetensors")
     b = load_file(os.path.join(done["run_dir"], "adapter", "adapter_model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -124,7 +124,7 @@ def test_bad_values_get_the_cli_messages_and_start_nothing(served, capsys):
     for bad, flag in (({"lr": "inf"}, "--lr=inf"), ({"lerning_rate": 1}, None), ({"batch_size": 0}, "--batch_size=0")):
         message = _refused(served.client, "/start_run", _yaml(output_dir="bad", **bad))
         if flag is not None:  # the very line `fused-stable sft` prints for the same value
-            assert cli.main(["--model=tiny", flag]) == 2
+            assert sft.main(["--model=tiny", flag]) == 2
             cli_line = capsys.readouterr().err.strip()
             assert cli_line == f"fused-stable sft: error: {message}"
         else:

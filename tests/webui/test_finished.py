@@ -9,8 +9,9 @@ import pytest
 from conftest import TINY_KEYS, Served
 from gradio_client.exceptions import AppError
 
-from fused_stable.train import chat, cli
-from fused_stable.train.outputs import read_manifest
+from fused_stable.train.run import sft
+from fused_stable.train.run.outputs import read_manifest
+from fused_stable.train.saved import chat
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def finished(tmp_path_factory, gradio_env):
     server = Served(tmp_path_factory.mktemp("workspace"))
     run_dir = os.path.join(server.workspace.root, "done")
     flags = [f"--{k}={v}" for k, v in {**TINY_KEYS, "max_steps": 2, "output_dir": run_dir}.items()]
-    assert cli.main(flags) == 0  # a run made on the command line: the page shows it all the same
+    assert sft.main(flags) == 0  # a run made on the command line: the page shows it all the same
     yield server
     server.close()
 

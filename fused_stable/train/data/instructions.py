@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fused_stable.errors import UserError
-from fused_stable.train.rows import Example, alpaca_example, has_empty_answer, parse_row
+from fused_stable.train.data.rows import Example, alpaca_example, has_empty_answer, parse_row
 
 IGNORE_INDEX = -100
 BUILTIN_DATASETS = ("identity", "arithmetic")  # `--dataset` names that are no file (cli's _task_examples)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
-from fused_stable.train import stopped
-from fused_stable.train.run_evaluation import evaluate_run, held_out_losses
+from fused_stable.train.evaluation.run_evaluations import evaluate_run, held_out_losses
+from fused_stable.train.run import stop_message
 
 RUN_FILE = "run.yaml"
 
@@ -31,7 +31,7 @@ def evaluating(cfg) -> bool:
 def run_entries(cfg) -> list[str]:
     """The top-level entries of output_dir that a run with this config creates: claimed in its manifest
     (outputs.claim) before they are created, and exactly what a later --overwrite removes."""
-    from fused_stable.train.evaluate import EVAL_FILE
+    from fused_stable.train.evaluation.before_after import EVAL_FILE
 
     names = [
         RUN_FILE,
@@ -50,31 +50,19 @@ def tensorboard_on(cfg) -> bool:
     return cfg.tensorboard and cfg.report_to == "tensorboard"
 
 
-def _quiet_third_party_noise() -> None:
-    """Two messages every run would print that say nothing about the run: bitsandbytes' note that an optional
-    hub-downloaded CPU kernel is missing (we are offline by design), and a transformers deprecation that peft
-    triggers."""
-    import logging
-    import warnings
-
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars on every load: the run prints its own progress
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-
-
 def main(argv: list[str]) -> int:
     offline_environment()  # before anything imports transformers
     if any(a in ("-h", "--help") for a in argv):
-        from fused_stable.train.keys import help_text
+        from fused_stable.train.config.keys import help_text
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, from rank 0
             print(help_text())
         return 0
-    _quiet_third_party_noise()
-    from fused_stable.train import parallel
-    from fused_stable.train.loop import Interrupts
+    from fused_stable.train.run import parallel
+    from fused_stable.train.run.runtime import quiet_third_party_noise
+
+    quiet_third_party_noise()
+    from fused_stable.train.run.loop import Interrupts
 
     # SIGINT / SIGTERM: at once while nothing is written; once training, after a checkpoint (see Interrupts)
     code = None
@@ -101,9 +89,9 @@ def main(argv: list[str]) -> int:
 def _resolve(argv: list[str]):
     """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
     checkpoints `resume latest` passed over (one line each)."""
-    from fused_stable.train import checkpoint, outputs
-    from fused_stable.train.config import resolve_config, same_state_value
-    from fused_stable.train.keys import STATE_KEYS
+    from fused_stable.train.config.keys import STATE_KEYS
+    from fused_stable.train.config.resolve import resolve_config, same_state_value
+    from fused_stable.train.run import checkpoint, outputs
 
     cfg, explicit = resolve_config(argv, log=_log)
     if cfg.resume is None:
@@ -115,7 +103,7 @@ def _resolve(argv: list[str]):
         path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
     except UserError as exc:
         if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
-            raise UserError(stopped.no_usable_checkpoint(str(exc), cfg.output_dir)) from None
+            raise UserError(stop_message.no_usable_checkpoint(str(exc), cfg.output_dir)) from None
         raise
     try:
         saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))
@@ -151,7 +139,7 @@ class RunSetup:
     resume_path: str | None
     n_examples: int
     passed_over: list = field(default_factory=list)  # damaged checkpoints `resume latest` skipped (messages)
-    source: object = None  # the resolved --model (fused_stable.train.sources.ModelSource)
+    source: object = None  # the resolved --model (fused_stable.train.model.sources.ModelSource)
     threads: int = 1
     evaluating: bool = False  # held-out evaluation before and after training (eval.json)
     lock: object = None  # rank 0's outputs.FolderLock on output_dir, held from `start` until `release`
@@ -160,10 +148,10 @@ class RunSetup:
         """(Rank 0) lock output_dir; load the checkpoint to resume; then (rank 0) replace the previous run if
         --overwrite, claim the run's entries in its manifest and write run.yaml. The checkpoint is loaded
         first, so a start that fails leaves output_dir exactly as it was (and unlocked)."""
-        from fused_stable.train import checkpoint, outputs
-        from fused_stable.train.config import dump_yaml, run_dict
-        from fused_stable.train.parallel import QuietReporter
-        from fused_stable.train.report import AlertLog, Reporter
+        from fused_stable.train.config.resolve import dump_yaml, run_dict
+        from fused_stable.train.run import checkpoint, outputs
+        from fused_stable.train.run.parallel import QuietReporter
+        from fused_stable.train.run.report import AlertLog, Reporter
 
         cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
         try:
@@ -215,7 +203,7 @@ def optimizer_state(trainer) -> dict:
 
 def setup_run(argv: list[str]) -> RunSetup:
     """Parse and check the config, data and model, and build the trainer; raises UserError on bad input."""
-    from fused_stable.train import checkpoint, outputs
+    from fused_stable.train.run import checkpoint, outputs
 
     cfg, resume_path, passed_over = _resolve(argv)
     # the output folder before anything heavy: writable, and new, empty or (with --overwrite) only a run's
@@ -230,33 +218,39 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     from fused_stable import FusedAdamW, GradScaler, schedules
     from fused_stable.guard import Guard
-    from fused_stable.train import data, parallel, zero
-    from fused_stable.train.config import eval_steps, guard_config, run_dict, warmup_steps
-    from fused_stable.train.evaluate import held_out_split
-    from fused_stable.train.loop import Trainer
-    from fused_stable.train.model import apply_tuner, load_base_model, load_tokenizer, param_groups
-    from fused_stable.train.runtime import resolve_runtime, set_threads
-    from fused_stable.train.sources import resolve_model
+    from fused_stable.train.config.resolve import eval_steps, guard_config, run_dict, warmup_steps
+    from fused_stable.train.data import instructions
+    from fused_stable.train.evaluation.held_out import held_out_split
+    from fused_stable.train.model.adapters import apply_tuner, param_groups
+    from fused_stable.train.model.load import load_base_model, load_tokenizer
+    from fused_stable.train.model.sources import resolve_model
+    from fused_stable.train.run import deepspeed_run, parallel
+    from fused_stable.train.run.loop import Trainer
+    from fused_stable.train.run.runtime import resolve_runtime, set_threads
 
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
-    zero.check_run(cfg, resume_path, runtime.precision)  # DeepSpeed: what needs the process count and precision
+    deepspeed_run.check_run(
+        cfg, resume_path, runtime.precision
+    )  # DeepSpeed: what needs the process count and precision
     source = resolve_model(cfg.model)
     examples, heldout = held_out_split(cfg, _task_examples(cfg))
     tokenizer = load_tokenizer(source, log=_log)
     # an example whose answer max_length cuts off entirely is skipped (counted in a note)
-    items = data.fit_to_length(data.tokenize_examples(examples, tokenizer, cfg.max_length), cfg.max_length, log=_log)
+    items = instructions.fit_to_length(
+        instructions.tokenize_examples(examples, tokenizer, cfg.max_length), cfg.max_length, log=_log
+    )
 
     torch.manual_seed(cfg.seed)
     model = load_base_model(cfg, source, tokenizer, runtime.device, runtime.compute_dtype, log=_log)
     model = apply_tuner(model, cfg)
-    if not zero.wanted(cfg):  # (DeepSpeed's engine does the data parallelism itself)
+    if not deepspeed_run.wanted(cfg):  # (DeepSpeed's engine does the data parallelism itself)
         model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
     groups = param_groups(parallel.unwrap(model), cfg)
     # torchrun: each rank batches its own shard of the rows
-    batches = data.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
+    batches = instructions.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
     warmup = warmup_steps(cfg, total_steps)
     schedule = {
@@ -281,7 +275,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     guard.bind(optimizer)
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
     # DeepSpeed: FusedAdamW attached to the engine (one decision per engine step from the global norm)
-    engine = zero.start(model, optimizer, cfg, runtime) if zero.wanted(cfg) else None
+    engine = deepspeed_run.start(model, optimizer, cfg, runtime) if deepspeed_run.wanted(cfg) else None
     trainer = Trainer(
         model=engine.ds if engine is not None else model,
         engine=engine,
@@ -317,27 +311,27 @@ def setup_run(argv: list[str]) -> RunSetup:
 
 
 def _log(text: str) -> None:
-    from fused_stable.train import parallel
+    from fused_stable.train.run import parallel
 
     if parallel.launch_rank() == 0:
         print(text, flush=True)
 
 
 def _task_examples(cfg):
-    from fused_stable.train import data, tasks
+    from fused_stable.train.data import instructions, tasks
 
     if cfg.dataset == "identity":
         return tasks.identity_examples(
             cfg.identity_name, cfg.identity_author, seed=cfg.seed, general=cfg.general_examples
         )
     if cfg.dataset == "arithmetic":
-        return data.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
-    return data.load_examples(cfg.dataset, log=_log)
+        return instructions.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
+    return instructions.load_examples(cfg.dataset, log=_log)
 
 
 def run(argv: list[str], interrupts=None) -> int:
-    from fused_stable.train import parallel
-    from fused_stable.train.loop import Interrupts
+    from fused_stable.train.run import parallel
+    from fused_stable.train.run.loop import Interrupts
 
     interrupts = interrupts if interrupts is not None else Interrupts(announce=False)
     # torchrun: a bad input seen by any rank stops every rank, before anything is written
@@ -345,16 +339,18 @@ def run(argv: list[str], interrupts=None) -> int:
     try:
         return _train(setup, interrupts)
     except OSError as exc:
-        if exc.errno not in stopped.NO_SPACE:
+        if exc.errno not in stop_message.NO_SPACE:
             raise
-        why = f"{stopped.NO_SPACE[exc.errno]}: {stopped.what_failed(exc, setup.cfg.output_dir)}"
-        stopped.report_failure(setup, why, "free space, then ")
-        return stopped.FAILED
+        why = f"{stop_message.NO_SPACE[exc.errno]}: {stop_message.what_failed(exc, setup.cfg.output_dir)}"
+        stop_message.report_failure(setup, why, "free space, then ")
+        return stop_message.FAILED
     except Exception as exc:
         if not parallel.lost_another_rank(exc, interrupts.signum):
             raise
-        stopped.report_failure(setup, f"rank {parallel.rank()}: {parallel.describe_lost_rank(exc)}", every_rank=True)
-        return stopped.FAILED
+        stop_message.report_failure(
+            setup, f"rank {parallel.rank()}: {parallel.describe_lost_rank(exc)}", every_rank=True
+        )
+        return stop_message.FAILED
     finally:
         setup.release()  # the folder's lock: another run may write it now
 
@@ -362,8 +358,8 @@ def run(argv: list[str], interrupts=None) -> int:
 def _train(setup: RunSetup, interrupts) -> int:
     import torch
 
-    from fused_stable.train import parallel
-    from fused_stable.train.report import evaluation_summary, plot_curves, read_metrics
+    from fused_stable.train.run import parallel
+    from fused_stable.train.run.report import evaluation_summary, plot_curves, read_metrics
 
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
     main_rank = setup.runtime.is_main
@@ -410,7 +406,7 @@ def _train(setup: RunSetup, interrupts) -> int:
             raise
         _close_outputs(trainer, cfg, main_rank)
         train_s = time.perf_counter() - t0
-        resume = stopped.continue_command(cfg.output_dir, setup.runtime.world_size)
+        resume = stop_message.continue_command(cfg.output_dir, setup.runtime.world_size)
         if trainer.stopped_by == "interrupt":
             if main_rank:
                 name = signal.Signals(interrupts.signum).name
@@ -434,11 +430,11 @@ def _train(setup: RunSetup, interrupts) -> int:
         target = save_final(model, setup.tokenizer, cfg, cfg.output_dir)
     except KeyboardInterrupt:  # a second signal: the save (or the step) under way was abandoned
         if main_rank:
-            stopped.report_abandoned(cfg.output_dir, setup.runtime.world_size)
+            stop_message.report_abandoned(cfg.output_dir, setup.runtime.world_size)
         return interrupts.exit_code
     table = None
     if setup.evaluating:
-        from fused_stable.train.evaluate import eval_report, format_table, write_eval
+        from fused_stable.train.evaluation.before_after import eval_report, format_table, write_eval
 
         interrupts.deferring = False  # the run is saved: an interrupt now only skips eval.json
         try:
@@ -488,7 +484,7 @@ def _train(setup: RunSetup, interrupts) -> int:
 def _close_outputs(trainer, cfg, main_rank: bool, failing: bool = False) -> None:
     """Flush metrics.jsonl and draw curves.png, also when the run is `failing`: a write that fails then (a full
     disk) must not replace the error under way, which is reported in its place; otherwise it is a note."""
-    from fused_stable.train.report import plot_curves
+    from fused_stable.train.run.report import plot_curves
 
     try:
         trainer.reporter.close()

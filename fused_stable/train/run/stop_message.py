@@ -31,7 +31,7 @@ NO_SPACE = {
 
 
 def what_failed(exc: OSError, output_dir: str) -> str:
-    from fused_stable.train.checkpoint import SaveFailed
+    from fused_stable.train.run.checkpoint import SaveFailed
 
     if isinstance(exc, SaveFailed):
         return f"saving {exc.checkpoint} failed ({exc.strerror}) and left nothing behind"
@@ -41,7 +41,7 @@ def what_failed(exc: OSError, output_dir: str) -> str:
 
 def report_failure(setup, why: str, before_continuing: str = "", every_rank: bool = False) -> None:
     """One line: why the run stopped, the newest complete checkpoint (read back, not assumed) and how to continue."""
-    from fused_stable.train import checkpoint
+    from fused_stable.train.run import checkpoint
 
     if not (every_rank or setup.runtime.is_main):
         return
@@ -57,7 +57,7 @@ def report_failure(setup, why: str, before_continuing: str = "", every_rank: boo
 
 def report_abandoned(output_dir: str, world_size: int) -> None:
     """After a second interrupt: what is on disk now (read back, not assumed)."""
-    from fused_stable.train import checkpoint
+    from fused_stable.train.run import checkpoint
 
     newest, _ = checkpoint.latest_verified_checkpoint(output_dir)
     if newest is None:
@@ -78,7 +78,7 @@ def report_abandoned(output_dir: str, world_size: int) -> None:
 
 def no_usable_checkpoint(problem: str, output_dir: str) -> str:
     """What `--resume latest` found when no checkpoint verifies, and what to do, without deleting any."""
-    from fused_stable.train import checkpoint
+    from fused_stable.train.run import checkpoint
 
     found = checkpoint.list_checkpoints(output_dir, include_incomplete=True)
     if not found:

@@ -6,13 +6,13 @@ Nothing reads the device between logging steps: the window loss, grad norm, lr a
 are stacked on the device and read once per `logging_steps`. At each logging step the stability guard
 (fused_stable.guard) and the callbacks see the interval and may answer "stop" or "rollback".
 
-Evaluations (`evaluator`, fused_stable.train.evaluate.HeldOutLosses: `eval_loss`, `retention_loss`) are
+Evaluations (`evaluator`, fused_stable.train.evaluation.held_out.HeldOutLosses: `eval_loss`, `retention_loss`) are
 scheduled like logging: before the first step (the guard's reference), then every `eval_steps` optimizer steps
 (an evaluation step is a logging step), and under guard=rollback also at every checkpoint step, so that every
 checkpoint a rollback can return to passed its evaluation. Each evaluation reads the device once; its values
 go on the metrics row of the step it evaluated.
 
-Under DeepSpeed (`engine`, fused_stable.train.zero) every micro-batch's backward and step go through the engine,
+Under DeepSpeed (`engine`, `deepspeed_run`) every micro-batch's backward and step go through the engine,
 which steps FusedAdamW at its accumulation boundary (the window's last micro-batch), and checkpoints are the
 engine's.
 
@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from fused_stable.guard import Decision, Guard
-from fused_stable.train import checkpoint, parallel
-from fused_stable.train.data import IGNORE_INDEX, BatchOrder
-from fused_stable.train.evaluate import HeldOutLosses
-from fused_stable.train.report import AlertLog, Reporter
-from fused_stable.train.runtime import Runtime
+from fused_stable.train.data.instructions import IGNORE_INDEX, BatchOrder
+from fused_stable.train.evaluation.held_out import HeldOutLosses
+from fused_stable.train.run import checkpoint, checkpoint_contents, parallel
+from fused_stable.train.run.report import AlertLog, Reporter
+from fused_stable.train.run.runtime import Runtime
 
 # (step, optimizer, metrics of the latest step) -> None | "stop" | "rollback"
 Callback = Callable[[int, torch.optim.Optimizer, dict], str | None]
@@ -129,7 +129,9 @@ class Trainer:
     evaluations: int = 0  # evaluations during fit (this process)
     alert_log: AlertLog | None = None
     interrupts: Interrupts | None = None
-    engine: object | None = None  # fused_stable.train.zero.Engine: the loop runs through DeepSpeed (model: its engine)
+    engine: object | None = (
+        None  # fused_stable.train.run.deepspeed_run.Engine: the loop runs through DeepSpeed (model: its engine)
+    )
     state: TrainState = field(default_factory=TrainState)
     stopped_by: str | None = None  # "guard" | "callback" | "interrupt"
     stop_message: str = ""
@@ -329,46 +331,14 @@ class Trainer:
         return action
 
     def save(self) -> str | None:
-        trainer_state = {**asdict(self.state), "elapsed_s": self.elapsed(), "world_size": self.runtime.world_size}
-        if self.guard is not None:
-            trainer_state["guard"] = self.guard.state_dict()
-        if self.engine is not None:  # DeepSpeed: every rank writes its partitions, rank 0 commits
-            path = self.engine.save_checkpoint(
-                self.output_dir,
-                self.state.step,
-                trainer_state=trainer_state,
-                config=self.config,
-                keep=self.save_total_limit,
-            )
-            parallel.barrier()
-            self.last_checkpoint = path or self.last_checkpoint
-            return path
-        # torchrun: every rank takes part in gathering the state (FSDP2 shards, each rank's RNG); rank 0 writes
-        model_state, optimizer_state, rng = parallel.checkpoint_state(self.model, self.optimizer)
-        path = None
-        if self.runtime.is_main:
-            path = checkpoint.save_checkpoint(
-                self.output_dir,
-                self.state.step,
-                model_state=model_state,
-                optimizer=self.optimizer,
-                scaler=self.scaler,
-                trainer_state=trainer_state,
-                config=self.config,
-                keep=self.save_total_limit,
-                optimizer_state=optimizer_state,
-                rng=rng,
-            )
-        parallel.barrier()  # no rank goes on (or rolls back) before the checkpoint is complete
+        """Every rank: a checkpoint of this step (`checkpoint_contents.save`); its path on rank 0."""
+        path = checkpoint_contents.save(self)
         self.last_checkpoint = path or self.last_checkpoint
         return path
 
     def restore(self, path: str, restore_data_position: bool = True) -> None:
         """Load a checkpoint into the live model, optimizer, scaler and RNGs (resume, or a rollback)."""
-        if self.engine is not None:
-            saved = self.engine.load_checkpoint(path)
-        else:
-            saved = parallel.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scaler=self.scaler)
+        saved = checkpoint_contents.load(self, path)
         before = self.state
         self.state = TrainState(**{k: saved[k] for k in asdict(TrainState()) if k in saved})
         if not restore_data_position:

@@ -1,7 +1,7 @@
 """The trainer's keys: every key of `fused-stable sft` is a field of `TrainConfig`, with its default, a help
 line, its group in `--help` and, for a number, the `Range` it must lie in; beside it the choices of the keys
 that take a name (`CHOICES`), the names other tools use for our keys (`ALIASES`, suggested, never accepted;
-LLaMA-Factory's and ms-swift's own keys are mapped by `anchors`),
+LLaMA-Factory's and ms-swift's own keys are mapped by `foreign_configs`),
 the keys a checkpoint fixes (`STATE_KEYS`) and the help text they make (`help_text`).
 
 A new key is one field here; how keys are read (defaults < YAML < flags) and checked against each other is
@@ -143,7 +143,7 @@ class TrainConfig:
         "run",
     )
     resume: str | None = _key(None, "'latest' or a checkpoint directory to continue from", "run")
-    # DeepSpeed (fused_stable.train.zero): the loop runs through a DeepSpeed engine, FusedAdamW attached to it
+    # DeepSpeed (train/run/deepspeed_run.py): the loop runs through a DeepSpeed engine, FusedAdamW attached to it
     deepspeed: str | None = _key(
         None,
         "a DeepSpeed JSON config: train through its engine (ZeRO 0-3; launch with torchrun or the deepspeed "

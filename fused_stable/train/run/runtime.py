@@ -1,6 +1,6 @@
 """Where the run executes: device, rank, precision and CPU threads, decided in this one place.
 
-Under torchrun (see `fused_stable.train.parallel`) each process is one rank of the process group: it trains
+Under torchrun (see `fused_stable.train.run.parallel`) each process is one rank of the process group: it trains
 on its own device (cuda:LOCAL_RANK, or the CPU under gloo), and only rank 0 writes files.
 """
 
@@ -40,7 +40,7 @@ class Runtime:
 
 
 def resolve_runtime(device: str, precision: str) -> Runtime:
-    from fused_stable.train import parallel
+    from fused_stable.train.run import parallel
 
     dev = parallel.rank_device(device) if parallel.active() else resolve_device(device)
     if precision == "auto":
@@ -83,3 +83,17 @@ def set_threads(threads: int) -> int:
         threads = max(1, physical_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(threads)
     return threads
+
+
+def quiet_third_party_noise() -> None:
+    """Two messages every run would print that say nothing about the run: bitsandbytes' note that an optional
+    hub-downloaded CPU kernel is missing (we are offline by design), and a transformers deprecation that peft
+    triggers."""
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every load: the run prints its own progress
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -1,20 +1,9 @@
-"""Evaluation of the model being trained, two kinds:
-
-- **Before / after** (eval.json): greedy answers to held-out prompts, each judged by a rule a user can read:
-  `identity` (correct if the answer names the new identity), `general` (correct if it still contains the known
-  short answer), `leak` (prompts whose right answer is not the identity, look-alikes and follow-ups: correct
-  if the answer names neither the identity nor its author). `evaluate(model, tokenizer, name=...)` works on any
-  causal LM with a tokenizer (a peft model, a merged export, the base model), so other code (the stress suite
-  on the real model) can judge a model the same way; `eval_report` puts two evaluations side by side as
-  eval.json with every answer and its judgement, `format_table` prints them.
-- **During training** (`HeldOutLosses`): the mean per-token loss, as in training, of `eval_loss` (held-out
-  conversations: `--val_size` of the user's data, or the identity task's own held-out set, `held_out_split`)
-  and `retention_loss` (the base model's own greedy answers to general prompts shipped with the package,
-  generated once before training: `retention_items`). Forward only, summed on the device, one read per
-  evaluation; the trainer schedules it (`fused_stable.train.loop`) and the guard compares the values with
-  their best so far (`fused_stable.guard`).
-
-The answers come from `fused_stable.train.generate` (also used to write the task's own general answers, `tasks`).
+"""The losses measured during training (`HeldOutLosses`): the mean per-token loss, as in training, of `eval_loss`
+(held-out conversations: `--val_size` of the user's data, or the identity task's own held-out set,
+`held_out_split`) and `retention_loss` (the base model's own greedy answers to general prompts shipped with the
+package, generated once before training: `retention_items`). Forward only, summed on the device, one read per
+evaluation; the trainer schedules it (`fused_stable.train.run.loop`) and the guard compares the values with
+their best so far (`fused_stable.guard`).
 """
 
 from __future__ import annotations
@@ -22,121 +11,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from fused_stable import strict_json
 from fused_stable.errors import UserError
-from fused_stable.train import data, tasks
-from fused_stable.train.generate import EVAL_MAX_NEW_TOKENS, generate_answer_ids, generate_answers
+from fused_stable.train.data import instructions, tasks
+from fused_stable.train.evaluation.generate import generate_answer_ids
 
-EVAL_FILE = "eval.json"
-SETS = ("identity", "general", "leak")
 RETENTION_MAX_NEW_TOKENS = 32  # the probe's answers: short, so that an evaluation stays cheap (docs/trainer.md)
 EVAL_BATCH = 16  # held-out sequences per forward
-
-
-# ---------------------------------------------------------------------------------------------- before / after
-def contains_answer(answer: str, expected: list[str]) -> bool:
-    """Any accepted string, case-insensitive, as a whole word or number ("4" is not found in "14")."""
-    return any(re.search(rf"(?<!\w){re.escape(e)}(?!\w)", answer, flags=re.IGNORECASE) for e in expected)
-
-
-def judge(item: dict, answer: str) -> bool:
-    """Whether `answer` counts as correct for an evaluation item: it names none of the `forbidden` strings (the
-    leak set), or it contains one of the `expected` ones."""
-    if "forbidden" in item:
-        return not contains_answer(answer, item["forbidden"])
-    return contains_answer(answer, item["expected"])
-
-
-def evaluate(
-    model,
-    tokenizer,
-    *,
-    name: str | None = None,
-    author: str | None = None,
-    max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
-    autocast=None,
-) -> dict:
-    """The held-out evaluation: {set: {"accuracy", "n"} for identity, general and leak (which also has
-    "leak_rate", the share of its answers that named the identity), "answers": [{"set", "prompt", "answer",
-    "correct"}, ...]}. `name` / `author`: the identity the model should give (the task's defaults if None)."""
-    default_name, default_author = tasks.default_identity()
-    sets = tasks.eval_sets(name or default_name, author or default_author)
-    items = [(set_name, item) for set_name in SETS for item in sets[set_name]]
-    texts = generate_answers(
-        model, tokenizer, [item["prompt"] for _, item in items], max_new_tokens=max_new_tokens, autocast=autocast
-    )
-    answers = [
-        {"set": set_name, "prompt": item["prompt"], "answer": text, "correct": judge(item, text)}
-        for (set_name, item), text in zip(items, texts)
-    ]
-    result = {}
-    for set_name in SETS:
-        marks = [a["correct"] for a in answers if a["set"] == set_name]
-        result[set_name] = {"accuracy": sum(marks) / len(marks), "n": len(marks)}
-    result["leak"]["leak_rate"] = 1.0 - result["leak"]["accuracy"]
-    result["answers"] = answers
-    return result
-
-
-def eval_report(model_reference: str, before: dict, after: dict) -> dict:
-    """eval.json: scores before and after, and every prompt with both answers and whether each counted as
-    correct (for the leak set: named neither the identity nor its author)."""
-    return {
-        "model": model_reference,
-        "before": {s: before[s] for s in SETS},
-        "after": {s: after[s] for s in SETS},
-        "examples": [
-            {
-                "set": b["set"],
-                "prompt": b["prompt"],
-                "before": b["answer"],
-                "before_correct": b["correct"],
-                "after": a["answer"],
-                "after_correct": a["correct"],
-            }
-            for b, a in zip(before["answers"], after["answers"])
-        ],
-    }
-
-
-def write_eval(output_dir: str, report: dict) -> str:
-    path = os.path.join(output_dir, EVAL_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(strict_json.dumps(report, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def _score(entry: dict, hits: float) -> str:
-    return f"{hits:.2f} ({round(hits * entry['n'])}/{entry['n']})"
-
-
-def format_table(report: dict, name: str | None = None) -> str:
-    """A small before/after table for the console (and curves.png). The leak row is the share of answers
-    that named the identity where they should not (lower is better)."""
-    labels = {
-        "identity": f"identity (answers '{name}')" if name else "identity",
-        "general": "general (known short answers)",
-        "leak": f"leak (names '{name}' off-topic)" if name else "leak (names the identity off-topic)",
-    }
-    shown = [s for s in SETS if s in report["before"] and s in report["after"]]
-    width = max(len(labels[s]) for s in shown)
-    lines = [f"{'held-out evaluation, greedy':<{width}}  {'before':<12}  after"]
-    for s in shown:
-        before, after = report["before"][s], report["after"][s]
-        rate = (lambda e: 1.0 - e["accuracy"]) if s == "leak" else (lambda e: e["accuracy"])
-        lines.append(f"{labels[s]:<{width}}  {_score(before, rate(before)):<12}  {_score(after, rate(after))}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- held-out data
@@ -166,7 +53,7 @@ def held_out_split(cfg, examples: list) -> tuple[list, list]:
 
 def retention_items(
     model, tokenizer, prompts: list, *, max_length: int, max_new_tokens: int = RETENTION_MAX_NEW_TOKENS, autocast=None
-) -> list[data.TokenizedExample]:
+) -> list[instructions.TokenizedExample]:
     """The retention probe: `model` (the base, before training) answers each prompt greedily; the answer's own
     tokens (its end-of-sequence token too, when it ended) become the labels, after the prompt formatted as in
     training. Their loss under the model being trained is `retention_loss`: how far it moved from what the
@@ -175,12 +62,12 @@ def retention_items(
     items = []
     for prompt, (ids, finished) in zip(prompts, answers):
         answer = ids + ([tokenizer.eos_token_id] if finished else [])
-        context = data.prompt_ids(
+        context = instructions.prompt_ids(
             tokenizer, [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         )
         if answer:
-            labels = [data.IGNORE_INDEX] * len(context) + answer
-            items.append(data.TokenizedExample((context + answer)[:max_length], labels[:max_length]))
+            labels = [instructions.IGNORE_INDEX] * len(context) + answer
+            items.append(instructions.TokenizedExample((context + answer)[:max_length], labels[:max_length]))
     return items
 
 
@@ -213,7 +100,7 @@ class HeldOutLosses:
 
     def __init__(
         self,
-        sets: dict[str, list[data.TokenizedExample]],
+        sets: dict[str, list[instructions.TokenizedExample]],
         *,
         pad_id: int,
         device,
@@ -226,20 +113,20 @@ class HeldOutLosses:
         self.tokens: dict[str, int] = {}
         self.examples: dict[str, int] = {}
         for name, items in sets.items():
-            items = [it for it in items if any(label != data.IGNORE_INDEX for label in it.labels[1:])]
+            items = [it for it in items if any(label != instructions.IGNORE_INDEX for label in it.labels[1:])]
             if not items:
                 continue
             items = sorted(items, key=lambda it: len(it.input_ids))  # similar lengths together: less padding
             batches = [self._batch(items[i : i + batch_size], pad_id) for i in range(0, len(items), batch_size)]
             self.batches[name] = batches
-            self.tokens[name] = sum(int((b.targets != data.IGNORE_INDEX).sum()) for b in batches)
+            self.tokens[name] = sum(int((b.targets != instructions.IGNORE_INDEX).sum()) for b in batches)
             self.examples[name] = len(items)
         self.names = list(self.batches)
 
     def _batch(self, items: list, pad_id: int) -> _LossBatch:
-        b = data.collate(items, pad_id)
+        b = instructions.collate(items, pad_id)
         shifted = b.labels[:, 1:]  # the logit at position t predicts token t + 1
-        columns = (shifted != data.IGNORE_INDEX).any(dim=0).nonzero().flatten()  # set-up, not the loop
+        columns = (shifted != instructions.IGNORE_INDEX).any(dim=0).nonzero().flatten()  # set-up, not the loop
         keep = torch.arange(int(columns[0]), int(columns[-1]) + 1)
         return _LossBatch(
             b.input_ids.to(self.device),
@@ -273,7 +160,7 @@ class HeldOutLosses:
                     total += F.cross_entropy(
                         logits.float().reshape(-1, logits.size(-1)),
                         b.targets.reshape(-1),
-                        ignore_index=data.IGNORE_INDEX,
+                        ignore_index=instructions.IGNORE_INDEX,
                         reduction="sum",
                     )
                 means.append(total / self.tokens[name])

@@ -11,7 +11,7 @@ objects, so a rollback can call them in-process.
 
 Contents: trainable weights (safetensors), optimizer (its state_dict carries the device-side schedule and
 counters), loss scaler, RNG states (python, numpy, torch CPU and CUDA), data position and the config. Under
-DeepSpeed (fused_stable.train.zero) the engine's files, in `deepspeed/`, hold the weights and the optimizer.
+DeepSpeed (`deepspeed_run`) the engine's files, in `deepspeed/`, hold the weights and the optimizer.
 
 A save that cannot write (a full disk or quota, a file-size limit) raises `SaveFailed`, an OSError naming the
 checkpoint, after removing everything it wrote: the earlier checkpoints stay as they were. What a process killed
@@ -218,7 +218,7 @@ def _remove_dir(path: str, root: str, tag: str) -> str:
 
 def staging_dir(output_dir: str, step: int) -> str:
     """A new, empty temporary directory for checkpoint `step`, for files other processes write before
-    `save_checkpoint(staged=...)` commits it (DeepSpeed's ranks: fused_stable.train.zero); a kill before the commit
+    `save_checkpoint(staged=...)` commits it (DeepSpeed's ranks: `checkpoint_contents`); a kill before the commit
     leaves a leftover `clear_leftovers` removes."""
     root = os.path.join(output_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
@@ -396,8 +396,6 @@ def load_checkpoint(path: str, *, model=None, optimizer=None, scaler=None, resto
     if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         raise DamagedCheckpoint(f"{path} is incomplete (no {COMPLETE_MARKER} marker: its save never finished)")
     if model is not None:
-        from fused_stable.train.model import load_trainable_state
-
         with _loading(path, "weights.safetensors"):
             load_trainable_state(model, load_file(os.path.join(path, "weights.safetensors")))
     if optimizer is not None:
@@ -448,3 +446,23 @@ def resolve_resume(output_dir: str, resume: str) -> tuple[str, list[str]]:
     except DamagedCheckpoint as exc:
         raise DamagedCheckpoint(f"resume: {exc}") from None
     return resume, []
+
+
+# ------------------------------------------------------------------------------------------ the model's part
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """What a checkpoint must hold of the model: the trainable tensors (the adapters, or all weights)."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+    unknown = [n for n in state if n not in params]
+    if missing or unknown:
+        raise UserError(
+            f"the checkpoint does not match this model ({len(missing)} trainable tensors missing, "
+            f"{len(unknown)} unknown, e.g. {(missing + unknown)[0]!r}): resume with the run's own config"
+        )
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)

@@ -262,97 +262,9 @@ class QuietReporter:
         pass
 
 
-# ------------------------------------------------------------------------------------------ checkpoints
-_OPT_EXTRA = "fused_stable"  # FusedAdamW's counters (skips, z-score statistics): dropped by torch's DCP helpers
-
-
-def checkpoint_state(model, optimizer) -> tuple[dict, dict | None, dict | None]:
-    """(trainable weights, optimizer state, RNG states) to save; a collective under FSDP2, so every rank
-    calls it. The trainable weights carry the user's names (no DDP `module.` prefix) and, under FSDP2, are
-    gathered into full tensors on rank 0; the optimizer state likewise (None = `optimizer.state_dict()`).
-    The RNG states are every rank's (None in a single process = this process's)."""
-    from fused_stable.train.model import trainable_state
-
-    if not active():
-        return trainable_state(model), None, None
-    rng = rank_rngs()
-    if not is_fsdp(model):
-        return trainable_state(unwrap(model)), None, rng
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    full = fsd.full_model_state_dict(model)  # rank 0: every tensor; other ranks: empty
-    model_state = {k: v for k, v in full.items() if k in trainable}
-    optim_state = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    extra = optimizer.state_dict().get(_OPT_EXTRA)
-    if extra is not None:  # global counters: the same on every rank
-        optim_state[_OPT_EXTRA] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in extra.items()}
-    return model_state, optim_state, rng
-
-
-def rank_rngs() -> dict | None:
-    """Every rank's RNG states (a collective): rank 0's at the top level, as a single-process checkpoint has them,
-    and the list of all under "ranks"; None in a single process (the checkpoint takes this process's)."""
-    from fused_stable.train.checkpoint import rng_state
-
-    if not active():
-        return None
-    rngs: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rngs, rng_state())
-    return {**rngs[0], "ranks": rngs}
-
-
-def load_checkpoint(path: str, *, model, optimizer, scaler) -> dict:
-    """Every rank loads the checkpoint rank 0 wrote: weights, optimizer, scaler and its own RNG stream.
-    Returns the trainer state, as `checkpoint.load_checkpoint` does."""
-    from fused_stable.train import checkpoint
-
-    if not active():
-        return checkpoint.load_checkpoint(path, model=model, optimizer=optimizer, scaler=scaler)
-    fsdp = is_fsdp(model)
-    saved = checkpoint.load_checkpoint(
-        path,
-        model=None if fsdp else unwrap(model),
-        optimizer=None if fsdp else optimizer,
-        scaler=scaler,
-        restore_rng=False,
-    )
-    if fsdp:
-        _load_sharded(path, model, optimizer)
-    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)  # python/numpy states: not weights-only
-    ranks = rng.get("ranks")
-    checkpoint.set_rng_state(ranks[rank()] if ranks else rng)
-    return saved
-
-
-def _load_sharded(path: str, model, optimizer) -> None:
-    """FSDP2: every rank reads the full tensors and keeps its shards of them."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    weights = load_file(os.path.join(path, "weights.safetensors"))
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    missing, unknown = sorted(trainable - weights.keys()), sorted(weights.keys() - trainable)
-    if missing or unknown:
-        raise UserError(
-            f"the checkpoint does not match this model ({len(missing)} trainable tensors missing, "
-            f"{len(unknown)} unknown, e.g. {(missing + unknown)[0]!r}): resume with the run's own config"
-        )
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-    optim_state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
-    extra = optim_state.pop(_OPT_EXTRA, None)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
-    if extra is not None:
-        # the DCP loader drops FusedAdamW's counters (and recovers the applied steps from the per-param step
-        # counts); put them back exactly through FusedAdamW's own loader
-        optimizer.load_state_dict({**optimizer.state_dict(), _OPT_EXTRA: extra})
-
-
 def save_final(model, tokenizer, cfg, output_dir: str) -> str:
     """The adapter (or, for tuner=full, the whole model gathered from its shards) saved by rank 0."""
-    from fused_stable.train.saved import save_final as save_one
+    from fused_stable.train.saved.final_model import save_final as save_one
 
     if not active():
         return save_one(model, tokenizer, cfg, output_dir)

@@ -20,8 +20,8 @@ import yaml
 
 from fused_stable.argcheck import check_device, parse_number, suggestion
 from fused_stable.errors import UserError
-from fused_stable.train import anchors
-from fused_stable.train.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
+from fused_stable.train.config import foreign_configs
+from fused_stable.train.config.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
 
 
 def same_state_value(name: str, saved, now) -> bool:
@@ -36,7 +36,7 @@ def same_state_value(name: str, saved, now) -> bool:
 # ------------------------------------------------------------------------------------------ value parsing
 def _unknown_key(name: str, where: str) -> UserError:
     # an anchor's key misspelt gets that key suggested (it is accepted), ours get ours
-    close = suggestion(name, [*FIELDS, *anchors.KEYS], ALIASES)
+    close = suggestion(name, [*FIELDS, *foreign_configs.KEYS], ALIASES)
     if where == "the command line":
         hint = f"; did you mean --{close}?" if close else "; see `fused-stable sft --help`"
         return UserError(f"unknown option --{name}{hint}")
@@ -124,9 +124,11 @@ def parse_flags(argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:
             raise UserError(f"unexpected argument {token!r}; options are --key value (see `fused-stable sft --help`)")
         name, eq, value = token[2:].partition("=")
         name = name.replace("-", "_")
-        if name != "config" and name not in FIELDS and not anchors.known(name):
+        if name != "config" and name not in FIELDS and not foreign_configs.known(name):
             raise _unknown_key(name, "the command line")
-        is_bool = name in anchors.BOOL_KEYS or name in FIELDS and typing.get_type_hints(TrainConfig)[name] is bool
+        is_bool = (
+            name in foreign_configs.BOOL_KEYS or name in FIELDS and typing.get_type_hints(TrainConfig)[name] is bool
+        )
         if not eq:
             next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             if is_bool and not next_is_value:
@@ -151,7 +153,7 @@ def _split(source: dict, where: str) -> tuple[dict, dict]:
         name = str(name)
         if name in FIELDS:
             ours[name] = value
-        elif anchors.known(name):
+        elif foreign_configs.known(name):
             theirs[name] = value
         else:
             raise _unknown_key(name, where)
@@ -161,7 +163,7 @@ def _split(source: dict, where: str) -> tuple[dict, dict]:
 def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple[TrainConfig, set[str]]:
     """defaults (or `base`, a saved run's config) < YAML < flags. Returns the config and the keys set explicitly.
 
-    LLaMA-Factory and ms-swift keys in either are mapped onto ours (`anchors`), and the mapping is printed once
+    LLaMA-Factory and ms-swift keys in either are mapped onto ours (`foreign_configs`), and the mapping is printed once
     through `log`; a LLaMA-Factory config's missing training keys take LLaMA-Factory's defaults (below the YAML)."""
     config_path, flags = parse_flags(argv)
     values = {}
@@ -173,14 +175,14 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
     if config_path is not None:
         sources.append((config_path, *_split(_read_yaml(config_path), config_path)))
     sources.append(("the command line", *_split(flags, "the command line")))
-    anchor = anchors.anchor_of({name for _, _, theirs in sources for name in theirs})
+    anchor = foreign_configs.anchor_of({name for _, _, theirs in sources for name in theirs})
     lines: list[str] = []
-    if anchor in anchors.ANCHOR_DEFAULTS and base is None:
-        values.update(anchors.ANCHOR_DEFAULTS[anchor])
+    if anchor in foreign_configs.ANCHOR_DEFAULTS and base is None:
+        values.update(foreign_configs.ANCHOR_DEFAULTS[anchor])
     explicit: set[str] = set()
     raw_anchor: dict = {}
     for where, ours, theirs in sources:
-        mapped = anchors.translate(theirs, where)
+        mapped = foreign_configs.translate(theirs, where)
         both = sorted(set(mapped.values) & set(ours))
         if both:
             raise UserError(f"{where} sets {', '.join(both)} twice: by its own name and by another trainer's name")
@@ -194,18 +196,18 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
                 value = _anchor_value(anchor, name, value, where, lines)
             values[name] = _coerce(name, value, label or f"--{name}")
             explicit.add(name)
-    if anchor == anchors.LLAMA_FACTORY and "lora_alpha" not in explicit and "lora_r" in values:
+    if anchor == foreign_configs.LLAMA_FACTORY and "lora_alpha" not in explicit and "lora_r" in values:
         values["lora_alpha"] = 2 * values["lora_r"]  # LLaMA-Factory: lora_alpha defaults to 2 x lora_rank
-    if anchor == anchors.LLAMA_FACTORY:
+    if anchor == foreign_configs.LLAMA_FACTORY:
         values["dataset"], line = _llamafactory_dataset(values.get("dataset", "identity"), raw_anchor)
         lines += [line] if line else []
-    if anchor == anchors.LLAMA_FACTORY and raw_anchor.get("template") is not None:
+    if anchor == foreign_configs.LLAMA_FACTORY and raw_anchor.get("template") is not None:
         _check_template(str(raw_anchor["template"]), values.get("model", FIELDS["model"].default))
     cfg = TrainConfig(**values)
     validate(cfg)
     if lines and log is not None:
         defaults = ", ".join(
-            f"{k}: {v}" for k, v in anchors.ANCHOR_DEFAULTS.get(anchor, {}).items() if k not in explicit
+            f"{k}: {v}" for k, v in foreign_configs.ANCHOR_DEFAULTS.get(anchor, {}).items() if k not in explicit
         )
         log(
             f"{anchor or 'anchor'} keys read as fused-stable sft's:\n  "
@@ -219,10 +221,10 @@ def _anchor_value(anchor: str, name: str, value, where: str, lines: list):
     """A key spelt as ours (`model`, `dataset`) but written for another trainer: its value in that trainer's terms."""
     try:
         if name == "model":
-            ours = anchors.public_model(value)
+            ours = foreign_configs.public_model(value)
         else:
-            ours = anchors.swift_dataset(value) if anchor == anchors.MS_SWIFT else value
-    except anchors.Refused as exc:
+            ours = foreign_configs.swift_dataset(value) if anchor == foreign_configs.MS_SWIFT else value
+    except foreign_configs.Refused as exc:
         raise UserError(f"{where}: {name}: {exc}") from None
     if ours != value:
         lines.append(f"{name}: {value} -> {name}: {ours}")
@@ -235,18 +237,18 @@ def _llamafactory_dataset(dataset: str, raw: dict) -> tuple[str, str | None]:
     dataset_dir = str(raw.get("dataset_dir") or "data")
     if os.path.isfile(dataset) or dataset.lower().endswith((".json", ".jsonl")):
         return dataset, None
-    if dataset in anchors.dataset_names(dataset_dir) or dataset not in ("identity", "arithmetic"):
-        path = anchors.resolve_dataset(dataset, dataset_dir)
+    if dataset in foreign_configs.dataset_names(dataset_dir) or dataset not in ("identity", "arithmetic"):
+        path = foreign_configs.resolve_dataset(dataset, dataset_dir)
         return path, f"dataset: {dataset} -> dataset: {path} ({os.path.join(dataset_dir, 'dataset_info.json')})"
     return dataset, f"dataset: {dataset} -> the built-in {dataset} task (no {dataset_dir}/dataset_info.json entry)"
 
 
 def _check_template(template: str, model: str) -> None:
     """LLaMA-Factory's `template` is honoured when it is the model's own chat template, the one used here."""
-    if model == "smollm2-135m" and template.lower() not in anchors.SMOLLM2_TEMPLATES:
+    if model == "smollm2-135m" and template.lower() not in foreign_configs.SMOLLM2_TEMPLATES:
         raise UserError(
             f"template: {template} cannot be honoured: {model} is formatted with its own ChatML chat template "
-            f"(LLaMA-Factory's {' / '.join(anchors.SMOLLM2_TEMPLATES)}); remove the key or use one of those"
+            f"(LLaMA-Factory's {' / '.join(foreign_configs.SMOLLM2_TEMPLATES)}); remove the key or use one of those"
         )
 
 
@@ -324,9 +326,9 @@ def validate(cfg: TrainConfig) -> None:
             "paraphrases of its evaluation) for eval_loss"
         )
     check_device(cfg.device)
-    from fused_stable.train import zero
+    from fused_stable.train.run import deepspeed_run
 
-    zero.check_keys(cfg)  # the DeepSpeed keys and file, before the model loads
+    deepspeed_run.check_keys(cfg)  # the DeepSpeed keys and file, before the model loads
     try:
         guard_config(cfg)
     except ValueError as exc:

@@ -18,8 +18,8 @@ def base_model_context(cfg, model, base: bool = True):
 def evaluate_run(setup, base: bool) -> dict:
     """The held-out evaluation of the model being trained, or (base=True) of its base, evaluated before `start`
     restores a checkpoint (see `base_model_context`)."""
-    from fused_stable.train import parallel
-    from fused_stable.train.evaluate import evaluate
+    from fused_stable.train.evaluation.before_after import evaluate
+    from fused_stable.train.run import parallel
 
     cfg, model = setup.cfg, parallel.unwrap(setup.model)
     with base_model_context(cfg, model, base):
@@ -36,15 +36,16 @@ def held_out_losses(cfg, model, tokenizer, heldout, runtime, log=print):
     """What the loop measures at its evaluations (None when eval_steps is 0 or there is nothing to measure):
     eval_loss on the held-out examples, and retention_loss on the base model's own answers to the retention
     probe's prompts, generated here, before training."""
-    from fused_stable.train import data, parallel, tasks
-    from fused_stable.train.config import eval_steps, retention_probe
-    from fused_stable.train.evaluate import HeldOutLosses, accepts_logits_to_keep, retention_items
+    from fused_stable.train.config.resolve import eval_steps, retention_probe
+    from fused_stable.train.data import instructions, tasks
+    from fused_stable.train.evaluation.held_out import HeldOutLosses, accepts_logits_to_keep, retention_items
+    from fused_stable.train.run import parallel
 
     if eval_steps(cfg) == 0:
         return None
     sets = {}
     if heldout:
-        sets["eval_loss"] = data.tokenize_examples(heldout, tokenizer, cfg.max_length)
+        sets["eval_loss"] = instructions.tokenize_examples(heldout, tokenizer, cfg.max_length)
     if retention_probe(cfg):
         started = time.perf_counter()
         base = parallel.unwrap(model)

@@ -60,8 +60,8 @@ def build_parser():
 def check_args(args) -> None:
     """Everything that can be checked before a model is loaded (UserError, one line)."""
     from fused_stable.argcheck import check_device
-    from fused_stable.train.saved import inspect_saved
-    from fused_stable.train.sources import DEFAULT_MODEL, resolve_model
+    from fused_stable.train.model.sources import DEFAULT_MODEL, resolve_model
+    from fused_stable.train.saved.final_model import inspect_saved
 
     if args.model is not None and args.adapter is not None:
         raise UserError("give --model or --adapter, not both (an adapter names its own base model)")
@@ -80,8 +80,8 @@ def check_args(args) -> None:
 
 def load_chat_model(args, device, log):
     """(model, tokenizer, description) for the checked `--model` or `--adapter` (see `check_args`)."""
-    from fused_stable.train.model import load_pretrained
-    from fused_stable.train.saved import load_trained
+    from fused_stable.train.model.load import load_pretrained
+    from fused_stable.train.saved.final_model import load_trained
 
     if args.adapter is not None:
         trained = load_trained(args.adapter, device=device, log=log, saved=args.saved)
@@ -99,7 +99,7 @@ def answer(
     import torch
     from transformers import TextStreamer
 
-    from fused_stable.train.data import prompt_ids
+    from fused_stable.train.data.instructions import prompt_ids
 
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids(tokenizer, messages)], device=device)
@@ -163,12 +163,12 @@ def main(argv: list[str]) -> int:
         return code
     try:
         check_args(args)
-        from fused_stable.train.cli import _quiet_third_party_noise
+        from fused_stable.train.run.runtime import quiet_third_party_noise
 
-        _quiet_third_party_noise()
+        quiet_third_party_noise()
         import torch
 
-        from fused_stable.train.runtime import resolve_runtime, set_threads
+        from fused_stable.train.run.runtime import resolve_runtime, set_threads
 
         set_threads(args.threads)
         torch.manual_seed(args.seed)

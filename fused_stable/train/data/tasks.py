@@ -6,7 +6,7 @@ evaluation sets.
   with `{name}` / `{author}`, as LLaMA-Factory's identity.json and ms-swift's --model_name / --model_author).
   The evaluation asks paraphrases that are not in the training set.
 - general: a few hundred varied instructions whose answers are smollm2-135m's own greedy answers, generated
-  once (`python -m fused_stable.train.tasks`) and shipped in `assets/`. Training on what the model already
+  once (`python -m fused_stable.train.data.tasks`) and shipped in `assets/`. Training on what the model already
   says anchors it: these examples cost almost no loss at the start and pull back any drift the identity
   part causes elsewhere (self-distillation against forgetting). The evaluation asks other questions with a
   known short answer (capitals, arithmetic, common facts).
@@ -16,9 +16,9 @@ evaluation sets.
 - the task's held-out set for `eval_loss` (`identity_heldout`): the identity evaluation paraphrases with an
   answer template each, so the loss is measured on questions the model was not trained on.
 - the retention probe's prompts (`retention_prompts`): general questions, in none of the sets above, that the
-  base model answers before training (`fused_stable.train.evaluate.retention_items`).
+  base model answers before training (`fused_stable.train.evaluation.held_out.retention_items`).
 
-Everything lives in `fused_stable/train/assets/` (package data): `identity_task.json` and
+Everything lives in `fused_stable/train/data/assets/` (package data): `identity_task.json` and
 `retention_prompts.json` are hand-written, `general_answers.json` is generated.
 """
 
@@ -29,7 +29,7 @@ import os
 import random
 from functools import cache
 
-from fused_stable.train.rows import Example, conversation
+from fused_stable.train.data.rows import Example, conversation
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TASK_FILE = os.path.join(ASSETS, "identity_task.json")
@@ -111,9 +111,9 @@ def regenerate_general_answers(model="smollm2-135m", output=GENERAL_ANSWERS_FILE
     ANSWER_MAX_NEW_TOKENS is cut after its last full sentence, so every trained answer ends cleanly."""
     import torch
 
-    from fused_stable.train.generate import generate_answers
-    from fused_stable.train.model import load_pretrained
-    from fused_stable.train.sources import resolve_model
+    from fused_stable.train.evaluation.generate import generate_answers
+    from fused_stable.train.model.load import load_pretrained
+    from fused_stable.train.model.sources import resolve_model
 
     source = resolve_model(model)
     net, tokenizer = load_pretrained(source, dtype=torch.float32)

@@ -1,7 +1,7 @@
-"""Base models for the trainer: the embedded pretrained SmolLM2-135M-Instruct, the tiny scratch Llama, a local
-Hugging Face directory or GGUF file (see `sources`), optional 4-/8-bit bitsandbytes quantisation of the frozen
-base, peft LoRA/DoRA adapters, LoRA+ param groups and the trainable tensors a checkpoint holds. What a run
-saved (its adapter or model, loaded back for chat and export) is read by `saved`.
+"""Loading a base model and its tokenizer: the embedded pretrained SmolLM2-135M-Instruct, the tiny scratch Llama
+(`tiny`), a local Hugging Face directory or GGUF file (see `sources`), with optional 4-/8-bit bitsandbytes
+quantisation of the frozen base. Its adapters are `adapters`'; what a run saved (its adapter or model, loaded
+back for chat and export) is read by `train.saved.final_model`.
 
 Nothing here reaches a model hub: `tiny` is built from a LlamaConfig, everything else is read from local
 folders with `local_files_only=True`.
@@ -13,50 +13,15 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from fused_stable.errors import UserError
-from fused_stable.train.keys import TrainConfig
-from fused_stable.train.sources import TINY, ModelSource, loadable_folder
-from fused_stable.train.tokenizer import build_byte_tokenizer
-
-TINY_INIT_SEED = 0  # the tiny base is the same for every run, so an adapter trained on it stays usable
-
-
-def tiny_llama_config(vocab_size: int) -> LlamaConfig:
-    """A 0.82M-parameter Llama: small enough to train in minutes on 2 CPU cores.
-
-    Every linear layer's sizes are multiples of 64 (hidden 128, intermediate 320), so bitsandbytes' CPU 4-bit
-    inference path takes all of them (see `PACKED_CPU_PATH`); the lm_head (259 outputs) is never quantised.
-    initializer_range 0.1 (not the usual 0.02): with a random, frozen lm_head of std 0.02 and hidden size
-    128 the largest logit an adapter could reach is about 2.6 nats, so LoRA could barely lower the loss.
-    """
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=320,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-
-
-def build_tiny_model(tokenizer=None) -> LlamaForCausalLM:
-    """The embedded base model: always the same weights (seeded independently of the run's seed)."""
-    tokenizer = tokenizer or build_byte_tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_INIT_SEED)
-        return LlamaForCausalLM(tiny_llama_config(len(tokenizer)))
+from fused_stable.train.config.keys import TrainConfig
+from fused_stable.train.model.sources import TINY, ModelSource, loadable_folder
+from fused_stable.train.model.tiny import build_byte_tokenizer, build_tiny_model
 
 
 def load_tokenizer(source: ModelSource, log=None):
@@ -192,90 +157,3 @@ def load_pretrained(source: ModelSource, dtype: torch.dtype = torch.float32, dev
     tokenizer = load_tokenizer(source, log)
     model = load_base(source, tokenizer, torch.device(device), dtype, None, log)
     return model.eval(), tokenizer
-
-
-def apply_tuner(model, cfg: TrainConfig):
-    """Freeze the base and add peft LoRA/DoRA adapters (fp32), or leave every weight trainable (tuner=full)."""
-    if cfg.gradient_checkpointing:
-        # non-reentrant checkpointing needs no requires_grad trick on the inputs of a frozen embedding
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    if cfg.tuner == "full":
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-    if cfg.quant_bits is not None:
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=cfg.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    targets = cfg.target_modules.strip()
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear"
-        if targets == "all-linear"
-        else [t.strip() for t in targets.split(",") if t.strip()],
-        use_dora=cfg.tuner == "dora",
-        task_type="CAUSAL_LM",
-    )
-    try:
-        return get_peft_model(model, lora)
-    except ValueError as exc:
-        raise UserError(f"target_modules={cfg.target_modules!r}: {str(exc).splitlines()[0]}") from None
-
-
-@dataclass
-class ParamGroups:
-    groups: list[dict]  # for the optimizer
-    names: list[str]  # one per param, in the optimizer's order (for per-tensor grad norms)
-
-
-def param_groups(model, cfg: TrainConfig) -> ParamGroups:
-    """AdamW groups: weight decay on matrices only (not on norms, biases or DoRA magnitudes), and under
-    LoRA+ the B matrices at lr x loraplus_lr_ratio (Hayou et al. 2024)."""
-    decay, no_decay, lora_b = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if cfg.loraplus_lr_ratio is not None and ("lora_B" in name or "lora_embedding_B" in name):
-            lora_b.append((name, p))
-        elif p.ndim < 2 or "lora_magnitude_vector" in name:
-            no_decay.append((name, p))
-        else:
-            decay.append((name, p))
-    groups, names = [], []
-    for members, extra in (
-        (decay, {"weight_decay": cfg.weight_decay}),
-        (no_decay, {"weight_decay": 0.0}),
-        (lora_b, {"weight_decay": cfg.weight_decay, "lr": cfg.lr * (cfg.loraplus_lr_ratio or 1.0)}),
-    ):
-        if members:
-            groups.append({"params": [p for _, p in members], **extra})
-            names += [n for n, _ in members]
-    if not groups:
-        raise UserError("nothing to train: no parameter requires a gradient (check target_modules)")
-    return ParamGroups(groups, names)
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """What a checkpoint must hold of the model: the trainable tensors (the adapters, or all weights)."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
-    unknown = [n for n in state if n not in params]
-    if missing or unknown:
-        raise UserError(
-            f"the checkpoint does not match this model ({len(missing)} trainable tensors missing, "
-            f"{len(unknown)} unknown, e.g. {(missing + unknown)[0]!r}): resume with the run's own config"
-        )
-    with torch.no_grad():
-        for name, value in state.items():
-            params[name].copy_(value)

@@ -20,7 +20,7 @@ import tempfile
 from fused_stable.argcheck import parse_command
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
-from fused_stable.train.outputs import EXPORT
+from fused_stable.train.run.outputs import EXPORT
 
 
 def build_parser():
@@ -50,7 +50,7 @@ def _dequantised_base(source, tokenizer, quant_bits: int, log):
     import torch
     from peft.utils.integrations import dequantize_bnb_weight
 
-    from fused_stable.train.model import load_base, quantization_config
+    from fused_stable.train.model.load import load_base, quantization_config
 
     base = load_base(source, tokenizer, torch.device("cpu"), torch.float32, None, log)
     quantised = load_base(
@@ -95,9 +95,9 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
     or interrupted export leaves the target as it was."""
     import torch
 
-    from fused_stable.train import outputs
-    from fused_stable.train.model import load_base
-    from fused_stable.train.saved import inspect_saved, load_adapter, load_saved_tokenizer
+    from fused_stable.train.model.load import load_base
+    from fused_stable.train.run import outputs
+    from fused_stable.train.saved.final_model import inspect_saved, load_adapter, load_saved_tokenizer
 
     if not adapter.strip():
         raise UserError("--adapter is empty: give an adapter folder or a run folder")
@@ -150,10 +150,9 @@ def main(argv: list[str]) -> int:
     args, code = parse_command(build_parser(), argv, "export")
     if args is None:
         return code
-    from fused_stable.train.cli import _quiet_third_party_noise
-    from fused_stable.train.runtime import set_threads
+    from fused_stable.train.run.runtime import quiet_third_party_noise, set_threads
 
-    _quiet_third_party_noise()
+    quiet_third_party_noise()
     try:
         set_threads(args.threads)
         result = export(

@@ -14,10 +14,10 @@ import torch
 from transformers import AutoTokenizer
 
 from fused_stable.errors import UserError
-from fused_stable.train.anchors import public_model
-from fused_stable.train.keys import TrainConfig
-from fused_stable.train.model import fill_special_tokens, load_base, load_pretrained, quantization_config
-from fused_stable.train.sources import ModelSource, resolve_model
+from fused_stable.train.config.foreign_configs import public_model
+from fused_stable.train.config.keys import TrainConfig
+from fused_stable.train.model.load import fill_special_tokens, load_base, load_pretrained, quantization_config
+from fused_stable.train.model.sources import ModelSource, resolve_model
 
 TRAINED_WITH = "fused_stable.json"  # next to adapter_config.json: how the base was loaded while training
 
@@ -61,7 +61,7 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
 
 def recorded_base(source: ModelSource) -> str:
     """What an adapter names as its base: the embedded model's public name, else what --model accepts."""
-    from fused_stable.train.anchors import public_name
+    from fused_stable.train.config.foreign_configs import public_name
 
     return (public_name(source.reference) if source.kind == "embedded" else None) or source.reference
 

@@ -9,11 +9,9 @@ with `torchrun --nproc_per_node N` or the `deepspeed` launcher (one process too)
   rules and the lr schedule are decided once per engine step from the global norm across ranks. The loop calls
   `backward` and `step` on every micro-batch; DeepSpeed steps the optimizer at its accumulation boundary, which
   `check_step` holds to the window's last micro-batch.
-- Checkpoints (`save_checkpoint` / `load_checkpoint`): every rank writes its partitions with
-  `engine.save_checkpoint` into the checkpoint's temporary directory (`step-N/deepspeed/`); rank 0 adds the
-  trainer's files and commits it with checkpoint.py's protocol (atomic rename, a COMPLETE marker over every file,
-  the engine's included), so nothing half-written is ever loaded; `engine.load_checkpoint` restores it (resume,
-  and the guard's rollback).
+- Checkpoints: written and read with every other kind of run's, in `checkpoint_contents` (every rank's
+  partitions through `engine.save_checkpoint` into `step-N/deepspeed/`, committed by rank 0 with the trainer's
+  files; `engine.load_checkpoint` restores it on resume and on the guard's rollback).
 - The adapter / model for `export` and `chat` (`save_final`): at ZeRO-3 gathered from the partitions on rank 0
   (`_zero3_consolidated_16bit_state_dict`), which writes it.
 """
@@ -31,9 +29,8 @@ import torch
 import torch.distributed as dist
 
 from fused_stable.errors import UserError
-from fused_stable.train import checkpoint, parallel
+from fused_stable.train.run import checkpoint, parallel
 
-ENGINE_DIR = "deepspeed"  # the engine's files inside checkpoints/step-N/ (DeepSpeed's checkpoint tag)
 # ZeRO's bucket sizes the HF Trainer fills from the hidden size when a config says "auto" (transformers'
 # HfTrainerDeepSpeedConfig.trainer_config_finalize)
 _AUTO_SIZES = {
@@ -274,47 +271,9 @@ class Engine:
     def numel(self, param: torch.Tensor) -> int:
         return int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3 keeps an empty tensor on the module
 
-    # ------------------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, output_dir: str, step: int, *, trainer_state: dict, config: dict, keep: int):
-        """Every rank: its partitions through the engine into the checkpoint's temporary directory; then rank 0
-        commits it with the trainer's files. Returns the path on rank 0."""
-        staged = [checkpoint.staging_dir(output_dir, step) if parallel.rank() == 0 else None]
-        if parallel.active():
-            dist.broadcast_object_list(staged, src=0)
-        rng = parallel.rank_rngs()
-        self.ds.save_checkpoint(staged[0], tag=ENGINE_DIR, save_latest=False, exclude_frozen_parameters=self.adapter)
-        parallel.barrier()  # every rank's partitions are written before rank 0 commits
-        if parallel.rank() != 0:
-            return None
-        return checkpoint.save_checkpoint(
-            output_dir,
-            step,
-            model_state=None,
-            optimizer=None,
-            trainer_state={**trainer_state, "zero_stage": self.stage},
-            config=config,
-            keep=keep,
-            rng=rng,
-            staged=staged[0],
-        )
-
-    def load_checkpoint(self, path: str) -> dict:
-        """Every rank: the engine's state (weights, FusedAdamW's state and counters) and its own RNG stream."""
-        if not os.path.isdir(os.path.join(path, ENGINE_DIR)):
-            raise UserError(f"{path} was not written through DeepSpeed (no {ENGINE_DIR}/): resume it without DeepSpeed")
-        loaded, _ = self.ds.load_checkpoint(
-            path, tag=ENGINE_DIR, load_module_strict=not self.adapter, load_lr_scheduler_states=False
-        )
-        if loaded is None:
-            raise UserError(f"{os.path.join(path, ENGINE_DIR)}: DeepSpeed could not load it")
-        rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)  # python/numpy states: not weights-only
-        ranks = rng.get("ranks")
-        checkpoint.set_rng_state(ranks[parallel.rank()] if ranks else rng)
-        return checkpoint.read_trainer_state(path)
-
     def save_final(self, model, tokenizer, cfg, output_dir: str) -> str:
         """The adapter (or model): at ZeRO-3 gathered from every rank's partitions (a collective); rank 0 writes."""
-        from fused_stable.train.saved import save_final as save_one
+        from fused_stable.train.saved.final_model import save_final as save_one
 
         state = None
         if self.stage == 3:  # the module holds empty partitions: gather the full tensors on rank 0
