@@ -196,71 +196,82 @@ def fp16_grad_hooks(model) -> list:
 
 
 def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) -> RunResult:
-    from fused_stable import FusedAdamW, GradScaler, schedules
-    from fused_stable.guard import EVALUATED, Guard, GuardConfig
-
+    """One scenario trained with one recipe on the shared workload: the recipe's optimizer, the training loop
+    (the guarded recipe checks, rolls back or stops at every logging step), then the measurements of the model
+    the run ended with."""
     torch.manual_seed(cfg.seed)
     model = _fresh_model(work)
     model.config.use_cache = False
     model.train()
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in trainable]
-    names = [n for n, _ in trainable]
     hooks = fp16_grad_hooks(model) if scenario.fp16 else []
-    lr = cfg.lr * scenario.lr_multiplier
-    batch = scenario.batches(work.items, work.shifted_items, work.tokenizer, cfg)
     result = RunResult(scenario.name, recipe)
-    guard = None
-    if recipe == "usual":
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
-        scaler = torch.amp.GradScaler("cpu") if scenario.fp16 else None
-    else:
-        guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks, eval_rise=cfg.eval_rise))
-        opt = FusedAdamW(
-            params,
-            lr=lr,
-            weight_decay=0.01,
-            max_grad_norm=1.0,
-            clip="zscore",
-            zscore_warmup=cfg.zscore_warmup,
-            lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
-            state_precision=cfg.state_precision,
-            **guard.config.optimizer_kwargs(),
-        )
-        opt.param_names = names
-        guard.bind(opt)
-        scaler = GradScaler("cpu") if scenario.fp16 else None
-        sched = None
-    snapshot = _snapshot(trainable, opt, scaler, 0) if guard else None
-    held_out = work.losses if guard else None  # the guarded recipe evaluates at its checks
-    if held_out is not None:
-        guard.eval_reference(work.start_losses)  # every run starts from the workload's base
-        result.evals.append({"step": 0, **work.start_losses})
-
+    run = _Run(work, cfg, scenario, recipe, model, trainable, result)
     cpu0 = time.process_time()  # CPU time: on a shared machine, a fairer measure of the cost than the wall clock
-    step, k = 0, 0  # optimizer steps (rolled back with the model), micro-batches consumed (never)
-    pending: list[torch.Tensor] = []
-    rows: list[dict] = []
     t0 = time.perf_counter()
-    eval_s = 0.0
-    while step < cfg.steps:
-        b = batch(k)
-        loss = _loss(model, b)
-        train_loss = scenario.train_loss(loss, k)
-        if recipe == "usual":
+    run.train()
+    result.wall_s = time.perf_counter() - t0 - run.eval_s  # training (the evaluations apart, as below)
+    for h in hooks:
+        h.remove()
+    _measure_end(run)
+    result.cpu_s = time.process_time() - cpu0
+    return result
+
+
+class _Run:
+    """The state of one run while it trains: the recipe's optimizer, scheduler, scaler and guard, the optimizer
+    steps (rolled back with the model) and micro-batches consumed (never), the rows logged so far."""
+
+    def __init__(self, work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str, model, trainable, result):
+        self.work, self.cfg, self.scenario, self.recipe = work, cfg, scenario, recipe
+        self.model, self.trainable, self.result = model, trainable, result
+        self.params = [p for _, p in trainable]
+        self.batch = scenario.batches(work.items, work.shifted_items, work.tokenizer, cfg)
+        self.opt, self.sched, self.scaler, self.guard = _recipe_optimizer(
+            recipe, self.params, [n for n, _ in trainable], cfg, scenario
+        )
+        self.snapshot = _snapshot(trainable, self.opt, self.scaler, 0) if self.guard else None
+        self.held_out = work.losses if self.guard else None  # the guarded recipe evaluates at its checks
+        if self.held_out is not None:
+            self.guard.eval_reference(work.start_losses)  # every run starts from the workload's base
+            result.evals.append({"step": 0, **work.start_losses})
+        self.step, self.k = 0, 0
+        self.pending: list[torch.Tensor] = []
+        self.rows: list[dict] = []
+        self.eval_s = 0.0
+
+    def train(self) -> None:
+        cfg, scenario, opt = self.cfg, self.scenario, self.opt
+        while self.step < cfg.steps:
+            loss = _loss(self.model, self.batch(self.k))
+            self._backward_and_step(scenario.train_loss(loss, self.k))
+            opt.zero_grad(set_to_none=True)
+            self.step += 1
+            self.k += 1
+            seen = loss.detach() if scenario.nan_at != self.k - 1 else loss.detach() * math.nan
+            skipped = opt.last_step_skipped.float() if self.guard else torch.zeros(())
+            self.pending.append(torch.stack([seen, skipped]))
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                if self._log_and_check() == "stop":
+                    break
+
+    def _backward_and_step(self, train_loss: torch.Tensor) -> None:
+        """usual: backward, unscale, clip_grad_norm_, step (GradScaler's own skip counted), the scheduler; guarded:
+        backward and the fused step (clip, skip and schedule inside FusedAdamW)."""
+        opt, scaler = self.opt, self.scaler
+        if self.recipe == "usual":
             scale_before = scaler.get_scale() if scaler else None
             (scaler.scale(train_loss) if scaler else train_loss).backward()
             if scaler:
                 scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             if scaler:
                 scaler.step(opt)
                 scaler.update()
-                result.skipped_steps += scaler.get_scale() < scale_before  # torch backs off exactly on skipped steps
+                self.result.skipped_steps += scaler.get_scale() < scale_before  # torch backs off exactly on skips
             else:
                 opt.step()
-            sched.step()
+            self.sched.step()
         else:
             (scaler.scale(train_loss) if scaler else train_loss).backward()
             if scaler:
@@ -268,62 +279,92 @@ def run_one(work: Workload, cfg: StressConfig, scenario: Scenario, recipe: str) 
                 scaler.update()
             else:
                 opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        k += 1
-        seen = loss.detach() if scenario.nan_at != k - 1 else loss.detach() * math.nan
-        skipped = opt.last_step_skipped.float() if guard else torch.zeros(())
-        pending.append(torch.stack([seen, skipped]))
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            losses = torch.stack(pending).tolist()
-            pending.clear()
-            new_rows = [
-                {"step": step - len(losses) + 1 + i, "loss": v, "skipped": bool(skip)}
-                for i, (v, skip) in enumerate(losses)
-            ]
-            rows += new_rows
-            if guard:
-                result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
-                if held_out is not None:
-                    started = time.perf_counter()
-                    new_rows[-1].update(held_out.measure(model))
-                    eval_s += time.perf_counter() - started
-                    result.evals.append({"step": step, **{key: new_rows[-1][key] for key in held_out.names}})
-                decision = guard.check(step, opt, new_rows)
-                result.alerts += len(decision.alerts)
-                result.eval_alerts += sum(a.kind in EVALUATED.values() for a in decision.alerts)
-                if decision.action == "rollback":
-                    _restore(snapshot, trainable, opt, scaler)
-                    result.rolled_back_steps += step - snapshot["step"]
-                    step = snapshot["step"]
-                    rows = [r for r in rows if r["step"] <= step]
-                    guard.apply_rollback(opt, cut_lr=decision.cut_lr, to_step=step)
-                    continue
-                if decision.action == "stop":
-                    result.status, result.message = "stopped", decision.message
-                    break
-                if step % cfg.snapshot_every == 0 and not decision.alerts:
-                    snapshot = _snapshot(trainable, opt, scaler, step)
-    result.wall_s = time.perf_counter() - t0 - eval_s  # training (the evaluations apart, as below)
-    for h in hooks:
-        h.remove()
-    result.losses = [r["loss"] for r in rows]
+
+    def _log_and_check(self) -> str | None:
+        """A logging step: the rows since the last (one read); guarded, the held-out losses and the guard's
+        decision: roll back to the snapshot, stop ("stop"), or take a new snapshot."""
+        from fused_stable.guard import EVALUATED
+
+        result, guard, step = self.result, self.guard, self.step
+        losses = torch.stack(self.pending).tolist()
+        self.pending.clear()
+        new_rows = [
+            {"step": step - len(losses) + 1 + i, "loss": v, "skipped": bool(skip)} for i, (v, skip) in enumerate(losses)
+        ]
+        self.rows += new_rows
+        if not guard:
+            return None
+        result.skipped_steps += sum(r["skipped"] for r in new_rows)  # counted before a rollback undoes them
+        if self.held_out is not None:
+            started = time.perf_counter()
+            new_rows[-1].update(self.held_out.measure(self.model))
+            self.eval_s += time.perf_counter() - started
+            result.evals.append({"step": step, **{key: new_rows[-1][key] for key in self.held_out.names}})
+        decision = guard.check(step, self.opt, new_rows)
+        result.alerts += len(decision.alerts)
+        result.eval_alerts += sum(a.kind in EVALUATED.values() for a in decision.alerts)
+        if decision.action == "rollback":
+            _restore(self.snapshot, self.trainable, self.opt, self.scaler)
+            result.rolled_back_steps += step - self.snapshot["step"]
+            self.step = self.snapshot["step"]
+            self.rows = [r for r in self.rows if r["step"] <= self.step]
+            guard.apply_rollback(self.opt, cut_lr=decision.cut_lr, to_step=self.step)
+            return None
+        if decision.action == "stop":
+            result.status, result.message = "stopped", decision.message
+            return "stop"
+        if step % self.cfg.snapshot_every == 0 and not decision.alerts:
+            self.snapshot = _snapshot(self.trainable, self.opt, self.scaler, step)
+        return None
+
+
+def _recipe_optimizer(recipe: str, params: list, names: list[str], cfg: StressConfig, scenario: Scenario):
+    """(optimizer, scheduler, scaler, guard): torch AdamW with a LambdaLR warm-up/cosine and torch's GradScaler,
+    or FusedAdamW (z-score clipping, its schedule inside the step) bound to a rollback guard and our GradScaler."""
+    from fused_stable import FusedAdamW, GradScaler, schedules
+    from fused_stable.guard import Guard, GuardConfig
+
+    lr = cfg.lr * scenario.lr_multiplier
+    if recipe == "usual":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+        return opt, sched, torch.amp.GradScaler("cpu") if scenario.fp16 else None, None
+    guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks, eval_rise=cfg.eval_rise))
+    opt = FusedAdamW(
+        params,
+        lr=lr,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        clip="zscore",
+        zscore_warmup=cfg.zscore_warmup,
+        lr_schedule=schedules.warmup_cosine(cfg.steps, cfg.warmup_steps),
+        state_precision=cfg.state_precision,
+        **guard.config.optimizer_kwargs(),
+    )
+    opt.param_names = names
+    guard.bind(opt)
+    return opt, None, GradScaler("cpu") if scenario.fp16 else None, guard
+
+
+def _measure_end(run: _Run) -> None:
+    """The run's losses and final loss, its rollbacks, and both recipes' measurements of the model it ended with:
+    the held-out losses, and on the pretrained model what it still knows and what it learnt."""
+    result, work = run.result, run.work
+    result.losses = [r["loss"] for r in run.rows]
     tail = result.losses[-FINAL_WINDOW:]
     result.final_loss = sum(tail) / len(tail) if tail else math.nan
-    if guard:
-        result.rolled_back = guard.rollbacks
+    if run.guard:
+        result.rolled_back = run.guard.rollbacks
     t0 = time.perf_counter()
     if work.losses is not None:  # both recipes: the held-out losses of the model the run ended with
-        after = work.losses.measure(model)
+        after = work.losses.measure(run.model)
         result.eval_loss_after, result.retention_loss_after = after.get("eval_loss"), after.get("retention_loss")
     if work.model is not None:  # what the pretrained model still knows, and what it learnt
         from fused_stable.train.evaluation.before_after import evaluate
 
-        scores = evaluate(model, work.tokenizer, name=work.task_name)
+        scores = evaluate(run.model, work.tokenizer, name=work.task_name)
         result.general_after, result.task_after = scores["general"]["accuracy"], scores["identity"]["accuracy"]
-    result.eval_s = eval_s + time.perf_counter() - t0
-    result.cpu_s = time.process_time() - cpu0
-    return result
+    result.eval_s = run.eval_s + time.perf_counter() - t0
 
 
 def _snapshot(trainable: list, opt, scaler, step: int) -> dict:

@@ -6,6 +6,7 @@ Handlers are `page.Page`'s; elem_ids name what docs/webui.md and the browser tes
 from __future__ import annotations
 
 import html
+from types import SimpleNamespace
 
 import gradio as gr
 
@@ -82,91 +83,131 @@ def _setup_form(page: Page):
 
 
 def build_app(page: Page, tick_s: float = TICK_S) -> gr.Blocks:
+    """The page: its four tabs laid out, then their events wired (in this order, which fixes the events' order in
+    gradio's config), then the API endpoints."""
     with gr.Blocks(title="fused-stable webui", analytics_enabled=False) as app:
         gr.Markdown(f"## fused-stable webui\nworkspace `{page.workspace.root}`: every run lives there")
-        with gr.Tab("Train"):
-            preset, named, inputs, upload = _setup_form(page)
-            with gr.Row():
-                safe = gr.Button("safe defaults", elem_id="safe_defaults")
-                start = gr.Button("Start", variant="primary", elem_id="start")
-            safe_info = gr.Markdown(elem_id="safe_info")
-            command = gr.Code(
-                language="shell", label="the same run on the command line", interactive=False, elem_id="command"
-            )
-            message = gr.Markdown(elem_id="message")
-            with gr.Row():
-                stop = gr.Button("Stop", elem_id="stop", variant="stop")
-                pause = gr.Button("Pause", elem_id="pause")
-                resume = gr.Button("Resume", elem_id="resume", interactive=False)
-            live = _run_view("live")
-        with gr.Tab("Runs") as runs_tab:
-            with gr.Row():
-                chosen = gr.Dropdown([], label="run", allow_custom_value=False, elem_id="runs_choice")
-                refresh = gr.Button("refresh")
-                resume_chosen = gr.Button("Resume this run", interactive=False)
-            table = gr.Dataframe(label="runs in the workspace", interactive=False)
-            runs_message = gr.Markdown()
-            chosen_view = _run_view("chosen")
-        with gr.Tab("Chat") as chat_tab:
-            chat_run = gr.Dropdown([], label="finished run")
-            bot = gr.Chatbot(label="chat (greedy, as fused-stable chat)")
-            with gr.Row():
-                said = gr.Textbox(label="message", scale=4)
-                send = gr.Button("send")
-                clear = gr.Button("clear")
-        with gr.Tab("Export") as export_tab:
-            export_run = gr.Dropdown([], label="finished run")
-            target = gr.Textbox(label="export folder (in the workspace)")
-            overwrite = gr.Checkbox(label="replace a previous export there")
-            do_export = gr.Button("Export")
-            exported = gr.Markdown()
-
-        private = {"api_visibility": "private"}
-        # ---- the form: presets, safe defaults, the command line
-        preset.change(_preset_values(named), preset, [*named.values(), inputs[-1]], **private)
-        safe.click(_safe_values, None, [*[named[k] for k in form.SAFE_DEFAULTS], safe_info], **private)
-        gr.on([c.change for c in inputs], page.preview, inputs, command, **private)
-        app.load(page.preview, inputs, command, **private)
-        upload.upload(page.upload, upload, [named["dataset"], message], api_name="upload_dataset").then(
-            lambda name: gr.update(choices=page.dataset_choices(), value=name),
-            named["dataset"],
-            named["dataset"],
-            **private,
-        )
-        start.click(page.start_from_form, inputs, message, **private)
-        # ---- the live view of the run started last, and its controls
-        live_outputs = [*live, resume]
-        stop.click(lambda: page.act_from_page("stop"), None, message, **private)
-        pause.click(lambda: page.act_from_page("pause"), None, message, **private)
-        resume.click(lambda: page.act_from_page("resume"), None, message, **private)
-        timer = gr.Timer(tick_s)
-        timer.tick(page.view, None, live_outputs, **private)
-        app.load(page.view, None, live_outputs, **private)
-        # ---- every run of the workspace
-        chosen_outputs = [*chosen_view, resume_chosen]
-
-        def list_runs(current):
-            frame, names = page.runs_table()
-            keep = current if current in names else (names[0] if names else None)
-            return frame, gr.update(choices=names, value=keep)
-
-        for event in (runs_tab.select, refresh.click):
-            event(list_runs, chosen, [table, chosen], **private)
-        chosen.change(page.view, chosen, chosen_outputs, **private)
-        timer.tick(lambda run: page.view(run) if run else page.view(), chosen, chosen_outputs, **private)
-        resume_chosen.click(lambda run: page.act_from_page("resume", run), chosen, runs_message, **private)
-        # ---- chat and export
-        for tab, box in ((chat_tab, chat_run), (export_tab, export_run)):
-            tab.select(lambda: gr.update(choices=page.finished_names()), None, box, **private)
-        send.click(chat_turn(page), [chat_run, bot, said], [bot, said], **private)
-        clear.click(lambda: ([], ""), None, [bot, said], **private)
-        do_export.click(_export(page), [export_run, target, overwrite], exported, **private)
-        # ---- the API for scripts and tests
+        train = _train_tab(page)
+        runs = _runs_tab()
+        chat, export = _chat_tab(), _export_tab()
+        _wire_form(app, page, train)
+        timer = _wire_live_view(app, page, train, tick_s)
+        _wire_runs(page, runs, timer)
+        _wire_chat_and_export(page, chat, export)
         for fn in (page.start_run, page.run_status, page.stop_run, page.pause_run, page.resume_run):
             gr.api(fn, api_name=fn.__name__)
         gr.api(page.chat, api_name="chat")
         gr.api(page.export_run, api_name="export_run")
     return app
+
+
+_PRIVATE = {"api_visibility": "private"}  # page events, not API endpoints
+
+
+def _train_tab(page: Page) -> SimpleNamespace:
+    """The Train tab: set-up form, safe defaults, the command line, Start, and the live view with its controls."""
+    with gr.Tab("Train"):
+        preset, named, inputs, upload = _setup_form(page)
+        with gr.Row():
+            safe = gr.Button("safe defaults", elem_id="safe_defaults")
+            start = gr.Button("Start", variant="primary", elem_id="start")
+        safe_info = gr.Markdown(elem_id="safe_info")
+        command = gr.Code(
+            language="shell", label="the same run on the command line", interactive=False, elem_id="command"
+        )
+        message = gr.Markdown(elem_id="message")
+        with gr.Row():
+            stop = gr.Button("Stop", elem_id="stop", variant="stop")
+            pause = gr.Button("Pause", elem_id="pause")
+            resume = gr.Button("Resume", elem_id="resume", interactive=False)
+        live = _run_view("live")
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "page"})
+
+
+def _runs_tab() -> SimpleNamespace:
+    """The Runs tab: every run of the workspace, one of them shown with the live view's panels."""
+    with gr.Tab("Runs") as tab:
+        with gr.Row():
+            chosen = gr.Dropdown([], label="run", allow_custom_value=False, elem_id="runs_choice")
+            refresh = gr.Button("refresh")
+            resume_chosen = gr.Button("Resume this run", interactive=False)
+        table = gr.Dataframe(label="runs in the workspace", interactive=False)
+        message = gr.Markdown()
+        view = _run_view("chosen")
+    return SimpleNamespace(**locals())
+
+
+def _chat_tab() -> SimpleNamespace:
+    with gr.Tab("Chat") as tab:
+        run = gr.Dropdown([], label="finished run")
+        bot = gr.Chatbot(label="chat (greedy, as fused-stable chat)")
+        with gr.Row():
+            said = gr.Textbox(label="message", scale=4)
+            send = gr.Button("send")
+            clear = gr.Button("clear")
+    return SimpleNamespace(**locals())
+
+
+def _export_tab() -> SimpleNamespace:
+    with gr.Tab("Export") as tab:
+        run = gr.Dropdown([], label="finished run")
+        target = gr.Textbox(label="export folder (in the workspace)")
+        overwrite = gr.Checkbox(label="replace a previous export there")
+        do_export = gr.Button("Export")
+        exported = gr.Markdown()
+    return SimpleNamespace(**locals())
+
+
+def _wire_form(app: gr.Blocks, page: Page, train: SimpleNamespace) -> None:
+    """The form: presets, safe defaults, the command line, the upload, Start."""
+    named, inputs = train.named, train.inputs
+    train.preset.change(_preset_values(named), train.preset, [*named.values(), inputs[-1]], **_PRIVATE)
+    train.safe.click(_safe_values, None, [*[named[k] for k in form.SAFE_DEFAULTS], train.safe_info], **_PRIVATE)
+    gr.on([c.change for c in inputs], page.preview, inputs, train.command, **_PRIVATE)
+    app.load(page.preview, inputs, train.command, **_PRIVATE)
+    train.upload.upload(page.upload, train.upload, [named["dataset"], train.message], api_name="upload_dataset").then(
+        lambda name: gr.update(choices=page.dataset_choices(), value=name),
+        named["dataset"],
+        named["dataset"],
+        **_PRIVATE,
+    )
+    train.start.click(page.start_from_form, inputs, train.message, **_PRIVATE)
+
+
+def _wire_live_view(app: gr.Blocks, page: Page, train: SimpleNamespace, tick_s: float) -> gr.Timer:
+    """The live view of the run started last, and its controls; returns the timer that refreshes the views."""
+    live_outputs = [*train.live, train.resume]
+    train.stop.click(lambda: page.act_from_page("stop"), None, train.message, **_PRIVATE)
+    train.pause.click(lambda: page.act_from_page("pause"), None, train.message, **_PRIVATE)
+    train.resume.click(lambda: page.act_from_page("resume"), None, train.message, **_PRIVATE)
+    timer = gr.Timer(tick_s)
+    timer.tick(page.view, None, live_outputs, **_PRIVATE)
+    app.load(page.view, None, live_outputs, **_PRIVATE)
+    return timer
+
+
+def _wire_runs(page: Page, runs: SimpleNamespace, timer: gr.Timer) -> None:
+    """Every run of the workspace: the table, the chosen run's view (refreshed by the timer), its Resume."""
+    chosen_outputs = [*runs.view, runs.resume_chosen]
+
+    def list_runs(current):
+        frame, names = page.runs_table()
+        keep = current if current in names else (names[0] if names else None)
+        return frame, gr.update(choices=names, value=keep)
+
+    for event in (runs.tab.select, runs.refresh.click):
+        event(list_runs, runs.chosen, [runs.table, runs.chosen], **_PRIVATE)
+    runs.chosen.change(page.view, runs.chosen, chosen_outputs, **_PRIVATE)
+    timer.tick(lambda run: page.view(run) if run else page.view(), runs.chosen, chosen_outputs, **_PRIVATE)
+    runs.resume_chosen.click(lambda run: page.act_from_page("resume", run), runs.chosen, runs.message, **_PRIVATE)
+
+
+def _wire_chat_and_export(page: Page, chat: SimpleNamespace, export: SimpleNamespace) -> None:
+    for tab, box in ((chat.tab, chat.run), (export.tab, export.run)):
+        tab.select(lambda: gr.update(choices=page.finished_names()), None, box, **_PRIVATE)
+    chat.send.click(chat_turn(page), [chat.run, chat.bot, chat.said], [chat.bot, chat.said], **_PRIVATE)
+    chat.clear.click(lambda: ([], ""), None, [chat.bot, chat.said], **_PRIVATE)
+    export.do_export.click(_export(page), [export.run, export.target, export.overwrite], export.exported, **_PRIVATE)
 
 
 def _preset_values(named: dict):

@@ -29,7 +29,7 @@ from fused_stable.webui.paths import CONTROL_DIR, Workspace
 from fused_stable.webui.records import RunRecord
 
 STATES = ("running", "paused", "stopped", "finished", "failed")
-EVAL_FILE, RUN_FILE = "eval.json", "run.yaml"  # as fused_stable.train.evaluation.before_after and train.cli name them
+EVAL_FILE, RUN_FILE = "eval.json", "run.yaml"  # as train.evaluation.before_after and train.run.setup name them
 GUARD_STOP_CODE, SIGNAL_CODES = 3, (130, 143)  # `fused-stable sft`'s exit codes (docs/trainer.md)
 # metrics a row may carry besides the training loss (held-out evaluations, when the run schedules them)
 EXTRA_LOSSES = ("eval_loss", "retention_loss")

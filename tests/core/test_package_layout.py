@@ -2,8 +2,10 @@
 
 - no arrow up: no core module imports integrations/, train/, stress, bench/ or webui/, at top level or in a function;
 - no import circle (the whole package, each module's imports of any kind counted);
-- no module over 500 lines; no function over 80 lines in the kernels, the backends and the optimizer's modules;
+- no module over 500 lines; no function over 80 lines in the kernels, the backends, the optimizer's modules and the
+  applications (train/, stress/, webui/, integrations/);
 - one backend registry: every backend module implements the `Backend` protocol, and only ops.py names them;
+- every module of the applications has its line in docs/design.md's module map;
 - the decision kernel's sections and the torch backend's functions carry the same names, in the same order.
 """
 
@@ -29,7 +31,8 @@ APPLICATION = (
 )
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
-# modules whose functions are held to MAX_FUNCTION_LINES: the kernels, the backends and the optimizer's modules
+# modules whose functions are held to MAX_FUNCTION_LINES: the kernels, the backends, the optimizer's modules and
+# the applications
 FUNCTION_CHECKED = (
     "fused_stable.kernels",
     "fused_stable.backends",
@@ -42,6 +45,11 @@ FUNCTION_CHECKED = (
     "fused_stable.readouts",
     "fused_stable.state_dict",
     "fused_stable.param_state",
+    # the applications (bench/ is held to it by its own change)
+    "fused_stable.train",
+    "fused_stable.stress",
+    "fused_stable.webui",
+    "fused_stable.integrations",
 )
 # Known exceptions, each with its reason; an entry that no longer applies fails below, so it is removed when the
 # reason goes. None today.
@@ -171,6 +179,25 @@ def test_no_function_over_80_lines_in_the_kernels_backends_and_optimizer():
                 if lines > MAX_FUNCTION_LINES:
                     over.append(f"{name}.{node.name}: {lines} lines")
     assert over == []
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+# rooms whose every module docs/design.md's module map names, one line each (`  run/loop.py   ...`, relative to
+# the room); the core's and bench/'s lines are kept by their own changes and join this list with them
+MAPPED = ("fused_stable.train", "fused_stable.stress", "fused_stable.webui", "fused_stable.integrations")
+
+
+def test_every_module_is_in_the_module_map():
+    lines = [line.strip() for line in DESIGN.read_text().splitlines()]
+    missing = []
+    for name, path in MODULES.items():
+        room = next((r for r in MAPPED if _in(name, (r,))), None)
+        if room is None or path.name == "__init__.py":
+            continue
+        relative = path.relative_to(PACKAGE / room.split(".")[1]).as_posix()
+        if not any(line.split(" ")[0] == relative for line in lines):
+            missing.append(f"{room.split('.')[1]}/{relative}")
+    assert missing == [], f"modules without their line in docs/design.md's module map: {missing}"
 
 
 def test_the_checks_see_what_they_claim():

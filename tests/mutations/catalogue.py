@@ -39,8 +39,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "loop-skip-flag-read-per-step",
         TRAIN + "run/loop.py",
-        "            pending_meta.append((self.state.step, self.elapsed(), window_tokens))\n",
-        "            pending_meta.append((self.state.step, self.elapsed(), window_tokens))\n            bool(opt.last_step_skipped)\n",
+        "        log.meta.append((self.state.step, self.elapsed(), window_tokens))\n",
+        "        log.meta.append((self.state.step, self.elapsed(), window_tokens))\n        bool(opt.last_step_skipped)\n",
         ["tests/train/test_loop_host_reads.py"],
         "nothing read between logging steps",
         select="fp32",
@@ -253,8 +253,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "zero-loop-no-engine-step",
         TRAIN + "run/loop.py",
-        "                    self.engine.step()  # the window's last micro-batch is the engine's boundary: the fused step\n",
-        "                    pass\n",
+        "                self.engine.step()  # the window's last micro-batch is the engine's boundary: the fused step\n",
+        "                pass\n",
         ["tests/train/test_deepspeed_sft.py"],
         "the loop steps the engine every micro-batch, so DeepSpeed runs the fused step at the window's end",
         select="zero2_two_ranks",
@@ -1464,7 +1464,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ faults survived (issue 28)
     M(
         "run-takes-no-lock",
-        TRAIN + "run/sft.py",
+        TRAIN + "run/setup.py",
         "                self.lock.acquire()\n",
         "                pass\n",
         ["tests/train/test_faults.py"],
@@ -1509,7 +1509,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "killed-save-leftovers-kept",
-        TRAIN + "run/sft.py",
+        TRAIN + "run/setup.py",
         "                for line in checkpoint.clear_leftovers(cfg.output_dir):\n",
         "                for line in []:\n",
         ["tests/train/test_faults.py"],

@@ -13,7 +13,7 @@ RUN = [*TINY, "--max_steps", "2", "--logging_steps", "1", "--save_steps", "0", "
 
 
 def test_report_to_choices_and_what_each_writes(tmp_path):
-    from fused_stable.train.run.sft import run_entries
+    from fused_stable.train.run.setup import run_entries
 
     for value, tensorboard, wandb in (("tensorboard", True, False), ("wandb", False, True), ("none", False, False)):
         cfg, _ = resolve_config(["--report_to", value])

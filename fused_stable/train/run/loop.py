@@ -93,6 +93,17 @@ class Interrupts:
 
 
 @dataclass
+class _PendingLog:
+    """The steps since the last logging step: their device values (read once, at the next logging step), their
+    (step, elapsed_s, tokens), and the tokens and time the interval's tokens/s is measured over."""
+
+    since: float
+    values: list = field(default_factory=list)
+    meta: list = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
 class TrainState:
     """Where the run is; saved in every checkpoint. The data position is `micro_batches` (see BatchOrder)."""
 
@@ -145,121 +156,28 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- the loop
     def fit(self) -> TrainState:
+        """Train to total_steps (or until the guard, a callback or an interrupt stops the run); each step reads
+        as its named parts: the window's forward and backward, the optimizer step, the step counted, and at a
+        logging step the one device read, the evaluation, the guard and the callbacks."""
         self.evaluate_start()  # a no-op when done already (the command does it before it times training)
-        model, opt, scaler, device = self.model, self.optimizer, self.scaler, self.runtime.device
-        model.train()
-        pending: list[torch.Tensor] = []  # per-step device values, read at the next logging step
-        pending_meta: list[tuple[int, float, int]] = []  # (step, elapsed_s, tokens) for the same steps
+        self.model.train()
         self._fit_started = time.perf_counter()
-        t_last_log, tokens_since_log = self._fit_started, 0
+        log = _PendingLog(since=self._fit_started)
         needs_rollback_target = self.guard is not None and self.guard.config.policy == "rollback"
         if needs_rollback_target and not checkpoint.latest_checkpoint(self.output_dir):
             self.save()  # a rollback needs a good state to go back to, from the first step on
         while self.state.step < self.total_steps:
             window = [self.batches.batch(self.state.micro_batches + i) for i in range(self.grad_accum)]
-            # the loss is the mean over every label token of the window, so each micro-batch's summed loss is
-            # divided by the window's token count (a host int), not averaged per micro-batch
-            label_tokens = max(1, sum(b.num_label_tokens for b in window))
-            window_loss = torch.zeros((), device=device)
-            for batch in window:
-                parallel.set_grad_sync(model, batch is window[-1])  # torchrun/DDP: all-reduce once per window
-                input_ids = batch.input_ids.to(device, non_blocking=True)
-                attention_mask = batch.attention_mask.to(device, non_blocking=True)
-                labels = batch.labels.to(device, non_blocking=True)
-                with self.runtime.autocast():
-                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-                loss = (
-                    F.cross_entropy(
-                        logits[:, :-1].float().reshape(-1, logits.size(-1)),
-                        labels[:, 1:].reshape(-1),
-                        ignore_index=IGNORE_INDEX,
-                        reduction="sum",
-                    )
-                    / label_tokens
-                )
-                if self.engine is not None:
-                    self.engine.backward(loss)
-                    self.engine.step()  # the window's last micro-batch is the engine's boundary: the fused step
-                else:
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                window_loss += loss.detach()
-            if self.engine is not None:
-                self.engine.check_step(self.state.step + 1)  # DeepSpeed zeroed the grads at its boundary
-            elif scaler is not None:
-                scaler.step(opt)  # FusedAdamW unscales, checks inf/nan and clips in its own norm pass
-                scaler.update()
-            else:
-                opt.step()
-            if self.engine is None:
-                opt.zero_grad(set_to_none=True)
-
-            self.state.step += 1
-            self.state.micro_batches += self.grad_accum
-            window_tokens = sum(b.num_tokens for b in window)
-            self.state.tokens += window_tokens
-            tokens_since_log += window_tokens
-            pending.append(
-                torch.stack(
-                    [
-                        window_loss,
-                        opt.grad_norm.float(),
-                        opt.last_lr.float(),
-                        opt.last_step_skipped.float(),
-                        opt.skipped_steps.float() + opt.spike_skips.float(),
-                    ]
-                )
-            )
-            pending_meta.append((self.state.step, self.elapsed(), window_tokens))
-            # torchrun: a signal on any rank stops every rank after this same step (a CPU all-reduce)
-            signum = parallel.agree_signal(self.interrupts.signum if self.interrupts is not None else 0)
-            if signum and self.interrupts is not None:
-                self.interrupts.signum = self.interrupts.signum or signum
-
+            window_loss = self._forward_backward(window)
+            self._optimizer_step()
+            self._count_step(window, window_loss, log)
+            signum = self._agreed_signal()
             if self._logging_step() or signum:  # an interrupt logs the steps since the last log first
-                # the one device read of this interval (torchrun: with the loss averaged and the tokens summed
-                # over the ranks by one all-reduce)
-                values, tokens_since_log = parallel.read_for_logging(torch.stack(pending), tokens_since_log)
-                now = time.perf_counter()
-                tokens_per_s = tokens_since_log / max(now - t_last_log, 1e-9)
-                rows = [
-                    {
-                        "step": step,
-                        "loss": v[0],
-                        "grad_norm": v[1],
-                        "lr": v[2],
-                        "skipped": bool(v[3]),
-                        "skipped_total": int(v[4]),
-                        "tokens_per_s": tokens_per_s,
-                        "elapsed_s": elapsed,
-                    }
-                    for v, (step, elapsed, _) in zip(values, pending_meta)
-                ]
-                if scaler is not None:
-                    rows[-1]["loss_scale"] = scaler.get_scale()
-                pending.clear()
-                pending_meta.clear()
-                if self._evaluation_step() and not signum:  # an interrupt saves at once
-                    rows[-1].update(self._evaluate())
-                    self.evaluations += 1
-                    now = time.perf_counter()  # the next interval's tokens/s leaves the evaluation out
-                t_last_log, tokens_since_log = now, 0
-                if self.reporter is not None:
-                    self.reporter.log(rows)
-                decision = self._run_guard(rows)
-                action = self._run_callbacks(rows[-1])
-                if "stop" in (decision.action, action):
-                    self.save()
-                    self.stopped_by = "guard" if decision.action == "stop" else "callback"
-                    self.stop_message = decision.message
+                action = self._log_and_decide(log, signum)
+                if action == "stop":
                     break
-                if "rollback" in (decision.action, action):
-                    self.rollback()
-                    if self.guard is not None:
-                        self.guard.apply_rollback(opt, cut_lr=decision.cut_lr, to_step=self.state.step)
-                    if self.reporter is not None:
-                        self.reporter.rewind(self.state.step)
-                    if not signum:
-                        continue
+                if action == "rollback" and not signum:
+                    continue
             if self.save_steps and self.state.step % self.save_steps == 0 or signum:
                 self.save()
             if signum:
@@ -268,6 +186,132 @@ class Trainer:
         self.state.elapsed_s = self.elapsed()
         self._fit_started = None
         return self.state
+
+    def _forward_backward(self, window: list) -> torch.Tensor:
+        """Every micro-batch of the window: autocast forward, its summed loss over the window's label tokens,
+        (scaled) backward. Returns the window's loss, on the device."""
+        model, scaler, device = self.model, self.scaler, self.runtime.device
+        # the loss is the mean over every label token of the window, so each micro-batch's summed loss is
+        # divided by the window's token count (a host int), not averaged per micro-batch
+        label_tokens = max(1, sum(b.num_label_tokens for b in window))
+        window_loss = torch.zeros((), device=device)
+        for batch in window:
+            parallel.set_grad_sync(model, batch is window[-1])  # torchrun/DDP: all-reduce once per window
+            input_ids = batch.input_ids.to(device, non_blocking=True)
+            attention_mask = batch.attention_mask.to(device, non_blocking=True)
+            labels = batch.labels.to(device, non_blocking=True)
+            with self.runtime.autocast():
+                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            loss = (
+                F.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, logits.size(-1)),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                / label_tokens
+            )
+            if self.engine is not None:
+                self.engine.backward(loss)
+                self.engine.step()  # the window's last micro-batch is the engine's boundary: the fused step
+            else:
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            window_loss += loss.detach()
+        return window_loss
+
+    def _optimizer_step(self) -> None:
+        """The fused step (clip, inf check, schedule and AdamW inside FusedAdamW), the scaler's update, zero_grad."""
+        opt, scaler = self.optimizer, self.scaler
+        if self.engine is not None:
+            self.engine.check_step(self.state.step + 1)  # DeepSpeed zeroed the grads at its boundary
+        elif scaler is not None:
+            scaler.step(opt)  # FusedAdamW unscales, checks inf/nan and clips in its own norm pass
+            scaler.update()
+        else:
+            opt.step()
+        if self.engine is None:
+            opt.zero_grad(set_to_none=True)
+
+    def _count_step(self, window: list, window_loss: torch.Tensor, log: _PendingLog) -> None:
+        """The step is done: count it, and keep its device values for the next logging step (no read here)."""
+        opt = self.optimizer
+        self.state.step += 1
+        self.state.micro_batches += self.grad_accum
+        window_tokens = sum(b.num_tokens for b in window)
+        self.state.tokens += window_tokens
+        log.tokens += window_tokens
+        log.values.append(
+            torch.stack(
+                [
+                    window_loss,
+                    opt.grad_norm.float(),
+                    opt.last_lr.float(),
+                    opt.last_step_skipped.float(),
+                    opt.skipped_steps.float() + opt.spike_skips.float(),
+                ]
+            )
+        )
+        log.meta.append((self.state.step, self.elapsed(), window_tokens))
+
+    def _agreed_signal(self) -> int:
+        """torchrun: a signal on any rank stops every rank after this same step (a CPU all-reduce)."""
+        signum = parallel.agree_signal(self.interrupts.signum if self.interrupts is not None else 0)
+        if signum and self.interrupts is not None:
+            self.interrupts.signum = self.interrupts.signum or signum
+        return signum
+
+    def _log_and_decide(self, log: _PendingLog, signum: int) -> str | None:
+        """A logging step: the interval's rows (one device read), the evaluation when one is due, the report, then
+        the guard and the callbacks. Returns "stop" (saved, the run ends), "rollback" (done) or None."""
+        rows = self._read_rows(log)
+        if self._evaluation_step() and not signum:  # an interrupt saves at once
+            rows[-1].update(self._evaluate())
+            self.evaluations += 1
+            log.since = time.perf_counter()  # the next interval's tokens/s leaves the evaluation out
+        log.tokens = 0
+        if self.reporter is not None:
+            self.reporter.log(rows)
+        decision = self._run_guard(rows)
+        action = self._run_callbacks(rows[-1])
+        if "stop" in (decision.action, action):
+            self.save()
+            self.stopped_by = "guard" if decision.action == "stop" else "callback"
+            self.stop_message = decision.message
+            return "stop"
+        if "rollback" in (decision.action, action):
+            self.rollback()
+            if self.guard is not None:
+                self.guard.apply_rollback(self.optimizer, cut_lr=decision.cut_lr, to_step=self.state.step)
+            if self.reporter is not None:
+                self.reporter.rewind(self.state.step)
+            return "rollback"
+        return None
+
+    def _read_rows(self, log: _PendingLog) -> list[dict]:
+        """The one device read of this interval (torchrun: with the loss averaged and the tokens summed over the
+        ranks by one all-reduce): one metrics row per step since the last log."""
+        values, log.tokens = parallel.read_for_logging(torch.stack(log.values), log.tokens)
+        now = time.perf_counter()
+        tokens_per_s = log.tokens / max(now - log.since, 1e-9)
+        rows = [
+            {
+                "step": step,
+                "loss": v[0],
+                "grad_norm": v[1],
+                "lr": v[2],
+                "skipped": bool(v[3]),
+                "skipped_total": int(v[4]),
+                "tokens_per_s": tokens_per_s,
+                "elapsed_s": elapsed,
+            }
+            for v, (step, elapsed, _) in zip(values, log.meta)
+        ]
+        if self.scaler is not None:
+            rows[-1]["loss_scale"] = self.scaler.get_scale()
+        log.values.clear()
+        log.meta.clear()
+        log.since = now
+        return rows
 
     # --------------------------------------------------------------------------------------------- seams
     def _logging_step(self) -> bool:

@@ -1,0 +1,320 @@
+"""Building a run of `fused-stable sft` before anything is written: the config and the checkpoint to resume
+(`_resolve`), every input checked, then the model, data, optimizer and trainer (`setup_run`, in named steps);
+`RunSetup.start` then locks output_dir, loads the checkpoint and claims the run's entries in its manifest.
+
+Imports of torch, transformers and the trainer's heavier rooms are inside the functions: `--help` and a bad
+input end before any of them loads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from fused_stable.errors import UserError
+from fused_stable.train.evaluation.run_evaluations import held_out_losses
+from fused_stable.train.run import stop_message
+
+RUN_FILE = "run.yaml"
+
+
+def evaluating(cfg) -> bool:
+    """Whether the run evaluates its model before and after training (eval.json)."""
+    return cfg.evaluation == "on" or (cfg.evaluation == "auto" and cfg.dataset == "identity")
+
+
+def run_entries(cfg) -> list[str]:
+    """The top-level entries of output_dir that a run with this config creates: claimed in its manifest
+    (outputs.claim) before they are created, and exactly what a later --overwrite removes."""
+    from fused_stable.train.evaluation.before_after import EVAL_FILE
+
+    names = [
+        RUN_FILE,
+        "metrics.jsonl",
+        "alerts.jsonl",
+        "curves.png",
+        "checkpoints",
+        "model" if cfg.tuner == "full" else "adapter",
+    ]
+    loggers = (["tensorboard"] if tensorboard_on(cfg) else []) + (["wandb"] if cfg.report_to == "wandb" else [])
+    return names + loggers + ([EVAL_FILE] if evaluating(cfg) else [])
+
+
+def tensorboard_on(cfg) -> bool:
+    """TensorBoard events are written with report_to tensorboard (the default) and tensorboard true."""
+    return cfg.tensorboard and cfg.report_to == "tensorboard"
+
+
+def _resolve(argv: list[str]):
+    """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
+    checkpoints `resume latest` passed over (one line each)."""
+    from fused_stable.train.config.keys import STATE_KEYS
+    from fused_stable.train.config.resolve import resolve_config, same_state_value
+    from fused_stable.train.run import checkpoint, outputs
+
+    cfg, explicit = resolve_config(argv, log=print_rank0)
+    if cfg.resume is None:
+        return cfg, None, []
+    if cfg.resume != "latest" and "output_dir" not in explicit:
+        # a checkpoint path names its run: output_dir/checkpoints/step-N
+        cfg.output_dir = os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume)))
+    try:
+        path, passed_over = checkpoint.resolve_resume(cfg.output_dir, cfg.resume)
+    except UserError as exc:
+        if cfg.resume == "latest" and outputs.read_manifest(cfg.output_dir) is not None:
+            raise UserError(stop_message.no_usable_checkpoint(str(exc), cfg.output_dir)) from None
+        raise
+    try:
+        saved_cfg, _ = resolve_config([], base=checkpoint.checkpoint_config(path))
+    except UserError as exc:
+        raise UserError(f"{os.path.join(path, 'config.yaml')}: {exc}") from None
+    changed = [
+        k for k in STATE_KEYS if k in explicit and not same_state_value(k, getattr(saved_cfg, k), getattr(cfg, k))
+    ]
+    if changed:
+        diffs = ", ".join(f"{k} (checkpoint: {getattr(saved_cfg, k)}, now: {getattr(cfg, k)})" for k in changed)
+        raise UserError(
+            f"cannot resume {path} with a different {diffs}: the checkpoint fixes them (its weights' shapes and "
+            "meaning, or the optimizer state that restores lr and weight_decay); leave them out to continue the "
+            "run, or start a new run in another output_dir"
+        )
+    # keys not given now come from the run being resumed, so `--resume latest` alone continues it
+    saved = saved_cfg.to_dict()
+    saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
+    saved["overwrite"] = cfg.overwrite
+    cfg, _ = resolve_config([], base=saved)
+    return cfg, path, passed_over
+
+
+@dataclass
+class RunSetup:
+    """Everything a run needs, built and checked; nothing written yet (see `start`)."""
+
+    cfg: object
+    runtime: object
+    tokenizer: object
+    model: object
+    trainer: object
+    resume_path: str | None
+    n_examples: int
+    passed_over: list = field(default_factory=list)  # damaged checkpoints `resume latest` skipped (messages)
+    source: object = None  # the resolved --model (fused_stable.train.model.sources.ModelSource)
+    threads: int = 1
+    evaluating: bool = False  # held-out evaluation before and after training (eval.json)
+    lock: object = None  # rank 0's outputs.FolderLock on output_dir, held from `start` until `release`
+
+    def start(self) -> None:
+        """(Rank 0) lock output_dir; load the checkpoint to resume; then (rank 0) replace the previous run if
+        --overwrite, claim the run's entries in its manifest and write run.yaml. The checkpoint is loaded
+        first, so a start that fails leaves output_dir exactly as it was (and unlocked)."""
+        from fused_stable.train.config.resolve import dump_yaml, run_dict
+        from fused_stable.train.run import checkpoint, outputs
+        from fused_stable.train.run.parallel import QuietReporter
+        from fused_stable.train.run.report import AlertLog, Reporter
+
+        cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
+        try:
+            if main_rank:  # under torchrun only rank 0 writes output_dir
+                # a second run into this folder is refused from here until this one ends (or is killed)
+                self.lock = outputs.FolderLock(cfg.output_dir, outputs.SFT)
+                self.lock.acquire()
+            if self.resume_path is not None:
+                trainer.restore(self.resume_path)
+            if main_rank:
+                if self.resume_path is None and cfg.overwrite:
+                    outputs.remove_previous_run(cfg.output_dir)  # only what its manifest names (setup_run checked)
+                # what a run killed mid-save left behind (the lock says no other writer is here)
+                for line in checkpoint.clear_leftovers(cfg.output_dir):
+                    print_rank0(f"fused-stable sft: note: {line}")
+                outputs.claim(cfg.output_dir, run_entries(cfg), details={"optimizer_state": optimizer_state(trainer)})
+                with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
+                    f.write(dump_yaml(cfg))
+        except BaseException:
+            self.release()
+            raise
+        trainer.reporter = (
+            Reporter(
+                cfg.output_dir,
+                trainer.total_steps,
+                trainer.state.step,
+                tensorboard=tensorboard_on(cfg),
+                max_grad_norm=cfg.max_grad_norm,
+                wandb_config=run_dict(cfg) if cfg.report_to == "wandb" else None,
+            )
+            if main_rank
+            else QuietReporter()
+        )
+        if trainer.guard is not None and main_rank:
+            trainer.alert_log = AlertLog(cfg.output_dir, trainer.state.step)
+
+    def release(self) -> None:
+        """Let go of output_dir's lock (the run ended, or its start failed)."""
+        if self.lock is not None:
+            self.lock.release()
+
+
+def optimizer_state(trainer) -> dict:
+    """What the run header and run_manifest.json say about the optimizer's state: its precision and size (this
+    process's share under torchrun: FSDP2 shards the state with the params)."""
+    opt = trainer.optimizer
+    return {"precision": opt.defaults["state_precision"], "mib": round(opt.state_bytes() / 2**20, 3)}
+
+
+def setup_run(argv: list[str]) -> RunSetup:
+    """Parse and check the config, data and model, and build the trainer; raises UserError on bad input."""
+    from fused_stable.guard import Guard
+    from fused_stable.train.config.resolve import guard_config
+    from fused_stable.train.evaluation.held_out import held_out_split
+    from fused_stable.train.model.load import load_tokenizer
+    from fused_stable.train.model.sources import resolve_model
+    from fused_stable.train.run import deepspeed_run, parallel
+    from fused_stable.train.run.runtime import resolve_runtime, set_threads
+
+    cfg, resume_path, passed_over = _resolve(argv)
+    _check_output_folder(cfg, resume_path)
+    # every check on user input happens before anything is written
+    runtime = resolve_runtime(cfg.device, cfg.precision)
+    threads = set_threads(cfg.threads)
+    parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
+    deepspeed_run.check_run(cfg, resume_path, runtime.precision)  # DeepSpeed: process count and precision
+    source = resolve_model(cfg.model)
+    examples, heldout = held_out_split(cfg, _task_examples(cfg))
+    tokenizer = load_tokenizer(source, log=print_rank0)
+    items = _tokenized(cfg, examples, tokenizer)
+    model, groups = _model(cfg, source, tokenizer, runtime)
+    guard = Guard(guard_config(cfg))
+    trainer = _trainer(cfg, model, groups, items, tokenizer, runtime, guard)
+    trainer.evaluator = held_out_losses(cfg, model, tokenizer, heldout, runtime, log=print_rank0)
+    return RunSetup(
+        cfg,
+        runtime,
+        tokenizer,
+        model,
+        trainer,
+        resume_path,
+        len(items),
+        passed_over,
+        source=source,
+        threads=threads,
+        evaluating=evaluating(cfg),
+    )
+
+
+def _check_output_folder(cfg, resume_path: str | None) -> None:
+    """The output folder before anything heavy: writable, and new, empty or (with --overwrite) only a run's."""
+    from fused_stable.train.run import checkpoint, outputs
+
+    outputs.check_output_dir(
+        cfg.output_dir,
+        overwrite=cfg.overwrite,
+        resume_path=resume_path,
+        has_checkpoint=checkpoint.latest_checkpoint(cfg.output_dir) is not None,
+    )
+
+
+def _tokenized(cfg, examples: list, tokenizer) -> list:
+    """The examples as token ids with their labels; one whose answer max_length cuts off entirely is skipped
+    (counted in a note)."""
+    from fused_stable.train.data import instructions
+
+    items = instructions.tokenize_examples(examples, tokenizer, cfg.max_length)
+    return instructions.fit_to_length(items, cfg.max_length, log=print_rank0)
+
+
+def _model(cfg, source, tokenizer, runtime):
+    """The base model with its adapters (or all of it trainable), wrapped for torchrun, and its param groups."""
+    import torch
+
+    from fused_stable.train.model.adapters import apply_tuner, param_groups
+    from fused_stable.train.model.load import load_base_model
+    from fused_stable.train.run import deepspeed_run, parallel
+
+    torch.manual_seed(cfg.seed)
+    model = load_base_model(cfg, source, tokenizer, runtime.device, runtime.compute_dtype, log=print_rank0)
+    model = apply_tuner(model, cfg)
+    if not deepspeed_run.wanted(cfg):  # (DeepSpeed's engine does the data parallelism itself)
+        model = parallel.wrap(model, cfg.tuner)  # torchrun: DDP, or FSDP2 for full (before the optimizer is built)
+    return model, param_groups(parallel.unwrap(model), cfg)
+
+
+def _optimizer(cfg, groups, total_steps: int, guard):
+    """FusedAdamW with the run's schedule, bound to the guard. Clipping happens inside the fused step (one norm
+    pass), never in a separate clip_grad_norm_ call; under guard=skip|rollback the same step also skips
+    grad-norm spikes."""
+    from fused_stable import FusedAdamW, schedules
+    from fused_stable.train.config.resolve import warmup_steps
+
+    warmup = warmup_steps(cfg, total_steps)
+    schedule = {
+        "cosine": lambda: schedules.warmup_cosine(total_steps, warmup),
+        "linear": lambda: schedules.warmup_linear(total_steps, warmup),
+        "constant": lambda: schedules.constant(warmup),
+    }[cfg.scheduler]()
+    optimizer = FusedAdamW(
+        groups.groups,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm or None,
+        lr_schedule=schedule,
+        clip=cfg.clip,
+        state_precision=cfg.state_precision,
+        **guard.config.optimizer_kwargs(),
+    )
+    optimizer.param_names = groups.names
+    guard.bind(optimizer)
+    return optimizer
+
+
+def _trainer(cfg, model, groups, items: list, tokenizer, runtime, guard):
+    """The batch order (torchrun: each rank batches its own shard of the rows), the optimizer, the loss scaler
+    under fp16, the DeepSpeed engine when the run has one (FusedAdamW attached to it: one decision per engine
+    step from the global norm), and the Trainer over them."""
+    from fused_stable import GradScaler
+    from fused_stable.train.config.resolve import eval_steps, run_dict
+    from fused_stable.train.data import instructions
+    from fused_stable.train.run import deepspeed_run, parallel
+    from fused_stable.train.run.loop import Trainer
+
+    batches = instructions.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
+    optimizer = _optimizer(cfg, groups, total_steps, guard)
+    scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
+    engine = deepspeed_run.start(model, optimizer, cfg, runtime) if deepspeed_run.wanted(cfg) else None
+    return Trainer(
+        model=engine.ds if engine is not None else model,
+        engine=engine,
+        optimizer=optimizer,
+        scaler=scaler,
+        batches=batches,
+        runtime=runtime,
+        reporter=None,
+        output_dir=cfg.output_dir,
+        config=run_dict(cfg),
+        total_steps=total_steps,
+        grad_accum=cfg.grad_accum,
+        logging_steps=cfg.logging_steps,
+        save_steps=cfg.save_steps,
+        save_total_limit=cfg.save_total_limit,
+        guard=guard,
+        eval_steps=eval_steps(cfg),
+    )
+
+
+def print_rank0(text: str) -> None:
+    from fused_stable.train.run import parallel
+
+    if parallel.launch_rank() == 0:
+        print(text, flush=True)
+
+
+def _task_examples(cfg):
+    from fused_stable.train.data import instructions, tasks
+
+    if cfg.dataset == "identity":
+        return tasks.identity_examples(
+            cfg.identity_name, cfg.identity_author, seed=cfg.seed, general=cfg.general_examples
+        )
+    if cfg.dataset == "arithmetic":
+        return instructions.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
+    return instructions.load_examples(cfg.dataset, log=print_rank0)
