@@ -133,7 +133,7 @@ class GuardConfig:
         return {}
 
 
-@dataclass
+@dataclass(kw_only=True)  # by name only: six positional fields read alike
 class Alert:
     step: int  # the optimizer step where it happened (trainer count, skipped steps included)
     kind: (
@@ -279,7 +279,16 @@ class Guard:
         alerts: list[Alert] = []
 
         def alert(at: int, kind: str, value: float, threshold: float, action: str, **extra) -> Alert:
-            return Alert(at, kind, float(value), float(threshold), action, step, top_tensors=top, **extra)
+            return Alert(
+                step=at,
+                kind=kind,
+                value=float(value),
+                threshold=float(threshold),
+                action=action,
+                detected_at=step,
+                top_tensors=top,
+                **extra,
+            )
 
         if new_skipped > 0:
             norm = worst_norm if observed else last_norm
@@ -338,7 +347,17 @@ class Guard:
                     continue
                 ratio = value / best if best else math.inf  # a non-finite first value: inf (NaN stays NaN)
                 if self.config.eval_rise and not ratio <= self.config.eval_rise:  # a NaN ratio alerts too
-                    alerts.append(Alert(int(row["step"]), kind, ratio, self.config.eval_rise, "", step, loss=value))
+                    alerts.append(
+                        Alert(
+                            step=int(row["step"]),
+                            kind=kind,
+                            value=ratio,
+                            threshold=self.config.eval_rise,
+                            action="",
+                            detected_at=step,
+                            loss=value,
+                        )
+                    )
         return alerts
 
     def _check_rise(self, rows: list[dict], step: int, top: list) -> list[Alert]:
@@ -349,23 +368,23 @@ class Guard:
         kept = [float(r["loss"]) for r in rows if math.isfinite(float(r["loss"])) and not r.get("skipped")]
         if not kept:
             return []
-        mean = _median(kept)
-        latest = max(mean, _median(kept[-RISE_TAIL:]))
+        median = _median(kept)
+        latest = max(median, _median(kept[-RISE_TAIL:]))
         best = self.best_interval_loss
         if best is None:
             # the very first interval: its first steps show the starting model (the lr is still warming up),
             # the reference a too-high lr must not get to move before the first check
-            best = min(mean, _median(kept[: max(1, len(kept) // 2)]))
-        self.best_interval_loss = min(best, mean)
+            best = min(median, _median(kept[: max(1, len(kept) // 2)]))
+        self.best_interval_loss = min(best, median)
         if self.config.loss_rise and best > 0 and latest > self.config.loss_rise * best:
             return [
                 Alert(
-                    int(rows[-1]["step"]),
-                    LOSS_RISE,
-                    latest / best,
-                    self.config.loss_rise,
-                    "",
-                    step,
+                    step=int(rows[-1]["step"]),
+                    kind=LOSS_RISE,
+                    value=latest / best,
+                    threshold=self.config.loss_rise,
+                    action="",
+                    detected_at=step,
                     loss=latest,
                     top_tensors=top,
                 )
@@ -389,7 +408,16 @@ class Guard:
         # the optimizer's grad-norm statistics need a while to follow the new data: until the loss statistics
         # are warm again, spikes are recorded but do not roll back again
         self.grace_until = step + c.loss_warmup
-        return [Alert(int(first["step"]), DATA_SHIFT, loss / best, c.loss_rise, ACTION_REBASELINE, step, loss=loss)]
+        shift = Alert(
+            step=int(first["step"]),
+            kind=DATA_SHIFT,
+            value=loss / best,
+            threshold=c.loss_rise,
+            action=ACTION_REBASELINE,
+            detected_at=step,
+            loss=loss,
+        )
+        return [shift]
 
     def _top_tensors(self, norms: list[float], names: list[str] | None) -> list[dict]:
         k = self.config.top_k

@@ -372,8 +372,26 @@ def test_alerts_hold_nonfinite_numbers_as_strict_json_and_read_them_back(tmp_pat
     a file written by an earlier version ("inf" / "nan") is read, and kept across a resume, the same way."""
     top = [{"name": "head.weight", "grad_norm": math.inf}, {"name": "embed.weight", "grad_norm": 2.5}]
     alerts = [
-        Alert(7, NONFINITE_GRADS, 1.0, 3.0, ACTION_SKIPPED, 10, grad_norm=math.inf, top_tensors=top),
-        Alert(8, NONFINITE_LOSS, math.nan, math.inf, ACTION_SKIPPED, 10, loss=-math.inf, top_tensors=top),
+        Alert(
+            step=7,
+            kind=NONFINITE_GRADS,
+            value=1.0,
+            threshold=3.0,
+            action=ACTION_SKIPPED,
+            detected_at=10,
+            grad_norm=math.inf,
+            top_tensors=top,
+        ),
+        Alert(
+            step=8,
+            kind=NONFINITE_LOSS,
+            value=math.nan,
+            threshold=math.inf,
+            action=ACTION_SKIPPED,
+            detected_at=10,
+            loss=-math.inf,
+            top_tensors=top,
+        ),
     ]
     AlertLog(str(tmp_path)).write(alerts)
     path = tmp_path / "alerts.jsonl"

@@ -67,26 +67,26 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     )
     from torch.distributed.tensor import DTensor
 
-    from fused_stable.integrations import distributed as fsd
+    from fused_stable.integrations import distributed
 
-    info = fsd.init_distributed_from_env()  # the group is already up: it just reports it
-    out: dict = {"info": (info.rank, info.world_size), "is_main": fsd.is_main_process()}
-    rows = fsd.shard_data(list(range(GLOBAL_BATCH)))
+    info = distributed.init_distributed_from_env()  # the group is already up: it just reports it
+    out: dict = {"info": (info.rank, info.world_size), "is_main": distributed.is_main_process()}
+    rows = distributed.shard_data(list(range(GLOBAL_BATCH)))
     local_batches = [ids[rows] for ids in global_batches()]
 
     # DDP for adapters
-    model = fsd.wrap_model(lora_model(), "lora")
+    model = distributed.wrap_model(lora_model(), "lora")
     out["ddp_type"] = type(model).__name__
     opt = make_optimizer(model)
     norms: list = []
     train(model, opt, local_batches, norms)
     out["ddp_norms"] = torch.stack(norms)
     out["ddp_params"] = {
-        n: p.detach().clone() for n, p in fsd.unwrap_model(model).named_parameters() if p.requires_grad
+        n: p.detach().clone() for n, p in distributed.unwrap_model(model).named_parameters() if p.requires_grad
     }
 
     # FSDP2 for full fine-tuning
-    model = fsd.wrap_model(tiny_llama(), "full")
+    model = distributed.wrap_model(tiny_llama(), "full")
     out["fsdp_all_dtensor"] = all(isinstance(p, DTensor) for p in model.parameters())
     opt = make_optimizer(model)
     norms = []
@@ -100,7 +100,7 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     )
     train(model, opt, local_batches[2:], norms)
     out["fsdp_norms"] = torch.stack(norms)
-    out["fsdp_params"] = fsd.full_model_state_dict(model)
+    out["fsdp_params"] = distributed.full_model_state_dict(model)
     out["fsdp_counters"] = (int(opt.applied_steps), int(opt.skipped_steps))
     final = [p.full_tensor() for p in model.parameters()]
 
@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
         return max((p.full_tensor() - f).abs().max().item() for p, f in zip(m.parameters(), final))
 
     # raw state_dict(): load into a model/optimizer of the same structure (state created by one step)
-    model2 = fsd.wrap_model(tiny_llama(seed=5), "full")
+    model2 = distributed.wrap_model(tiny_llama(seed=5), "full")
     opt2 = make_optimizer(model2)
     train(model2, opt2, local_batches[:1], [])
     sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
@@ -120,7 +120,7 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     out["raw_resume_max_diff"] = max_diff(model2)
 
     # the distributed state_dict API: a fresh model and optimizer with no state
-    model3 = fsd.wrap_model(tiny_llama(seed=6), "full")
+    model3 = distributed.wrap_model(tiny_llama(seed=6), "full")
     opt3 = make_optimizer(model3)
     sd = {"model": get_model_state_dict(model3), "optim": get_optimizer_state_dict(model3, opt3)}
     dcp.load(sd, checkpoint_id=api_dir)

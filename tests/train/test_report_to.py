@@ -82,3 +82,10 @@ def test_evaluations_reach_wandb_under_the_hf_trainers_eval_names(sft, tmp_path,
     evaluated = [step for step, values in run.logged if "eval/loss" in values]
     assert evaluated == [0, 2, 4], run.logged
     assert all(values["eval/loss"] > 0 for _, values in run.logged if "eval/loss" in values)
+
+
+def test_the_quiet_reporter_of_other_ranks_has_every_method_of_the_reporter():
+    from fused_stable.train.run.report import QuietReporter, Reporter
+
+    public = {name for name in vars(Reporter) if not name.startswith("_")}
+    assert public and public == {name for name in vars(QuietReporter) if not name.startswith("_")}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fused_stable.errors import UserError
-from fused_stable.integrations import distributed as fsd
+from fused_stable.integrations import distributed
 
 T = TypeVar("T")
 _cpu_group = None  # a gloo group for host-side agreement when the main group is NCCL
@@ -65,7 +65,7 @@ def process_group():
     """Join the process group torchrun describes (nothing without WORLD_SIZE > 1) and always leave it."""
     global _cpu_group
     try:
-        fsd.init_distributed_from_env()
+        distributed.init_distributed_from_env()
     except (ValueError, RuntimeError) as exc:
         raise UserError(str(exc)) from None
     try:
@@ -74,7 +74,7 @@ def process_group():
         yield
     finally:
         _cpu_group = None
-        fsd.destroy_distributed()
+        distributed.destroy_distributed()
 
 
 def barrier() -> None:
@@ -190,7 +190,7 @@ def shard(items: list[T]) -> list[T]:
     if not active():
         return items
     try:
-        return fsd.shard_data(items)
+        return distributed.shard_data(items)
     except ValueError as exc:
         raise UserError(f"too little data for {world_size()} processes: {exc}") from None
 
@@ -198,12 +198,12 @@ def shard(items: list[T]) -> list[T]:
 def wrap(model, tuner: str):
     """DDP around an adapter model, FSDP2 `fully_shard` of every block and the root for tuner=full.
     Build the optimizer after this: under FSDP2 the parameters are replaced by DTensor shards."""
-    return fsd.wrap_model(model, tuner) if active() else model
+    return distributed.wrap_model(model, tuner) if active() else model
 
 
 def unwrap(model):
     """The user's module (its parameter names, `save_pretrained`) inside a DDP wrapper."""
-    return fsd.unwrap_model(model)
+    return distributed.unwrap_model(model)
 
 
 def is_fsdp(model) -> bool:
@@ -243,32 +243,13 @@ def read_for_logging(values: torch.Tensor, tokens: int) -> tuple[list[list[float
     return rows, int(total_tokens)
 
 
-class QuietReporter:
-    """Stands in for `report.Reporter` on ranks other than 0: they write no metrics and print nothing."""
-
-    def log(self, rows: list[dict]) -> None:
-        pass
-
-    def message(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def alerts(self, alerts: list) -> None:
-        pass
-
-    def rewind(self, step: int) -> None:
-        pass
-
-
 def save_final(model, tokenizer, cfg, output_dir: str) -> str:
     """The adapter (or, for tuner=full, the whole model gathered from its shards) saved by rank 0."""
     from fused_stable.train.saved.final_model import save_final as save_one
 
     if not active():
         return save_one(model, tokenizer, cfg, output_dir)
-    state = fsd.full_model_state_dict(model) if is_fsdp(model) else None  # collective: every rank
+    state = distributed.full_model_state_dict(model) if is_fsdp(model) else None  # collective: every rank
     target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
     if rank() == 0:
         target = save_one(unwrap(model), tokenizer, cfg, output_dir, state_dict=state)

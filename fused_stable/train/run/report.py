@@ -357,3 +357,26 @@ def curves_figure(
         ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+class QuietReporter:
+    """Stands in for `Reporter` on torchrun ranks other than 0: they write no metrics and print nothing (the same
+    methods as Reporter's, a test keeps them so)."""
+
+    def log(self, rows: list[dict]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def alerts(self, alerts: list) -> None:
+        pass
+
+    def evaluation(self, step: int, values: dict, seconds: float) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        pass

@@ -110,8 +110,7 @@ class RunSetup:
         first, so a start that fails leaves output_dir exactly as it was (and unlocked)."""
         from fused_stable.train.config.resolve import dump_yaml, run_dict
         from fused_stable.train.run import checkpoint, outputs
-        from fused_stable.train.run.parallel import QuietReporter
-        from fused_stable.train.run.report import AlertLog, Reporter
+        from fused_stable.train.run.report import AlertLog, QuietReporter, Reporter
 
         cfg, trainer, main_rank = self.cfg, self.trainer, self.runtime.is_main
         try:
