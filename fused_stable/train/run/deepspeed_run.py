@@ -32,12 +32,15 @@ from fused_stable.errors import UserError
 from fused_stable.train.run import checkpoint, parallel
 
 # ZeRO's bucket sizes the HF Trainer fills from the hidden size when a config says "auto" (transformers'
-# HfTrainerDeepSpeedConfig.trainer_config_finalize)
+# HfTrainerDeepSpeedConfig.trainer_config_finalize, the oracle of tests/train/test_deepspeed_oracle.py): the
+# reduce bucket at every stage, the two stage3_* keys only at ZeRO-3 (below it they stay "auto", which DeepSpeed
+# reads as its default and which no stage below 3 uses)
 _AUTO_SIZES = {
     "reduce_bucket_size": lambda h: h * h,
     "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "stage3_param_persistence_threshold": lambda h: 10 * h,
 }
+_ZERO3_ONLY = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 _QUIET = 2**31 - 1  # DeepSpeed's steps_per_print unless the file sets it: the trainer prints its own progress
 
 
@@ -74,7 +77,7 @@ def check_keys(cfg) -> None:
             "base weights, which bitsandbytes' layers cannot gather; use ZeRO 0-2 (the adapters are what trains)"
         )
     # every refusal that does not need the model or the process count: the file's own mistakes, named
-    _prepare(_fill(raw, cfg, world_size=None, precision=None, hidden=1), cfg)
+    _prepare(_fill(raw, cfg, world_size=None, precision=None, hidden=None), cfg)
 
 
 def _where(cfg) -> str:
@@ -113,10 +116,11 @@ def stage_of(raw: dict, cfg) -> int:
     return int(stage)
 
 
-def _fill(raw: dict, cfg, *, world_size: int | None, precision: str | None, hidden: int) -> dict:
+def _fill(raw: dict, cfg, *, world_size: int | None, precision: str | None, hidden: int | None) -> dict:
     """A copy of the config with the trainer's values where it says "auto" or nothing; a value that differs from
-    the trainer's is refused (two sources for one number). `world_size` / `precision` None: not known yet (the
-    checks before the process group and the device), so what depends on them is not checked."""
+    the trainer's is refused (two sources for one number). `world_size` / `precision` / `hidden` None: not known
+    yet (the checks before the process group, the device and the model), so what depends on them is not checked
+    (and the hidden-size keys stay "auto")."""
     out = copy.deepcopy(raw)
     where = _where(cfg)
     batch = {
@@ -154,10 +158,14 @@ def _fill(raw: dict, cfg, *, world_size: int | None, precision: str | None, hidd
     if out.get("gradient_clipping") == "auto":
         out["gradient_clipping"] = 0.0  # the clip is FusedAdamW's max_grad_norm
     zero = out.setdefault("zero_optimization", {})
-    for key, size in _AUTO_SIZES.items():
-        if zero.get(key) == "auto":
-            zero[key] = size(hidden)
-    left = _auto_keys(out)
+    sized = {k for k in _AUTO_SIZES if k not in _ZERO3_ONLY or stage_of(out, cfg) == 3}
+    if hidden is not None:
+        for key in sized:
+            if zero.get(key) == "auto":
+                zero[key] = _AUTO_SIZES[key](hidden)
+    # the hidden-size keys left "auto" on purpose: a stage below 3's stage3_* keys, any of them before the model
+    waiting = {f"zero_optimization.{k}" for k in _AUTO_SIZES if hidden is None or k not in sized}
+    left = [key for key in _auto_keys(out) if key not in waiting]
     if left:
         raise UserError(
             f'deepspeed: {where}: {left[0]} is "auto", which only the HF Trainer fills; the trainer fills the batch '
@@ -187,10 +195,37 @@ def _prepare(filled: dict, cfg) -> dict:
 
 
 def engine_config(cfg, model, precision: str) -> dict:
-    """The config the engine is built with: filled for this model, process count and precision, then prepared."""
-    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
-    filled = _fill(_base_config(cfg), cfg, world_size=parallel.world_size(), precision=precision, hidden=hidden)
+    """The config the engine is built with: filled for this model (None: before it loads, the hidden-size keys
+    not yet), process count and precision, then prepared."""
+    raw = _base_config(cfg)
+    hidden = _hidden_size(raw, model, cfg) if model is not None else None
+    filled = _fill(raw, cfg, world_size=parallel.world_size(), precision=precision, hidden=hidden)
     return _prepare(filled, cfg)
+
+
+def _hidden_size(raw: dict, model, cfg) -> int | None:
+    """The hidden size ZeRO's "auto" bucket sizes are made from, found as transformers finds it: the model
+    config's `hidden_size`, else the largest of its `hidden_sizes`, else the same in its `text_config`. None when
+    no such key says "auto"; a clear error when one does and the model has no hidden size."""
+    zero = raw.get("zero_optimization", {})
+    wanted_keys = [
+        k for k in _AUTO_SIZES if zero.get(k) == "auto" and (k not in _ZERO3_ONLY or stage_of(raw, cfg) == 3)
+    ]
+    if not wanted_keys:
+        return None
+    config = getattr(model, "config", None)
+    for where in (config, getattr(config, "text_config", None)):
+        if where is None:
+            continue
+        if getattr(where, "hidden_size", None) is not None:
+            return int(where.hidden_size)
+        if getattr(where, "hidden_sizes", None):
+            return int(max(where.hidden_sizes))
+    raise UserError(
+        f"deepspeed: {_where(cfg)}: the model's config has neither hidden_size nor hidden_sizes, so these "
+        f'"auto" entries cannot be filled: {", ".join("zero_optimization." + k for k in wanted_keys)}; give '
+        "them integer values"
+    )
 
 
 def check_run(cfg, resume_path: str | None, precision: str) -> None:
