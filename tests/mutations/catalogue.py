@@ -1210,8 +1210,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "guard-rise-tail-ignored",
         "fused_stable/guard.py",
-        "latest = max(mean, _median(kept[-RISE_TAIL:]))",
-        "latest = mean",
+        "latest = max(median, _median(kept[-RISE_TAIL:]))",
+        "latest = median",
         ["tests/guard/test_guard.py"],
         "a rise late in an interval (its last 3 losses) is caught at its check",
         select="late_in_an_interval",
