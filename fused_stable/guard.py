@@ -279,16 +279,10 @@ class Guard:
         alerts: list[Alert] = []
 
         def alert(at: int, kind: str, value: float, threshold: float, action: str, **extra) -> Alert:
-            return Alert(
-                step=at,
-                kind=kind,
-                value=float(value),
-                threshold=float(threshold),
-                action=action,
-                detected_at=step,
-                top_tensors=top,
-                **extra,
+            found = dict(
+                value=float(value), threshold=float(threshold), action=action, detected_at=step, top_tensors=top
             )
+            return Alert(step=at, kind=kind, **found, **extra)
 
         if new_skipped > 0:
             norm = worst_norm if observed else last_norm
@@ -347,17 +341,8 @@ class Guard:
                     continue
                 ratio = value / best if best else math.inf  # a non-finite first value: inf (NaN stays NaN)
                 if self.config.eval_rise and not ratio <= self.config.eval_rise:  # a NaN ratio alerts too
-                    alerts.append(
-                        Alert(
-                            step=int(row["step"]),
-                            kind=kind,
-                            value=ratio,
-                            threshold=self.config.eval_rise,
-                            action="",
-                            detected_at=step,
-                            loss=value,
-                        )
-                    )
+                    rise = dict(value=ratio, threshold=self.config.eval_rise, action="", detected_at=step, loss=value)
+                    alerts.append(Alert(step=int(row["step"]), kind=kind, **rise))
         return alerts
 
     def _check_rise(self, rows: list[dict], step: int, top: list) -> list[Alert]:
@@ -377,18 +362,8 @@ class Guard:
             best = min(median, _median(kept[: max(1, len(kept) // 2)]))
         self.best_interval_loss = min(best, median)
         if self.config.loss_rise and best > 0 and latest > self.config.loss_rise * best:
-            return [
-                Alert(
-                    step=int(rows[-1]["step"]),
-                    kind=LOSS_RISE,
-                    value=latest / best,
-                    threshold=self.config.loss_rise,
-                    action="",
-                    detected_at=step,
-                    loss=latest,
-                    top_tensors=top,
-                )
-            ]
+            rise = dict(value=latest / best, threshold=self.config.loss_rise, action="", detected_at=step, loss=latest)
+            return [Alert(step=int(rows[-1]["step"]), kind=LOSS_RISE, **rise, top_tensors=top)]
         return []
 
     def _check_data_shift(self, first: dict, step: int) -> list[Alert]:
@@ -408,16 +383,8 @@ class Guard:
         # the optimizer's grad-norm statistics need a while to follow the new data: until the loss statistics
         # are warm again, spikes are recorded but do not roll back again
         self.grace_until = step + c.loss_warmup
-        shift = Alert(
-            step=int(first["step"]),
-            kind=DATA_SHIFT,
-            value=loss / best,
-            threshold=c.loss_rise,
-            action=ACTION_REBASELINE,
-            detected_at=step,
-            loss=loss,
-        )
-        return [shift]
+        shift = dict(value=loss / best, threshold=c.loss_rise, action=ACTION_REBASELINE, detected_at=step, loss=loss)
+        return [Alert(step=int(first["step"]), kind=DATA_SHIFT, **shift)]
 
     def _top_tensors(self, norms: list[float], names: list[str] | None) -> list[dict]:
         k = self.config.top_k

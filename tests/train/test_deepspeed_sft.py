@@ -96,7 +96,7 @@ def _resume_exactly(out, tmp_path, saved):
     assert proc.stdout.count("done: steps 2->4") == 1
     a, b = read_metrics(out), read_metrics(broken)
     assert [(r["loss"], r["grad_norm"], r["lr"]) for r in a] == [(r["loss"], r["grad_norm"], r["lr"]) for r in b]
-    name = "adapter_model.safetensors" if saved == "adapter" else "load.safetensors"
+    name = "adapter_model.safetensors" if saved == "adapter" else "model.safetensors"
     wa, wb = load_file(out / saved / name), load_file(broken / saved / name)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     return wa
@@ -152,7 +152,7 @@ def test_zero3_two_ranks_trains_and_the_export_loads_with_transformers(zero3_run
     # the merge is W + (alpha / r) B A with the gathered A and B, on the base the run started from
     base = dict(setup_run(*RUN, "--output_dir", tmp_path / "base").model.get_base_model().named_parameters())
     for layer in range(4):
-        prefix = f"load.layers.{layer}.self_attn.q_proj"
+        prefix = f"model.layers.{layer}.self_attn.q_proj"
         a = adapter[f"base_model.model.{prefix}.lora_A.weight"]
         b = adapter[f"base_model.model.{prefix}.lora_B.weight"]
         expected = base[f"{prefix}.base_layer.weight"].detach() + 2.0 * b @ a
@@ -180,8 +180,8 @@ def test_example_config_under_the_deepspeed_launcher_matches_the_run_without_dee
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in plain], rel=rel), key
     state = json.loads((tmp_path / "ds" / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 2 and state["world_size"] == 1
-    wa = load_file(tmp_path / "ds" / "model" / "load.safetensors")
-    wb = load_file(tmp_path / "plain" / "model" / "load.safetensors")
+    wa = load_file(tmp_path / "ds" / "model" / "model.safetensors")
+    wb = load_file(tmp_path / "plain" / "model" / "model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
