@@ -149,6 +149,25 @@ class StepPlan:
     # ------------------------------------------------------------------------------------------------
     # the per-step check
 
+    def changed_group(self, param_groups: list[dict]) -> str | None:
+        """What in the groups no longer matches this plan (the param set, `amsgrad`, `state_precision`), or None.
+        By content, not by list identity: a compiled step (compiled.py) holds the plan of its trace, and a list
+        rebuilt with the same params changes nothing it holds."""
+        if len(param_groups) != len(self.group_params):
+            return f"{len(self.group_params)} param groups when traced, {len(param_groups)} now"
+        start = 0
+        for index, (group, size, amsgrad, precision) in enumerate(
+            zip(param_groups, self.group_sizes, self.group_amsgrad, self.group_precisions)
+        ):
+            # all_params is a copy made at build time: a list edited in place is seen too
+            now, built = group["params"], self.all_params[start : start + size]
+            start += size
+            if len(now) != size or not all(map(_is, now, built)):
+                return f"group {index}'s params"
+            if group["amsgrad"] != amsgrad or group["state_precision"] != precision:
+                return f"group {index}'s amsgrad or state_precision"
+        return None
+
     def current_grads(self, param_groups: list[dict]) -> list[torch.Tensor] | None:
         """This step's grads (local tensors, plan order) if the plan still holds for them; None if it must be
         rebuilt (the param set, a param's storage or size, or which params have a grad changed)."""

@@ -2025,4 +2025,32 @@ MUTATIONS: list[Mutation] = [
         "the held-out losses reach wandb as eval/loss at each evaluation's step",
         select="evaluations_reach_wandb",
     ),
+    # ------------------------------------------------------------------ compiled steps (issue 38)
+    M(
+        "compiled-op-keeps-first-hparams",
+        "fused_stable/compiled.py",
+        "    rows = opt._hparam_rows()\n",
+        '    rows = step.__dict__.setdefault("first_rows", opt._hparam_rows())\n',
+        ["tests/core/test_compile_hparams.py"],
+        "a compiled step uses the hyper-parameters written into param_groups since the trace (LR schedulers)",
+        select="written_between_compiled_steps and eager",
+    ),
+    M(
+        "compiled-op-trusts-a-stale-plan",
+        "fused_stable/compiled.py",
+        "    _check_groups_unchanged(opt, step.template)\n",
+        "",
+        ["tests/core/test_compile_hparams.py"],
+        "the op refuses a plan whose param groups changed since its trace, before anything is written",
+        select="stale_plan",
+    ),
+    M(
+        "compiled-op-graph-lr-ignored",
+        "fused_stable/compiled.py",
+        "        current.append(row._replace(lr=graph_lr) if row.lr is traced and traced is not None else row)\n",
+        "        current.append(row)\n",
+        ["tests/core/test_compile_hparams.py"],
+        "a compiled step reads a tensor lr that the compiled function itself writes before the step",
+        select="written_inside",
+    ),
 ]
