@@ -77,7 +77,7 @@ def assert_same(opt_a, opt_b, params_a, params_b):
     assert torch.equal(opt_a._fstate, opt_b._fstate) and torch.equal(opt_a._istate, opt_b._istate)
 
 
-def side_by_side(make_opt, edit, dynamo_backend, steps=STEPS):
+def side_by_side(make_opt, edit, dynamo_backend, steps=STEPS, param_maker=None):
     """Eager and compiled steps on the same grads; `edit(opt, driver, step)` runs after every step on each side
     (`driver` is what make_opt returned beside the optimizer: a scheduler, or None). Returns the lrs the steps
     used, for a check that the edits did something. A torch LR scheduler wraps opt.step in a function of
@@ -85,7 +85,7 @@ def side_by_side(make_opt, edit, dynamo_backend, steps=STEPS):
     FusedAdamW.step compiles as a frame of its own (fullgraph=True only without a scheduler)."""
     sides = []
     for compile_it in (False, True):
-        params = make_params()
+        params = (param_maker or make_params)()
         opt, driver = make_opt(params)
         fullgraph = not isinstance(driver, torch.optim.lr_scheduler.LRScheduler)
         run = torch.compile(opt.step, backend=dynamo_backend, fullgraph=fullgraph) if compile_it else opt.step
@@ -355,3 +355,27 @@ def test_a_tensor_lr_written_inside_the_compiled_function_is_used(dynamo_backend
     assert_same(sides[0][0], sides[1][0], sides[0][1], sides[1][1])
     assert sides[1][2] == sides[0][2] == pytest.approx(1e-2 * (STEPS + 1))
     assert counts["calls"] == STEPS
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_low_precision_state_under_a_compiled_step_follows_a_scheduler(precision, counts):
+    """bf16 and 8-bit moments (a 4900-element tensor, so 8-bit applies) with a LambdaLR, eager vs compiled."""
+    shapes = [(70, 70), (33,)]
+
+    made = []
+
+    def make(params):
+        made.append(fused(params, state_precision=precision))
+        return made[-1], torch.optim.lr_scheduler.LambdaLR(made[-1], lambda s: 1.0 + s)
+
+    side_by_side(
+        make, scheduler_step, "eager", steps=4, param_maker=lambda: [torch.nn.Parameter(t) for t in seeded(shapes)]
+    )
+    assert counts["calls"] == 4
+    big = made[1].param_groups[0]["params"][0]
+    assert made[1].state[big]["exp_avg"].dtype == (torch.bfloat16 if precision == "bf16" else torch.int8)
+
+
+def seeded(shapes):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(shape, generator=gen) for shape in shapes]
