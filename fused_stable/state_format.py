@@ -250,10 +250,10 @@ def convert(state: dict, fmt: int, like: torch.Tensor) -> None:
             state[key] = value.to(_STORAGE[fmt])
 
 
-def planned_bytes(numel: int, precision: str, amsgrad: bool = False) -> int:
+def planned_bytes(numel: int, precision: str, amsgrad: bool = False, whole_numel: int | None = None) -> int:
     """Bytes the moments of a tensor of `numel` elements take in a group of this `state_precision` (scales
-    included)."""
-    fmt = format_for(precision, numel)
+    included); `whole_numel`, the whole param's size when the tensor is a shard of it, decides the format."""
+    fmt = format_for(precision, numel if whole_numel is None else whole_numel)
     per_moment = numel * (1 if fmt == Q8 else 2 if fmt == BF16 else 4)
     if fmt == Q8:
         per_moment += 4 * num_blocks(numel)

@@ -1619,8 +1619,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "lowbit-format-from-the-first-group",
         "fused_stable/plan.py",
-        "fmt = state_format.format_for(group_precisions[group], local(p).numel())",
-        "fmt = state_format.format_for(group_precisions[0], local(p).numel())",
+        "state_format.format_for(group_precisions[group], p.numel())",
+        "state_format.format_for(group_precisions[0], p.numel())",
         ["tests/core/test_lowbit.py"],
         "each param group's state_precision chooses its params' state format",
         select="each_group_gets_its_format and torch",
@@ -1664,7 +1664,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "lowbit-torch-state-not-quantised-on-load",
         "fused_stable/state_dict.py",
-        "state_format.convert(state, formats[id(param)], local(param))",
+        "sharded_state.convert(state, formats[id(param)], param)",
         "None",
         ["tests/core/test_lowbit.py"],
         "torch.optim.AdamW's fp32 state is quantised on load into a bf16 or 8-bit group",
@@ -2052,5 +2052,30 @@ MUTATIONS: list[Mutation] = [
         ["tests/core/test_compile_hparams.py"],
         "a compiled step reads a tensor lr that the compiled function itself writes before the step",
         select="written_inside",
+    ),
+    # ------------------------------------------------------------------ mesh-free state (issue 36 item 4)
+    M(
+        "state-format-from-the-local-shard",
+        "fused_stable/plan.py",
+        "    formats = [state_format.format_for(group_precisions[group], p.numel()) for p, group in zip(params, member_groups)]\n",
+        "    formats = [state_format.format_for(group_precisions[group], local(p).numel()) for p, group in zip(params, member_groups)]\n",
+        ["tests/integrations/test_integ_fsdp2_state.py"],
+        "a param's state format is decided from the whole param, the same on every mesh",
+    ),
+    M(
+        "sharded-scales-stored-plain",
+        "fused_stable/sharded_state.py",
+        "    if not is_dtensor(p):\n        return value\n",
+        "    if not is_dtensor(p) or key in SCALE_KEYS:\n        return value\n",
+        ["tests/integrations/test_integ_fsdp2_state.py"],
+        "8-bit scales of a sharded param are a DTensor over the global blocks (a checkpoint reshards them)",
+    ),
+    M(
+        "sharded-8bit-split-block-accepted",
+        "fused_stable/sharded_state.py",
+        "    if misplaced:\n",
+        "    if False:\n",
+        ["tests/integrations/test_integ_fsdp2_state.py"],
+        "8-bit state whose shards split a block is refused in one line, before any state is created",
     ),
 ]
