@@ -88,7 +88,8 @@ class TorchLists:
         # the compiled CPU ops (backends/torch/cpu_ops.py), where built: the norm pass, and the plain fp32 updates
         self.compiled = self.cpu and cpu_ops.available()
         self.sumsq_out = torch.empty(len(plan.local_params), dtype=torch.float32) if self.compiled else None
-        # one door per update, chosen here once (updates.py)
+        # one door per update, chosen here once (updates.py); for bf16 / 8-bit state the key's third item is
+        # whether the params have masters, not a layout class (the exact reference takes any layout)
         self.updates: list[Update] = [
             choose_update(plan, group, None if ids == everything else ids, ids, relayout, fmt, self.compiled)
             for (group, _, relayout, fmt), ids in by_update.items()
