@@ -23,7 +23,7 @@ says what it holds. Formats:
         LoRA's small vectors cost little and are the most sensitive).
 
 The arithmetic below is the update kernel's, operation by operation in fp32 with IEEE division and square root
-(kernels/adamw.py): the same fp32 moments give the same codes and scales on both backends. Why these maps and
+(kernels/update.py): the same fp32 moments give the same codes and scales on both backends. Why these maps and
 this block size, with the measurements: docs/optimizer.md, "Low-precision state".
 """
 

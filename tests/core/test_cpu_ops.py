@@ -1,4 +1,4 @@
-"""The CPU step's compiled ops (fused_stable/backends/cpu_ops.py, cpu_step.cpp): the norm pass against an fp64
+"""The CPU step's compiled ops (fused_stable/backends/torch/cpu_ops.py, cpu_step.cpp): the norm pass against an fp64
 reference, the update against fp64 AdamW with torch's own error as the floor, grads never written, `step`
 advanced only when applied, the same sums whatever the thread count, and the build's fallback (a real failed
 build: no compiler)."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fused_stable import FusedAdamW
-from fused_stable.backends import cpu_ops
+from fused_stable.backends.torch import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the compiled CPU ops could not be built here")
 
@@ -184,7 +184,7 @@ STEP_AND_REPORT = """
     import warnings
     import torch
     from fused_stable import FusedAdamW
-    from fused_stable.backends import cpu_ops
+    from fused_stable.backends.torch import cpu_ops
     p = torch.nn.Parameter(torch.ones(5))
     p.grad = torch.full((5,), 2.0)
     opt = FusedAdamW([p], lr=0.1, max_grad_norm=1.0)
@@ -240,3 +240,25 @@ def test_the_build_finds_the_ninja_package_off_the_path(tmp_path):
     done = run_python(STEP_AND_REPORT, {"PATH": str(tools), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "available True" in done.stdout and "warnings []" in done.stdout, done.stdout
+
+
+def test_the_build_name_covers_the_rules_headers(tmp_path, monkeypatch):
+    """The source includes the rule's element (rules/adamw/cpu.h): a change to a header must rebuild, so the
+    build's name hashes every rule's header as it hashes the source."""
+    assert cpu_ops.INCLUDE_DIR / "adamw" / "cpu.h" in cpu_ops.HEADERS
+    header = tmp_path / "cpu.h"
+    header.write_text(cpu_ops.HEADERS[0].read_text())
+    monkeypatch.setattr(cpu_ops, "HEADERS", [header])
+    same = cpu_ops.build_fingerprint()
+    header.write_text(header.read_text() + "\n// one more line\n")
+    assert cpu_ops.build_fingerprint() != same
+
+
+def test_the_package_ships_the_source_and_the_rules_headers():
+    """An installed package builds the ops from its own files: pyproject's package-data carries the .cpp and
+    every rule's header (a wheel built from it holds fused_stable/rules/adamw/cpu.h)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
+        package_data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    assert package_data["fused_stable.backends.torch"] == ["*.cpp"]
+    assert package_data["fused_stable.rules"] == ["*/*.h"]

@@ -1,4 +1,4 @@
-// The CPU step's two passes over memory as compiled ops (backends/cpu_ops.py builds and loads this file):
+// The CPU step's two passes over memory as compiled ops (cpu_ops.py builds and loads this file):
 //   fused_stable::sum_squares  every grad read once: per-tensor sums of squares in fp64, one call for all tensors;
 //   fused_stable::adamw        AdamW that reads each grad times the step's multiplier (clip coefficient / loss
 //                              scale) and never writes it back, and advances the `step` counters itself.
@@ -7,9 +7,9 @@
 //
 // Work is cut into fixed chunks of one tensor each, the same whatever the thread count, so the sums (and so
 // the decisions) do not depend on it; at::parallel_for spreads the chunks over torch's threads.
-// The arithmetic is IEEE fp32 with no contraction (built with -ffp-contract=off), in the order of
-// kernels/adamw.py's update; the step's scalars (bias corrections, step size) are computed in fp64 as torch's
-// AdamW computes them, then rounded to fp32.
+// The per-element math and the step's scalars are the rule's (fused_stable/rules/adamw/cpu.h, beside the
+// kernels' triton.py): IEEE fp32 with no contraction (built with -ffp-contract=off), in the order of the
+// kernels' update; the scalars computed in fp64 as torch's AdamW computes them, then rounded to fp32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#include "adamw/cpu.h"  // fused_stable/rules/ is on the include path (cpu_ops.py)
 
 namespace {
 
@@ -112,27 +114,22 @@ double sum_squares(at::TensorList grads, const at::Tensor& out) {
   return total;
 }
 
-struct StepScalars {
-  float decay, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt;
-};
+using fused_stable::adamw::StepScalars;
 
 template <bool kAmsgrad>
 void update_piece(float* __restrict param, const float* __restrict grad, float* __restrict exp_avg,
                   float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq, const StepScalars& s,
-                  float grad_mul, int64_t begin, int64_t end) {
+                  int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    const float g = grad[i] * grad_mul;
-    const float p = param[i] * s.decay;
-    const float m = exp_avg[i] + s.one_minus_beta1 * (g - exp_avg[i]);
-    float v = exp_avg_sq[i] * s.beta2 + s.one_minus_beta2 * (g * g);
+    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
+    float v_max = kAmsgrad ? max_exp_avg_sq[i] : 0.0f;
+    fused_stable::adamw::adamw_element<kAmsgrad>(p, grad[i], m, v, v_max, s);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (kAmsgrad) {
-      v = std::max(max_exp_avg_sq[i], v);
-      max_exp_avg_sq[i] = v;
+      max_exp_avg_sq[i] = v_max;
     }
-    const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-    param[i] = p - s.step_size * (m / denom);
+    param[i] = p;
   }
 }
 
@@ -166,19 +163,10 @@ void adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                 "fused_stable::adamw: each step must be a 0-dim fp32 tensor");
     float* step = steps[t].data_ptr<float>();
     *step += 1.0f;
-    const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(*step));
-    const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(*step));
-    scalars[t] = {static_cast<float>(1.0 - lr * weight_decay),
-                  static_cast<float>(beta1),
-                  static_cast<float>(beta2),
-                  static_cast<float>(1.0 - beta1),
-                  static_cast<float>(1.0 - beta2),
-                  static_cast<float>(eps),
-                  static_cast<float>(lr / bias_correction1),
-                  static_cast<float>(std::sqrt(bias_correction2))};
+    scalars[t] = fused_stable::adamw::step_scalars(lr, beta1, beta2, weight_decay, eps,
+                                                   maximize ? -grad_mul : grad_mul, static_cast<double>(*step));
     sizes[t] = p.numel();
   }
-  const float mul = static_cast<float>(maximize ? -grad_mul : grad_mul);
   const std::vector<Piece> pieces = cut(sizes, kUpdateChunk);
   // last chunk first: the grads the norm pass read last are still in the caches (measured 1-9% faster on the
   // 25M-param dense set with one thread; elementwise, so the order changes no value)
@@ -192,10 +180,10 @@ void adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
       float* exp_avg = exp_avgs[t].data_ptr<float>();
       float* exp_avg_sq = exp_avg_sqs[t].data_ptr<float>();
       if (amsgrad) {
-        update_piece<true>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sqs[t].data_ptr<float>(), scalars[t], mul,
+        update_piece<true>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sqs[t].data_ptr<float>(), scalars[t],
                            pieces[k].begin, pieces[k].end);
       } else {
-        update_piece<false>(param, grad, exp_avg, exp_avg_sq, nullptr, scalars[t], mul, pieces[k].begin,
+        update_piece<false>(param, grad, exp_avg, exp_avg_sq, nullptr, scalars[t], pieces[k].begin,
                             pieces[k].end);
       }
     }
