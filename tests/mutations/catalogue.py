@@ -2078,4 +2078,23 @@ MUTATIONS: list[Mutation] = [
         ["tests/integrations/test_integ_fsdp2_state.py"],
         "8-bit state whose shards split a block is refused in one line, before any state is created",
     ),
+    # ------------------------------------------------------------------ low-precision params on the CPU op (issue 41 item 3)
+    M(
+        "cpu-ops-low-precision-params-not-compiled",
+        "fused_stable/backends/torch/updates.py",
+        "_COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)\n",
+        "_COMPILED_PARAM_DTYPES = (torch.float32,)\n",
+        ["tests/core/test_cpu_ops.py"],
+        "bf16 and fp16 params with fp32 state take the compiled CPU update",
+        select="low_precision",
+    ),
+    M(
+        "cpu-ops-master-not-read",
+        "fused_stable/backends/torch/cpu_step.cpp",
+        "    float p = kMaster ? master[i] : static_cast<float>(param[i]);\n",
+        "    float p = static_cast<float>(param[i]);\n",
+        ["tests/core/test_cpu_ops.py"],
+        "with master weights the compiled CPU update updates the fp32 master, not the rounded param",
+        select="low_precision and master",
+    ),
 ]

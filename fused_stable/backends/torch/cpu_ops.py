@@ -125,6 +125,7 @@ def adamw(
     max_exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
     *,
+    masters: list[torch.Tensor] | None = None,
     lr: float,
     beta1: float,
     beta2: float,
@@ -133,14 +134,17 @@ def adamw(
     maximize: bool,
     grad_mul: float,
 ) -> None:
-    """AdamW on contiguous fp32 params and moments, amsgrad when `max_exp_avg_sqs` is not empty: each grad
-    read times `grad_mul` (never written), each `step` advanced by one before its bias corrections."""
+    """AdamW on contiguous fp32, bf16 or fp16 params (grads of their dtype) with fp32 moments, amsgrad when
+    `max_exp_avg_sqs` is not empty, and fp32 master copies when `masters` are given (the master is updated, the
+    param stores its rounding to nearest even): each grad read times `grad_mul` (never written), each `step`
+    advanced by one before its bias corrections."""
     torch.ops.fused_stable.adamw(
         params,
         grads,
         exp_avgs,
         exp_avg_sqs,
         max_exp_avg_sqs,
+        masters or [],
         steps,
         lr,
         beta1,

@@ -85,7 +85,7 @@ class TorchLists:
         self.cpu = device.type == "cpu"  # the decisions may run on host scalars (`on_host`)
         self.grad_divisor = torch.ones((), dtype=torch.float32, device=device)  # the host path's grad_scale
         self.host_views: tuple | None = None  # (fstate, istate, numpy arrays on them): host_scalars
-        # the compiled CPU ops (backends/torch/cpu_ops.py), where built: the norm pass, and the plain fp32 updates
+        # the compiled CPU ops (backends/torch/cpu_ops.py), where built: the norm pass, and the updates of fp32 state
         self.compiled = self.cpu and cpu_ops.available()
         self.sumsq_out = torch.empty(len(plan.local_params), dtype=torch.float32) if self.compiled else None
         # one door per update, chosen here once (updates.py); for bf16 / 8-bit state the key's third item is
@@ -105,7 +105,8 @@ def choose_update(
     plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool, fmt: int, compiled
 ) -> Update:
     """The door of one (group, dtype, layout class, state format): the exact reference for bf16 and 8-bit
-    state, the compiled op for plain contiguous fp32 tensors where it is built, `_fused_adamw_` otherwise."""
+    state, the compiled op for contiguous params (fp32, bf16, fp16) and fp32 moments where it is built,
+    `_fused_adamw_` otherwise."""
     if fmt != FP32:
         return ExactUpdate(plan, group, indices, all_indices, fmt)
     if compiled and not relayout and CompiledUpdate.fits(plan, group, all_indices):

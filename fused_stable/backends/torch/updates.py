@@ -3,7 +3,8 @@ when the plan's lists are built (torch_backend.TorchLists):
 
   NativeUpdate    torch's `_fused_adamw_`, on the params or on fp32 working copies (low-precision params, or
                   tensors `_fused_adamw_` cannot walk as flat memory);
-  CompiledUpdate  the compiled CPU op (cpu_ops.adamw, rules/adamw/cpu.h): plain contiguous fp32 CPU tensors;
+  CompiledUpdate  the compiled CPU op (cpu_ops.adamw, rules/adamw/cpu.h): contiguous fp32, bf16 or fp16 params
+                  (with or without fp32 masters) and fp32 moments on the CPU;
   ExactUpdate     the exact tensor reference for bf16 and 8-bit state (exact_reference.py).
 
 A step calls each door once: `on_host` with the CPU step's host decisions (never on a skipped step), or
@@ -21,6 +22,8 @@ import torch
 from ...layout import HParams
 from ...plan import StepPlan
 from . import cpu_ops
+
+_COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Update(Protocol):
@@ -144,18 +147,20 @@ class NativeUpdate:
 
 
 class CompiledUpdate:
-    """One call of the compiled CPU op (cpu_ops.adamw) on plain contiguous fp32 CPU params and moments: it reads
+    """One call of the compiled CPU op (cpu_ops.adamw) on contiguous CPU params and fp32 moments: it reads
     the grads times `grad_mul` without writing them back, and advances the `step` counters itself. Taken only
     on host decisions (see the module doc)."""
 
     advances_steps = True
     reads_grad_divisor = False
 
-    __slots__ = ("group", "indices", "params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+    __slots__ = ("group", "indices", "params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int]):
         self.group, self.indices = group, indices
         self.params = [plan.local_params[i] for i in all_indices]
+        masters = [plan.masters[i] for i in all_indices]
+        self.masters = masters if masters[0] is not None else None
         self.steps = [plan.steps[i] for i in all_indices]
         self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
         self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
@@ -164,13 +169,19 @@ class CompiledUpdate:
 
     @staticmethod
     def fits(plan: StepPlan, group: int, all_indices: list[int]) -> bool:
-        """Whether the op can update these tensors in place: fp32 params (the op's one dtype; the torch backend
-        groups by dtype), and the params and states contiguous (a non-contiguous grad is read from a copy)."""
-        if plan.local_params[all_indices[0]].dtype != torch.float32:
+        """Whether the op can update these tensors in place: fp32, bf16 or fp16 params (the torch backend groups by
+        dtype), fp32 moments, every tensor of them with a master copy or none, the params, states and masters
+        contiguous (a non-contiguous grad is read from a copy)."""
+        if plan.local_params[all_indices[0]].dtype not in _COMPILED_PARAM_DTYPES:
             return False
         lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs]
         if plan.group_amsgrad[group]:
             lists.append(plan.max_exp_avg_sqs)
+        with_master = [plan.masters[i] is not None for i in all_indices]
+        if any(with_master):
+            if not all(with_master):
+                return False
+            lists.append(plan.masters)
         return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
 
     def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
@@ -181,6 +192,7 @@ class CompiledUpdate:
             self.exp_avg_sqs,
             self.max_exp_avg_sqs,
             self.steps,
+            masters=self.masters,
             lr=float(lr_factor * hp.lr),
             beta1=hp.beta1,
             beta2=hp.beta2,
