@@ -34,6 +34,7 @@ MAX_FUNCTION_LINES = 80
 FUNCTION_CHECKED = (
     "fused_stable.kernels",
     "fused_stable.devtools",
+    "fused_stable.bench",
     "fused_stable.backends",
     "fused_stable.optim",
     "fused_stable.plan",
