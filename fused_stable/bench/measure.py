@@ -179,21 +179,32 @@ def settled(times: list[float], window: int = SETTLE_WINDOW) -> bool:
     return mid > 0 and max(last) - min(last) <= SETTLE_TOLERANCE * mid
 
 
-def warm_up(fns: list[Callable[[], None]], device: torch.device, *, min_steps: int, budget_s: float) -> dict:
+def warm_up(
+    fns: list[Callable[[], None]], device: torch.device, *, min_steps: int, budget_s: float, done: list[float] = ()
+) -> dict:
     """Step until the step time settles: at least `min_steps` steps (fewer if `budget_s` runs out first, never
-    none) and every input set once; stops when settled or when the budget is spent. Returns the warm-up's
-    step count, whether it settled, and the settled step time (the median of its last window)."""
+    none) and every input set once; stops when settled or when the budget is spent. A budget of 0 takes
+    exactly those steps (`--min-time 0`: the smoke plan). Returns the warm-up's step count, whether it
+    settled, and the settled step time (the median of its last window). `done`: the times of steps already
+    taken since the first (on `fns[0]`, ...), counted as warm-up steps and in its budget."""
     window = max(SETTLE_WINDOW, len(fns))
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < WARMUP_MAX_STEPS:
+    times: list[float] = list(done)
+    start = time.perf_counter() - sum(times)
+    need = max(1, min_steps, len(fns))
+
+    def finished() -> bool:
+        if not times:
+            return False
+        if budget_s <= 0:
+            return len(times) >= need
+        spent = time.perf_counter() - start
+        return (len(times) >= need and settled(times, window)) or spent >= budget_s or len(times) >= WARMUP_MAX_STEPS
+
+    while not finished():
         t0 = time.perf_counter()
         fns[len(times) % len(fns)]()
         synchronize(device)
         times.append(time.perf_counter() - t0)
-        enough = len(times) >= max(min_steps, len(fns))
-        if (enough and settled(times, window)) or time.perf_counter() - start >= budget_s:
-            break
     return {
         "warmup_steps": len(times),
         "warmup_settled": settled(times, window),
@@ -221,11 +232,14 @@ def time_steps(
     max_steps: int,
     max_time: float | None = None,
     host: list[bool] | None = None,
+    done: list[list[float]] | None = None,
 ) -> list[dict]:
     """Warm every group up until its step time settles, pick one step count from the row's time budget, time
     all groups interleaved, and give each group's host time (on CPU the process time of the timed steps
-    themselves; on CUDA a separate pass, where `host[i]`). Returns one timing dict per group."""
-    warm = [warm_up(fns, device, min_steps=warmup, budget_s=max(min_time, 1e-9)) for fns in groups]
+    themselves; on CUDA a separate pass, where `host[i]`). `done[i]`: times of group i's steps already taken
+    (warm_up). Returns one timing dict per group."""
+    done = done or [[] for _ in groups]
+    warm = [warm_up(fns, device, min_steps=warmup, budget_s=min_time, done=d) for fns, d in zip(groups, done)]
     n = timed_step_count(
         sum(w["step_s"] for w in warm), min_steps=min_steps, min_time=min_time, max_time=max_time, max_steps=max_steps
     )

@@ -124,9 +124,8 @@ def _finish(
     if owned is None or owned < 0:
         owned = measure.state_bytes(built.optimizer, params)
     resident = tensor_bytes(params) + tensor_bytes([p.grad for p in params]) + owned
-    extra = measure.step_extra_memory(built.step, device)
+    extra = row["step_extra_bytes"]  # measured on the step after the first (_memory_step)
     row["resident_bytes"] = resident
-    row["step_extra_bytes"] = extra
     row["peak_mem_bytes"] = resident + extra
     if device.type == "cuda" and opts.profile:
         row.update(measure.count_launches_and_syncs(built.step, device))
@@ -141,6 +140,14 @@ def _error_row(spec, contender, e: Exception) -> dict:
     return row
 
 
+def _memory_step(prep: _Prepared, device: torch.device) -> list[float]:
+    """The step after the first, under allocator tracking: the step's transient memory, and the first warm-up
+    step (its time, returned, counts toward the warm-up budget; the settled window never includes it)."""
+    t0 = time.perf_counter()
+    prep.row["step_extra_bytes"] = measure.step_extra_memory(prep.built[0].step, device)
+    return [time.perf_counter() - t0]
+
+
 def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options, copy_bw: float) -> list[dict]:
     """Measure several contenders on one parameter set, their timed steps interleaved (see measure.py).
     A contender that fails to build or step becomes an error row; the others are still measured."""
@@ -148,9 +155,12 @@ def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options
     rows: dict[str, dict] = {}
     prepared: list[_Prepared] = []
     try:
+        done = []
         for c in contenders:
             try:
-                prepared.append(_prepare(spec, c, opts, device))
+                prep = _prepare(spec, c, opts, device)
+                done.append(_memory_step(prep, device))
+                prepared.append(prep)
             except Exception as e:  # one broken contender must not lose the rest of the table
                 rows[c.key] = _error_row(spec, c, e)
         if prepared:
@@ -170,6 +180,7 @@ def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options
                 max_steps=opts.max_steps,
                 max_time=opts.max_time,
                 host=[True] * len(prepared) + [False] * (len(groups) - len(prepared)),
+                done=done + [[]] * (len(groups) - len(prepared)),
             )
             if opts.copy_bytes:
                 copy_bw = 2 * (opts.copy_bytes // 4) * 4 / timings[-1]["median_s"]
@@ -220,6 +231,7 @@ def _run_worker(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw
     job = worker_job(spec, contender, opts)
     cmd = [sys.executable, "-m", "fused_stable.bench.worker", strict_json.dumps({**job, "copy_bw": copy_bw})]
     # Own session, so a timeout can kill the worker together with inductor's compile subprocesses.
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # A time-boxed row (torch.compile) that fails is skipped, not an error: compilation is optional.
     failed = "skipped" if contender.isolated else "error"
@@ -238,6 +250,7 @@ def _run_worker(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw
             rows = strict_json.loads(line[len("RESULT ") :])
             for row in rows:
                 row["job"] = job_digest(job)
+            rows[-1]["worker_wall_s"] = round(time.monotonic() - started, 2)  # what the row cost the run
             return rows
     tail = (err.strip().splitlines() or ["no output"])[-1]
     return [_skip(spec, contender, f"worker failed (exit code {proc.returncode}): {tail[:200]}", status=failed)]

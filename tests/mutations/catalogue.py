@@ -2056,8 +2056,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "bench-warm-up-ignores-settling",
         "fused_stable/bench/measure.py",
-        "        if (enough and settled(times, window)) or",
-        "        if enough or",
+        "return (len(times) >= need and settled(times, window)) or",
+        "return len(times) >= need or",
         ["tests/tools/test_bench_cli.py"],
         "warm-up runs until the step time settles (or its budget is spent)",
         select="settles",

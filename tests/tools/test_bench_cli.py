@@ -348,6 +348,15 @@ def test_warm_up_runs_until_the_step_time_settles(clock):
     run, calls = clock.step(lambda i: 0.01 * (1 + i % 2))
     warm = measure.warm_up([run], torch.device("cpu"), min_steps=1, budget_s=0.295)
     assert warm["warmup_settled"] is False and len(calls) == warm["warmup_steps"] == 20
+    # no budget (--min-time 0): exactly --warmup steps, every input set once
+    run, calls = clock.step(lambda i: 0.05 / i)
+    warm = measure.warm_up([run, run], torch.device("cpu"), min_steps=3, budget_s=0.0)
+    assert len(calls) == warm["warmup_steps"] == 3 and warm["warmup_settled"] is False
+    assert measure.warm_up([run, run], torch.device("cpu"), min_steps=1, budget_s=0.0)["warmup_steps"] == 2
+    # the step under allocator tracking (runner._memory_step) counts: a step of seconds fills the budget alone
+    run, calls = clock.step(4.0)
+    warm = measure.warm_up([run], torch.device("cpu"), min_steps=3, budget_s=1.0, done=[4.0])
+    assert calls == [] and warm["warmup_steps"] == 1
 
 
 def test_budget_options_reach_the_run():
