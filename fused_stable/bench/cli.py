@@ -111,7 +111,7 @@ def _add_selection_options(p) -> None:
         "--plan",
         default="auto",
         choices=["auto", "cpu", "gpu", "smoke"],
-        help="parameter sizes: cpu (within 4 minutes on 2 idle cores), gpu (1M to 1B+ params), "
+        help="parameter sizes: cpu (aimed at 4 minutes on 2 idle cores), gpu (1M to 1B+ params), "
         "smoke (tiny); auto picks gpu on CUDA, else cpu",
     )
     p.add_argument(

@@ -327,7 +327,8 @@ def row_cells(r: dict, name: str | None = None) -> list[str]:
         notes.append(EXACT_REFERENCE_NOTE)
     if r.get("too_wide"):
         notes.append(f"spread too wide to judge (q1..q3 over {100 * measure.WIDE_SPREAD:.0f}% of the median)")
-    if r.get("warmup_settled") is False:
+    # (a row whose one step fills the warm-up budget never tries to settle: nothing to say)
+    if r.get("warmup_settled") is False and r.get("warmup_steps", 0) >= measure.SETTLE_WINDOW:
         notes.append(f"warm-up did not settle in {r['warmup_steps']} step(s)")
     if r["contender"] == "torch_compile":
         notes.append(f"first step {r['first_step_s']:.1f} s")
