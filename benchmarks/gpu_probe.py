@@ -97,16 +97,16 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
 def run_candidate(tables, part: str) -> None:
     """One pass of a candidate: the norm pass, or the update pass, or the whole step."""
     from fused_stable.backends import triton_backend
-    from fused_stable.kernels.adamw import run_adamw
     from fused_stable.kernels.launch import current_stream
     from fused_stable.kernels.norm import run_sumsq
+    from fused_stable.kernels.update import run_update
 
     if part == "step":
         triton_backend.launch_step(tables)
         return
     stream = current_stream(tables.device.index or 0)
     for prepared in tables.norms if part == "norm" else tables.updates:
-        (run_sumsq(prepared, None, stream) if part == "norm" else run_adamw(prepared, stream))
+        (run_sumsq(prepared, None, stream) if part == "norm" else run_update(prepared, stream))
 
 
 # ------------------------------------------------------------------------------------------------------------

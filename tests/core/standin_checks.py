@@ -20,9 +20,9 @@ import fused_stable.ops as ops
 from fused_stable import FusedAdamW, clip_grad_norm_
 from fused_stable.devtools import codegen, standin
 from fused_stable.guard import Guard
-from fused_stable.kernels import adamw, decide, norm
+from fused_stable.kernels import decide, norm, update
 
-KERNELS = (norm._sumsq_kernel, decide._decide_kernel, adamw._adamw_kernel)
+KERNELS = (norm._sumsq_kernel, decide._decide_kernel, update._update_kernel)
 
 
 def make_params(shapes, dtypes=(torch.float32,), seed=0):
