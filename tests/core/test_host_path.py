@@ -1,6 +1,6 @@
 """The Triton backend's compiled launch path, on CPU: what a step launches and how (tests/core/standin_checks.py).
 
-The checks run in a subprocess without TRITON_INTERPRET, through fused_stable.kernels.standin (kernels compiled
+The checks run in a subprocess without TRITON_INTERPRET, through fused_stable.devtools.standin (kernels compiled
 for sm_90, launches recorded instead of run): launch counts, direct launches of the cached compiled kernels
 after the first step, no recompilation when the param set changes, 128-bit loops in the kernels launched for a
 mixed aligned/unaligned set, launch hooks still served, and no Triton fp-fusion warning.
@@ -42,7 +42,7 @@ def test_a_guarded_step_launches_and_dispatches_what_an_unguarded_one_does(seen)
 
 
 def test_the_stand_in_benchmarker_times_the_host_work_of_real_launches(seen):
-    """kernels/standin.py: the driver's benchmarker (Triton's autotuner calls it) runs the function and times it
+    """devtools/standin.py: the driver's benchmarker (Triton's autotuner calls it) runs the function and times it
     on the host clock, in milliseconds."""
     assert 0 < seen["benchmarker: median ms"] < 1e3
     launches = seen["benchmarker: launches"]

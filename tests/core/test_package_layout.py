@@ -1,6 +1,7 @@
 """The package's rooms, read from its source with `ast` (nothing is imported for the checks on the source):
 
 - no arrow up: no core module imports integrations/, train/, stress, bench/ or webui/, at top level or in a function;
+- devtools/ (codegen, standin) are tools over the kernels: nothing else in the package imports them;
 - no import circle (the whole package, each module's imports of any kind counted);
 - no module over 500 lines; no function over 80 lines in the kernels, the backends and the optimizer's modules;
 - one backend registry: every backend module implements the `Backend` protocol, and only ops.py names them;
@@ -32,6 +33,8 @@ MAX_FUNCTION_LINES = 80
 # modules whose functions are held to MAX_FUNCTION_LINES: the kernels, the backends and the optimizer's modules
 FUNCTION_CHECKED = (
     "fused_stable.kernels",
+    "fused_stable.devtools",
+    "fused_stable.bench",
     "fused_stable.backends",
     "fused_stable.optim",
     "fused_stable.plan",
@@ -111,6 +114,22 @@ def test_no_core_module_imports_the_application():
         if _core(name) and any(_in(t, APPLICATION) for t in targets)
     }
     assert upward == {}, f"core modules importing integrations/, train/, stress, bench/ or webui/: {upward}"
+
+
+DEVTOOLS = ("fused_stable.devtools",)
+
+
+def test_devtools_are_imported_by_no_other_module():
+    """codegen.py and standin.py check the kernels from outside (tests, benchmarks, `python -m`); a kernel or the
+    step importing them would put a tool, and its triton-only imports, on the optimizer's path."""
+    assert {"fused_stable.devtools.codegen", "fused_stable.devtools.standin"} <= set(MODULES)
+    assert "fused_stable.kernels.update" in GRAPH["fused_stable.devtools.codegen"]  # the check reads the edges
+    importing = {
+        name: sorted(t for t in targets if _in(t, DEVTOOLS))
+        for name, targets in GRAPH.items()
+        if not _in(name, DEVTOOLS) and any(_in(t, DEVTOOLS) for t in targets)
+    }
+    assert importing == {}, f"modules importing devtools/: {importing}"
 
 
 def _cycles() -> list[frozenset]:

@@ -2025,6 +2025,43 @@ MUTATIONS: list[Mutation] = [
         "the held-out losses reach wandb as eval/loss at each evaluation's step",
         select="evaluations_reach_wandb",
     ),
+    # ------------------------------------------------------------------ `fused-stable bench` tells the truth (issue 41)
+    M(
+        "bench-rows-in-one-process",
+        "fused_stable/bench/runner.py",
+        'if opts.isolation == "row":',
+        "if False:",
+        ["tests/tools/test_bench_cli.py"],
+        "on --isolation row every row runs in a fresh worker, with the set's baseline timed alongside",
+        select="alone_and_inside",
+    ),
+    M(
+        "bench-verdict-from-a-wide-row",
+        "fused_stable/bench/report.py",
+        "        if wide:\n",
+        "        if False:\n",
+        ["tests/tools/test_bench_cli.py"],
+        "a goal read from a row whose spread is too wide to judge gets no verdict",
+        select="too_wide",
+    ),
+    M(
+        "bench-slow-rows-take-min-steps",
+        "fused_stable/bench/measure.py",
+        "    if max_time is not None and n * round_s > max_time:",
+        "    if False:",
+        ["tests/tools/test_bench_cli.py"],
+        "a row whose step takes seconds runs as many steps as --max-time allows (at least 3)",
+        select="time_budget",
+    ),
+    M(
+        "bench-warm-up-ignores-settling",
+        "fused_stable/bench/measure.py",
+        "return (len(times) >= need and settled(times, window)) or",
+        "return len(times) >= need or",
+        ["tests/tools/test_bench_cli.py"],
+        "warm-up runs until the step time settles (or its budget is spent)",
+        select="settles",
+    ),
     # ------------------------------------------------------------------ compiled steps (issue 38)
     M(
         "compiled-op-keeps-first-hparams",

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the kernels for a GPU architecture, without a GPU: what the compiler makes of them.
 
-    python -m fused_stable.kernels.codegen [ARCH] [--candidates]   # sm_90 by default; one JSON line per variant
+    python -m fused_stable.devtools.codegen [ARCH] [--candidates]   # sm_90 by default; one JSON line per variant
 
 Triton compiles to PTX and SASS with the LLVM and ptxas it ships, so this runs on a CPU-only machine (in a
 process without TRITON_INTERPRET=1). Every variant the optimizer launches is compiled with its launch
@@ -29,9 +29,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import state_format
-from . import decide, norm, update
-from .launch import LaunchConfig
-from .tables import CHUNK_SIZE
+from ..kernels import decide, norm, update
+from ..kernels.launch import LaunchConfig
+from ..kernels.tables import CHUNK_SIZE
 
 _I64, _F32 = "*i64", "*fp32"
 _TYPES = {
