@@ -2,7 +2,7 @@
 
 Contenders, all doing the same math (global-norm clip at 1.0 + AdamW, lr 1e-3, weight decay 0.01):
   - fused_stable: `FusedAdamW(max_grad_norm=1.0).step()` (the torch backend: host decisions and the compiled CPU
-    ops of fused_stable/backends/cpu_ops.py, one norm call and one update call that reads the grads times the
+    ops of fused_stable/backends/torch/cpu_ops.py, one norm call and one update call that reads the grads times the
     clip coefficient without writing them);
   - fused_stable_torch_ops: the same with torch's ops instead of the compiled ones (`_foreach_norm`,
     `_fused_adamw_`: what a machine without a C++ compiler runs);
@@ -44,7 +44,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported: 
 import torch
 
 from fused_stable import FusedAdamW
-from fused_stable.backends import cpu_ops
+from fused_stable.backends.torch import cpu_ops
 from fused_stable.bench import measure
 from fused_stable.bench.paramsets import plan_sets, sweep_shapes
 from fused_stable.bench.report import cpu_name

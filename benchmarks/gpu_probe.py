@@ -9,7 +9,7 @@ Sections (each a key of the result JSON; a section that does not fit the time bu
   graph_step    device time of a whole step alone, no host: the step captured in a CUDA graph, replays timed
                 with CUDA events; fused_stable and torch's clip_grad_norm_(foreach) + AdamW(fused, capturable)
   host_step     host time of an eager step (the Python before the last launch), both contenders
-  candidates    the launch configurations tests/core/test_kernels_codegen.py lets through (kernels/codegen.py
+  candidates    the launch configurations tests/core/test_kernels_codegen.py lets through (devtools/codegen.py
                 CANDIDATES) side by side: norm pass and update pass device times per configuration and chunk size
   multi_device  with two or more GPUs: a step on cuda:1 while cuda:0 is current matches torch and runs on cuda:1
 Results: DIR/results/gpu-probe-<stamp>.json and .md. Parameter sets: fused_stable.bench's GPU plan
@@ -40,7 +40,7 @@ SECTIONS = ("environment", "kernels", "graph_step", "host_step", "candidates", "
 
 def probe_plan(size_scale: float = 1.0) -> dict:
     """What the probe measures (also its dry run): sets with their sizes, contenders, candidate configurations."""
-    from fused_stable.kernels.codegen import CANDIDATES
+    from fused_stable.devtools.codegen import CANDIDATES
 
     specs = {spec.name: spec for spec in plan_sets("gpu", size_scale)}
     return {
@@ -97,16 +97,16 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
 def run_candidate(tables, part: str) -> None:
     """One pass of a candidate: the norm pass, or the update pass, or the whole step."""
     from fused_stable.backends import triton_backend
-    from fused_stable.kernels.adamw import run_adamw
     from fused_stable.kernels.launch import current_stream
     from fused_stable.kernels.norm import run_sumsq
+    from fused_stable.kernels.update import run_update
 
     if part == "step":
         triton_backend.launch_step(tables)
         return
     stream = current_stream(tables.device.index or 0)
     for prepared in tables.norms if part == "norm" else tables.updates:
-        (run_sumsq(prepared, None, stream) if part == "norm" else run_adamw(prepared, stream))
+        (run_sumsq(prepared, None, stream) if part == "norm" else run_update(prepared, stream))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def run(out_dir: Path | None, budget_s: float, size_scale: float) -> dict:
             result["graph_step"][name]["torch_fused"] = graph_step_ms(torch_step(twin, capturable=True))
             del twin
         rows = []
-        from fused_stable.kernels.codegen import CANDIDATES
+        from fused_stable.devtools.codegen import CANDIDATES
 
         for chunk_size in CHUNK_SIZES:
             for sumsq_config, adamw_config in zip(CANDIDATES["sumsq"], CANDIDATES["adamw"]):

@@ -2,7 +2,7 @@
 
 On a GPU a step costs the larger of what the GPU does and what the host thread does before the last kernel
 is queued. The second part is Python: fused_stable's own, plus Triton's launch path. This benchmark runs the
-real Triton launch path on CPU tensors through fused_stable.kernels.standin (a stand-in driver: kernels are
+real Triton launch path on CPU tensors through fused_stable.devtools.standin (a stand-in driver: kernels are
 compiled for sm_90 as on a GPU, and the final call into the CUDA driver is replaced by a record), so what it
 times around `opt.step()` is exactly that host work. Host time depends on the number of tensors, not on
 their size, so the tensors are small.
@@ -63,7 +63,7 @@ def _load_standin():
     """This checkout's stand-in driver, loaded by path (a baseline checkout may not have one)."""
     import importlib.util
 
-    path = ROOT / "fused_stable" / "kernels" / "standin.py"
+    path = ROOT / "fused_stable" / "devtools" / "standin.py"
     spec = importlib.util.spec_from_file_location("_host_time_standin", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -213,7 +213,7 @@ def measure(trees: dict[str, Path], sets, scenarios, steps: int, rounds: int) ->
             ratios[f"{name}/{scenario}"] = {"median": statistics.median(per), "range": [min(per), max(per)]}
     return {
         "ratios_baseline_over_this": ratios,
-        "method": "stand-in Triton driver (fused_stable.kernels.standin), CPU tensors, 1 torch thread; per round a "
+        "method": "stand-in Triton driver (fused_stable.devtools.standin), CPU tensors, 1 torch thread; per round a "
         f"fresh process, 10 warm-up steps, then {steps} timed steps per checkout taking turns every 20 steps; "
         f"median per round, then the median over {rounds} rounds",
         "steps": steps,

@@ -18,6 +18,15 @@ without `fullgraph=True`), `FusedAdamW.step` sees `torch.compiler.is_compiling()
    CUDA, torch's multi-tensor ops on CPU) on the tensors it is given: a compiled step computes exactly what an
    eager step computes. Its plan is cached by the tensors' addresses; new grad storage only rewrites the
    address table, as in an eager step.
+
+What a trace may hold and what it must read anew. The plan's structure (which params, their state tensors and
+formats: the param set, `amsgrad`, `state_precision`) is fixed by the trace; dynamo guards every value of
+`param_groups` and the state's keys, so a change to any of them retraces before the graph runs again (and the
+op refuses to run a plan whose groups no longer match, should a change slip past the guards). The values a
+scheduler or a loop writes between steps (every group's lr, betas, eps, weight_decay, maximize, and the
+optimizer's `rules`) are read from the optimizer each time the op runs, as an eager step reads them: a trace
+never freezes them. Dynamo still specialises on a float the first time it changes (one retrace per changed
+key, then the key is a graph input and later changes cost nothing: docs/optimizer.md has the counts).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Any
 import torch
 
 from . import ops
-from .layout import HParams, StepBuffers, StepRules
+from .layout import StepBuffers
 from .plan import SameGrads, StepPlan
 
 OP_NAME = "fused_stable::fused_step"
@@ -50,8 +59,9 @@ class TracedStep:
     template: StepPlan  # the optimizer's plan at trace time: sizes, dtypes, groups, members
     tensor_lists: list[tuple[str, list[bool]]]  # StepPlan field -> which entries are tensors (the rest None)
     buffer_fields: list[str]  # StepBuffers fields, first in the op's `tensors`
-    rules: StepRules
-    hparams: list[HParams]  # one row per group; lr None where the group's lr is a tensor (passed in `lrs`)
+    # per group, the tensor lr passed in `lrs` at trace time (None where the lr was a float); by identity: the op
+    # takes the graph's input for a group whose lr is still that tensor (an in-graph write to it is then seen)
+    traced_lrs: list[torch.Tensor | None]
     cached: tuple | None = None  # (addresses of `tensors`, plan, buffers) of the latest call
 
 
@@ -84,22 +94,17 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
         tensor_lists.append((field.name, [v is not None for v in values]))
         tensors.extend(v for v in values if v is not None)
     grads.extend(plan_grads)
-    hparams = []
-    for row in opt._hparam_rows():
-        if isinstance(row.lr, torch.Tensor):
-            lrs.append(row.lr)
-            row = row._replace(lr=None)
-        hparams.append(row)
+    traced_lrs = [row.lr if isinstance(row.lr, torch.Tensor) else None for row in opt._hparam_rows()]
+    lrs.extend(lr for lr in traced_lrs if lr is not None)
     step = TracedStep(
         optimizer=weakref.ref(opt),
         backend=opt.backend,
         template=plan,
         tensor_lists=tensor_lists,
         buffer_fields=buffer_fields,
-        rules=opt.rules,
-        hparams=hparams,
+        traced_lrs=traced_lrs,
     )
-    identity = (id(opt), plan.version, tuple(map(id, tensors)), tuple(hparams), opt.rules, opt.backend)
+    identity = (id(opt), plan.version, tuple(map(id, tensors)), tuple(map(id, lrs)), opt.backend)
     key = _traced.get(identity)
     if key is None:
         key = _traced[identity] = next(_keys)
@@ -136,20 +141,58 @@ def fused_step(
         raise RuntimeError(
             f"{OP_NAME} was called with key {key}, which no traced FusedAdamW step produced in this process"
         )
-    plan, buffers = _plan_for(step, tensors, grads)
-    hparams = step.hparams  # the same rows every call (the backend checks them by identity) unless lrs are tensors
-    if lrs:
-        lr_values = iter(lrs)
-        hparams = [row if row.lr is not None else row._replace(lr=next(lr_values)) for row in hparams]
-    ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, step.rules, hparams, grad_scale, found_inf, None)
     opt = step.optimizer()
-    if opt is not None:  # per_tensor_grad_norms() reads the latest step's tables
-        opt._last_tables = plan.backend_cache
+    if opt is None:
+        raise RuntimeError(f"{OP_NAME} was called for a FusedAdamW that no longer exists (traced step {key})")
+    _check_groups_unchanged(opt, step.template)
+    plan, buffers = _plan_for(step, tensors, grads)
+    hparams = _current_hparams(opt, step, lrs)
+    ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, opt.rules, hparams, grad_scale, found_inf, None)
+    opt._last_tables = plan.backend_cache  # per_tensor_grad_norms() reads the latest step's tables
 
 
 @fused_step.register_fake
 def _(key, tensors, grads, lrs, grad_scale, found_inf) -> None:
     return None
+
+
+def _check_groups_unchanged(opt, template: StepPlan) -> None:
+    """A loud error, never a step on a stale plan: the param set or a state format changed since the trace and
+    dynamo did not retrace (its guards cover every such change seen so far; this is the net under them)."""
+    changed = template.changed_group(opt.param_groups)
+    if changed is not None:
+        raise RuntimeError(
+            f"FusedAdamW's param groups changed since this compiled step was traced ({changed}) and torch.compile "
+            "did not retrace: the compiled step would update a stale set of tensors. Call torch._dynamo.reset() "
+            "(or compile the step anew) after changing the param set, amsgrad or state_precision"
+        )
+
+
+def _current_hparams(opt, step: TracedStep, lrs: list[torch.Tensor]) -> list:
+    """Every group's hyper-parameters as they are now, read as an eager step reads them (the same row objects
+    while the values stay, so a backend's identity check still spares it a re-upload); a group whose lr is the
+    tensor traced takes the graph's input for it."""
+    rows = opt._hparam_rows()
+    if not lrs:
+        if any(isinstance(row.lr, torch.Tensor) for row in rows):
+            _refuse_new_lr_kind(step)
+        return rows
+    inputs = iter(lrs)
+    current = []
+    for group, (row, traced) in enumerate(zip(rows, step.traced_lrs)):
+        graph_lr = next(inputs) if traced is not None else None
+        if isinstance(row.lr, torch.Tensor) != (traced is not None):
+            _refuse_new_lr_kind(step, group)
+        current.append(row._replace(lr=graph_lr) if row.lr is traced and traced is not None else row)
+    return current
+
+
+def _refuse_new_lr_kind(step: TracedStep, group: int | None = None) -> None:
+    where = "a group's" if group is None else f"group {group}'s"
+    raise RuntimeError(
+        f"{where} lr changed between a float and a tensor since this compiled step was traced, and torch.compile did "
+        "not retrace: call torch._dynamo.reset() (or compile the step anew) after changing the lr's kind"
+    )
 
 
 def _plan_for(step: TracedStep, tensors: list[torch.Tensor], grads: list[torch.Tensor]):

@@ -1,7 +1,7 @@
 """What one fused step decides and takes, and where each per-step scalar lives in the optimizer's device buffers.
 
-The decision kernel (kernels/decide.py), the update kernel (kernels/adamw.py), the torch backend
-(backends/torch_backend.py) and the optimizer's read-outs (readouts.py) all use the names below, so the layout,
+The decision kernel (kernels/decide.py), the update kernel (kernels/update.py), the torch backend
+(backends/torch/torch_backend.py) and the optimizer's read-outs (readouts.py) all use the names below, so the layout,
 the rules (`StepRules`, which checks itself) and the hyper-parameters (`HParams`) are written exactly once.
 """
 
@@ -54,19 +54,9 @@ I_MAX_ZSCORE_STEP = 7  # applied-step index at that z-score
 I_WORST_STEP = 8  # the worst step's index among all steps taken (applied or skipped, from 0), -1 when reset
 I_SIZE = 9
 
-# hyper-parameter table, one float32 row per param group
-H_LR = 0
-H_BETA1 = 1
-H_BETA2 = 2
-H_EPS = 3
-H_WEIGHT_DECAY = 4
-# derived on the host in float64: 1 - beta and log(beta) in fp32 on the device lose ~1e-5 relative for
-# beta2 = 0.999, which shows in exp_avg_sq and in the bias correction
-H_ONE_MINUS_BETA1 = 5
-H_ONE_MINUS_BETA2 = 6
-H_LOG_BETA1 = 7
-H_LOG_BETA2 = 8
-H_GRAD_SIGN = 9  # -1.0 for maximize=True (the update ascends), else 1.0
+# hyper-parameter table, one float32 row per param group: the step's slots here, the rule's between them
+# (fused_stable/rules/adamw: slots 1 to 9, and `hparam_row`, the row itself)
+H_LR = 0  # the group's lr (the base lr with a schedule), which the schedule's factor multiplies
 # written by the step, not read by it: with an lr schedule, the lr the next step will use (base lr x the schedule's
 # factor), which param_groups[g]["lr"] shows as a 0-dim view
 H_SHOWN_LR = 10
@@ -188,20 +178,6 @@ class HParams(NamedTuple):
     def float_betas(betas) -> tuple[float, float]:
         """Tensor betas (torch accepts 1-element ones) as floats: the step's tables hold floats."""
         return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
-
-
-def hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize=False) -> list[float]:
-    """One group's row of the hyper-parameter table, as both backends compute with it (fp32 on the device)."""
-    row = [0.0] * H_SIZE
-    row[H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)  # a tensor lr is copied in on the device
-    row[H_BETA1], row[H_BETA2] = beta1, beta2
-    row[H_EPS], row[H_WEIGHT_DECAY] = eps, weight_decay
-    # derived on the host in float64: in fp32 on the device they lose ~1e-5 relative for beta2 = 0.999
-    row[H_ONE_MINUS_BETA1], row[H_ONE_MINUS_BETA2] = 1.0 - beta1, 1.0 - beta2
-    row[H_LOG_BETA1] = math.log(beta1) if beta1 > 0 else float("-inf")
-    row[H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
-    row[H_GRAD_SIGN] = -1.0 if maximize else 1.0
-    return row
 
 
 def check_not_differentiable(differentiable, where: str) -> None:

@@ -6,7 +6,7 @@ Backends, one semantics:
   - "interpret": the same kernels run on CPU tensors by Triton's interpreter, which is how they are tested
     without a GPU; it needs TRITON_INTERPRET=1 before triton is first imported (FUSED_STABLE_BACKEND=interpret
     in the environment arranges that when fused_stable is imported first);
-  - "torch": for CPU tensors (the default there): two compiled CPU ops (backends/cpu_ops.py: one norm call, an
+  - "torch": for CPU tensors (the default there): two compiled CPU ops (backends/torch/cpu_ops.py: one norm call, an
     AdamW that reads the clipped grads without writing them) around decisions on host scalars, or torch's own
     multi-tensor ops where the ops cannot be built (`_foreach_norm`, `_fused_adamw_`; with device `grad_scale`
     and `found_inf` on meta or CUDA tensors).
@@ -21,7 +21,8 @@ import os
 
 import torch
 
-from .backends import Backend, GlobalSumsq, torch_backend, triton_backend  # no triton until a kernel is launched
+from .backends import Backend, GlobalSumsq, triton_backend  # no triton until a kernel is launched
+from .backends.torch import torch_backend
 from .layout import HParams, StepBuffers, StepRules
 from .plan import StepPlan
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import state_format
+from . import sharded_state, state_format
 from .param_state import ParamStates, Version
 from .sharding import is_dtensor, local
 from .state_format import FP32, Q8, SCALE_SUFFIX
@@ -148,6 +148,25 @@ class StepPlan:
 
     # ------------------------------------------------------------------------------------------------
     # the per-step check
+
+    def changed_group(self, param_groups: list[dict]) -> str | None:
+        """What in the groups no longer matches this plan (the param set, `amsgrad`, `state_precision`), or None.
+        By content, not by list identity: a compiled step (compiled.py) holds the plan of its trace, and a list
+        rebuilt with the same params changes nothing it holds."""
+        if len(param_groups) != len(self.group_params):
+            return f"{len(self.group_params)} param groups when traced, {len(param_groups)} now"
+        start = 0
+        for index, (group, size, amsgrad, precision) in enumerate(
+            zip(param_groups, self.group_sizes, self.group_amsgrad, self.group_precisions)
+        ):
+            # all_params is a copy made at build time: a list edited in place is seen too
+            now, built = group["params"], self.all_params[start : start + size]
+            start += size
+            if len(now) != size or not all(map(_is, now, built)):
+                return f"group {index}'s params"
+            if group["amsgrad"] != amsgrad or group["state_precision"] != precision:
+                return f"group {index}'s amsgrad or state_precision"
+        return None
 
     def current_grads(self, param_groups: list[dict]) -> list[torch.Tensor] | None:
         """This step's grads (local tensors, plan order) if the plan still holds for them; None if it must be
@@ -277,17 +296,11 @@ def build_plan(
     local_params = [local(p) for p in params]
     local_grads = [local(grads[i]) for i in members]
     check_grads(local_params, local_grads, dense_layouts)
-    states, formats = [], []
-    for p, group in zip(params, (groups[i] for i in members)):
-        param_state = state[p]
-        fmt = state_format.format_for(group_precisions[group], local(p).numel())
-        if not param_state:
-            init_state(p, param_state, group_amsgrad[group], master_weights, device, fmt)
-        elif state_format.format_of(param_state) != fmt:  # the group's state_precision changed: convert
-            state_format.convert(param_state, fmt, local(p))
-        check_state(local(p), param_state, group_amsgrad[group], fmt)
-        states.append(param_state)
-        formats.append(fmt)
+    member_groups = [groups[i] for i in members]
+    # from the whole param (a DTensor's numel is global): the same format on every mesh (sharded_state.py)
+    formats = [state_format.format_for(group_precisions[group], p.numel()) for p, group in zip(params, member_groups)]
+    amsgrads = [group_amsgrad[group] for group in member_groups]
+    states = _ready_states(params, formats, amsgrads, state, master_weights, device)
     plan = StepPlan(
         version=version.value,  # after the states created above bumped it
         group_params=group_params,
@@ -336,17 +349,36 @@ def _scales(states: list[dict], key: str) -> list[torch.Tensor | None]:
     return [local(s[key]) if key in s else None for s in states]
 
 
+def _ready_states(params, formats, amsgrads, state, master_weights: bool, device) -> list[dict]:
+    """Each param's state, created where missing and converted where its group's state_precision changed, then
+    checked; a format a sharded param cannot hold is refused before any state is created or converted."""
+    for p, fmt in zip(params, formats):
+        if fmt == Q8 and is_dtensor(p):
+            sharded_state.check_q8_layout(p)
+    states = []
+    for p, fmt, amsgrad in zip(params, formats, amsgrads):
+        param_state = state[p]
+        if not param_state:
+            init_state(p, param_state, amsgrad, master_weights, device, fmt)
+        elif state_format.format_of(param_state) != fmt:  # the group's state_precision changed: convert
+            sharded_state.convert(param_state, fmt, p)
+        check_state(local(p), param_state, amsgrad, fmt)
+        states.append(param_state)
+    return states
+
+
 def init_state(
     p: torch.Tensor, state: dict, amsgrad: bool, master_weights: bool, device: torch.device, fmt: int = FP32
 ) -> None:
     """A param's first state, as torch.optim.AdamW's (zero moments and `step`) in the format `fmt`
     (state_format.py), plus amsgrad's maximum and the fp32 master copy of a low-precision param when asked for."""
-    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+    fresh = {"step": torch.zeros((), dtype=torch.float32, device=device)}
     keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
     for key in keys:
-        state.update(state_format.zero_moment(p, key, fmt))
+        fresh.update(sharded_state.zero_moment(p, key, fmt))  # may refuse the format: nothing stored yet
     if master_weights and p.dtype != torch.float32:
-        state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
+        fresh["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format).clone()
+    state.update(fresh)
 
 
 def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_layouts: bool) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from . import engines, layout, ops, state_format
+from . import engines, layout, ops, sharded_state, state_format
 from .layout import HParams, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
-from .sharding import local
+from .sharding import is_dtensor, local
 
 # taken out before torch's loader, which casts floating state to the param's dtype (8-bit codes are not floating,
 # their fp32 scales are)
@@ -60,7 +60,7 @@ class SavedState:
         for group in self.param_groups:
             for p in group["params"]:
                 numel = local(p).numel()
-                total += state_format.planned_bytes(numel, group["state_precision"], group["amsgrad"]) + 4
+                total += state_format.planned_bytes(numel, group["state_precision"], group["amsgrad"], p.numel()) + 4
                 if self.master_weights and p.dtype != torch.float32:
                     total += 4 * numel
         return total
@@ -102,7 +102,7 @@ class SavedState:
             group["betas"] = HParams.float_betas(group["betas"])  # torch may save tensor betas: the tables hold floats
             group["state_precision"] = precision  # this optimizer's, whatever the saved one: moments are converted
         formats = {
-            id(p): state_format.format_for(group["state_precision"], local(p).numel())
+            id(p): state_format.format_for(group["state_precision"], p.numel())  # the whole param's: mesh-free
             for group in self.param_groups
             for p in group["params"]
         }
@@ -112,7 +112,7 @@ class SavedState:
             for key, value in taken.items():  # as saved: fp32, bf16, or 8-bit codes and their fp32 scales
                 dtype = torch.float32 if key == "master_param" else None
                 state[key] = value.to(device=param.device, dtype=dtype, copy=True)
-            state_format.convert(state, formats[id(param)], local(param))  # e.g. torch's fp32 moments quantised
+            sharded_state.convert(state, formats[id(param)], param)  # e.g. torch's fp32 moments quantised
             if "step" in state:
                 step = state["step"]
                 state["step"] = (
@@ -211,8 +211,8 @@ def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:
     """A saved moment (or its codes) has its param's shape; 8-bit scales one value per block: else the state dict
     belongs to another model (refused before anything changes)."""
     for key, value in taken.items():
-        if key in state_format.SCALE_KEYS:
-            blocks = state_format.num_blocks(local(param).numel())
+        if key in state_format.SCALE_KEYS:  # a DTensor's scales cover the whole param's blocks, a shard's its own
+            blocks = state_format.num_blocks((param if is_dtensor(value) else local(param)).numel())
             if value.dim() != 1 or value.numel() != blocks or value.dtype != torch.float32:
                 raise ValueError(
                     f"state {key!r} holds {value.numel()} {value.dtype} values, but its parameter of shape "

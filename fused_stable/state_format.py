@@ -23,7 +23,7 @@ says what it holds. Formats:
         LoRA's small vectors cost little and are the most sensitive).
 
 The arithmetic below is the update kernel's, operation by operation in fp32 with IEEE division and square root
-(kernels/adamw.py): the same fp32 moments give the same codes and scales on both backends. Why these maps and
+(kernels/update.py): the same fp32 moments give the same codes and scales on both backends. Why these maps and
 this block size, with the measurements: docs/optimizer.md, "Low-precision state".
 """
 
@@ -250,10 +250,10 @@ def convert(state: dict, fmt: int, like: torch.Tensor) -> None:
             state[key] = value.to(_STORAGE[fmt])
 
 
-def planned_bytes(numel: int, precision: str, amsgrad: bool = False) -> int:
+def planned_bytes(numel: int, precision: str, amsgrad: bool = False, whole_numel: int | None = None) -> int:
     """Bytes the moments of a tensor of `numel` elements take in a group of this `state_precision` (scales
-    included)."""
-    fmt = format_for(precision, numel)
+    included); `whole_numel`, the whole param's size when the tensor is a shard of it, decides the format."""
+    fmt = format_for(precision, numel if whole_numel is None else whole_numel)
     per_moment = numel * (1 if fmt == Q8 else 2 if fmt == BF16 else 4)
     if fmt == Q8:
         per_moment += 4 * num_blocks(numel)

@@ -75,13 +75,13 @@ def pytest_configure(config):
 def _torch_backend_variants(request, monkeypatch):
     """The torch backend's variants of helpers.CPU_BACKENDS / WITH_TENSOR_DECISIONS, for the optimizers the test
     builds: `torch_ops` without the compiled CPU ops (torch's ops do the norm and the update,
-    fused_stable/backends/cpu_ops.py); `tensor_decisions` with the 0-dim tensor decisions instead of the host
+    fused_stable/backends/torch/cpu_ops.py); `tensor_decisions` with the 0-dim tensor decisions instead of the host
     ones (torch_backend.on_host off)."""
     if request.node.get_closest_marker("torch_ops") is not None:
-        from fused_stable.backends import cpu_ops
+        from fused_stable.backends.torch import cpu_ops
 
         monkeypatch.setattr(cpu_ops, "available", lambda: False)
     if request.node.get_closest_marker("tensor_decisions") is not None:
-        from fused_stable.backends import torch_backend
+        from fused_stable.backends.torch import torch_backend
 
         monkeypatch.setattr(torch_backend, "on_host", lambda *args: False)

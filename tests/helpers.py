@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 HAS_CUDA = torch.cuda.is_available()
 
-# every CPU test of the step runs on the torch path (with the compiled CPU ops of backends/cpu_ops.py, the
+# every CPU test of the step runs on the torch path (with the compiled CPU ops of backends/torch/cpu_ops.py, the
 # default, and with torch's ops alone, what a machine that cannot build them runs) and the Triton kernels
 # (interpreted); "torch-ops" is the backend "torch" in a test marked `torch_ops` (see backend_param)
 CPU_BACKENDS = ["torch", "torch-ops", "interpret"]
@@ -219,7 +219,7 @@ def _called_from_cpu_host_decisions() -> bool:
     the host: no device queue to wait for, so no sync on any device): only in its `HOST_READERS` functions."""
     import sys
 
-    from fused_stable.backends import host_decide, torch_backend
+    from fused_stable.backends.torch import host_decide, torch_backend
 
     files = {torch_backend.__file__, host_decide.__file__}
     frame = sys._getframe(1)
@@ -234,10 +234,11 @@ def _caller() -> str:
     """file:line of the innermost frame outside torch and this file: where the read was written."""
     import sys
 
+    torch_dir = os.path.dirname(torch.__file__) + os.sep  # torch's own package, not fused_stable/backends/torch/
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename != __file__ and os.sep + "torch" + os.sep not in filename:
+        if filename != __file__ and not filename.startswith(torch_dir):
             return f"{os.path.relpath(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

@@ -1,6 +1,6 @@
 """The backends of the fused step, one module each, registered in fused_stable.ops.BACKENDS:
   - triton_backend: the Triton kernels (fused_stable.kernels), compiled on CUDA or interpreted on CPU;
-  - torch_backend: torch's multi-tensor ops, for CPU tensors.
+  - torch/ (torch_backend): torch's multi-tensor ops and the compiled CPU ops, for CPU tensors.
 Each is a module that implements `Backend`: it takes a StepPlan (fused_stable.plan) and this step's grads, keeps
 its device side of the plan in `plan.backend_cache`, and never reads a device value on the host (the torch
 backend's CPU step reads CPU tensors, which are host memory: host_decide.HOST_READERS).

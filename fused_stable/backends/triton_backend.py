@@ -24,6 +24,7 @@ from .. import layout
 from ..kernels.tables import CHUNK_SIZE, build_chunk_map, check_not_capturing, upload, upload_int64
 from ..layout import HParams, StepBuffers, StepRules
 from ..plan import StepPlan, check_grads
+from ..rules import adamw
 
 DENSE_LAYOUTS = True  # the kernels walk memory linearly (fused_stable.backends.Backend)
 
@@ -88,8 +89,8 @@ class TritonTables:
 
     def _prepare_passes(self, plan: StepPlan, launch_groups: dict, chunk_maps: list, sumsq_config, adamw_config):
         """One norm-pass and one update launch per launch group (those with nothing to read left out)."""
-        from ..kernels.adamw import ADAMW_CONFIG, TABLE_COLUMNS, prepare_adamw
         from ..kernels.norm import SUMSQ_CONFIG, prepare_sumsq
+        from ..kernels.update import TABLE_COLUMNS, UPDATE_CONFIG, prepare_update
 
         norms, updates = [], []
         for ((dtype, has_master, amsgrad, state_format_id), indices), (chunks, partial_offset, first) in zip(
@@ -101,7 +102,7 @@ class TritonTables:
                 grad_addrs, numels, chunks, self.partials, partial_offset, dtype, sumsq_config or SUMSQ_CONFIG
             )
             table = upload_int64(_update_rows(plan, indices), self.device, "an update table")
-            update = prepare_adamw(
+            update = prepare_update(
                 table=table.view(len(indices), TABLE_COLUMNS),
                 grad_addrs=grad_addrs,
                 chunks=chunks,
@@ -111,7 +112,7 @@ class TritonTables:
                 has_master=has_master,
                 amsgrad=amsgrad,
                 state_format_id=state_format_id,
-                config=adamw_config or ADAMW_CONFIG,
+                config=adamw_config or UPDATE_CONFIG,
             )
             if norm is not None:
                 norms.append(norm)
@@ -136,7 +137,7 @@ class TritonTables:
             key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
             if key != self.hparams_key:
                 upload(
-                    [layout.hparam_row(*row) for row in hparams],
+                    [adamw.hparam_row(*row) for row in hparams],
                     torch.float32,
                     self.device,
                     "changed hyper-parameters",
@@ -179,7 +180,7 @@ def _chunk_maps(plan: StepPlan, launch_groups: dict, device: torch.device, chunk
 
 
 def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
-    """The update table of one launch group, row by row in kernels/adamw.py's column order (COL_*)."""
+    """The update table of one launch group, row by row in kernels/update.py's column order (COL_*)."""
     rows, positions = [], plan.positions
     address = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
     for i in indices:
@@ -246,7 +247,7 @@ def launch_step(tables: TritonTables, grad_scale=None, found_inf=None, global_su
         external_sumsq = global_sumsq(local, tables.originals).reshape(()).float()
     kernels.run_decide(tables.decide, stream, grad_scale, found_inf, external_sumsq)
     for update in tables.updates:
-        kernels.run_adamw(update, stream)
+        kernels.run_update(update, stream)
 
 
 _kernels = None
@@ -258,13 +259,13 @@ def _import_kernels():
     global _kernels
     from types import SimpleNamespace
 
-    from ..kernels import adamw, decide, launch, norm
+    from ..kernels import decide, launch, norm, update
 
     _kernels = SimpleNamespace(
         current_stream=launch.current_stream,
         run_sumsq=norm.run_sumsq,
         run_decide=decide.run_decide,
-        run_adamw=adamw.run_adamw,
+        run_update=update.run_update,
     )
     return _kernels
 

@@ -291,6 +291,16 @@ BASELINE = {"amp": "torch_scaler"}
 DEFAULT_BASELINE = "torch_fused"
 
 
+def runs_exact_reference(optimizer) -> bool:
+    """Whether a stepped fused_stable optimizer updates some tensors with the exact tensor reference
+    (backends/torch/exact_reference.py: bf16 / 8-bit state on the torch backend until the fast CPU op exists, 55-75x
+    slower than the fp32 step). Read from the plan the step cached, so the note goes when the fast op comes."""
+    from fused_stable.backends.torch.exact_reference import ExactUpdate
+
+    cached = getattr(optimizer, "_last_tables", None)  # the latest step's backend plan (optim.py)
+    return any(type(update) is ExactUpdate for update in getattr(cached, "updates", ()))
+
+
 def baseline_for(family: str) -> str:
     return BASELINE.get(family, DEFAULT_BASELINE)
 

@@ -4,6 +4,11 @@ CPU: `time.perf_counter` around each step after warm-up. CUDA: a pair of CUDA ev
 256 MiB buffer zeroed between steps (outside the events) so the L2 cache starts cold, as triton's do_bench does.
 The contenders of a parameter set take turns step by step, so a shared machine's changing load hits them alike,
 and each rotates over several independent input sets when one set is small enough to sit in a cache.
+
+Warm-up runs until the step time settles (or its time budget is spent); the timed step count follows a time
+budget per row (`--min-time` at least, `--max-time` at most, `--steps` / `--max-steps` as floor and cap), so a
+row whose step takes seconds runs a few steps, not dozens. A row's spread (q1..q3) says whether it can be
+judged: `too_wide` marks one whose interquartile range is over WIDE_SPREAD of its median.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ _PROFILER_CHATTER = re.compile(
     r"^(USDT|STAGE|INFO):\d{4}-\d\d-\d\d \S+ \d+:\d+ \S+\.cpp:\d+\] "
     r"|^\[W\d{4} [\d:.]+ (?:\d+ )?\S+\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"
 )
+# Warm-up ends once the last SETTLE_WINDOW steps are within SETTLE_TOLERANCE of their median (steady state: the
+# first uses of the compiled ops, lazily allocated state and its first-touch page faults are behind), or when
+# its budget (the row's --min-time) is spent.
+SETTLE_WINDOW, SETTLE_TOLERANCE, WARMUP_MAX_STEPS = 3, 0.10, 200
+# Fewest timed steps a row takes even when --max-time would allow fewer: a median and quartiles need three.
+MIN_TIMED_STEPS = 3
+# A row whose interquartile range is over this share of its median cannot be judged: a bimodal row (seen: q1
+# 26.6 ms, median 73.4 ms) or a loaded machine; steady rows on an idle machine stay under 5%.
+WIDE_SPREAD = 0.25
 SMALL_SET_BYTES = 256 * MiB  # below this resident size a step could be served from a cache: rotate inputs
 L2_FLUSH_BYTES = 256 * MiB
 
@@ -81,6 +95,11 @@ def bytes_per_step(passes, params, optimizer) -> int:
     return sum(PASS_BYTES[name](P, G, S) for name in passes)
 
 
+def too_wide(q1: float, median: float, q3: float) -> bool:
+    """Whether a spread is too wide to judge the row by its median (see WIDE_SPREAD)."""
+    return not (median > 0 and (q3 - q1) <= WIDE_SPREAD * median)
+
+
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) == 1:
         return values[0], values[0], values[0]
@@ -104,10 +123,10 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
     return 2 * n * 4 / statistics.median(times)
 
 
-def _interleaved_times(groups, device, n, flush) -> list[list[float]]:
+def _interleaved_times(groups, device, n, flush, cpu_seconds=None) -> list[list[float]]:
     """Per-step wall times (s) of each group, the groups taking turns step by step (in an order that rotates
     every round), so load changes on a shared machine hit every contender alike. A group's steps cycle
-    through its input sets."""
+    through its input sets. On CPU, `cpu_seconds` (a list per group) gets each step's process CPU time."""
     k = len(groups)
     times: list[list[float]] = [[] for _ in range(k)]
     if device.type == "cuda":
@@ -131,9 +150,11 @@ def _interleaved_times(groups, device, n, flush) -> list[list[float]]:
         for j in range(k):
             g = (i + j) % k
             fn = groups[g][i % len(groups[g])]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[g].append(time.perf_counter() - t0)
+            if cpu_seconds is not None:
+                cpu_seconds[g].append(time.process_time() - c0)
     return times
 
 
@@ -149,6 +170,58 @@ def _host_seconds(fns, device, n) -> float:
     return total / n
 
 
+def settled(times: list[float], window: int = SETTLE_WINDOW) -> bool:
+    """Whether the last `window` step times are within SETTLE_TOLERANCE of their median."""
+    if len(times) < window:
+        return False
+    last = times[-window:]
+    mid = statistics.median(last)
+    return mid > 0 and max(last) - min(last) <= SETTLE_TOLERANCE * mid
+
+
+def warm_up(
+    fns: list[Callable[[], None]], device: torch.device, *, min_steps: int, budget_s: float, done: list[float] = ()
+) -> dict:
+    """Step until the step time settles: at least `min_steps` steps (fewer if `budget_s` runs out first, never
+    none) and every input set once; stops when settled or when the budget is spent. A budget of 0 takes
+    exactly those steps (`--min-time 0`: the smoke plan). Returns the warm-up's step count, whether it
+    settled, and the settled step time (the median of its last window). `done`: the times of steps already
+    taken since the first (on `fns[0]`, ...), counted as warm-up steps and in its budget."""
+    window = max(SETTLE_WINDOW, len(fns))
+    times: list[float] = list(done)
+    start = time.perf_counter() - sum(times)
+    need = max(1, min_steps, len(fns))
+
+    def finished() -> bool:
+        if not times:
+            return False
+        if budget_s <= 0:
+            return len(times) >= need
+        spent = time.perf_counter() - start
+        return (len(times) >= need and settled(times, window)) or spent >= budget_s or len(times) >= WARMUP_MAX_STEPS
+
+    while not finished():
+        t0 = time.perf_counter()
+        fns[len(times) % len(fns)]()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {
+        "warmup_steps": len(times),
+        "warmup_settled": settled(times, window),
+        "step_s": statistics.median(times[-window:]),
+    }
+
+
+def timed_step_count(round_s: float, *, min_steps: int, min_time: float, max_time: float | None, max_steps: int) -> int:
+    """Timed steps of a row whose round (one step of each interleaved group) takes `round_s`: enough for
+    `min_time` seconds and at least `min_steps`; no more than `max_time` seconds allow (but at least
+    MIN_TIMED_STEPS, for quartiles) and never over `max_steps`."""
+    n = max(min_steps, math.ceil(min_time / max(round_s, 1e-9)))
+    if max_time is not None and n * round_s > max_time:
+        n = max(MIN_TIMED_STEPS, math.floor(max_time / max(round_s, 1e-9)))
+    return int(max(1, min(n, max_steps)))
+
+
 def time_steps(
     groups: list[list[Callable[[], None]]],
     device: torch.device,
@@ -157,35 +230,36 @@ def time_steps(
     min_steps: int,
     min_time: float,
     max_steps: int,
+    max_time: float | None = None,
     host: list[bool] | None = None,
+    done: list[list[float]] | None = None,
 ) -> list[dict]:
-    """Warm every group up, pick one step count that gives the slowest group `min_time` seconds, time all
-    groups interleaved, then measure host time per group (where `host[i]`). Returns one timing dict per group."""
-    per_step = []
-    for fns in groups:
-        t0 = time.perf_counter()
-        for i in range(max(1, warmup, len(fns))):
-            fns[i % len(fns)]()
-        synchronize(device)
-        per_step.append((time.perf_counter() - t0) / max(1, warmup, len(fns)))
-    n = int(min(max_steps, max(min_steps, math.ceil(min_time / max(max(per_step), 1e-6)))))
+    """Warm every group up until its step time settles, pick one step count from the row's time budget, time
+    all groups interleaved, and give each group's host time (on CPU the process time of the timed steps
+    themselves; on CUDA a separate pass, where `host[i]`). `done[i]`: times of group i's steps already taken
+    (warm_up). Returns one timing dict per group."""
+    done = done or [[] for _ in groups]
+    warm = [warm_up(fns, device, min_steps=warmup, budget_s=min_time, done=d) for fns, d in zip(groups, done)]
+    n = timed_step_count(
+        sum(w["step_s"] for w in warm), min_steps=min_steps, min_time=min_time, max_time=max_time, max_steps=max_steps
+    )
     flush = torch.empty(L2_FLUSH_BYTES // 4, device=device) if device.type == "cuda" else None
-    all_times = _interleaved_times(groups, device, n, flush)
+    cpu_seconds: list[list[float]] = [[] for _ in groups]
+    all_times = _interleaved_times(groups, device, n, flush, cpu_seconds)
     del flush
     out = []
     for i, (fns, times) in enumerate(zip(groups, all_times)):
         q1, med, q3 = quartiles(times)
-        out.append(
-            {
-                "steps": n,
-                "median_s": med,
-                "q1_s": q1,
-                "q3_s": q3,
-                "iqr_s": q3 - q1,
-                "min_s": min(times),
-                "host_cpu_s": _host_seconds(fns, device, min(n, 20)) if host is None or host[i] else None,
-            }
-        )
+        if host is not None and not host[i]:
+            host_s = None
+        elif device.type == "cuda":
+            host_s = _host_seconds(fns, device, min(n, 20))
+        else:
+            host_s = statistics.mean(cpu_seconds[i])
+        timing = {"steps": n, "median_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "min_s": min(times)}
+        timing.update(too_wide=too_wide(q1, med, q3), host_cpu_s=host_s, **warm[i])
+        timing.pop("step_s")
+        out.append(timing)
     return out
 
 

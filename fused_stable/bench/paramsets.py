@@ -101,8 +101,9 @@ def scale_shapes(shapes: list[tuple], factor: float) -> list[tuple]:
     return out
 
 
-# Plans: which parameter sets a run covers. Sizes are chosen so a CPU run of the whole plan takes a couple of
-# minutes on 2 cores, and a GPU run covers 1M to 1B+ parameters inside gpu_check.sh's time budget.
+# Plans: which parameter sets a run covers. Sizes are chosen so a CPU run of the whole plan aims at 4 minutes on
+# 2 idle cores (with the time budget per row, cli.PLAN_DEFAULTS), and a GPU run covers 1M to 1B+ parameters
+# inside gpu_check.sh's time budget.
 def plan_sets(plan: str, size_scale: float = 1.0) -> list[ParamSetSpec]:
     if plan == "gpu":
         dense = llama_shapes(hidden=2048, intermediate=5632, layers=8, vocab=32000, kv_dim=512)

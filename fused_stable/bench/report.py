@@ -12,6 +12,10 @@ import torch
 
 from fused_stable import strict_json
 
+from . import measure
+
+# What the table says of a row that runs the exact tensor reference (bf16 / 8-bit state on CPU today).
+EXACT_REFERENCE_NOTE = "exact reference (slow) until the fast CPU op for this state exists"
 # Goals of issue 6. GPU goals apply to CUDA runs; the CPU bar is the core issue's bar for the torch path.
 CPU_TIME_RATIO_BAR = 0.95
 
@@ -89,7 +93,70 @@ def _by(rows, set_name, contender):
     return None
 
 
-def _goal(name, set_name, value, target, higher_is_better, unit, why_missing=""):
+def spread_too_wide(row: dict, all_rows: list[dict]) -> str | None:
+    """Why a goal read from `row` cannot be judged: its spread, or its baseline's (timed alongside it, else the
+    set's baseline row), is too wide (measure.WIDE_SPREAD), or None."""
+    if row.get("too_wide"):
+        return f"{row['contender']} on {row['set']}: {_spread(row['q1_s'], row['median_s'], row['q3_s'])}"
+    if row.get("paired_baseline_median_s") is not None:
+        if row.get("paired_baseline_too_wide"):
+            spread = _spread(row["paired_baseline_q1_s"], row["paired_baseline_median_s"], row["paired_baseline_q3_s"])
+            return f"{row.get('baseline')} timed alongside {row['contender']} on {row['set']}: {spread}"
+        return None
+    base = _by(all_rows, row["set"], row.get("baseline"))
+    if base is not None and base is not row and base.get("too_wide"):
+        return f"{base['contender']} on {base['set']}: {_spread(base['q1_s'], base['median_s'], base['q3_s'])}"
+    return None
+
+
+def _spread(q1: float, median: float, q3: float) -> str:
+    return f"median {median * 1e3:.3f} ms, q1 {q1 * 1e3:.3f}, q3 {q3 * 1e3:.3f}: spread too wide to judge"
+
+
+def ratio_band(row: dict, all_rows: list[dict]) -> tuple[float, float] | None:
+    """The time ratio to the baseline that the quartiles allow: row q1 / baseline q3 .. row q3 / baseline q1
+    (the baseline timed alongside the row, else the set's baseline row)."""
+    if row.get("paired_baseline_median_s") is not None:
+        base_q1, base_q3 = row["paired_baseline_q1_s"], row["paired_baseline_q3_s"]
+    else:
+        base = _by(all_rows, row["set"], row.get("baseline"))
+        if base is None:
+            return None
+        base_q1, base_q3 = base["q1_s"], base["q3_s"]
+    if not (base_q1 > 0 and base_q3 > 0):
+        return None
+    return row["q1_s"] / base_q3, row["q3_s"] / base_q1
+
+
+def rows_agree(a: dict, b: dict, rows_a: list[dict], rows_b: list[dict]) -> bool | None:
+    """Whether two measurements of one row (alone and inside a plan, say) agree within the spread the bench
+    reports: their time-ratio bands overlap (ratios, so a load that changed between the two runs, which slows
+    a row and the baseline timed alongside it alike, does not count). None when either cannot be judged."""
+    if spread_too_wide(a, rows_a) or spread_too_wide(b, rows_b):
+        return None
+    band_a, band_b = ratio_band(a, rows_a), ratio_band(b, rows_b)
+    if band_a is None or band_b is None:
+        return None
+    return band_a[0] <= band_b[1] and band_b[0] <= band_a[1]
+
+
+def _not_judged(name, set_name, value, target, why: str) -> dict:
+    detail = f"not judged ({value:.3g} measured): {why}" if value is not None else f"not judged: {why}"
+    return {"goal": name, "set": set_name, "value": value, "target": target, "passed": None, "detail": detail}
+
+
+def _goal(name, set_name, value, target, higher_is_better, unit, why_missing="", *, rows=(), all_rows=(), band=None):
+    """One goal's verdict; none (passed None) when a row it is read from has a spread too wide to judge, or when
+    `band` (the value's range the quartiles allow) holds the target."""
+    if value is not None:
+        wide = next((w for r in rows if r is not None and (w := spread_too_wide(r, all_rows))), None)
+        if wide:
+            return _not_judged(name, set_name, value, target, wide)
+        if band is not None and band[0] < target < band[1]:
+            why = (
+                f"the target {target:g}{unit} lies within the spread of the value ({band[0]:.3g}..{band[1]:.3g}{unit})"
+            )
+            return _not_judged(name, set_name, value, target, why)
     if value is None:
         return {
             "goal": name,
@@ -110,88 +177,60 @@ def _goal(name, set_name, value, target, higher_is_better, unit, why_missing="")
 
 
 def goals(rows: list[dict], device_type: str) -> list[dict]:
-    """The issue's targets, checked against this run's rows (missing rows say why)."""
+    """The issue's targets, checked against this run's rows (missing rows say why; a row whose spread is too
+    wide to judge gives no verdict)."""
+    return cpu_goals(rows) if device_type == "cpu" else gpu_goals(rows) + lowbit_goals(rows)
+
+
+def cpu_goals(rows: list[dict]) -> list[dict]:
+    """One goal per fused_stable row: its time <= CPU_TIME_RATIO_BAR x the baseline's, judged only when the
+    ratio's whole band (its quartiles over the baseline's) is on one side of the bar."""
+    return [
+        _goal(
+            f"CPU: {r['contender']} time <= {CPU_TIME_RATIO_BAR}x {r['baseline']}",
+            r["set"],
+            r.get("time_ratio"),
+            CPU_TIME_RATIO_BAR,
+            False,
+            "x",
+            rows=(r,),
+            all_rows=rows,
+            band=ratio_band(r, rows),
+        )
+        for r in rows
+        if r["contender"] in ("fused_stable", "fused_stable_scaler") and r["status"] == "ok"
+    ]
+
+
+def gpu_goals(rows: list[dict]) -> list[dict]:
+    """Issue 6's GPU targets: dense fp32 against copy bandwidth, torch and torch.compile; LoRA; fp16 AMP."""
     out = []
-    if device_type == "cpu":
-        for r in rows:
-            if r["contender"] in ("fused_stable", "fused_stable_scaler") and r["status"] == "ok":
-                out.append(
-                    _goal(
-                        f"CPU: {r['contender']} time <= {CPU_TIME_RATIO_BAR}x {r['baseline']}",
-                        r["set"],
-                        r.get("time_ratio"),
-                        CPU_TIME_RATIO_BAR,
-                        False,
-                        "x",
-                    )
-                )
-        return out
     dense = _by(rows, "dense-fp32", "fused_stable")
+    judged = dict(all_rows=rows)
     if dense is not None and dense["n_params"] < 100_000_000:
-        out.append(
-            _goal(
-                "dense fp32 (>=100M params)",
-                "dense-fp32",
-                None,
-                0,
-                True,
-                "",
-                f"set has only {dense['n_params']:,} params",
-            )
-        )
+        why = f"set has only {dense['n_params']:,} params"
+        out.append(_goal("dense fp32 (>=100M params)", "dense-fp32", None, 0, True, "", why))
     else:
-        out.append(
-            _goal(
-                "dense fp32: >= 90% of copy bandwidth",
-                "dense-fp32",
-                dense and dense.get("pct_copy_bw"),
-                90.0,
-                True,
-                "%",
-            )
-        )
-        out.append(
-            _goal(
-                "dense fp32: >= 1.2x torch fused + foreach clip",
-                "dense-fp32",
-                dense and dense.get("speedup"),
-                1.2,
-                True,
-                "x",
-            )
-        )
+        value = dense and dense.get("pct_copy_bw")
+        out.append(_goal("dense fp32: >= 90% of copy bandwidth", "dense-fp32", value, 90.0, True, "%", rows=(dense,)))
+        value = dense and dense.get("speedup")
+        name = "dense fp32: >= 1.2x torch fused + foreach clip"
+        out.append(_goal(name, "dense-fp32", value, 1.2, True, "x", rows=(dense,), **judged))
         comp = _by(rows, "dense-fp32", "torch_compile")
         # both speedups are against a baseline timed alongside them, so their ratio compares like with like
         ratio = (
             dense["speedup"] / comp["speedup"] if (dense and comp and dense["speedup"] and comp["speedup"]) else None
         )
-        out.append(
-            _goal(
-                "dense fp32: not slower than torch.compile",
-                "dense-fp32",
-                ratio,
-                1.0,
-                True,
-                "x",
-                "torch.compile row was skipped" if dense else "",
-            )
-        )
+        why = "torch.compile row was skipped" if dense else ""
+        name = "dense fp32: not slower than torch.compile"
+        out.append(_goal(name, "dense-fp32", ratio, 1.0, True, "x", why, rows=(dense, comp), **judged))
     lora = _by(rows, "lora-fp32", "fused_stable")
-    out.append(
-        _goal(
-            "LoRA (400+ tensors): >= 3x torch fused + foreach clip",
-            "lora-fp32",
-            lora and lora.get("speedup"),
-            3.0,
-            True,
-            "x",
-        )
-    )
+    name = "LoRA (400+ tensors): >= 3x torch fused + foreach clip"
+    out.append(_goal(name, "lora-fp32", lora and lora.get("speedup"), 3.0, True, "x", rows=(lora,), **judged))
     amp = _by(rows, "amp-fp16", "fused_stable_scaler")
-    out.append(
-        _goal("fp16 GradScaler path: >= 1.5x torch's recipe", "amp-fp16", amp and amp.get("speedup"), 1.5, True, "x")
-    )
-    return out + lowbit_goals(rows)
+    name = "fp16 GradScaler path: >= 1.5x torch's recipe"
+    out.append(_goal(name, "amp-fp16", amp and amp.get("speedup"), 1.5, True, "x", rows=(amp,), **judged))
+    return out
 
 
 def lowbit_goals(rows: list[dict]) -> list[dict]:
@@ -212,6 +251,8 @@ def lowbit_goals(rows: list[dict]) -> list[dict]:
             1.5,
             True,
             "x",
+            rows=(dense8, dense),
+            all_rows=rows,
         ),
         _goal(
             "8-bit state, dense fp32: >= 2x torch fused + foreach clip",
@@ -220,6 +261,8 @@ def lowbit_goals(rows: list[dict]) -> list[dict]:
             2.0,
             True,
             "x",
+            rows=(dense8,),
+            all_rows=rows,
         ),
         _goal(
             "8-bit state, dense fp32: >= 90% of copy bandwidth",
@@ -228,6 +271,7 @@ def lowbit_goals(rows: list[dict]) -> list[dict]:
             90.0,
             True,
             "%",
+            rows=(dense8,),
         ),
         _goal(
             "8-bit state, LoRA: >= 3x bitsandbytes AdamW8bit + torch clip",
@@ -237,6 +281,8 @@ def lowbit_goals(rows: list[dict]) -> list[dict]:
             True,
             "x",
             "no bnb_8bit or fused_stable_8bit row on lora-fp32 (bitsandbytes absent, or not a CUDA run)",
+            rows=(lora8, bnb),
+            all_rows=rows,
         ),
     ]
 
@@ -247,7 +293,8 @@ COLUMNS = [
     "set",
     "contender",
     "median ms",
-    "IQR ms",
+    "q1..q3 ms",
+    "steps",
     "speedup",
     "B/param",
     "state B/param",
@@ -276,6 +323,13 @@ def row_cells(r: dict, name: str | None = None) -> list[str]:
     notes = []
     if r.get("backend"):
         notes.append(r["backend"])
+    if r.get("exact_reference"):
+        notes.append(EXACT_REFERENCE_NOTE)
+    if r.get("too_wide"):
+        notes.append(f"spread too wide to judge (q1..q3 over {100 * measure.WIDE_SPREAD:.0f}% of the median)")
+    # (a row whose one step fills the warm-up budget never tries to settle: nothing to say)
+    if r.get("warmup_settled") is False and r.get("warmup_steps", 0) >= measure.SETTLE_WINDOW:
+        notes.append(f"warm-up did not settle in {r['warmup_steps']} step(s)")
     if r["contender"] == "torch_compile":
         notes.append(f"first step {r['first_step_s']:.1f} s")
     if r.get("paired_baseline_median_s"):
@@ -286,7 +340,8 @@ def row_cells(r: dict, name: str | None = None) -> list[str]:
         name,
         r["contender"],
         f"{r['median_s'] * 1e3:.3f}",
-        f"{r['iqr_s'] * 1e3:.3f}",
+        f"{r['q1_s'] * 1e3:.3f}..{r['q3_s'] * 1e3:.3f}",
+        str(r["steps"]),
         _f(r.get("speedup"), ".2f") + ("x" if r.get("speedup") is not None else ""),
         f"{r['bytes_per_param']:.1f}",
         _f(r.get("state_bytes_per_param"), ".2f"),
@@ -359,7 +414,12 @@ def markdown(result: dict) -> str:
             if env["device_type"] == "cuda"
             else "time.perf_counter per step"
         )
-        + ", after warm-up, rotating input sets when a set is < 256 MiB",
+        + ", after a warm-up that runs until the step time settles, rotating input sets when a set is < 256 MiB; "
+        + (
+            "each row in a fresh worker process, timed interleaved with the set's baseline"
+            if result["options"].get("isolation") == "row"
+            else "a set's contenders interleaved in one process"
+        ),
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join("---" for _ in COLUMNS) + "|",
@@ -373,7 +433,9 @@ def markdown(result: dict) -> str:
         "B/param: bytes model (docs/benchmarks.md). state B/param: the optimizer's per-element state (moments in "
         "their format with 8-bit scales, master weights), per param. launches, syncs: per step (CUDA only). "
         "peak MiB: params + grads + optimizer state + the step's transient allocations. "
-        "host ms: CPU time of the process during the step call.",
+        "host ms: CPU time of the process during the step call. q1..q3: the quartiles of the timed steps; a row "
+        f"whose q3 - q1 is over {100 * measure.WIDE_SPREAD:.0f}% of its median is too wide to judge, and a goal "
+        "read from it, or whose target lies between the ratio's quartile bounds, gets no verdict (n/a).",
         "",
         "## Goals",
         "",

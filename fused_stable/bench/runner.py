@@ -1,13 +1,20 @@
 """Runs the benchmark plan: one row per (parameter set, contender), on fresh tensors freed after each set.
 
-`measure_group` measures the contenders of one set together; the parent process calls it directly, and the
-worker process (`python -m fused_stable.bench.worker`) calls it, for one contender, for rows that must be
-time-boxed (torch.compile).
+`measure_group` measures some contenders of one set together, their steps interleaved. Two ways to run a plan
+(`Options.isolation`):
+  - "row" (the CPU plan's default): every row in a fresh worker process (`python -m fused_stable.bench.worker`),
+    timed interleaved with the set's baseline only. A row's figures are then a function of its job alone, never
+    of what ran before it: no allocator or page state left by the exact-reference rows (which allocate and
+    page-fault 4-6x the set's memory every step), no first use of a compiled op inside another row's timing,
+    no neighbour steps taking turns with it. The speedup compares it with the baseline timed alongside.
+  - "none": the contenders of a set in this process, interleaved (the GPU plan: CUDA steps allocate nothing).
+Time-boxed rows (torch.compile) always run in a worker.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import signal
 import subprocess
@@ -21,7 +28,7 @@ import torch
 from fused_stable import strict_json
 
 from . import measure
-from .contenders import Contender, baseline_for, contenders_for
+from .contenders import Contender, baseline_for, contenders_for, runs_exact_reference
 from .paramsets import DTYPES, ParamSetSpec, materialize, tensor_bytes
 
 
@@ -40,6 +47,9 @@ class Options:
     profile: bool = True  # CUDA launches/syncs via torch.profiler
     contenders: tuple = ()  # restrict to these contender keys (empty: all)
     copy_bytes: int = 0  # > 0: time a copy of this size interleaved with each set's steps
+    max_time: float | None = None  # seconds of timed steps per row at most (slow rows take fewer steps)
+    isolation: str = "none"  # "row": each row in a fresh worker with the set's baseline; "none": in process
+    row_timeout: float = 900.0  # hard limit (s) of one row's worker, compile rows excepted (compile_timeout)
     extra: dict = field(default_factory=dict)
 
 
@@ -92,6 +102,7 @@ def _prepare(spec: ParamSetSpec, contender: Contender, opts: Options, device: to
         b.step()
     row["input_sets"] = len(sets)
     row["backend"] = built[0].backend
+    row["exact_reference"] = runs_exact_reference(built[0].optimizer)
     return _Prepared(contender, row, sets, built)
 
 
@@ -113,9 +124,8 @@ def _finish(
     if owned is None or owned < 0:
         owned = measure.state_bytes(built.optimizer, params)
     resident = tensor_bytes(params) + tensor_bytes([p.grad for p in params]) + owned
-    extra = measure.step_extra_memory(built.step, device)
+    extra = row["step_extra_bytes"]  # measured on the step after the first (_memory_step)
     row["resident_bytes"] = resident
-    row["step_extra_bytes"] = extra
     row["peak_mem_bytes"] = resident + extra
     if device.type == "cuda" and opts.profile:
         row.update(measure.count_launches_and_syncs(built.step, device))
@@ -130,6 +140,14 @@ def _error_row(spec, contender, e: Exception) -> dict:
     return row
 
 
+def _memory_step(prep: _Prepared, device: torch.device) -> list[float]:
+    """The step after the first, under allocator tracking: the step's transient memory, and the first warm-up
+    step (its time, returned, counts toward the warm-up budget; the settled window never includes it)."""
+    t0 = time.perf_counter()
+    prep.row["step_extra_bytes"] = measure.step_extra_memory(prep.built[0].step, device)
+    return [time.perf_counter() - t0]
+
+
 def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options, copy_bw: float) -> list[dict]:
     """Measure several contenders on one parameter set, their timed steps interleaved (see measure.py).
     A contender that fails to build or step becomes an error row; the others are still measured."""
@@ -137,9 +155,12 @@ def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options
     rows: dict[str, dict] = {}
     prepared: list[_Prepared] = []
     try:
+        done = []
         for c in contenders:
             try:
-                prepared.append(_prepare(spec, c, opts, device))
+                prep = _prepare(spec, c, opts, device)
+                done.append(_memory_step(prep, device))
+                prepared.append(prep)
             except Exception as e:  # one broken contender must not lose the rest of the table
                 rows[c.key] = _error_row(spec, c, e)
         if prepared:
@@ -157,7 +178,9 @@ def measure_group(spec: ParamSetSpec, contenders: list[Contender], opts: Options
                 min_steps=opts.min_steps,
                 min_time=opts.min_time,
                 max_steps=opts.max_steps,
+                max_time=opts.max_time,
                 host=[True] * len(prepared) + [False] * (len(groups) - len(prepared)),
+                done=done + [[]] * (len(groups) - len(prepared)),
             )
             if opts.copy_bytes:
                 copy_bw = 2 * (opts.copy_bytes // 4) * 4 / timings[-1]["median_s"]
@@ -181,32 +204,113 @@ def _skip(spec, contender, reason, status="skipped") -> dict:
     return row
 
 
-def _run_isolated(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw: float, timeout: float) -> dict:
-    """Run one row in a worker process with a hard time limit (torch.compile can take minutes, or hang)."""
-    # The set's baseline is timed again in the worker, interleaved with this row, so the row's speedup does
-    # not compare two processes run at different moments of a shared machine's load.
-    job = {
+def worker_job(spec: ParamSetSpec, contender: Contender, opts: Options) -> dict:
+    """What one worker measures: the set, the row's contender, the set's baseline timed alongside it (none for
+    the baseline's own job) and the measurement options. Nothing about the rest of the plan is in it (the run's
+    --contenders and --compile-sets filters are not), so a row alone and in the plan run the same job."""
+    base = baseline_for(spec.family)
+    measured = asdict(opts)
+    measured.update(contenders=(), compile_sets=())
+    return {
         "spec": spec.to_json(),
         "contender": contender.key,
-        "pair_with": baseline_for(spec.family),
-        "opts": asdict(opts),
-        "copy_bw": copy_bw,
+        "pair_with": base if contender.key != base else None,
+        "opts": measured,
     }
-    cmd = [sys.executable, "-m", "fused_stable.bench.worker", strict_json.dumps(job)]
+
+
+def job_digest(job: dict) -> str:
+    """A short name of a worker job, kept with its rows: equal digests, equal measurement."""
+    return hashlib.sha256(strict_json.dumps(job, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _run_worker(spec: ParamSetSpec, contender: Contender, opts: Options, copy_bw: float, timeout: float) -> list:
+    """One worker process for `contender`'s row, with a hard time limit: its rows ([baseline, row] when paired,
+    else [row]). The set's baseline is timed in the worker, interleaved with the row, so the row's speedup does
+    not compare two processes run at different moments of a shared machine's load."""
+    job = worker_job(spec, contender, opts)
+    cmd = [sys.executable, "-m", "fused_stable.bench.worker", strict_json.dumps({**job, "copy_bw": copy_bw})]
     # Own session, so a timeout can kill the worker together with inductor's compile subprocesses.
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A time-boxed row (torch.compile) that fails is skipped, not an error: compilation is optional.
+    failed = "skipped" if contender.isolated else "error"
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return _skip(spec, contender, f"exceeded its {timeout:.0f} s time box (compile + warm-up + timing)")
+        what = "(compile + warm-up + timing)" if contender.isolated else "(a row's worker)"
+        return [_skip(spec, contender, f"exceeded its {timeout:.0f} s time box {what}", status=failed)]
+    except BaseException:  # Ctrl-C: the worker's own session would outlive the run
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     for line in reversed(out.splitlines()):
         if line.startswith("RESULT "):
-            return strict_json.loads(line[len("RESULT ") :])
+            rows = strict_json.loads(line[len("RESULT ") :])
+            for row in rows:
+                row["job"] = job_digest(job)
+            rows[-1]["worker_wall_s"] = round(time.monotonic() - started, 2)  # what the row cost the run
+            return rows
     tail = (err.strip().splitlines() or ["no output"])[-1]
-    # Reported as skipped, not as a failure of the run: compilation is optional (no compiler, unsupported op...).
-    return _skip(spec, contender, f"worker failed (exit code {proc.returncode}): {tail[:200]}")
+    return [_skip(spec, contender, f"worker failed (exit code {proc.returncode}): {tail[:200]}", status=failed)]
+
+
+class _Plan:
+    """The rows of one run, emitted as they come (`on_row`), each checked for the deadline and availability
+    when its turn comes."""
+
+    def __init__(self, opts: Options, copy_bw: float, deadline: float | None, on_row) -> None:
+        self.opts, self.copy_bw, self.deadline, self.on_row = opts, copy_bw, deadline, on_row
+        self.device = torch.device(opts.device)
+        self.rows: dict[tuple, dict] = {}
+
+    def emit(self, spec: ParamSetSpec, row: dict) -> None:
+        self.rows[(spec.name, row["contender"])] = row
+        if self.on_row is not None:
+            self.on_row(row)
+
+    def runnable(self, spec: ParamSetSpec, contender: Contender) -> bool:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.emit(spec, _skip(spec, contender, "the run's --deadline was reached before this row"))
+        elif (reason := contender.unavailable(self.device)) is not None:
+            self.emit(spec, _skip(spec, contender, reason))
+        elif contender.isolated and spec.name not in self.opts.compile_sets:
+            self.emit(spec, _skip(spec, contender, "not in --compile-sets (compile-time budget)"))
+        else:
+            return True
+        return False
+
+    def in_worker(self, spec: ParamSetSpec, contender: Contender) -> list[dict]:
+        timeout = self.opts.compile_timeout if contender.isolated else self.opts.row_timeout
+        if self.deadline is not None:
+            timeout = max(1.0, min(timeout, self.deadline - time.monotonic()))
+        try:
+            return _run_worker(spec, contender, self.opts, self.copy_bw, timeout)
+        except Exception as e:
+            return [_error_row(spec, contender, e)]
+
+    def rows_in_workers(self, spec: ParamSetSpec, contenders: list[Contender]) -> None:
+        """Each row in its own worker, paired with the baseline; the baseline's own row is the one timed in the
+        first of those workers (in a worker of its own when it is the set's only row)."""
+        base = baseline_for(spec.family)
+        wants_base = any(c.key == base for c in contenders)
+        for c in contenders:
+            if c.key == base or not self.runnable(spec, c):
+                continue
+            rows = self.in_worker(spec, c)
+            if wants_base and len(rows) == 2 and (spec.name, base) not in self.rows:
+                self.emit(spec, rows[0])
+            self.emit(spec, rows[-1])
+        for c in contenders:
+            if c.key == base and (spec.name, base) not in self.rows and self.runnable(spec, c):
+                self.emit(spec, self.in_worker(spec, c)[-1])
+
+    def rows_in_process(self, spec: ParamSetSpec, contenders: list[Contender]) -> None:
+        group = [c for c in contenders if self.runnable(spec, c)]
+        if group:
+            for row in measure_group(spec, group, self.opts, self.copy_bw):
+                self.emit(spec, row)
 
 
 def run_plan(
@@ -214,49 +318,26 @@ def run_plan(
 ) -> list[dict]:
     """All rows of the plan, returned in plan order; `on_row(row)` is called after each (progress, partial saves).
 
-    The contenders of a set are measured together, interleaved. Time-boxed rows (torch.compile) run after all
-    the others, so a slow compile can only eat the time left at the end of the run, never the rows the goals
-    are read from.
+    Rows run in fresh workers or in process, as `opts.isolation` says (module doc). Time-boxed rows
+    (torch.compile) run after all the others, so a slow compile can only eat the time left at the end of the
+    run, never the rows the goals are read from.
     """
-    device = torch.device(opts.device)
-    rows: dict[tuple, dict] = {}
-
-    def emit(spec, row):
-        rows[(spec.name, row["contender"])] = row
-        if on_row is not None:
-            on_row(row)
-
-    def runnable(spec, contender) -> bool:
-        if deadline is not None and time.monotonic() > deadline:
-            emit(spec, _skip(spec, contender, "the run's --deadline was reached before this row"))
-        elif (reason := contender.unavailable(device)) is not None:
-            emit(spec, _skip(spec, contender, reason))
-        elif contender.isolated and spec.name not in opts.compile_sets:
-            emit(spec, _skip(spec, contender, "not in --compile-sets (compile-time budget)"))
-        else:
-            return True
-        return False
-
+    plan = _Plan(opts, copy_bw, deadline, on_row)
     jobs = [
         (spec, [c for c in contenders_for(spec.family) if not opts.contenders or c.key in opts.contenders])
         for spec in sets
     ]
     for spec, contenders in jobs:
-        group = [c for c in contenders if not c.isolated and runnable(spec, c)]
-        if group:
-            for row in measure_group(spec, group, opts, copy_bw):
-                emit(spec, row)
+        plain = [c for c in contenders if not c.isolated]
+        if opts.isolation == "row":
+            plan.rows_in_workers(spec, plain)
+        else:
+            plan.rows_in_process(spec, plain)
     for spec, contenders in jobs:
         for c in contenders:
-            if c.isolated and runnable(spec, c):
-                timeout = opts.compile_timeout
-                if deadline is not None:
-                    timeout = max(1.0, min(timeout, deadline - time.monotonic()))
-                try:
-                    emit(spec, _run_isolated(spec, c, opts, copy_bw, timeout))
-                except Exception as e:
-                    emit(spec, _error_row(spec, c, e))
-    ordered = [rows[(spec.name, c.key)] for spec, contenders in jobs for c in contenders]
+            if c.isolated and plan.runnable(spec, c):
+                plan.emit(spec, plan.in_worker(spec, c)[-1])
+    ordered = [plan.rows[(spec.name, c.key)] for spec, contenders in jobs for c in contenders]
     add_speedups(ordered)
     return ordered
 

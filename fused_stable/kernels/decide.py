@@ -2,13 +2,13 @@
 
 A step is three kinds of launch, in stream order, with no host read anywhere: the norm pass (kernels/norm.py,
 per grad dtype), `_decide_kernel` (here, one program: every decision of the step and its bookkeeping), and the
-update (kernels/adamw.py, per param dtype), which reads the decisions and returns at once on a skipped step.
+update (kernels/update.py, per param dtype), which reads the decisions and returns at once on a skipped step.
 Keeping every decision in one single-program kernel is what makes the step race-free (no program reads a
 counter another program is writing) and safe to capture in a CUDA graph; it costs one tiny launch.
 
 The kernel is its sections, one @triton.jit helper each, in this order: per_tensor_sums, global_norm,
 zscore_statistics, skip_decision, clip_coefficient, lr_schedule, count_step, worst_step_window, keep_worst,
-advance_steps; backends/torch_decide.py has functions of the same names, in the same order, so the two read
+advance_steps; backends/torch/torch_decide.py has functions of the same names, in the same order, so the two read
 side by side.
 
 The buffer layout (fused_stable/layout.py) reaches the code as constexpr defaults, not as module-level
@@ -17,7 +17,7 @@ itself as constexpr arguments, each helper the slots it touches. A kernel's cons
 Triton's cache key, its helpers' defaults are not: `LAYOUT` (every constant of layout.py in one string, never
 read) is what makes a change in layout.py recompile.
 
-Rounding: as in the update kernel (kernels/adamw.py), contraction off and IEEE `div_rn` / `sqrt_rn`, so the
+Rounding: as in the update kernel (kernels/update.py), contraction off and IEEE `div_rn` / `sqrt_rn`, so the
 compiled kernel rounds op by op as written, as the torch backend's ops and Triton's interpreter do (only `cos`,
 in the cosine schedule, stays approximate on the GPU).
 """

@@ -1,5 +1,5 @@
 """The update kernel's moments in their state format (fused_stable/state_format.py): pointers of the format's
-dtype, the 8-bit codes' decode and encode, and bf16 stochastic rounding. kernels/adamw.py's `_adamw_block`
+dtype, the 8-bit codes' decode and encode, and bf16 stochastic rounding. kernels/update.py's `_update_block`
 loads and stores every moment through `load_moment` / `store_moment`."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Observations of the Triton backend's compiled launch path on CPU tensors, printed as one JSON object.
 
 Run by tests/core/test_host_path.py in a process without TRITON_INTERPRET: the kernels are compiled for sm_90 as on
-a GPU and launched through fused_stable.kernels.standin, whose launches are records (nothing runs, so tensor
+a GPU and launched through fused_stable.devtools.standin, whose launches are records (nothing runs, so tensor
 contents never change). Each section below measures one claim of the step's host path.
 """
 
@@ -18,10 +18,11 @@ from triton.runtime.jit import JITFunction
 
 import fused_stable.ops as ops
 from fused_stable import FusedAdamW, clip_grad_norm_
+from fused_stable.devtools import codegen, standin
 from fused_stable.guard import Guard
-from fused_stable.kernels import adamw, codegen, decide, norm, standin
+from fused_stable.kernels import decide, norm, update
 
-KERNELS = (norm._sumsq_kernel, decide._decide_kernel, adamw._adamw_kernel)
+KERNELS = (norm._sumsq_kernel, decide._decide_kernel, update._update_kernel)
 
 
 def make_params(shapes, dtypes=(torch.float32,), seed=0):

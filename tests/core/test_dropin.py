@@ -230,8 +230,12 @@ def test_grads_whose_strides_differ_from_the_params_match_torch_and_may_change_l
     assert_close(opt.state[p]["max_exp_avg_sq"], ref.state[q]["max_exp_avg_sq"], 1e-6, 1e-9, "max_exp_avg_sq")
 
 
+@pytest.mark.torch_ops
 def test_low_precision_non_dense_params_update_as_their_dense_copies():
-    """bf16 with fp32 masters: the working-copy path gives bit for bit what the regular path gives."""
+    """bf16 with fp32 masters: the working-copy path gives bit for bit what the regular path gives, both through
+    torch's `_fused_adamw_` (torch_ops). With the compiled CPU ops a dense bf16 param takes the compiled update
+    instead (its own arithmetic, within torch's floor: test_cpu_ops.py::test_low_precision_params_take_the_
+    compiled_update_within_torch_ops_floor) while a strided one keeps the working copies."""
     base = seeded((6, 10), 0).to(torch.bfloat16)
     strided, dense = torch.nn.Parameter(base[:, ::2]), torch.nn.Parameter(base[:, ::2].contiguous())
     opts = [FusedAdamW([t], lr=0.05, master_weights=True, backend="torch") for t in (strided, dense)]

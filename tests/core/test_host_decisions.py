@@ -14,7 +14,7 @@ import torch
 from helpers import count_host_reads, interpret_available
 
 from fused_stable import FusedAdamW, GradScaler, layout, schedules
-from fused_stable.backends import host_decide, torch_backend
+from fused_stable.backends.torch import host_decide, torch_backend
 
 SPECIAL = [0.0, float("inf"), float("nan"), 1e-30, 1e30, 3e38]
 

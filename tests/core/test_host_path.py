@@ -1,6 +1,6 @@
 """The Triton backend's compiled launch path, on CPU: what a step launches and how (tests/core/standin_checks.py).
 
-The checks run in a subprocess without TRITON_INTERPRET, through fused_stable.kernels.standin (kernels compiled
+The checks run in a subprocess without TRITON_INTERPRET, through fused_stable.devtools.standin (kernels compiled
 for sm_90, launches recorded instead of run): launch counts, direct launches of the cached compiled kernels
 after the first step, no recompilation when the param set changes, 128-bit loops in the kernels launched for a
 mixed aligned/unaligned set, launch hooks still served, and no Triton fp-fusion warning.
@@ -42,7 +42,7 @@ def test_a_guarded_step_launches_and_dispatches_what_an_unguarded_one_does(seen)
 
 
 def test_the_stand_in_benchmarker_times_the_host_work_of_real_launches(seen):
-    """kernels/standin.py: the driver's benchmarker (Triton's autotuner calls it) runs the function and times it
+    """devtools/standin.py: the driver's benchmarker (Triton's autotuner calls it) runs the function and times it
     on the host clock, in milliseconds."""
     assert 0 < seen["benchmarker: median ms"] < 1e3
     launches = seen["benchmarker: launches"]
@@ -84,7 +84,7 @@ def test_a_mixed_aligned_and_unaligned_set_keeps_128_bit_accesses(seen):
 
 
 def test_launch_hooks_see_every_launch(seen):
-    assert seen["launch hook saw"] == ["_sumsq_kernel", "_decide_kernel", "_adamw_kernel"]
+    assert seen["launch hook saw"] == ["_sumsq_kernel", "_decide_kernel", "_update_kernel"]
 
 
 def test_clip_grad_norm_launches_one_norm_and_one_scale_per_dtype(seen):

@@ -1,6 +1,6 @@
 """What the compiler makes of the kernels for Hopper (sm_90), checked on this CPU-only machine.
 
-Triton compiles ahead of time with its own LLVM and ptxas (fused_stable/kernels/codegen.py), so the GPU code
+Triton compiles ahead of time with its own LLVM and ptxas (fused_stable/devtools/codegen.py), so the GPU code
 generation is checked even where no GPU is: a kernel that no longer compiles, whose full-block loop falls back
 to narrower accesses or goes through shared memory (bar.sync), or whose rounding changes, fails here before it
 reaches a GPU. The claims are exact: every access of the aligned full-block loop has the width stated.
@@ -20,7 +20,7 @@ import pytest
 def records():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSED_STABLE_BACKEND")}
     proc = subprocess.run(
-        [sys.executable, "-m", "fused_stable.kernels.codegen", "90"],
+        [sys.executable, "-m", "fused_stable.devtools.codegen", "90"],
         env=env,
         capture_output=True,
         text=True,
@@ -141,7 +141,7 @@ def test_rounding_is_chosen_per_kernel(records):
 
 
 def test_ptx_access_widths_are_parsed_from_the_suffixes():
-    from fused_stable.kernels.codegen import access_bits, loops
+    from fused_stable.devtools.codegen import access_bits, loops
 
     assert access_bits(".v4.b32") == 128 and access_bits(".v2.b32") == 64 and access_bits(".b16") == 16
     assert access_bits(".L1::evict_last.v2.b64") == 128 and access_bits(".nc.f32") == 32

@@ -1,6 +1,6 @@
 """bf16 and 8-bit optimizer state (`state_precision`, fused_stable/state_format.py) inside the fused step.
 
-What is checked, on both CPU backends (the torch reference, backends/lowbit_reference.py, and the Triton kernels
+What is checked, on both CPU backends (the torch reference, backends/torch/exact_reference.py, and the Triton kernels
 through the interpreter): the format each group's params get (the small-tensor rule included); that the kernels
 compute what the reference computes; that a skipped step changes no bit of any state tensor; compact state dicts
 that load back and resume bit-exactly, torch's fp32 state quantised on load, torch_state_dict() for torch; the
@@ -242,7 +242,7 @@ def test_with_clipping_codes_differ_by_at_most_one_and_rarely(backend):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_skipped_step_leaves_every_state_tensor_bit_identical(backend, precision, bad):
     """Also with the tensor decisions (torch-tensor): there the update runs on a skipped step, told by `found_inf`
-    (lowbit_reference's own skip); the host path runs no update at all."""
+    (the exact reference's own skip); the host path runs no update at all."""
     shapes = [(64, 100), (9000,), (5000,), (130,)]
     params = make_params(shapes, torch.bfloat16)
     opt = FusedAdamW(params, lr=1e-2, state_precision=precision, backend=backend, amsgrad=True, master_weights=True)

@@ -182,7 +182,7 @@ def test_torch_lr_scheduler_drives_group_lr(backend):
 def test_every_hyperparameter_change_reaches_the_next_step(backend):
     """The optimizer hands the backends the same rows while the groups' values stay (no HParams built per step)
     and new rows on any change: a tensor lr changed in place or replaced by another tensor, a float lr, betas,
-    weight decay, eps. Each step equals torch's AdamW given the same changes."""
+    weight decay, eps, maximize. Each step equals torch's AdamW given the same changes."""
     init = make_params([(20,)])
     ours, theirs = torch.nn.Parameter(init[0].clone()), torch.nn.Parameter(init[0].clone())
     opt = FusedAdamW([ours], lr=torch.tensor(0.1), backend=backend)
@@ -195,6 +195,8 @@ def test_every_hyperparameter_change_reaches_the_next_step(backend):
         "betas": lambda group: group.update(betas=(0.8, 0.99)),
         "weight decay": lambda group: group.update(weight_decay=0.5),
         "eps": lambda group: group.update(eps=1e-3),
+        "maximize": lambda group: group.update(maximize=True),
+        "maximize back": lambda group: group.update(maximize=False),
     }
     for what, change in changes.items():
         change(opt.param_groups[0]), change(ref.param_groups[0])

@@ -1,6 +1,7 @@
 """The package's rooms, read from its source with `ast` (nothing is imported for the checks on the source):
 
 - no arrow up: no core module imports integrations/, train/, stress, bench/ or webui/, at top level or in a function;
+- devtools/ (codegen, standin) are tools over the kernels: nothing else in the package imports them;
 - no import circle (the whole package, each module's imports of any kind counted);
 - no module over 500 lines; no function over 80 lines in the kernels, the backends, the optimizer's modules and the
   applications (train/, stress/, webui/, integrations/);
@@ -35,6 +36,8 @@ MAX_FUNCTION_LINES = 80
 # the applications
 FUNCTION_CHECKED = (
     "fused_stable.kernels",
+    "fused_stable.devtools",
+    "fused_stable.bench",
     "fused_stable.backends",
     "fused_stable.optim",
     "fused_stable.plan",
@@ -121,6 +124,22 @@ def test_no_core_module_imports_the_application():
     assert upward == {}, f"core modules importing integrations/, train/, stress, bench/ or webui/: {upward}"
 
 
+DEVTOOLS = ("fused_stable.devtools",)
+
+
+def test_devtools_are_imported_by_no_other_module():
+    """codegen.py and standin.py check the kernels from outside (tests, benchmarks, `python -m`); a kernel or the
+    step importing them would put a tool, and its triton-only imports, on the optimizer's path."""
+    assert {"fused_stable.devtools.codegen", "fused_stable.devtools.standin"} <= set(MODULES)
+    assert "fused_stable.kernels.update" in GRAPH["fused_stable.devtools.codegen"]  # the check reads the edges
+    importing = {
+        name: sorted(t for t in targets if _in(t, DEVTOOLS))
+        for name, targets in GRAPH.items()
+        if not _in(name, DEVTOOLS) and any(_in(t, DEVTOOLS) for t in targets)
+    }
+    assert importing == {}, f"modules importing devtools/: {importing}"
+
+
 def _cycles() -> list[frozenset]:
     """The strongly connected components with more than one module (Tarjan), or a module importing itself."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
@@ -205,14 +224,16 @@ def test_the_checks_see_what_they_claim():
     assert {"fused_stable.sharding", "fused_stable.plan", "fused_stable.ops"} <= GRAPH["fused_stable.optim"]
     assert "fused_stable.kernels.decide" in GRAPH["fused_stable.backends.triton_backend"]  # a function-level import
     assert "fused_stable.sharding" in GRAPH["fused_stable.integrations.distributed"]
-    assert not _core("fused_stable.train.run.loop") and _core("fused_stable.kernels.adamw")
+    assert not _core("fused_stable.train.run.loop") and _core("fused_stable.kernels.update")
+    assert "fused_stable.rules.adamw.triton" in GRAPH["fused_stable.kernels.update"]
 
 
 def test_one_backend_registry_and_one_protocol():
     """ops.BACKENDS is the one registry: both backend modules implement `Backend` (the same fused_step signature,
     DENSE_LAYOUTS), compiled.py reads the registry, and no core module but ops.py names a backend module."""
     from fused_stable import ops
-    from fused_stable.backends import Backend, torch_backend, triton_backend
+    from fused_stable.backends import Backend, triton_backend
+    from fused_stable.backends.torch import torch_backend
 
     assert set(ops.BACKENDS) == {"triton", "interpret", "torch"}
     assert ops.BACKENDS["torch"] is torch_backend and ops.BACKENDS["triton"] is ops.BACKENDS["interpret"]
@@ -227,7 +248,7 @@ def test_one_backend_registry_and_one_protocol():
         for name, targets in GRAPH.items()
         if _core(name)
         and not name.startswith("fused_stable.backends")
-        and targets & {"fused_stable.backends.torch_backend", "fused_stable.backends.triton_backend"}
+        and targets & {"fused_stable.backends.torch.torch_backend", "fused_stable.backends.triton_backend"}
     }
     assert naming == {"fused_stable.ops"}
 
@@ -241,15 +262,15 @@ SHARED_WITH_THE_TENSOR_DECISIONS = ("per_tensor_sums", "keep_worst", "advance_st
 
 
 def test_decision_sections_have_the_same_names_and_order_in_both_backends():
-    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch_decide.py (0-dim tensors)
-    and backends/host_decide.py (host scalars) define functions of the same names in the same order, so the
-    three can be compared section by section."""
+    """kernels/decide.py's `_decide_kernel` is a sequence of jit helpers; backends/torch/torch_decide.py (0-dim
+    tensors) and backends/torch/host_decide.py (host scalars) define functions of the same names in the same
+    order, so the three can be compared section by section."""
     decide = ast.parse(MODULES["fused_stable.kernels.decide"].read_text())
     kernel_helpers = {n.name for n in decide.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
     (kernel,) = [n for n in decide.body if isinstance(n, ast.FunctionDef) and n.name == "_decide_kernel"]
     sections = [name for name in _called_in(kernel) if name in kernel_helpers]
     assert len(sections) == len(set(sections)) >= 9, sections
-    for module in ("fused_stable.backends.torch_decide", "fused_stable.backends.host_decide"):
+    for module in ("fused_stable.backends.torch.torch_decide", "fused_stable.backends.torch.host_decide"):
         tree = ast.parse(MODULES[module].read_text())
         defined = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
         missing = [name for name in sections if name not in defined]
@@ -290,19 +311,31 @@ def test_the_core_imports_without_triton():
 
 def test_every_layout_constant_the_kernels_read_is_in_their_cache_key():
     """The kernels' jit helpers take the buffer slots as constexpr defaults, which Triton's cache key does not
-    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value), so a slot that moves
-    recompiles instead of reading a stale cached binary. Checked: every `layout.X` default in a kernel module
-    is in that string, and both kernels that read slots take it."""
+    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value), and the update kernel
+    `RULE_LAYOUT` (the rule's slots of the hyper-parameter row, rules/adamw), so a slot that moves recompiles
+    instead of reading a stale cached binary. Checked: every `layout.X` and `adamw.X` default in a kernel module
+    or the rule's Triton file is in its string, and the kernels that read slots take them."""
     from fused_stable import layout
-    from fused_stable.kernels import adamw, decide
+    from fused_stable.kernels import decide, update
+    from fused_stable.rules import adamw
 
-    keyed = dict(item.split("=") for item in layout.KERNEL_LAYOUT.split(";"))
-    for module in ("fused_stable.kernels.decide", "fused_stable.kernels.adamw"):
+    keyed = {
+        "layout": (layout, dict(item.split("=") for item in layout.KERNEL_LAYOUT.split(";"))),
+        "adamw": (adamw, dict(item.split("=") for item in adamw.ROW_LAYOUT.split(";"))),
+    }
+    seen = set()
+    for module in ("fused_stable.kernels.decide", "fused_stable.kernels.update", "fused_stable.rules.adamw.triton"):
         for node in ast.walk(ast.parse(MODULES[module].read_text())):
             if isinstance(node, ast.FunctionDef):
                 for default in node.args.defaults + node.args.kw_defaults:
-                    if isinstance(default, ast.Attribute) and getattr(default.value, "id", None) == "layout":
+                    owner = getattr(default, "value", None)
+                    if isinstance(default, ast.Attribute) and getattr(owner, "id", None) in keyed:
+                        source, names = keyed[owner.id]
                         name = default.attr
-                        assert name == "KERNEL_LAYOUT" or keyed.get(name) == repr(getattr(layout, name)), name
-    for kernel in (decide._decide_kernel, adamw._adamw_kernel):
+                        seen.add(owner.id)
+                        if name not in ("KERNEL_LAYOUT", "ROW_LAYOUT"):
+                            assert names.get(name) == repr(getattr(source, name)), name
+    assert seen == {"layout", "adamw"}
+    for kernel in (decide._decide_kernel, update._update_kernel):
         assert inspect.signature(kernel.fn).parameters["LAYOUT"].default == layout.KERNEL_LAYOUT
+    assert inspect.signature(update._update_kernel.fn).parameters["RULE_LAYOUT"].default == adamw.ROW_LAYOUT

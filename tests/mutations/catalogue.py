@@ -335,7 +335,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the torch backend (CPU default)
     M(
         "torch-steps-advance-on-skip",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "    torch._foreach_add_(steps, 1.0 - skip)\n",
         "    torch._foreach_add_(steps, 1.0)\n",
         ["tests/core/test_host_decisions.py"],
@@ -344,7 +344,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-steps-advance-on-skip",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "    if skip:\n        return\n    if lists.uncompiled_steps:",
         "    if lists.uncompiled_steps:\n        torch._foreach_add_(lists.uncompiled_steps, 1.0)\n"
         "    if skip:\n        return\n    if False:",
@@ -354,7 +354,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-skip-still-updates",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "    if skip:\n        return\n",
         "    if False:\n        return\n",
         ["tests/core/test_skip_and_sync.py"],
@@ -363,7 +363,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-ninja-off-the-path",
-        "fused_stable/backends/cpu_ops.py",
+        "fused_stable/backends/torch/cpu_ops.py",
         "    put_ninja_on_path()\n    name = ",
         "    name = ",
         ["tests/core/test_cpu_ops.py"],
@@ -372,16 +372,16 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-update-ignores-the-clip",
-        "fused_stable/backends/cpu_step.cpp",
-        "    const float g = grad[i] * grad_mul;\n",
-        "    const float g = grad[i];\n",
+        "fused_stable/rules/adamw/cpu.h",
+        "  g = g * s.grad_mul;\n",
+        "",
         ["tests/core/test_cpu_ops.py"],
         "the compiled CPU update reads each grad times the clip coefficient",
         select="clipped_step or fp64_adamw",
     ),
     M(
         "cpu-ops-steps-not-advanced",
-        "fused_stable/backends/cpu_step.cpp",
+        "fused_stable/backends/torch/cpu_step.cpp",
         "    *step += 1.0f;\n",
         "",
         ["tests/core/test_cpu_ops.py"],
@@ -390,7 +390,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-norm-drops-a-tail",
-        "fused_stable/backends/cpu_step.cpp",
+        "fused_stable/backends/torch/cpu_step.cpp",
         "  for (int k = 0; i < end; ++i, ++k) {\n",
         "  for (int k = 0; i < end - 1; ++i, ++k) {\n",
         ["tests/core/test_cpu_ops.py"],
@@ -399,7 +399,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-norm-chunks-per-thread",
-        "fused_stable/backends/cpu_step.cpp",
+        "fused_stable/backends/torch/cpu_step.cpp",
         "  const std::vector<Piece> pieces = cut(sizes, kNormChunk);\n",
         "  const std::vector<Piece> pieces = cut(sizes, kNormChunk / at::get_num_threads());\n",
         ["tests/core/test_cpu_ops.py"],
@@ -408,16 +408,16 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-never-used-for-the-update",
-        "fused_stable/backends/torch_backend.py",
-        "                update.compiled = self.compiled and all(",
-        "                update.compiled = False and all(",
+        "fused_stable/backends/torch/torch_backend.py",
+        "    if compiled and not relayout and CompiledUpdate.fits(",
+        "    if False and not relayout and CompiledUpdate.fits(",
         ["tests/core/test_cpu_ops.py"],
         "a clipped CPU step reads the grads and never writes them (32 B/param)",
         select="never_writes",
     ),
     M(
         "cpu-ops-uncompiled-steps-not-advanced",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "        torch._foreach_add_(lists.uncompiled_steps, 1.0)\n",
         "        pass\n",
         ["tests/core/test_optim_parity.py"],
@@ -426,7 +426,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-loss-scale-left-in-the-norm",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "        sumsq *= inverse * inverse\n",
         "        pass\n",
         ["tests/core/test_amp.py"],
@@ -435,7 +435,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-tensor-decisions-take-torch-ops",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "    elif lists.compiled:",
         "    elif False:",
         ["tests/core/test_optim_parity.py"],
@@ -444,7 +444,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-grad-scale-always",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "    if grad_mul != 1.0 and lists.any_fused_adamw:\n",
         "    if lists.any_fused_adamw:\n",
         ["tests/core/test_host_decisions.py"],
@@ -453,7 +453,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-sqrt-not-correctly-rounded",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         'return F32(math.sqrt(x)) if x >= 0 else F32("nan")',
         "return F32(torch.tensor(x).sqrt().item())",
         ["tests/core/test_host_decisions.py"],
@@ -462,7 +462,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-min-keeps-nan",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "    return x if x <= high else F32(high)\n",
         "    return F32(high) if x > high else x\n",
         ["tests/core/test_host_decisions.py"],
@@ -471,7 +471,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-spike-skips-counted-as-nonfinite-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "i[layout.I_SKIPPED_STEPS] + nonfinite.long()",
         "i[layout.I_SKIPPED_STEPS] + skip.long()",
         ["tests/core/test_host_decisions.py"],
@@ -480,7 +480,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-last-lr-unscheduled-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "new_f[layout.F_LAST_LR] = lr_factor * lr0",
         "new_f[layout.F_LAST_LR] = lr0 + 0 * lr_factor",
         ["tests/core/test_host_decisions.py"],
@@ -489,7 +489,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-zscore-clip-off-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "        ceiling = where(is_spike, torch.minimum(ceiling, spike_ceiling), ceiling)\n",
         "        ceiling = ceiling\n",
         ["tests/core/test_host_decisions.py"],
@@ -498,7 +498,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-stats-absorb-nonfinite-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "new_f[layout.F_NORM_MEAN] = where(finite, where(in_warmup, warm_mean, ema_mean), mean)",
         "new_f[layout.F_NORM_MEAN] = where(in_warmup, warm_mean, ema_mean)",
         ["tests/core/test_host_decisions.py"],
@@ -507,7 +507,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-found-inf-ignored-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "        nonfinite = nonfinite | (found_inf != 0)\n",
         "        nonfinite = nonfinite\n",
         ["tests/core/test_host_decisions.py"],
@@ -516,7 +516,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-clip-eps-dropped-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "coef = clamp_max(ceiling / (norm + layout.CLIP_EPS), 1.0)",
         "coef = clamp_max(ceiling / norm, 1.0)",
         ["tests/core/test_optim_parity.py"],
@@ -525,7 +525,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-spike-skip-ge-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "spike_skip = is_spike & (zscore > rules.spike_skip_threshold)",
         "spike_skip = is_spike & (zscore >= rules.spike_skip_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -534,7 +534,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-zscore-spike-ge-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "is_spike = ready & finite & (zscore > rules.zscore_threshold)",
         "is_spike = ready & finite & (zscore >= rules.zscore_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -543,7 +543,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "spike-skip-ratio-ignored-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "(norm >= rules.spike_skip_ratio * mean)",
         "(norm >= 0.0 * mean)",
         ["tests/core/test_zscore.py"],
@@ -552,7 +552,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "worst-window-nonfinite-not-worst-tensor",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         'key = where(nonfinite, float("inf"), zscore)',
         "key = zscore",
         ["tests/core/test_host_decisions.py"],
@@ -561,7 +561,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-host-worst-always-kept",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "        if worse:\n",
         "        if True:\n",
         ["tests/core/test_zscore.py"],
@@ -570,7 +570,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-norm-not-unscaled",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "        norms = norms * grad_scale.reciprocal()\n",
         "        norms = norms\n",
         ["tests/core/test_amp.py"],
@@ -579,7 +579,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-spike-skips-counted-as-nonfinite",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "i[layout.I_SKIPPED_STEPS] + nonfinite",
         "i[layout.I_SKIPPED_STEPS] + skip",
         ["tests/core/test_zscore.py", "tests/core/test_thresholds.py"],
@@ -588,7 +588,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-last-lr-unscheduled",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "fstate[layout.F_LAST_LR] = lr_factor * lr0",
         "fstate[layout.F_LAST_LR] = lr0 + 0 * lr_factor",
         ["tests/core/test_schedules_and_precision.py"],
@@ -597,7 +597,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-per-tensor-norms-out-of-order",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "norms = torch.empty_like(lists.order, dtype=torch.float32).index_copy_(0, lists.order, torch.cat(norms))",
         "norms = torch.cat(norms)",
         ["tests/core/test_optim_parity.py"],
@@ -606,7 +606,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-zscore-clip-off",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "        ceiling = spike_ceiling\n",
         "        ceiling = ceiling\n",
         ["tests/core/test_zscore.py"],
@@ -615,16 +615,16 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-low-precision-copies-stale",
-        "fused_stable/backends/torch_backend.py",
-        "        if update.copy_in is not None:\n",
-        "        if False:\n",
+        "fused_stable/backends/torch/updates.py",
+        "            if self.copy_in is not None:\n",
+        "            if False:\n",
         ["tests/core/test_schedules_and_precision.py"],
         "bf16/fp16 params without master weights are rounded every step",
         select="torch and low_precision",
     ),
     M(
         "torch-stats-absorb-nonfinite",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "    if finite:\n        value = spike_ceiling",
         "    if True:\n        value = spike_ceiling",
         ["tests/core/test_zscore.py"],
@@ -633,7 +633,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-found-inf-ignored",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "nonfinite = not np.isfinite(norm) or (found_inf is not None and found_inf != 0)",
         "nonfinite = not np.isfinite(norm)",
         ["tests/core/test_amp.py"],
@@ -642,7 +642,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-clip-eps-dropped",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "coef = clamp_max(ceiling / (norm + layout.CLIP_EPS), 1.0)",
         "coef = clamp_max(ceiling / norm, 1.0)",
         ["tests/core/test_optim_parity.py"],
@@ -652,7 +652,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the Triton kernels (through the interpreter)
     M(
         "kernel-expm1-inaccurate",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/rules/adamw/triton.py",
         "return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)",
         "return tl.exp(x) - 1.0",
         ["tests/core/test_schedules_and_precision.py", "tests/core/test_optim_parity.py"],
@@ -688,7 +688,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-tail-writes-one-past-the-end",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/update.py",
         "full_end + offsets < end,",
         "full_end + offsets <= end,",
         ["tests/core/test_optim_parity.py"],
@@ -697,7 +697,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-lr-unscheduled",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/rules/adamw/triton.py",
         "lr = tl.load(hp + H_LR) * tl.load(fstate + F_LR_FACTOR)",
         "lr = tl.load(hp + H_LR)",
         ["tests/core/test_schedules_and_precision.py"],
@@ -742,7 +742,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-amsgrad-max-ignored",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/rules/adamw/triton.py",
         "denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps",
         "denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps",
         ["tests/core/test_torch_optim_db.py"],
@@ -751,7 +751,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-maximize-ignored",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/rules/adamw/triton.py",
         "grad_mul = tl.load(fstate + F_GRAD_MUL) * tl.load(hp + H_GRAD_SIGN)",
         "grad_mul = tl.load(fstate + F_GRAD_MUL)",
         ["tests/core/test_torch_optim_db.py"],
@@ -760,7 +760,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-layouts-through-fused-adamw",
-        "fused_stable/backends/torch_backend.py",
+        "fused_stable/backends/torch/torch_backend.py",
         "relayout = not layout_fits_fused_adamw(tensors)",
         "relayout = False",
         ["tests/core/test_dropin.py"],
@@ -769,18 +769,18 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kernel-update-4-warps",
-        "fused_stable/kernels/adamw.py",
-        "ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)",
-        "ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)",
+        "fused_stable/kernels/update.py",
+        "UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)",
+        "UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)",
         ["tests/core/test_kernels_codegen.py"],
         "the update loop's accesses are exactly 128-bit fp32 / 64-bit 16-bit, no bar.sync",
         select="vector_widths",
     ),
     M(
         "kernel-update-contracts",
-        "fused_stable/kernels/adamw.py",
-        "ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)",
-        "ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=True)",
+        "fused_stable/kernels/update.py",
+        "UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)",
+        "UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=True)",
         ["tests/core/test_kernels_codegen.py"],
         "the update kernel rounds op by op (no FMA contraction)",
         select="rounding",
@@ -788,9 +788,9 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the Triton backend's host side
     M(
         "hparams-one-minus-beta2-in-fp32",
-        "fused_stable/layout.py",
+        "fused_stable/rules/adamw/__init__.py",
         "1.0 - beta1, 1.0 - beta2",
-        "1.0 - beta1, 1.0 - float(torch.tensor(beta2))",
+        "1.0 - beta1, 1.0 - float(Tensor([beta2])[0])",
         ["tests/core/test_optim_parity.py"],
         "1 - beta computed in float64 on the host (docs/design.md)",
         select="interpret and every_update",
@@ -1237,7 +1237,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the optimizer
     M(
         "torch-step-equal-sync",
-        "fused_stable/backends/torch_decide.py",
+        "fused_stable/backends/torch/torch_decide.py",
         "    torch._foreach_add_(steps, 1.0 - skip)\n",
         "    torch._foreach_add_(steps, 1.0 - skip)\n    torch.equal(skip, skip)\n",
         ["tests/core/test_host_decisions.py"],
@@ -1246,7 +1246,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-spike-skip-ge",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "and zscore > rules.spike_skip_threshold",
         "and zscore >= rules.spike_skip_threshold",
         ["tests/core/test_thresholds.py"],
@@ -1255,7 +1255,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "torch-zscore-spike-ge",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "is_spike = ready and finite and bool(zscore > rules.zscore_threshold)",
         "is_spike = ready and finite and bool(zscore >= rules.zscore_threshold)",
         ["tests/core/test_thresholds.py"],
@@ -1273,7 +1273,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "spike-skip-ratio-ignored",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "and norm >= rules.spike_skip_ratio * mean",
         "and norm >= 0.0 * mean",
         ["tests/core/test_zscore.py"],
@@ -1300,7 +1300,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "worst-window-nonfinite-not-worst",
-        "fused_stable/backends/host_decide.py",
+        "fused_stable/backends/torch/host_decide.py",
         "key = INF if nonfinite else zscore",
         "key = zscore",
         ["tests/core/test_zscore.py"],
@@ -1619,8 +1619,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "lowbit-format-from-the-first-group",
         "fused_stable/plan.py",
-        "fmt = state_format.format_for(group_precisions[group], local(p).numel())",
-        "fmt = state_format.format_for(group_precisions[0], local(p).numel())",
+        "state_format.format_for(group_precisions[group], p.numel())",
+        "state_format.format_for(group_precisions[0], p.numel())",
         ["tests/core/test_lowbit.py"],
         "each param group's state_precision chooses its params' state format",
         select="each_group_gets_its_format and torch",
@@ -1636,7 +1636,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "lowbit-reference-skip-stores-new-scales",
-        "fused_stable/backends/lowbit_reference.py",
+        "fused_stable/backends/torch/exact_reference.py",
         "torch.where(keep, old_scale, scale)",
         "scale",
         ["tests/core/test_lowbit.py"],
@@ -1645,7 +1645,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "lowbit-kernel-skip-does-not-return",
-        "fused_stable/kernels/adamw.py",
+        "fused_stable/kernels/update.py",
         "    if tl.load(fstate + F_SKIP) == 0.0:",
         "    if tl.load(fstate + F_SKIP) >= 0.0:",
         ["tests/core/test_lowbit.py"],
@@ -1664,7 +1664,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "lowbit-torch-state-not-quantised-on-load",
         "fused_stable/state_dict.py",
-        "state_format.convert(state, formats[id(param)], local(param))",
+        "sharded_state.convert(state, formats[id(param)], param)",
         "None",
         ["tests/core/test_lowbit.py"],
         "torch.optim.AdamW's fp32 state is quantised on load into a bf16 or 8-bit group",
@@ -1681,7 +1681,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "lowbit-bf16-exp-avg-sq-rounded-to-nearest",
-        "fused_stable/backends/lowbit_reference.py",
+        "fused_stable/backends/torch/exact_reference.py",
         'rounded = self._round_stochastic(value) if key == "exp_avg_sq" else value.to(torch.bfloat16)',
         "rounded = value.to(torch.bfloat16)",
         ["tests/core/test_lowbit.py"],
@@ -2024,5 +2024,114 @@ MUTATIONS: list[Mutation] = [
         ["tests/train/test_report_to.py"],
         "the held-out losses reach wandb as eval/loss at each evaluation's step",
         select="evaluations_reach_wandb",
+    ),
+    # ------------------------------------------------------------------ `fused-stable bench` tells the truth (issue 41)
+    M(
+        "bench-rows-in-one-process",
+        "fused_stable/bench/runner.py",
+        'if opts.isolation == "row":',
+        "if False:",
+        ["tests/tools/test_bench_cli.py"],
+        "on --isolation row every row runs in a fresh worker, with the set's baseline timed alongside",
+        select="alone_and_inside",
+    ),
+    M(
+        "bench-verdict-from-a-wide-row",
+        "fused_stable/bench/report.py",
+        "        if wide:\n",
+        "        if False:\n",
+        ["tests/tools/test_bench_cli.py"],
+        "a goal read from a row whose spread is too wide to judge gets no verdict",
+        select="too_wide",
+    ),
+    M(
+        "bench-slow-rows-take-min-steps",
+        "fused_stable/bench/measure.py",
+        "    if max_time is not None and n * round_s > max_time:",
+        "    if False:",
+        ["tests/tools/test_bench_cli.py"],
+        "a row whose step takes seconds runs as many steps as --max-time allows (at least 3)",
+        select="time_budget",
+    ),
+    M(
+        "bench-warm-up-ignores-settling",
+        "fused_stable/bench/measure.py",
+        "return (len(times) >= need and settled(times, window)) or",
+        "return len(times) >= need or",
+        ["tests/tools/test_bench_cli.py"],
+        "warm-up runs until the step time settles (or its budget is spent)",
+        select="settles",
+    ),
+    # ------------------------------------------------------------------ compiled steps (issue 38)
+    M(
+        "compiled-op-keeps-first-hparams",
+        "fused_stable/compiled.py",
+        "    rows = opt._hparam_rows()\n",
+        '    rows = step.__dict__.setdefault("first_rows", opt._hparam_rows())\n',
+        ["tests/core/test_compile_hparams.py"],
+        "a compiled step uses the hyper-parameters written into param_groups since the trace (LR schedulers)",
+        select="written_between_compiled_steps and eager",
+    ),
+    M(
+        "compiled-op-trusts-a-stale-plan",
+        "fused_stable/compiled.py",
+        "    _check_groups_unchanged(opt, step.template)\n",
+        "",
+        ["tests/core/test_compile_hparams.py"],
+        "the op refuses a plan whose param groups changed since its trace, before anything is written",
+        select="stale_plan",
+    ),
+    M(
+        "compiled-op-graph-lr-ignored",
+        "fused_stable/compiled.py",
+        "        current.append(row._replace(lr=graph_lr) if row.lr is traced and traced is not None else row)\n",
+        "        current.append(row)\n",
+        ["tests/core/test_compile_hparams.py"],
+        "a compiled step reads a tensor lr that the compiled function itself writes before the step",
+        select="written_inside",
+    ),
+    # ------------------------------------------------------------------ mesh-free state (issue 36 item 4)
+    M(
+        "state-format-from-the-local-shard",
+        "fused_stable/plan.py",
+        "    formats = [state_format.format_for(group_precisions[group], p.numel()) for p, group in zip(params, member_groups)]\n",
+        "    formats = [state_format.format_for(group_precisions[group], local(p).numel()) for p, group in zip(params, member_groups)]\n",
+        ["tests/integrations/test_integ_fsdp2_state.py"],
+        "a param's state format is decided from the whole param, the same on every mesh",
+    ),
+    M(
+        "sharded-scales-stored-plain",
+        "fused_stable/sharded_state.py",
+        "    if not is_dtensor(p):\n        return value\n",
+        "    if not is_dtensor(p) or key in SCALE_KEYS:\n        return value\n",
+        ["tests/integrations/test_integ_fsdp2_state.py"],
+        "8-bit scales of a sharded param are a DTensor over the global blocks (a checkpoint reshards them)",
+    ),
+    M(
+        "sharded-8bit-split-block-accepted",
+        "fused_stable/sharded_state.py",
+        "    if misplaced:\n",
+        "    if False:\n",
+        ["tests/integrations/test_integ_fsdp2_state.py"],
+        "8-bit state whose shards split a block is refused in one line, before any state is created",
+    ),
+    # ------------------------------------------------------------------ low-precision params on the CPU op (issue 41 item 3)
+    M(
+        "cpu-ops-low-precision-params-not-compiled",
+        "fused_stable/backends/torch/updates.py",
+        "_COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)\n",
+        "_COMPILED_PARAM_DTYPES = (torch.float32,)\n",
+        ["tests/core/test_cpu_ops.py"],
+        "bf16 and fp16 params with fp32 state take the compiled CPU update",
+        select="low_precision",
+    ),
+    M(
+        "cpu-ops-master-not-read",
+        "fused_stable/backends/torch/cpu_step.cpp",
+        "    float p = kMaster ? master[i] : static_cast<float>(param[i]);\n",
+        "    float p = static_cast<float>(param[i]);\n",
+        ["tests/core/test_cpu_ops.py"],
+        "with master weights the compiled CPU update updates the fp32 master, not the rounded param",
+        select="low_precision and master",
     ),
 ]

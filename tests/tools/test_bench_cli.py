@@ -280,3 +280,182 @@ def test_a_loaded_machine_is_said_so():
     assert "--threads 1" in line
     assert load_warning(threads=2, cores=16, load=3.0) is None
     assert load_warning(threads=2, cores=4, load=2.5) is not None  # 1.5 free cores for 2 threads
+
+
+class _FakeClock:
+    """perf_counter / process_time for measure.py that advance only when a fake step runs: step counts and the
+    time budget are checked exactly, with no real timing."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def step(self, seconds_per_step):
+        calls = []
+
+        def run():
+            calls.append(1)
+            self.now += seconds_per_step(len(calls)) if callable(seconds_per_step) else seconds_per_step
+
+        return run, calls
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from fused_stable.bench import measure
+
+    fake = _FakeClock()
+    monkeypatch.setattr(measure.time, "perf_counter", fake)
+    monkeypatch.setattr(measure.time, "process_time", fake)
+    return fake
+
+
+BUDGET = dict(warmup=3, min_steps=15, min_time=1.0, max_time=6.0, max_steps=1000)
+
+
+@pytest.mark.parametrize(
+    "step_s, budget, timed, warmup_steps",
+    [
+        # (step times are binary fractions, so the fake clock's sums are exact)
+        (2**-6, {}, 64, 3),  # a fast row: --min-time decides (1 s / 15.6 ms); warm-up settled after --warmup steps
+        (2**-6, {"max_steps": 40}, 40, 3),  # --max-steps caps it
+        (0.25, {}, 15, 3),  # --steps is the floor (15 x 0.25 s = 3.75 s, within --max-time)
+        (1.0, {}, 6, 1),  # a step of seconds: as many as --max-time allows; one warm-up step fills --min-time
+        (2.5, {}, 3, 1),  # never fewer than 3 (quartiles)
+        (2.5, {"max_time": 60.0}, 15, 1),
+    ],
+)
+def test_the_time_budget_per_row_is_honoured(clock, step_s, budget, timed, warmup_steps):
+    from fused_stable.bench import measure
+
+    run, calls = clock.step(step_s)
+    (timing,) = measure.time_steps([[run]], torch.device("cpu"), **{**BUDGET, **budget})
+    assert timing["steps"] == timed and timing["warmup_steps"] == warmup_steps
+    assert len(calls) == warmup_steps + timed  # on CPU the host time is read from the timed steps themselves
+    assert timing["host_cpu_s"] == pytest.approx(step_s) and timing["median_s"] == pytest.approx(step_s)
+
+
+def test_warm_up_runs_until_the_step_time_settles(clock):
+    from fused_stable.bench import measure
+
+    # first uses: 50 ms, 40 ms, 30 ms, then steady at 10 ms: settled once the last three agree
+    run, calls = clock.step(lambda i: {1: 0.05, 2: 0.04, 3: 0.03}.get(i, 0.01))
+    warm = measure.warm_up([run], torch.device("cpu"), min_steps=1, budget_s=10.0)
+    assert warm == {"warmup_steps": 6, "warmup_settled": True, "step_s": pytest.approx(0.01)}
+    # a step time that never settles stops at the budget and says so
+    run, calls = clock.step(lambda i: 0.01 * (1 + i % 2))
+    warm = measure.warm_up([run], torch.device("cpu"), min_steps=1, budget_s=0.295)
+    assert warm["warmup_settled"] is False and len(calls) == warm["warmup_steps"] == 20
+    # no budget (--min-time 0): exactly --warmup steps, every input set once
+    run, calls = clock.step(lambda i: 0.05 / i)
+    warm = measure.warm_up([run, run], torch.device("cpu"), min_steps=3, budget_s=0.0)
+    assert len(calls) == warm["warmup_steps"] == 3 and warm["warmup_settled"] is False
+    assert measure.warm_up([run, run], torch.device("cpu"), min_steps=1, budget_s=0.0)["warmup_steps"] == 2
+    # the step under allocator tracking (runner._memory_step) counts: a step of seconds fills the budget alone
+    run, calls = clock.step(4.0)
+    warm = measure.warm_up([run], torch.device("cpu"), min_steps=3, budget_s=1.0, done=[4.0])
+    assert calls == [] and warm["warmup_steps"] == 1
+
+
+def test_budget_options_reach_the_run():
+    from fused_stable.bench.cli import build_options, build_parser
+
+    def options(*argv, plan="cpu"):
+        return build_options(build_parser().parse_args(list(argv)), torch.device("cpu"), plan, [], ())
+
+    cpu = options()
+    assert (cpu.min_steps, cpu.min_time, cpu.max_time, cpu.max_steps, cpu.isolation) == (15, 1.0, 6.0, 1000, "row")
+    given = options("--min-time", "2.5", "--max-steps", "7", "--max-time", "30", "--isolation", "none")
+    assert (given.min_time, given.max_steps, given.max_time, given.isolation) == (2.5, 7, 30.0, "none")
+    assert options(plan="gpu").isolation == options(plan="smoke").isolation == "none"
+
+
+def _timed(contender, median, q1, q3, base=None, **extra):
+    """A recorded row (times in ms), with the baseline timed alongside it as (median, q1, q3)."""
+    from fused_stable.bench.measure import too_wide
+
+    row = {"set": "dense-fp32", "family": "dense", "contender": contender, "status": "ok", "baseline": "torch_fused"}
+    row.update(median_s=median / 1e3, q1_s=q1 / 1e3, q3_s=q3 / 1e3, too_wide=too_wide(q1, median, q3), **extra)
+    if base is not None:
+        row.update(paired_baseline_median_s=base[0] / 1e3, paired_baseline_q1_s=base[1] / 1e3)
+        row.update(paired_baseline_q3_s=base[2] / 1e3, paired_baseline_too_wide=too_wide(*sorted(base)))
+        row["time_ratio"] = median / base[0]
+    return row
+
+
+# issue 41's figures (2 cores, idle, main dfaa6a0): fused_stable inside the default plan, bimodal, and alone
+IN_PLAN = _timed("fused_stable", 73.4, 26.6, 81.6, base=(44.9, 44.1, 45.9))
+ALONE = _timed("fused_stable", 23.6, 23.4, 23.9, base=(32.4, 32.1, 32.8))
+ALONE_AGAIN = _timed("fused_stable", 23.7, 23.5, 24.1, base=(32.4, 32.0, 32.9))
+
+
+def test_a_row_with_a_spread_too_wide_is_flagged_and_gets_no_verdict():
+    from fused_stable.bench.report import cpu_goals, gpu_goals, row_cells
+
+    assert IN_PLAN["too_wide"] and not ALONE["too_wide"]
+    (goal,) = cpu_goals([IN_PLAN])
+    assert goal["passed"] is None and goal["value"] == pytest.approx(73.4 / 44.9)
+    assert "spread too wide to judge" in goal["detail"] and "not judged" in goal["detail"]
+    (goal,) = cpu_goals([ALONE])
+    assert goal["passed"] is True and goal["detail"].startswith("met")
+    # the baseline timed alongside too wide: no verdict either
+    (goal,) = cpu_goals([_timed("fused_stable", 23.6, 23.4, 23.9, base=(32.4, 20.0, 45.0))])
+    assert goal["passed"] is None and "torch_fused timed alongside" in goal["detail"]
+    # narrow rows whose ratio band holds the bar (0.92..0.98 around 0.95): no verdict; wholly above it: missed
+    (goal,) = cpu_goals([_timed("fused_stable", 30.8, 30.4, 31.2, base=(32.4, 31.8, 33.0))])
+    assert goal["passed"] is None and "within the spread" in goal["detail"]
+    (goal,) = cpu_goals([_timed("fused_stable", 40.0, 39.8, 40.2, base=(32.4, 32.1, 32.8))])
+    assert goal["passed"] is False
+    lora = _timed("fused_stable", 10.0, 4.0, 16.0, speedup=5.0)
+    lora["set"] = "lora-fp32"
+    assert [g["passed"] for g in gpu_goals([lora]) if g["set"] == "lora-fp32"] == [None]
+    cells = row_cells(
+        {**IN_PLAN, "n_params": 25_000_000, "n_tensors": 21, "bytes_per_param": 32.0, "gbps": 1.0}
+        | {"steps": 15, "iqr_s": 0.055, "peak_mem_bytes": 0, "host_cpu_s": 0.07}
+    )
+    assert "spread too wide to judge" in cells[-1] and cells[3] == "26.600..81.600"
+
+
+def test_the_agreement_rule_on_recorded_rows():
+    """A row alone and inside the plan agree when their time-ratio bands (quartiles over the baseline timed
+    alongside) overlap; a row too wide to judge gives no answer; narrow bands apart disagree."""
+    from fused_stable.bench.report import rows_agree
+
+    assert rows_agree(ALONE, ALONE_AGAIN, [], []) is True
+    assert rows_agree(IN_PLAN, ALONE, [], []) is None
+    # the same row under twice the load (row and baseline slowed alike) still agrees: ratios, not times
+    loaded = _timed("fused_stable", 47.2, 46.8, 47.8, base=(64.8, 64.2, 65.6))
+    assert rows_agree(ALONE, loaded, [], []) is True
+    slowed = _timed("fused_stable", 35.0, 34.8, 35.3, base=(32.4, 32.1, 32.8))  # only the row slowed
+    assert rows_agree(ALONE, slowed, [], []) is False
+
+
+def test_a_row_alone_and_inside_the_plan_agree(tmp_path, capsys):
+    """Each row runs in a fresh worker with the set's baseline (--isolation row, the cpu plan's default): the
+    job a row's worker runs holds nothing of the rest of the plan, so the amp-fp16 row measured after the
+    dense-fp32 exact-reference row is the same job as the row alone, and the two agree by the bench's own rule
+    (time-ratio bands, so a load that changed between the runs does not count; on a machine too loaded to judge
+    either, the rule says so rather than guess). Tiny sets: three workers in all."""
+    from fused_stable.bench.report import EXACT_REFERENCE_NOTE, rows_agree
+
+    common = ["--isolation", "row", "--compile", "off", "--steps", "15", "--max-steps", "15", "--sets"]
+    amp = "torch_scaler,fused_stable_scaler"
+    rc, _, alone = _run(tmp_path / "alone", capsys, *common, "amp", "--contenders", amp)
+    assert rc == 0
+    rc, _, plan = _run(tmp_path / "plan", capsys, *common, "dense-fp32,amp", "--contenders", f"fused_stable_8bit,{amp}")
+    assert rc == 0
+    assert [r["contender"] for r in plan["rows"]] == ["fused_stable_8bit", "torch_scaler", "fused_stable_scaler"]
+    a, b = _row(alone, "amp-fp16", "fused_stable_scaler"), _row(plan, "amp-fp16", "fused_stable_scaler")
+    assert a["status"] == b["status"] == "ok" and a["steps"] == b["steps"] == 15
+    assert a["job"] == b["job"]  # measured by a worker of its own, with the same job
+    assert _row(plan, "amp-fp16", "torch_scaler")["job"] == b["job"]  # the baseline row: timed alongside it
+    assert rows_agree(a, b, alone["rows"], plan["rows"]) is not False, (a, b)
+    # the exact-reference row says so in the table; the fp32-state rows do not
+    eight = _row(plan, "dense-fp32", "fused_stable_8bit")
+    assert eight["exact_reference"] is True and b["exact_reference"] is False
+    assert eight["paired_baseline_median_s"] > 0  # timed alongside torch_fused, whose row is not asked for
+    lines = (tmp_path / "plan" / "r.md").read_text().splitlines()
+    assert EXACT_REFERENCE_NOTE in next(line for line in lines if "| fused_stable_8bit |" in line)
+    assert EXACT_REFERENCE_NOTE not in next(line for line in lines if "| fused_stable_scaler |" in line)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_stable.backends import cpu_ops
+from fused_stable.backends.torch import cpu_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -47,7 +47,7 @@ def test_the_shell_script_fails_loudly_without_cuda(tmp_path):
 def test_every_candidate_configuration_computes_the_default_step():
     import gpu_probe
 
-    from fused_stable.kernels.codegen import CANDIDATES
+    from fused_stable.devtools.codegen import CANDIDATES
 
     shapes = [(17_000,), (700,), (33_000,)]  # several chunks of 16384 elements
     gen = torch.Generator().manual_seed(0)

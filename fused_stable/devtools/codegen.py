@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the kernels for a GPU architecture, without a GPU: what the compiler makes of them.
 
-    python -m fused_stable.kernels.codegen [ARCH] [--candidates]   # sm_90 by default; one JSON line per variant
+    python -m fused_stable.devtools.codegen [ARCH] [--candidates]   # sm_90 by default; one JSON line per variant
 
 Triton compiles to PTX and SASS with the LLVM and ptxas it ships, so this runs on a CPU-only machine (in a
 process without TRITON_INTERPRET=1). Every variant the optimizer launches is compiled with its launch
@@ -29,9 +29,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import state_format
-from . import adamw, decide, norm
-from .launch import LaunchConfig
-from .tables import CHUNK_SIZE
+from ..kernels import decide, norm, update
+from ..kernels.launch import LaunchConfig
+from ..kernels.tables import CHUNK_SIZE
 
 _I64, _F32 = "*i64", "*fp32"
 _TYPES = {
@@ -80,13 +80,13 @@ _TYPES = {
         "schedule_min_ratio": "fp32",
     },
 }
-_KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": adamw._adamw_kernel, "decide": decide._decide_kernel}
+_KERNELS = {"sumsq": norm._sumsq_kernel, "adamw": update._update_kernel, "decide": decide._decide_kernel}
 
 # launch configurations a GPU should decide between (benchmarks/gpu_probe.py times them side by side)
 CANDIDATES = {
     "sumsq": [norm.SUMSQ_CONFIG, LaunchConfig(1024, 4, True), LaunchConfig(1024, 8, True), LaunchConfig(4096, 8, True)],
     "adamw": [
-        adamw.ADAMW_CONFIG,
+        update.UPDATE_CONFIG,
         LaunchConfig(512, 4, False),
         LaunchConfig(1024, 4, False),
         LaunchConfig(2048, 8, False),
@@ -214,7 +214,7 @@ def _adamw_record(dtype: str, has_master: bool, amsgrad: bool, fmt: int, config:
         "STATE_FORMAT": fmt,
     }
     describe = dict(dtype=dtype, has_master=has_master, amsgrad=amsgrad, state_format=state_format.FORMAT_NAMES[fmt])
-    return record("adamw", constexprs, config, arch, **describe, default=config == adamw.ADAMW_CONFIG)
+    return record("adamw", constexprs, config, arch, **describe, default=config == update.UPDATE_CONFIG)
 
 
 def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
@@ -235,7 +235,7 @@ def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
         for has_master in (False, True) if dtype != tl.float32 else (False,):
             # amsgrad (one more fp32 state) for the two layouts it adds most to: fp32, and 16-bit with a master
             for amsgrad in (False, True) if has_master == (dtype != tl.float32) and name != "fp16" else (False,):
-                for config in CANDIDATES["adamw"] if candidates else [adamw.ADAMW_CONFIG]:
+                for config in CANDIDATES["adamw"] if candidates else [update.UPDATE_CONFIG]:
                     records.append(_adamw_record(name, has_master, amsgrad, state_format.FP32, config, arch))
     # low-precision state (state_format.py), bf16 moments and 8-bit codes: for fp32 params (with amsgrad too), and
     # for bf16 params with and without fp32 masters
@@ -246,7 +246,7 @@ def compile_all(arch: int = 90, candidates: bool = False) -> list[dict]:
             ("bf16", True, False),
             ("bf16", False, False),
         ):
-            records.append(_adamw_record(name, has_master, amsgrad, fmt, adamw.ADAMW_CONFIG, arch))
+            records.append(_adamw_record(name, has_master, amsgrad, fmt, update.UPDATE_CONFIG, arch))
     for schedule in range(4):
         records.append(
             record(

@@ -16,8 +16,8 @@ import math
 import numpy as np
 import torch
 
-from .. import layout
-from ..layout import StepRules
+from ... import layout
+from ...layout import StepRules
 
 F32 = np.float32
 INF = F32("inf")

@@ -1,6 +1,6 @@
 """The torch backend's decisions: kernels/decide.py's sections under the same names and in the same order, on
 0-dim tensors (see the comment below), and the steps around them that both kinds of decisions share (the
-per-tensor sums, the worst step's sums, the `step` counters); backends/torch_backend.py runs them."""
+per-tensor sums, the worst step's sums, the `step` counters); torch_backend.py runs them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .. import layout
-from ..layout import HParams, StepBuffers, StepRules
+from ... import layout
+from ...layout import HParams, StepBuffers, StepRules
 
 # torch_backend.TorchLists (not imported: torch_backend imports this module)
 TorchLists = Any

@@ -10,9 +10,10 @@ back). Elsewhere (meta, CUDA) the same sections run as 0-dim tensor ops, with a 
 scale / clip coefficient) and `found_inf` (= skip) for `_fused_adamw_`: no host reads. docs/design.md, "The
 torch backend", says where the CPU step's time goes.
 
-`TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype and per-(group, dtype)
-lists `_fused_adamw_` takes, the index tensors that put per-tensor norms back in parameter order, and fp32
-working copies for low-precision params (whose moments are fp32).
+`TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype lists of the norm, the
+index tensors that put per-tensor norms back in parameter order, and one update door per (group, dtype, layout
+class, state format), chosen then (updates.py: torch's `_fused_adamw_`, the compiled CPU op, or the exact
+tensor reference for bf16 and 8-bit state).
 
 torch's CPU `_fused_adamw_` walks every tensor of a call as flat memory in the param's order, so it is wrong
 for a param that is not dense, or whose grad or state tensors are laid out differently (a transposed grad):
@@ -25,14 +26,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.tables import upload_int64
-from ..layout import HParams, StepBuffers, StepRules
-from ..plan import StepPlan, is_dense
-from ..state_format import FP32
+from ...kernels.tables import upload_int64
+from ...layout import HParams, StepBuffers, StepRules
+from ...plan import StepPlan, is_dense
+from ...state_format import FP32
 from . import cpu_ops, host_decide
+from .exact_reference import ExactUpdate
 from .host_decide import HOST_READERS as HOST_READERS
-from .lowbit_reference import LowbitUpdate
 from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
+from .updates import CompiledUpdate, NativeUpdate, Update
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
@@ -46,61 +48,6 @@ def layout_fits_fused_adamw(tensors: list[torch.Tensor | None]) -> bool:
     return is_dense(param) and all(t is None or t.stride() == strides for t in tensors[1:])
 
 
-class _Update:
-    """One `_fused_adamw_` call: the tensors of one param group and dtype (and layout class), the working
-    copies it updates instead of the params when they need one, and the copies in and back."""
-
-    __slots__ = (
-        "group",
-        "amsgrad",
-        "indices",
-        "params",
-        "exp_avgs",
-        "exp_avg_sqs",
-        "max_exp_avg_sqs",
-        "steps",
-        "grads32",
-        "copy_in",
-        "copy_out",
-        "compiled",
-    )
-
-    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool):
-        params = [plan.local_params[i] for i in all_indices]
-        masters = [plan.masters[i] for i in all_indices]
-        self.group, self.indices = group, indices
-        self.amsgrad = plan.group_amsgrad[group]
-        self.steps = [plan.steps[i] for i in all_indices]
-        self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
-        self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
-        self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if self.amsgrad else []
-        self.params, self.grads32, self.copy_in, self.copy_out = params, None, None, None
-        self.compiled = False  # run by the compiled CPU op (TorchLists decides: plain fp32 tensors on a CPU)
-        dtype = params[0].dtype
-        if relayout:  # every tensor of the update as a contiguous fp32 copy, copied in before and back after
-            # the param's value comes from its fp32 master when it has one
-            sources = [m if m is not None else p for m, p in zip(masters, params)]
-            states = self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs
-            work = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in sources + states]
-            n = len(params)
-            self.params = work[:n]
-            self.grads32 = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
-            self.exp_avgs, self.exp_avg_sqs = work[n : 2 * n], work[2 * n : 3 * n]
-            self.max_exp_avg_sqs = work[3 * n :]
-            self.copy_in = (work, sources + states)
-            targets = params + [m for m in masters if m is not None] + states
-            self.copy_out = (targets, work[:n] + [w for w, m in zip(work[:n], masters) if m is not None] + work[n:])
-        elif dtype != torch.float32:  # _fused_adamw_ wants one dtype: fp32 copies (or the masters) for the update
-            # persistent buffers, filled with _foreach_copy_ each step: fresh .float() copies cost an
-            # allocation and page faults per step (several times the update itself on CPU)
-            copies = [m if m is not None else torch.empty_like(p, dtype=torch.float32) for m, p in zip(masters, params)]
-            refill = [(c, p) for c, p, m in zip(copies, params, masters) if m is None]
-            self.grads32 = [torch.empty_like(p, dtype=torch.float32) for p in params]
-            self.copy_in = ([c for c, _ in refill], [p for _, p in refill]) if refill else None
-            self.copy_out = (params, copies)
-            self.params = copies
-
-
 class TorchLists:
     """Per-plan lists for the torch backend (see the module doc)."""
 
@@ -109,7 +56,7 @@ class TorchLists:
         by_update: dict[tuple, list[int]] = {}
         for index, (group, param, fmt) in enumerate(zip(plan.groups, plan.local_params, plan.formats)):
             by_dtype.setdefault(param.dtype, []).append(index)
-            if fmt != FP32:  # bf16 or 8-bit moments: lowbit_reference, which takes any layout
+            if fmt != FP32:  # bf16 or 8-bit moments: the exact reference, which takes any layout
                 key = (group, param.dtype, plan.masters[index] is not None, fmt)
                 by_update.setdefault(key, []).append(index)
                 continue
@@ -138,25 +85,33 @@ class TorchLists:
         self.cpu = device.type == "cpu"  # the decisions may run on host scalars (`on_host`)
         self.grad_divisor = torch.ones((), dtype=torch.float32, device=device)  # the host path's grad_scale
         self.host_views: tuple | None = None  # (fstate, istate, numpy arrays on them): host_scalars
-        self.updates = [
-            _Update(plan, group, None if indices == everything else indices, indices, relayout)
-            if fmt == FP32
-            else LowbitUpdate(plan, group, None if indices == everything else indices, indices, fmt)
-            for (group, _, relayout, fmt), indices in by_update.items()
-        ]
-        # the compiled CPU ops (backends/cpu_ops.py), where built: the norm pass, and the plain fp32 updates
+        # the compiled CPU ops (backends/torch/cpu_ops.py), where built: the norm pass, and the updates of fp32 state
         self.compiled = self.cpu and cpu_ops.available()
         self.sumsq_out = torch.empty(len(plan.local_params), dtype=torch.float32) if self.compiled else None
-        for update in self.updates:
-            if type(update) is _Update and update.grads32 is None:
-                states = update.params + update.exp_avgs + update.exp_avg_sqs + update.max_exp_avg_sqs
-                update.compiled = self.compiled and all(t.is_contiguous() for t in states)
-        # what the host path does besides the compiled updates: the `step` counters they do not advance, and
-        # whether any `_fused_adamw_` call needs the grad divisor
+        # one door per update, chosen here once (updates.py); for bf16 / 8-bit state the key's third item is
+        # whether the params have masters, not a layout class (the exact reference takes any layout)
+        self.updates: list[Update] = [
+            choose_update(plan, group, None if ids == everything else ids, ids, relayout, fmt, self.compiled)
+            for (group, _, relayout, fmt), ids in by_update.items()
+        ]
+        # what the host path does besides the doors: the `step` counters they do not advance themselves, and
+        # whether any door takes the grad divisor
         pairs = zip(self.updates, by_update.values())
-        uncompiled = [(u, i) for u, i in pairs if not (type(u) is _Update and u.compiled)]
-        self.uncompiled_steps = [plan.steps[i] for _, indices in uncompiled for i in indices]
-        self.any_fused_adamw = any(type(u) is _Update for u, _ in uncompiled)
+        self.uncompiled_steps = [plan.steps[i] for u, indices in pairs if not u.advances_steps for i in indices]
+        self.any_fused_adamw = any(u.reads_grad_divisor for u in self.updates)
+
+
+def choose_update(
+    plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool, fmt: int, compiled
+) -> Update:
+    """The door of one (group, dtype, layout class, state format): the exact reference for bf16 and 8-bit
+    state, the compiled op for contiguous params (fp32, bf16, fp16) and fp32 moments where it is built,
+    `_fused_adamw_` otherwise."""
+    if fmt != FP32:
+        return ExactUpdate(plan, group, indices, all_indices, fmt)
+    if compiled and not relayout and CompiledUpdate.fits(plan, group, all_indices):
+        return CompiledUpdate(plan, group, indices, all_indices)
+    return NativeUpdate(plan, group, indices, all_indices, relayout)
 
 
 def fused_step(
@@ -265,18 +220,13 @@ def adamw_update(
     skip: torch.Tensor,
     lr_factor: torch.Tensor,
 ) -> None:
-    """AdamW with `_fused_adamw_`, one call per (group, dtype, layout class): it divides the grads by
-    `grad_scale` and leaves everything untouched when `found_inf` is 1. Groups with bf16 or 8-bit state go to
-    their `LowbitUpdate` (backends/lowbit_reference.py) instead."""
+    """AdamW with the 0-dim tensor decisions, one door call per update (`Update.on_tensors`): a skipped step
+    leaves everything untouched (`found_inf` = 1 for `_fused_adamw_`, the exact reference's own skip)."""
     grad_divisor = grad_mul.reciprocal()
     for update in lists.updates:
-        hp = hparams[update.group]
         indices = update.indices
         group_grads = grads if indices is None else [grads[i] for i in indices]
-        if type(update) is LowbitUpdate:  # bf16 or 8-bit moments: the kernel's arithmetic, in torch
-            update(group_grads, hp, grad_mul, skip, lr_factor)
-            continue
-        fused_adamw(update, group_grads, lr_factor * hp.lr, hp, grad_divisor, skip)
+        update.on_tensors(group_grads, hparams[update.group], grad_mul, skip, lr_factor, grad_divisor)
 
 
 def adamw_update_host(
@@ -287,11 +237,11 @@ def adamw_update_host(
     skip: np.float32,
     lr_factor: np.float32,
 ) -> None:
-    """`adamw_update` with the decisions as host scalars: a skipped step runs nothing (what `found_inf` = 1
-    leaves: every tensor untouched, the `step` counters too). The compiled update (cpu_ops.adamw) reads the
-    grads times `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip, or a loss
-    scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4 bytes per param more
-    than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
+    """`adamw_update` with the decisions as host scalars (`Update.on_host`): a skipped step runs nothing (what
+    `found_inf` = 1 leaves: every tensor untouched, the `step` counters too). The compiled update (cpu_ops.adamw)
+    reads the grads times `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip,
+    or a loss scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4 bytes per
+    param more than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
     if skip:
         return
     if lists.uncompiled_steps:  # the compiled update advances its own
@@ -300,59 +250,7 @@ def adamw_update_host(
     if grad_mul != 1.0 and lists.any_fused_adamw:
         grad_divisor = lists.grad_divisor
         grad_divisor.fill_(float(np.float32(1.0) / grad_mul))
-    scalars = None
     for update in lists.updates:
-        hp = hparams[update.group]
         indices = update.indices
         group_grads = grads if indices is None else [grads[i] for i in indices]
-        if type(update) is LowbitUpdate:  # takes its scalars as 0-dim tensors
-            if scalars is None:
-                scalars = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, skip, lr_factor)]
-            update(group_grads, hp, *scalars)
-            continue
-        if update.compiled:
-            cpu_ops.adamw(
-                update.params,
-                group_grads,
-                update.exp_avgs,
-                update.exp_avg_sqs,
-                update.max_exp_avg_sqs,
-                update.steps,
-                lr=float(lr_factor * hp.lr),
-                beta1=hp.beta1,
-                beta2=hp.beta2,
-                weight_decay=hp.weight_decay,
-                eps=hp.eps,
-                maximize=hp.maximize,
-                grad_mul=float(grad_mul),
-            )
-            continue
-        fused_adamw(update, group_grads, float(lr_factor * hp.lr), hp, grad_divisor, None)
-
-
-def fused_adamw(update: _Update, grads: list[torch.Tensor], lr, hp: HParams, grad_divisor, found_inf) -> None:
-    """One `_fused_adamw_` call, on the update's working copies when it has them (see _Update)."""
-    if update.grads32 is not None:
-        if update.copy_in is not None:
-            torch._foreach_copy_(*update.copy_in)
-        torch._foreach_copy_(update.grads32, grads)
-        grads = update.grads32
-    torch._fused_adamw_(
-        update.params,
-        grads,
-        update.exp_avgs,
-        update.exp_avg_sqs,
-        update.max_exp_avg_sqs,
-        update.steps,
-        lr=lr,
-        beta1=hp.beta1,
-        beta2=hp.beta2,
-        weight_decay=hp.weight_decay,
-        eps=hp.eps,
-        amsgrad=update.amsgrad,
-        maximize=hp.maximize,
-        grad_scale=grad_divisor,
-        found_inf=found_inf,
-    )
-    if update.copy_out is not None:
-        torch._foreach_copy_(*update.copy_out)
+        update.on_host(group_grads, hparams[update.group], grad_mul, lr_factor, grad_divisor)

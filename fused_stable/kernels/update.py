@@ -1,9 +1,12 @@
-"""The multi-tensor AdamW update kernel: one launch per param dtype, after the norm pass and the decision kernel.
+"""The multi-tensor update kernel: one launch per param dtype, after the norm pass and the decision kernel.
 
 Every program reads the decisions of `_decide_kernel` (kernels/decide.py) from the device buffers: on a skipped
 step it returns at once; otherwise it updates its chunk of one tensor with grad * (clip coefficient / loss
-scale), the group's hyper-parameters and the scheduled lr, fp32 arithmetic and fp32 moments, optional fp32
-master weights, and stores the param rounded to nearest even.
+scale), the group's hyper-parameters and the scheduled lr, fp32 arithmetic, optional fp32 master weights, and
+stores the param rounded to nearest even. What is the rule's (the scalars from its hyper-parameter row and the
+per-element math) is the rule's `step_scalars` and element (rules/adamw/triton.py: AdamW); what is here is
+rule-free: chunks and tails, alignment, the skip, master weights, the state formats' loads and stores (codes,
+scales, stochastic rounding).
 
 The buffer and table layouts reach the code as constexpr defaults, as in kernels/decide.py (whose module doc
 says why, and why the kernel takes `LAYOUT`).
@@ -25,6 +28,8 @@ import triton
 import triton.language as tl
 
 from .. import layout, state_format
+from ..rules import adamw
+from ..rules.adamw.triton import adamw_element, step_scalars
 from .common import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
 from .state_codes import load_moment, mix32, moment_pointer, store_moment
@@ -34,7 +39,7 @@ from .tables import ChunkMap
 # and both dtypes get the same register layout. With 8 elements per thread the 16-bit accesses would be
 # 128-bit but the fp32 ones would not follow, and Triton would move every block through shared memory
 # (bar.sync) to convert between the two layouts (tests/core/test_kernels_codegen.py checks this).
-ADAMW_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
+UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 
 # update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad, the scale
 # columns 0 but for 8-bit state
@@ -45,48 +50,7 @@ TABLE_COLUMNS = 12
 
 
 @triton.jit
-def _expm1(x):
-    """exp(x) - 1 without the cancellation near 0 (a Taylor series there); x = -inf gives -1."""
-    tail = 1.0 / 720 + tl.div_rn(x, 5040.0)
-    series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * tail)))))
-    return tl.where(tl.abs(x) < 0.5, series, tl.exp(x) - 1.0)
-
-
-@triton.jit
-def _step_hyperparameters(
-    hp,
-    fstate,
-    step,
-    F_GRAD_MUL: tl.constexpr = layout.F_GRAD_MUL,
-    F_LR_FACTOR: tl.constexpr = layout.F_LR_FACTOR,
-    H_LR: tl.constexpr = layout.H_LR,
-    H_BETA2: tl.constexpr = layout.H_BETA2,
-    H_EPS: tl.constexpr = layout.H_EPS,
-    H_WEIGHT_DECAY: tl.constexpr = layout.H_WEIGHT_DECAY,
-    H_ONE_MINUS_BETA1: tl.constexpr = layout.H_ONE_MINUS_BETA1,
-    H_ONE_MINUS_BETA2: tl.constexpr = layout.H_ONE_MINUS_BETA2,
-    H_LOG_BETA1: tl.constexpr = layout.H_LOG_BETA1,
-    H_LOG_BETA2: tl.constexpr = layout.H_LOG_BETA2,
-    H_GRAD_SIGN: tl.constexpr = layout.H_GRAD_SIGN,
-):
-    """This tensor's scalars for the update, from its group's row `hp` of the hyper-parameter table, the decision
-    kernel's grad multiplier and lr factor, and its `step` counter (already advanced for this step)."""
-    lr = tl.load(hp + H_LR) * tl.load(fstate + F_LR_FACTOR)
-    beta2 = tl.load(hp + H_BETA2)
-    one_minus_beta1 = tl.load(hp + H_ONE_MINUS_BETA1)
-    one_minus_beta2 = tl.load(hp + H_ONE_MINUS_BETA2)
-    eps = tl.load(hp + H_EPS)
-    decay = 1.0 - lr * tl.load(hp + H_WEIGHT_DECAY)
-    grad_mul = tl.load(fstate + F_GRAD_MUL) * tl.load(hp + H_GRAD_SIGN)  # sign -1: maximize (exact)
-    # 1 - beta ** step = -expm1(step * log(beta)), accurate in fp32 even for beta2 = 0.999 at step 1
-    bias_correction1 = -_expm1(step * tl.load(hp + H_LOG_BETA1))
-    bias_correction2_sqrt = tl.sqrt_rn(-_expm1(step * tl.load(hp + H_LOG_BETA2)))
-    step_size = tl.div_rn(lr, bias_correction1)
-    return grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt
-
-
-@triton.jit
-def _adamw_block(
+def _update_block(
     pointers,
     mask,
     scalars,
@@ -100,37 +64,31 @@ def _adamw_block(
     FMT_BF16: tl.constexpr,
     FMT_Q8: tl.constexpr,
 ):
-    """AdamW on one block, given its pointers (one per element: param, grad, exp_avg, exp_avg_sq, master,
-    max_exp_avg_sq); unmasked (vectorisable) when `mask` is None. `scalars` are `_step_hyperparameters'` (its
-    `grad_mul` carries the clip coefficient, the loss scale and, for maximize=True, the sign). With 8-bit state
-    the block is 2-D (a row per quantisation block), `scale_rows` point at the rows' scales of exp_avg,
-    exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist. `random` is what bf16 exp_avg_sq's
-    stochastic rounding draws from: (this tensor's key for this step, the block's element indices)."""
+    """The rule's element on one block, given its pointers (one per element: param, grad, exp_avg, exp_avg_sq,
+    master, max_exp_avg_sq); unmasked (vectorisable) when `mask` is None. `scalars` are the rule's
+    `step_scalars`. This loads in the storage dtypes and state format, calls the element on fp32 values and
+    stores: with 8-bit state the block is 2-D (a row per quantisation block), `scale_rows` point at the rows'
+    scales of exp_avg, exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist. `random` is what bf16
+    exp_avg_sq's stochastic rounding draws from: (this tensor's key for this step, the block's element indices)."""
     param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
-    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt = scalars
     exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale = scale_rows
     other = None if mask is None else 0.0
-    g = tl.load(grad, mask=mask, other=other).to(tl.float32) * grad_mul
+    g = tl.load(grad, mask=mask, other=other).to(tl.float32)
     if HAS_MASTER:
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
     m = load_moment(exp_avg, exp_avg_scale, mask, row_mask, STATE_FORMAT, True, FMT_Q8)
     v = load_moment(exp_avg_sq, exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
-    # the same arithmetic, in the same order, as torch.optim.AdamW's single-tensor path
-    p = p * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + one_minus_beta2 * (g * g)
-    if AMSGRAD:  # normalise by the largest second moment so far (torch: state "max_exp_avg_sq")
+    if AMSGRAD:
         v_max = load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
-        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        v_max = v  # not read by the element
+    p, m, v, v_max = adamw_element(p, g, m, v, v_max, scalars, AMSGRAD)
+    if AMSGRAD:
         store_moment(
             max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8
         )
-        denom = tl.div_rn(tl.sqrt_rn(v_max), bias_correction2_sqrt) + eps
-    else:
-        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
     store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, random, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
     # exp_avg_sq: stochastic in bf16 (state_format.py says why)
     store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8, True)
@@ -188,13 +146,13 @@ def _update_chunk(
     FMT_Q8: tl.constexpr,
     QUANT_BLOCK: tl.constexpr,
 ):
-    """AdamW on elements [start, end) of one tensor (`offsets`: 0..BLOCK-1, as [rows, QUANT_BLOCK] for 8-bit
+    """The update of elements [start, end) of one tensor (`offsets`: 0..BLOCK-1, as [rows, QUANT_BLOCK] for 8-bit
     state): the full blocks up to `full_end` without a mask, with 16-byte alignment hints when every address of
     this tensor allows them (decided per tensor, so one unaligned view does not slow the others); then one
     masked tail."""
     if aligned:
         for block_start in range(start, full_end, BLOCK):
-            _adamw_block(
+            _update_block(
                 _block_pointers(pointers, block_start, offsets, True),
                 None,
                 scalars,
@@ -210,7 +168,7 @@ def _update_chunk(
             )
     else:
         for block_start in range(start, full_end, BLOCK):
-            _adamw_block(
+            _update_block(
                 _block_pointers(pointers, block_start, offsets, False),
                 None,
                 scalars,
@@ -225,7 +183,7 @@ def _update_chunk(
                 FMT_Q8,
             )
     if full_end < end:
-        _adamw_block(
+        _update_block(
             _block_pointers(pointers, full_end, offsets, False),
             full_end + offsets < end,
             scalars,
@@ -299,7 +257,7 @@ def _block_offsets(BLOCK: tl.constexpr, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.c
 
 
 @triton.jit
-def _adamw_kernel(
+def _update_kernel(
     table,  # int64 [num_tensors, TABLE_COLUMNS]
     grad_addrs,  # int64 [num_tensors]
     chunk_tensor,
@@ -330,6 +288,7 @@ def _adamw_kernel(
     FMT_Q8: tl.constexpr = state_format.Q8,
     QUANT_BLOCK: tl.constexpr = state_format.QUANT_BLOCK,
     LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (kernels/decide.py says why)
+    RULE_LAYOUT: tl.constexpr = adamw.ROW_LAYOUT,  # and of the rule's slots (rules/adamw)
 ):
     if tl.load(fstate + F_SKIP) == 0.0:  # a skipped step returns before any load: every state stays bit-identical
         pid = tl.program_id(0).to(tl.int64)
@@ -353,7 +312,7 @@ def _adamw_kernel(
             COL_EXP_AVG_SCALE,
         )
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
-        scalars = _step_hyperparameters(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
+        scalars = step_scalars(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
         # state_format.random_key: bf16 stochastic rounding's key for this tensor and step
         random_key = mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ mix32(step.to(tl.uint32)))
         rows, offsets = _block_offsets(BLOCK, STATE_FORMAT, FMT_Q8, QUANT_BLOCK)
@@ -380,7 +339,7 @@ def _adamw_kernel(
         )
 
 
-def prepare_adamw(
+def prepare_update(
     *,
     table: torch.Tensor,
     grad_addrs: torch.Tensor,
@@ -391,9 +350,9 @@ def prepare_adamw(
     has_master: bool,
     amsgrad: bool = False,
     state_format_id: int = state_format.FP32,
-    config: LaunchConfig = ADAMW_CONFIG,
+    config: LaunchConfig = UPDATE_CONFIG,
 ) -> tuple[PreparedLaunch, ArgTemplate] | None:
-    """AdamW over every tensor of one param dtype and state format, with the decision kernel's clip / skip / lr
+    """The update of every tensor of one param dtype and state format, with the decision kernel's clip / skip / lr
     factor; None when there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses,
     per tensor."""
     if param_dtype not in TRITON_DTYPES:
@@ -409,7 +368,7 @@ def prepare_adamw(
             f"chunk ({chunks.chunk_size}) that is a multiple of the block"
         )
     args = ArgTemplate(
-        _adamw_kernel,
+        _update_kernel,
         table=table,
         grad_addrs=grad_addrs,
         chunk_tensor=chunks.chunk_tensor,
@@ -423,9 +382,9 @@ def prepare_adamw(
         AMSGRAD=amsgrad,
         STATE_FORMAT=state_format_id,
     )
-    return PreparedLaunch(_adamw_kernel, chunks.num_chunks, config), args
+    return PreparedLaunch(_update_kernel, chunks.num_chunks, config), args
 
 
-def run_adamw(prepared: tuple[PreparedLaunch, ArgTemplate], stream) -> None:
+def run_update(prepared: tuple[PreparedLaunch, ArgTemplate], stream) -> None:
     launch, args = prepared
     launch(args.base, stream)

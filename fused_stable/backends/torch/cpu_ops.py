@@ -1,13 +1,14 @@
-"""The CPU step's compiled ops (cpu_step.cpp): the norm pass in one call over every grad, and an AdamW that reads
-the grads times the step's multiplier without writing them back (32 bytes per fp32 parameter, clipped or not;
-torch's CPU `_fused_adamw_` writes the scaled grads back: 36) and advances the `step` counters itself.
+"""The CPU step's compiled ops (cpu_step.cpp, with the rules' elements: rules/adamw/cpu.h): the norm pass in one
+call over every grad, and an AdamW that reads the grads times the step's multiplier without writing them back
+(32 bytes per fp32 parameter, clipped or not; torch's CPU `_fused_adamw_` writes the scaled grads back: 36) and
+advances the `step` counters itself.
 
 Built on first use with torch's C++ extension builder (`torch.utils.cpp_extension.load`: a C++17 compiler and
 ninja, the `ninja` package's binary when PATH has none; ~10-15 s on 2 cores, cached in torch's extensions folder,
-`TORCH_EXTENSIONS_DIR`, under a name that changes with the source, the flags, torch, Python and the CPU), for this
-machine's CPU (`-march=native`: the update is memory-bound only when vectorised). Where the build fails (no
-compiler) the torch backend runs torch's ops instead, with one warning that says so; `FUSED_STABLE_CPU_OPS=0`
-skips the build (torch's ops always).
+`TORCH_EXTENSIONS_DIR`, under a name that changes with the source and the rules' headers, the flags, torch,
+Python and the CPU), for this machine's CPU (`-march=native`: the update is memory-bound only when vectorised).
+Where the build fails (no compiler) the torch backend runs torch's ops instead, with one warning that says so;
+`FUSED_STABLE_CPU_OPS=0` skips the build (torch's ops always).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import torch
 
 ENV = "FUSED_STABLE_CPU_OPS"
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
+# the rules' folder, on the include path: the source includes "adamw/cpu.h" (the rule's element); every rule's
+# header is in the build's name, so a change to one rebuilds
+INCLUDE_DIR = Path(__file__).resolve().parents[2] / "rules"
+HEADERS = sorted(INCLUDE_DIR.glob("*/*.h"))
 # IEEE fp32 without contraction (the kernels' arithmetic, docs/design.md), sqrt without errno (vectorisable),
 # OpenMP for at::parallel_for (torch's own libgomp: the same soname, so one thread pool and torch's thread count)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
@@ -35,9 +40,10 @@ log = logging.getLogger("fused_stable")
 
 def build_fingerprint() -> str:
     """Everything the built library depends on, for its name (its folder in torch's extensions folder): the
-    source and the flags, this CPU's instruction set (`-march=native`) and the Python / torch ABI. torch's
-    builder keys its cache by name alone, so two checkouts with different sources (or two processes building
-    them at once) would otherwise share one folder and load each other's library."""
+    source, the rules' headers it includes (a header change must rebuild) and the flags, this CPU's instruction
+    set (`-march=native`) and the Python / torch ABI. torch's builder keys its cache by name alone, so two
+    checkouts with different sources (or two processes building them at once) would otherwise share one folder
+    and load each other's library."""
     cpu_flags = ""
     try:
         with open("/proc/cpuinfo") as info:
@@ -47,6 +53,7 @@ def build_fingerprint() -> str:
     key = "|".join(
         [
             SOURCE.read_text(),
+            *(header.read_text() for header in HEADERS),
             *CFLAGS,
             *LDFLAGS,
             platform.machine(),
@@ -85,6 +92,7 @@ def available() -> bool:
         cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
+            extra_include_paths=[str(INCLUDE_DIR)],
             extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS,
             is_python_module=False,
@@ -117,6 +125,7 @@ def adamw(
     max_exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
     *,
+    masters: list[torch.Tensor] | None = None,
     lr: float,
     beta1: float,
     beta2: float,
@@ -125,14 +134,17 @@ def adamw(
     maximize: bool,
     grad_mul: float,
 ) -> None:
-    """AdamW on contiguous fp32 params and moments, amsgrad when `max_exp_avg_sqs` is not empty: each grad
-    read times `grad_mul` (never written), each `step` advanced by one before its bias corrections."""
+    """AdamW on contiguous fp32, bf16 or fp16 params (grads of their dtype) with fp32 moments, amsgrad when
+    `max_exp_avg_sqs` is not empty, and fp32 master copies when `masters` are given (the master is updated, the
+    param stores its rounding to nearest even): each grad read times `grad_mul` (never written), each `step`
+    advanced by one before its bias corrections."""
     torch.ops.fused_stable.adamw(
         params,
         grads,
         exp_avgs,
         exp_avg_sqs,
         max_exp_avg_sqs,
+        masters or [],
         steps,
         lr,
         beta1,

@@ -1,25 +1,28 @@
-"""The torch backend's AdamW for bf16 and 8-bit state: the update kernel's arithmetic in torch, the reference the
-kernels are tested against.
+"""The torch backend's exact reference of the update kernel, for bf16 and 8-bit state: the kernel's arithmetic in
+torch, op for op, the reference the kernels are tested against.
 
-One `LowbitUpdate` per (param group, param dtype, state format) of a plan, built once. A step gathers its
+One `ExactUpdate` per (param group, param dtype, state format) of a plan, built once. A step gathers its
 tensors into one padded flat layout, [blocks, QUANT_BLOCK] (each tensor in its state's memory order, which is
 its param's when the param is dense, padded with zeros to whole blocks), so the whole group is a fixed number
-of torch ops whatever its tensor count: dequantise, AdamW, requantise, scatter back. Every operation is the
-update kernel's (kernels/adamw.py), in its order, in fp32 with IEEE division and square root, with the step's
-scalars computed as `_step_hyperparameters` computes them; so the same inputs give the same fp32 moments,
-codes and scales, except where `exp` (in the bias correction from step 5 on for beta1 = 0.9) rounds otherwise
-than the device's, which moves a param by an ulp (docs/optimizer.md, "Low-precision state", says how close the
-backends agree). A skipped step writes back what it read: every state tensor and param stays bit-identical.
+of torch ops whatever its tensor count: dequantise, the rule's element, requantise, scatter back. Every
+operation is the update kernel's (kernels/update.py), in its order, in fp32 with IEEE division and square root,
+with the rule's `step_scalars` and element in torch (rules/adamw/torch.py, beside the kernel's triton.py); so
+the same inputs give the same fp32 moments, codes and scales, except where `exp` (in the bias correction from
+step 5 on for beta1 = 0.9) rounds otherwise than the device's, which moves a param by an ulp (docs/optimizer.md,
+"Low-precision state", says how close the backends agree). A skipped step writes back what it read: every state
+tensor and param stays bit-identical.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import layout, state_format
-from ..layout import HParams
-from ..plan import StepPlan
-from ..state_format import BF16, Q8, QUANT_BLOCK, sqrt_rn
+from ... import layout, state_format
+from ...layout import HParams
+from ...plan import StepPlan
+from ...rules import adamw
+from ...rules.adamw.torch import adamw_element, step_scalars
+from ...state_format import BF16, Q8, QUANT_BLOCK
 
 QB = QUANT_BLOCK
 
@@ -58,8 +61,12 @@ class _Flat:
         torch._foreach_copy_(views, sources)
 
 
-class LowbitUpdate:
-    """AdamW for the tensors of one (group, dtype, format) with bf16 or 8-bit moments (see the module doc)."""
+class ExactUpdate:
+    """The update door of the tensors of one (group, dtype, format) with bf16 or 8-bit moments (see the module
+    doc); it takes the decisions as 0-dim tensors, on either kind of step (torch_backend.py, `Update`)."""
+
+    advances_steps = False  # the backend advances the `step` counters first
+    reads_grad_divisor = False
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):
         self.group, self.indices, self.format = group, indices, fmt
@@ -67,7 +74,7 @@ class LowbitUpdate:
         self.params = [plan.local_params[i] for i in all_indices]
         self.masters = [plan.masters[i] for i in all_indices]
         self.has_master = self.masters[0] is not None  # the same for all: the torch backend groups by it
-        self.keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
+        self.keys = [*adamw.STATE_NAMES] + ([adamw.AMSGRAD_STATE] if self.amsgrad else [])
         lists = {"exp_avg": plan.exp_avgs, "exp_avg_sq": plan.exp_avg_sqs, "max_exp_avg_sq": plan.max_exp_avg_sqs}
         self.moments = {key: [lists[key][i] for i in all_indices] for key in self.keys}
         scale_lists = {"exp_avg": plan.exp_avg_scales, "exp_avg_sq": plan.exp_avg_sq_scales}
@@ -90,9 +97,10 @@ class LowbitUpdate:
         sources = self.masters if self.has_master else self.params
         p = flat.gather(sources, torch.float32)
         g = flat.gather(grads, torch.float32)
-        moments = {key: self._read(key) for key in self.keys}
-        scalars = self._step_hyperparameters(hp, grad_mul, lr_factor)
-        new_p, new_moments = adamw_block(p, g, moments, scalars, self.amsgrad)
+        moments = [self._read(key) for key in self.keys]
+        scalars = self._step_scalars(hp, grad_mul, lr_factor)
+        m, v = moments[:2]
+        new_p, *new_moments = adamw_element(p, g, m, v, moments[2] if self.amsgrad else v, scalars, self.amsgrad)
         keep = skip != 0  # a skipped step stores what it read: bit-identical
         if self.has_master:  # the masters get the fp32 result, the params its rounding (the kernel's to_storage)
             flat.scatter(torch.where(keep, p, new_p), self.masters)
@@ -100,8 +108,16 @@ class LowbitUpdate:
             flat.scatter(torch.where(keep, flat.gather(self.params, dtype), new_p.to(dtype)), self.params)
         else:  # rounded to nearest even into a 16-bit param on the way (copy_)
             flat.scatter(torch.where(keep, p, new_p), self.params)
-        for key in self.keys:
-            self._write(key, new_moments[key], keep)
+        for key, value in zip(self.keys, new_moments):
+            self._write(key, value, keep)
+
+    def on_host(self, grads: list[torch.Tensor], hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+        """The host decisions of an applied step (`Update.on_host`), as the 0-dim tensors this takes."""
+        scalars = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, 0.0, lr_factor)]
+        self(grads, hp, *scalars)
+
+    def on_tensors(self, grads: list[torch.Tensor], hp: HParams, grad_mul, skip, lr_factor, grad_divisor) -> None:
+        self(grads, hp, grad_mul, skip, lr_factor)
 
     def _read(self, key: str) -> torch.Tensor:
         if self.format == BF16:
@@ -128,63 +144,19 @@ class LowbitUpdate:
         elements = self.block_in_tensor[:, None] * QB + self.lanes
         return state_format.round_stochastic_bf16(value, state_format.random_bits(keys, elements))
 
-    def _step_hyperparameters(self, hp: HParams, grad_mul, lr_factor):
-        """kernels/adamw.py's `_step_hyperparameters`, per tensor, as [blocks, 1] columns."""
-        row = self._row(hp)
+    def _step_scalars(self, hp: HParams, grad_mul, lr_factor):
+        """The rule's `step_scalars`, per tensor, as [blocks, 1] columns (each block's own `step`)."""
         steps = torch.stack(self.steps)[self.block_tensor][:, None]
-        lr = row[layout.H_LR] * lr_factor
-        decay = 1.0 - lr * row[layout.H_WEIGHT_DECAY]
-        signed_grad_mul = grad_mul * row[layout.H_GRAD_SIGN]
-        bias_correction1 = -expm1(steps * row[layout.H_LOG_BETA1])
-        bias_correction2_sqrt = sqrt_rn(-expm1(steps * row[layout.H_LOG_BETA2]))
-        step_size = lr / bias_correction1
-        return (
-            signed_grad_mul,
-            decay,
-            row[layout.H_BETA2],
-            row[layout.H_ONE_MINUS_BETA1],
-            row[layout.H_ONE_MINUS_BETA2],
-            row[layout.H_EPS],
-            step_size,
-            bias_correction2_sqrt,
-        )
+        return step_scalars(self._row(hp), steps, grad_mul, lr_factor)
 
     def _row(self, hp: HParams) -> torch.Tensor:
         """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays)."""
         key = (id(hp.lr) if isinstance(hp.lr, torch.Tensor) else hp.lr, *hp[1:])
         if self.row_cache is None or self.row_cache[0] != key:
-            row = torch.tensor(layout.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)
+            row = torch.tensor(adamw.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)
             self.row_cache = (key, row)
         row = self.row_cache[1]
         if isinstance(hp.lr, torch.Tensor):
             row = row.clone()
             row[layout.H_LR] = hp.lr.reshape(()).to(torch.float32)
         return row
-
-
-def expm1(x: torch.Tensor) -> torch.Tensor:
-    """kernels/adamw.py's `_expm1`: a Taylor series below |x| = 0.5, exp(x) - 1 above."""
-    tail = 1.0 / 720 + x / 5040.0
-    series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * tail)))))
-    # exp in fp64, rounded: torch's fp32 exp and numpy's (Triton's interpreter) differ in the last bit for ~40% of
-    # inputs, the GPU's approximate one otherwise again; this only moves a param by an ulp, never a moment
-    return torch.where(x.abs() < 0.5, series, torch.exp(x.double()).to(x.dtype) - 1.0)
-
-
-def adamw_block(p, g, moments: dict, scalars, amsgrad: bool):
-    """kernels/adamw.py's `_adamw_block` on fp32 values: returns the new param and moments (fp32)."""
-    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt = scalars
-    g = g * grad_mul
-    m, v = moments["exp_avg"], moments["exp_avg_sq"]
-    p = p * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + one_minus_beta2 * (g * g)
-    new = {"exp_avg": m, "exp_avg_sq": v}
-    if amsgrad:
-        v_max = torch.maximum(moments["max_exp_avg_sq"], v)
-        new["max_exp_avg_sq"] = v_max
-        denom = sqrt_rn(v_max) / bias_correction2_sqrt + eps
-    else:
-        denom = sqrt_rn(v) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
-    return p, new

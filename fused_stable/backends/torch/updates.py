@@ -1,0 +1,203 @@
+"""The torch backend's update doors: one `Update` per (param group, dtype, layout class) of a plan, chosen once
+when the plan's lists are built (torch_backend.TorchLists):
+
+  NativeUpdate    torch's `_fused_adamw_`, on the params or on fp32 working copies (low-precision params, or
+                  tensors `_fused_adamw_` cannot walk as flat memory);
+  CompiledUpdate  the compiled CPU op (cpu_ops.adamw, rules/adamw/cpu.h): contiguous fp32, bf16 or fp16 params
+                  (with or without fp32 masters) and fp32 moments on the CPU;
+  ExactUpdate     the exact tensor reference for bf16 and 8-bit state (exact_reference.py).
+
+A step calls each door once: `on_host` with the CPU step's host decisions (never on a skipped step), or
+`on_tensors` with the 0-dim tensor decisions (meta and CUDA tensors, and CPU tensors without the compiled
+ops; a plan with compiled doors reads the tensor decisions and takes `on_host`, torch_backend.fused_step).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ...layout import HParams
+from ...plan import StepPlan
+from . import cpu_ops
+
+_COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Update(Protocol):
+    """What torch_backend.py calls on a door (see the module doc)."""
+
+    group: int  # the param group, whose hyper-parameters the door takes
+    indices: list[int] | None  # the door's tensors in plan order; None: all of them, in order
+    advances_steps: bool  # whether it advances its tensors' `step` counters itself (else the backend does)
+    reads_grad_divisor: bool  # whether it takes the grads' divisor (1 / grad_mul) as a tensor
+
+    def on_host(
+        self,
+        grads: list[torch.Tensor],
+        hp: HParams,
+        grad_mul: np.float32,
+        lr_factor: np.float32,
+        grad_divisor: torch.Tensor | None,
+    ) -> None: ...
+
+    # NativeUpdate and ExactUpdate only: a plan with compiled doors never takes the tensor decisions' update
+    def on_tensors(
+        self,
+        grads: list[torch.Tensor],
+        hp: HParams,
+        grad_mul: torch.Tensor,
+        skip: torch.Tensor,
+        lr_factor: torch.Tensor,
+        grad_divisor: torch.Tensor,
+    ) -> None: ...
+
+
+class NativeUpdate:
+    """One `_fused_adamw_` call: the tensors of one param group and dtype (and layout class), the working
+    copies it updates instead of the params when they need one, and the copies in and back."""
+
+    advances_steps = False
+    reads_grad_divisor = True
+
+    __slots__ = (
+        "group",
+        "amsgrad",
+        "indices",
+        "params",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "max_exp_avg_sqs",
+        "steps",
+        "grads32",
+        "copy_in",
+        "copy_out",
+    )
+
+    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool):
+        params = [plan.local_params[i] for i in all_indices]
+        masters = [plan.masters[i] for i in all_indices]
+        self.group, self.indices = group, indices
+        self.amsgrad = plan.group_amsgrad[group]
+        self.steps = [plan.steps[i] for i in all_indices]
+        self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
+        self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
+        self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if self.amsgrad else []
+        self.params, self.grads32, self.copy_in, self.copy_out = params, None, None, None
+        dtype = params[0].dtype
+        if relayout:  # every tensor of the update as a contiguous fp32 copy, copied in before and back after
+            # the param's value comes from its fp32 master when it has one
+            sources = [m if m is not None else p for m, p in zip(masters, params)]
+            states = self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs
+            work = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in sources + states]
+            n = len(params)
+            self.params = work[:n]
+            self.grads32 = [torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in params]
+            self.exp_avgs, self.exp_avg_sqs = work[n : 2 * n], work[2 * n : 3 * n]
+            self.max_exp_avg_sqs = work[3 * n :]
+            self.copy_in = (work, sources + states)
+            targets = params + [m for m in masters if m is not None] + states
+            self.copy_out = (targets, work[:n] + [w for w, m in zip(work[:n], masters) if m is not None] + work[n:])
+        elif dtype != torch.float32:  # _fused_adamw_ wants one dtype: fp32 copies (or the masters) for the update
+            # persistent buffers, filled with _foreach_copy_ each step: fresh .float() copies cost an
+            # allocation and page faults per step (several times the update itself on CPU)
+            copies = [m if m is not None else torch.empty_like(p, dtype=torch.float32) for m, p in zip(masters, params)]
+            refill = [(c, p) for c, p, m in zip(copies, params, masters) if m is None]
+            self.grads32 = [torch.empty_like(p, dtype=torch.float32) for p in params]
+            self.copy_in = ([c for c, _ in refill], [p for _, p in refill]) if refill else None
+            self.copy_out = (params, copies)
+            self.params = copies
+
+    def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+        """`grad_divisor` is None when the grads are not scaled (`_fused_adamw_` then only reads them)."""
+        self._call(grads, float(lr_factor * hp.lr), hp, grad_divisor, None)
+
+    def on_tensors(self, grads, hp: HParams, grad_mul, skip, lr_factor, grad_divisor) -> None:
+        """It divides the grads by `grad_divisor` and leaves everything untouched when `skip` (found_inf) is 1."""
+        self._call(grads, lr_factor * hp.lr, hp, grad_divisor, skip)
+
+    def _call(self, grads: list[torch.Tensor], lr, hp: HParams, grad_divisor, found_inf) -> None:
+        """One `_fused_adamw_` call, on the working copies when there are (see the class doc)."""
+        if self.grads32 is not None:
+            if self.copy_in is not None:
+                torch._foreach_copy_(*self.copy_in)
+            torch._foreach_copy_(self.grads32, grads)
+            grads = self.grads32
+        torch._fused_adamw_(
+            self.params,
+            grads,
+            self.exp_avgs,
+            self.exp_avg_sqs,
+            self.max_exp_avg_sqs,
+            self.steps,
+            lr=lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            weight_decay=hp.weight_decay,
+            eps=hp.eps,
+            amsgrad=self.amsgrad,
+            maximize=hp.maximize,
+            grad_scale=grad_divisor,
+            found_inf=found_inf,
+        )
+        if self.copy_out is not None:
+            torch._foreach_copy_(*self.copy_out)
+
+
+class CompiledUpdate:
+    """One call of the compiled CPU op (cpu_ops.adamw) on contiguous CPU params and fp32 moments: it reads
+    the grads times `grad_mul` without writing them back, and advances the `step` counters itself. Taken only
+    on host decisions (see the module doc)."""
+
+    advances_steps = True
+    reads_grad_divisor = False
+
+    __slots__ = ("group", "indices", "params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+
+    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int]):
+        self.group, self.indices = group, indices
+        self.params = [plan.local_params[i] for i in all_indices]
+        masters = [plan.masters[i] for i in all_indices]
+        self.masters = masters if masters[0] is not None else None
+        self.steps = [plan.steps[i] for i in all_indices]
+        self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
+        self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
+        amsgrad = plan.group_amsgrad[group]
+        self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if amsgrad else []
+
+    @staticmethod
+    def fits(plan: StepPlan, group: int, all_indices: list[int]) -> bool:
+        """Whether the op can update these tensors in place: fp32, bf16 or fp16 params (the torch backend groups by
+        dtype), fp32 moments, every tensor of them with a master copy or none, the params, states and masters
+        contiguous (a non-contiguous grad is read from a copy)."""
+        if plan.local_params[all_indices[0]].dtype not in _COMPILED_PARAM_DTYPES:
+            return False
+        lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs]
+        if plan.group_amsgrad[group]:
+            lists.append(plan.max_exp_avg_sqs)
+        with_master = [plan.masters[i] is not None for i in all_indices]
+        if any(with_master):
+            if not all(with_master):
+                return False
+            lists.append(plan.masters)
+        return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
+
+    def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+        cpu_ops.adamw(
+            self.params,
+            grads,
+            self.exp_avgs,
+            self.exp_avg_sqs,
+            self.max_exp_avg_sqs,
+            self.steps,
+            masters=self.masters,
+            lr=float(lr_factor * hp.lr),
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            weight_decay=hp.weight_decay,
+            eps=hp.eps,
+            maximize=hp.maximize,
+            grad_mul=float(grad_mul),
+        )

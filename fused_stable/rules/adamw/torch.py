@@ -1,0 +1,63 @@
+"""AdamW's per-element math on fp32 torch tensors, for the torch backend's exact reference
+(backends/torch/exact_reference.py): triton.py's two functions, op for op, in the same order.
+
+Every operation is the update kernel's, in fp32 with IEEE division and square root, so the same inputs give the
+same fp32 moments; only `exp` (in the bias correction) may round otherwise than the device's, which moves a
+param by an ulp (docs/optimizer.md, "Low-precision state").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...layout import H_LR
+from ...state_format import sqrt_rn
+from .. import adamw
+
+
+def expm1(x: torch.Tensor) -> torch.Tensor:
+    """triton.py's `_expm1`: a Taylor series below |x| = 0.5, exp(x) - 1 above."""
+    tail = 1.0 / 720 + x / 5040.0
+    series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * tail)))))
+    # exp in fp64, rounded: torch's fp32 exp and numpy's (Triton's interpreter) differ in the last bit for ~40% of
+    # inputs, the GPU's approximate one otherwise again; this only moves a param by an ulp, never a moment
+    return torch.where(x.abs() < 0.5, series, torch.exp(x.double()).to(x.dtype) - 1.0)
+
+
+def step_scalars(row: torch.Tensor, steps: torch.Tensor, grad_mul, lr_factor) -> tuple:
+    """triton.py's `step_scalars`: from the group's fp32 hyper-parameter `row`, the tensors' `step` counters
+    (already advanced; a column, one per row of the values the element sees) and the decisions' grad
+    multiplier and lr factor (0-dim fp32 tensors). The kernel reads the last two from the decision buffer."""
+    lr = row[H_LR] * lr_factor
+    decay = 1.0 - lr * row[adamw.H_WEIGHT_DECAY]
+    signed_grad_mul = grad_mul * row[adamw.H_GRAD_SIGN]
+    bias_correction1 = -expm1(steps * row[adamw.H_LOG_BETA1])
+    bias_correction2_sqrt = sqrt_rn(-expm1(steps * row[adamw.H_LOG_BETA2]))
+    step_size = lr / bias_correction1
+    return (
+        signed_grad_mul,
+        decay,
+        row[adamw.H_BETA2],
+        row[adamw.H_ONE_MINUS_BETA1],
+        row[adamw.H_ONE_MINUS_BETA2],
+        row[adamw.H_EPS],
+        step_size,
+        bias_correction2_sqrt,
+    )
+
+
+def adamw_element(p, g, m, v, v_max, scalars, amsgrad: bool) -> tuple:
+    """triton.py's `adamw_element` on fp32 tensors: returns the new (p, m, v, v_max); `v_max` is used and
+    changed only with amsgrad."""
+    grad_mul, decay, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt = scalars
+    g = g * grad_mul
+    p = p * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    if amsgrad:
+        v_max = torch.maximum(v_max, v)
+        denom = sqrt_rn(v_max) / bias_correction2_sqrt + eps
+    else:
+        denom = sqrt_rn(v) / bias_correction2_sqrt + eps
+    p = p - step_size * (m / denom)
+    return p, m, v, v_max
