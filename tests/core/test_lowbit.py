@@ -325,6 +325,40 @@ def test_a_torch_adamw_state_loads_into_any_precision_quantised(backend, precisi
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+@pytest.mark.parametrize(
+    "saved_precision, loaded_precision",
+    [("8bit", "fp32"), ("bf16", "fp32"), ("fp32", "8bit"), ("bf16", "8bit"), ("8bit", "bf16")],
+    ids=lambda p: p,
+)
+def test_a_state_saved_in_one_precision_resumes_in_another(backend, saved_precision, loaded_precision):
+    """Resume across precisions (issue 36 item 5): a FusedAdamW state dict loads into an optimizer of another
+    state_precision converted exactly as the formats define it (8-bit decoded, fp32 encoded: the same values
+    `state_format` gives from the saved moments), amsgrad's maximum included, and the run goes on."""
+    params, opt = run(backend, saved_precision, 3, amsgrad=True)
+    saved = through_disk(opt.state_dict())
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = FusedAdamW(clone, lr=1e-2, state_precision=loaded_precision, backend=backend, amsgrad=True)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["state_precision"] == loaded_precision
+    for index, p in enumerate(clone):
+        entry, state = saved["state"][index], opt2.state[p]
+        fmt = state_format.format_for(loaded_precision, p.numel())
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            fp32 = state_format.to_fp32(entry, key)  # what the saved moment holds
+            if fmt == state_format.Q8:
+                codes, scale = state_format.encode(fp32, key, p)
+                assert torch.equal(state[key], codes) and torch.equal(state[key + "_scale"], scale), (index, key)
+            else:
+                stored = fp32.to(torch.bfloat16) if fmt == state_format.BF16 else fp32
+                assert torch.equal(state[key], stored), (index, key)
+                assert key + "_scale" not in state
+    for step in range(3, 5):
+        set_grads(clone, step)
+        opt2.step()
+    assert int(opt2.applied_steps) == 5 and all(torch.isfinite(p).all() for p in clone)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
 def test_torch_state_dict_is_what_torch_adamw_loads(backend, precision):
     params, opt = run(backend, precision, 3, amsgrad=True)
