@@ -2134,4 +2134,23 @@ MUTATIONS: list[Mutation] = [
         "with master weights the compiled CPU update updates the fp32 master, not the rounded param",
         select="low_precision and master",
     ),
+    # ------------------------------------------------------------------ ms-swift's current flags (issue 40)
+    M(
+        "swift-tuner-type-unknown",
+        TRAIN + "config/foreign_configs.py",
+        '    "tuner_type": AnchorKey((MS_SWIFT,), "tuner", _choice({"lora": "lora", "full": "full"}, "tuner_type")),\n',
+        "",
+        ["tests/train/test_anchors.py"],
+        "ms-swift's current --tuner_type sets the tuner",
+        select="tuner_type",
+    ),
+    M(
+        "swift-bnb-compute-dtype-ignored",
+        TRAIN + "config/foreign_configs.py",
+        '        (MS_SWIFT,), "precision", _dtype, note="the 4-bit layers compute in the run\'s precision"\n',
+        '        (MS_SWIFT,), None, _dtype, note="the 4-bit layers compute in the run\'s precision"\n',
+        ["tests/train/test_anchors.py"],
+        "--bnb_4bit_compute_dtype sets the run's precision (a contradicting torch_dtype is refused)",
+        select="tuner_type",
+    ),
 ]

@@ -292,3 +292,23 @@ def test_examples_in_each_anchors_format_load():
         cfg, _, lines = resolve("--config", path)
         assert (cfg.model, cfg.dataset, cfg.tuner) == ("smollm2-135m", "identity", "lora")
         assert lines[0].startswith(f"{anchor} keys read as fused-stable sft's:")
+
+
+def test_ms_swift_current_tuner_type_and_the_4bit_compute_dtype():
+    """swift's current `--tuner_type` (issue 40 item 1) and `--bnb_4bit_compute_dtype`, which sets the run's
+    precision (item 4): the same value as `--torch_dtype` is one setting; a different one is refused."""
+    cfg, _, lines = resolve(
+        "--tuner_type", "lora", "--model", "tiny", "--dataset", "swift/self-cognition", "--quant_bits", "4",
+        "--bnb_4bit_compute_dtype", "bfloat16", "--torch_dtype", "bfloat16",
+    )  # fmt: skip
+    assert (cfg.tuner, cfg.quant_bits, cfg.precision) == ("lora", 4, "bf16")
+    assert "  tuner_type: lora -> tuner: lora" in lines[0].splitlines()
+    cfg, _, _ = resolve("--tuner_type", "full", "--model", "tiny", "--dataset", "swift/self-cognition")
+    assert cfg.tuner == "full"
+    with pytest.raises(UserError, match="tuner_type"):
+        resolve("--tuner_type", "boft", "--model", "tiny", "--dataset", "swift/self-cognition")
+    with pytest.raises(UserError, match=r"torch_dtype: bfloat16 \(contradicts bnb_4bit_compute_dtype: float16\)"):
+        resolve(
+            "--model", "tiny", "--dataset", "swift/self-cognition", "--quant_bits", "4",
+            "--bnb_4bit_compute_dtype", "float16", "--torch_dtype", "bfloat16",
+        )  # fmt: skip

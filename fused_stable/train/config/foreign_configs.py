@@ -158,6 +158,8 @@ KEYS: dict[str, AnchorKey] = {
     ),
     "finetuning_type": AnchorKey((LLAMA_FACTORY,), "tuner", _choice({"lora": "lora", "full": "full"}, "finetuning")),
     "train_type": AnchorKey((MS_SWIFT,), "tuner", _choice({"lora": "lora", "full": "full"}, "train_type")),
+    # swift's current name for train_type (both are read: swift renamed it, its older scripts keep train_type)
+    "tuner_type": AnchorKey((MS_SWIFT,), "tuner", _choice({"lora": "lora", "full": "full"}, "tuner_type")),
     "use_dora": AnchorKey(BOTH, "tuner", _if_true("dora")),
     "lora_rank": AnchorKey(BOTH, "lora_r"),
     "lora_target": AnchorKey((LLAMA_FACTORY,), "target_modules", _modules),
@@ -170,6 +172,11 @@ KEYS: dict[str, AnchorKey] = {
     ),
     "quant_method": AnchorKey((MS_SWIFT,), None, _must_be("bnb", "only bitsandbytes (bnb) quantisation runs here")),
     "bnb_4bit_quant_type": AnchorKey((MS_SWIFT,), None, _must_be("nf4", "4-bit quantisation here is NF4")),
+    # the 4-bit layers compute in the run's precision: swift's compute dtype sets it (a different torch_dtype or
+    # bf16 / fp16 key beside it is refused as two values for one key)
+    "bnb_4bit_compute_dtype": AnchorKey(
+        (MS_SWIFT,), "precision", _dtype, note="the 4-bit layers compute in the run's precision"
+    ),
     "bnb_4bit_use_double_quant": AnchorKey(
         (MS_SWIFT,), None, _must_be(True, "4-bit quantisation here is always NF4 with double quantisation")
     ),
