@@ -28,36 +28,7 @@ from fused_stable.train.run import deepspeed_run  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # LLaMA-Factory's examples/deepspeed/ds_z3_config.json (hiyouga/LLaMA-Factory), as its users pass it
-LLAMA_FACTORY_Z3 = {
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "zero_allow_untested_optimizer": True,
-    "fp16": {
-        "enabled": "auto",
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "initial_scale_power": 16,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    },
-    "bf16": {"enabled": "auto"},
-    "zero_optimization": {
-        "stage": 3,
-        "overlap_comm": False,
-        "contiguous_gradients": True,
-        "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-    "comms_config": {"verbose": False},
-    "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}},
-}
+LLAMA_FACTORY_Z3 = json.loads((Path(__file__).parent / "llamafactory_ds_z3_config.json").read_text())
 LLAMA_FACTORY_Z3_AS_Z2 = copy.deepcopy(LLAMA_FACTORY_Z3)
 LLAMA_FACTORY_Z3_AS_Z2["zero_optimization"]["stage"] = 2  # the ZeRO-3-only keys at a lower stage
 FILLED = (

@@ -303,28 +303,7 @@ def test_a_llamafactory_zero3_config_is_filled_by_the_trainer(tmp_path):
     from fused_stable.train.config.resolve import resolve_config
     from fused_stable.train.run import deepspeed_run
 
-    auto = {"enabled": "auto"}
-    ds = {
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_allow_untested_optimizer": True,
-        "fp16": {**auto, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16},
-        "bf16": auto,
-        "zero_optimization": {
-            "stage": 3,
-            "overlap_comm": False,
-            "contiguous_gradients": True,
-            "sub_group_size": 1e9,
-            "reduce_bucket_size": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
-            "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9,
-            "stage3_gather_16bit_weights_on_model_save": True,
-        },
-    }
+    ds = json.loads((Path(__file__).parent / "llamafactory_ds_z3_config.json").read_text())
     cfg, _ = resolve_config(["--deepspeed", _json(tmp_path, ds), "--batch_size", "2", "--grad_accum", "3"])
 
     class Model:
