@@ -69,64 +69,14 @@ def test_cuda_skip_on_nonfinite_and_no_sync():
     assert opt.applied_steps.item() == 5
 
 
-def test_cuda_graph_replay_equals_eager():
-    eager = cuda_params([(1025,), (7, 9)], seed=1)
-    graphed = [torch.nn.Parameter(p.detach().clone()) for p in eager]
-    kwargs = dict(
-        lr=torch.tensor(1e-2, device="cuda"),
-        max_grad_norm=1.0,
-        capturable=True,
-        lr_schedule=schedules.warmup_linear(20, 3),
-    )
-    opt_e, opt_g = FusedAdamW(eager, **kwargs), FusedAdamW(graphed, **kwargs)
+def replay_against_eager(opt_e, opt_g, eager, graphed, grads, between=None) -> None:
+    """Eager steps of `opt_e` on `eager` beside one captured step of `opt_g` on `graphed`, replayed on static grads:
+    the first step of each list eagerly (on a side stream for the graphed side: it builds and caches the tables),
+    then the capture, then one eager step and one replay per later entry of `grads`; `between(index)` runs before
+    each of those (a change both sides must see)."""
     static_grads = [torch.zeros_like(p) for p in graphed]
     for p, g in zip(graphed, static_grads):
         p.grad = g
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    grads = [[torch.randn(p.shape, device="cuda", generator=gen) for p in eager] for _ in range(8)]
-
-    # warm up on a side stream (builds and caches the tables), then capture one step
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for g, s in zip(grads[0], static_grads):
-            s.copy_(g)
-        opt_g.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt_g.step()
-
-    for p, g in zip(eager, grads[0]):
-        p.grad = g.clone()
-    opt_e.step()
-    for step_grads in grads[1:]:
-        for p, g in zip(eager, step_grads):
-            p.grad = g.clone()
-        opt_e.step()
-        for s, g in zip(static_grads, step_grads):
-            s.copy_(g)
-        graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(graphed, eager):
-        assert_close(a, b, 0, 0, "graph replay vs eager")
-    assert opt_g.applied_steps.item() == opt_e.applied_steps.item() == 8
-
-
-def test_cuda_graph_replays_see_a_tensor_lr_filled_between_them():
-    """The captured path's cache (the hyper-parameter table, uploaded before capture) holds no lr of its own for
-    a tensor lr: filling it between replays reaches the next replay, as in eager steps (issue 38's class of bug).
-    A float hyper-parameter changed after capture cannot reach a replay (no Python runs): documented."""
-    eager = cuda_params([(1025,), (7, 9)], seed=2)
-    graphed = [torch.nn.Parameter(p.detach().clone()) for p in eager]
-    lrs = [torch.tensor(1e-2, device="cuda") for _ in range(2)]
-    opt_e = FusedAdamW(eager, lr=lrs[0], max_grad_norm=1.0, capturable=True)
-    opt_g = FusedAdamW(graphed, lr=lrs[1], max_grad_norm=1.0, capturable=True)
-    static_grads = [torch.zeros_like(p) for p in graphed]
-    for p, g in zip(graphed, static_grads):
-        p.grad = g
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    grads = [[torch.randn(p.shape, device="cuda", generator=gen) for p in eager] for _ in range(6)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -141,8 +91,8 @@ def test_cuda_graph_replays_see_a_tensor_lr_filled_between_them():
         p.grad = g.clone()
     opt_e.step()
     for index, step_grads in enumerate(grads[1:]):
-        for lr in lrs:
-            lr.fill_(1e-2 * (index + 2))
+        if between is not None:
+            between(index)
         for p, g in zip(eager, step_grads):
             p.grad = g.clone()
         opt_e.step()
@@ -150,6 +100,45 @@ def test_cuda_graph_replays_see_a_tensor_lr_filled_between_them():
             s.copy_(g)
         graph.replay()
     torch.cuda.synchronize()
+
+
+def cuda_grads(params, steps, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [[torch.randn(p.shape, device="cuda", generator=gen) for p in params] for _ in range(steps)]
+
+
+def test_cuda_graph_replay_equals_eager():
+    eager = cuda_params([(1025,), (7, 9)], seed=1)
+    graphed = [torch.nn.Parameter(p.detach().clone()) for p in eager]
+    kwargs = dict(
+        lr=torch.tensor(1e-2, device="cuda"),
+        max_grad_norm=1.0,
+        capturable=True,
+        lr_schedule=schedules.warmup_linear(20, 3),
+    )
+    opt_e, opt_g = FusedAdamW(eager, **kwargs), FusedAdamW(graphed, **kwargs)
+    replay_against_eager(opt_e, opt_g, eager, graphed, cuda_grads(eager, 8, seed=5))
+    for a, b in zip(graphed, eager):
+        assert_close(a, b, 0, 0, "graph replay vs eager")
+    assert opt_g.applied_steps.item() == opt_e.applied_steps.item() == 8
+
+
+def test_cuda_graph_replays_see_a_tensor_lr_filled_between_them():
+    """The captured path's cache (the hyper-parameter table, uploaded before capture) holds no lr of its own for
+    a tensor lr: filling it between replays reaches the next replay, as in eager steps (issue 38's class of bug).
+    A float hyper-parameter changed after capture cannot reach a replay (no Python runs): documented."""
+    eager = cuda_params([(1025,), (7, 9)], seed=2)
+    graphed = [torch.nn.Parameter(p.detach().clone()) for p in eager]
+    lrs = [torch.tensor(1e-2, device="cuda") for _ in range(2)]
+    opt_e = FusedAdamW(eager, lr=lrs[0], max_grad_norm=1.0, capturable=True)
+    opt_g = FusedAdamW(graphed, lr=lrs[1], max_grad_norm=1.0, capturable=True)
+
+    def fill_lrs(index):
+        for lr in lrs:
+            lr.fill_(1e-2 * (index + 2))
+
+    grads = cuda_grads(eager, 6, seed=6)
+    replay_against_eager(opt_e, opt_g, eager, graphed, grads, between=fill_lrs)
     for a, b in zip(graphed, eager):
         assert_close(a, b, 0, 0, "graph replay vs eager, lr filled between replays")
     assert float(opt_g.last_lr) == float(opt_e.last_lr) == pytest.approx(1e-2 * len(grads))
