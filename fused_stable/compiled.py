@@ -175,19 +175,19 @@ def _current_hparams(opt, step: TracedStep, lrs: list[torch.Tensor]) -> list:
     rows = opt._hparam_rows()
     if not lrs:
         if any(isinstance(row.lr, torch.Tensor) for row in rows):
-            _refuse_new_lr_kind(step)
+            _refuse_new_lr_kind()
         return rows
     inputs = iter(lrs)
     current = []
     for group, (row, traced) in enumerate(zip(rows, step.traced_lrs)):
         graph_lr = next(inputs) if traced is not None else None
         if isinstance(row.lr, torch.Tensor) != (traced is not None):
-            _refuse_new_lr_kind(step, group)
+            _refuse_new_lr_kind(group)
         current.append(row._replace(lr=graph_lr) if row.lr is traced and traced is not None else row)
     return current
 
 
-def _refuse_new_lr_kind(step: TracedStep, group: int | None = None) -> None:
+def _refuse_new_lr_kind(group: int | None = None) -> None:
     where = "a group's" if group is None else f"group {group}'s"
     raise RuntimeError(
         f"{where} lr changed between a float and a tensor since this compiled step was traced, and torch.compile did "

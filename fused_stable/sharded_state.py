@@ -35,6 +35,7 @@ def _shard_dim(p: torch.Tensor) -> int | None:
     for mesh_dim, placement in enumerate(p.placements):
         if placement.is_replicate():
             continue
+        # exactly Shard(0): a _StridedShard (a Shard subclass) interleaves rows, so its pieces are no global blocks
         if placement.is_shard() and placement.dim == 0 and type(placement).__name__ == "Shard":
             dims.append(mesh_dim)
             continue

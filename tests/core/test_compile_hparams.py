@@ -303,19 +303,40 @@ def test_triton_kernels_under_a_compiled_step_follow_a_scheduler(backend, counts
     assert counts["calls"] == 3
 
 
-def test_a_stale_plan_is_refused_loudly(monkeypatch, counts):
-    """The op's net under dynamo's guards: called with a trace's arguments after a param group was added (what
-    a graph run without a retrace would do; dynamo's guards retrace instead, even under the
-    skip_guard_eval_unsafe stance, which raises), it refuses, naming what changed, and changes nothing."""
-    traced = []
+@pytest.fixture
+def traced(monkeypatch):
+    """Each trace's op arguments (key, tensors, grads, lrs), to call the op as a graph run without a retrace would."""
+    seen = []
     prepare = compiled.prepare
 
     def recording_prepare(opt, tensors, grads, lrs):
         key = prepare(opt, tensors, grads, lrs)
-        traced.append((key, tensors, grads, lrs))
+        seen.append((key, tensors, grads, lrs))
         return key
 
     monkeypatch.setattr(compiled, "prepare", recording_prepare)
+    return seen
+
+
+def test_an_lr_turned_from_a_float_into_a_tensor_without_a_retrace_is_refused(traced):
+    """The op's other net: a trace passed no tensor lr, and the group's lr is now a tensor (dynamo retraces on
+    that; a graph run without a retrace would step the old float): refused, nothing changed."""
+    params = make_params()
+    opt = fused(params)
+    set_grads(0, params)
+    torch.compile(opt.step, backend="eager", fullgraph=True)()
+    key, tensors, grads, lrs = traced[-1]
+    opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="a group's lr changed between a float and a tensor"):
+        torch.ops.fused_stable.fused_step(key, list(tensors), list(grads), list(lrs), None, None)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_a_stale_plan_is_refused_loudly(traced, counts):
+    """The op's net under dynamo's guards: called with a trace's arguments after a param group was added (what
+    a graph run without a retrace would do; dynamo's guards retrace instead, even under the
+    skip_guard_eval_unsafe stance, which raises), it refuses, naming what changed, and changes nothing."""
     params = make_params()
     opt = fused(params[:2])
     run = torch.compile(opt.step, backend="eager", fullgraph=True)
