@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 import torch
@@ -136,9 +137,7 @@ class GuardConfig:
 @dataclass(kw_only=True)  # by name only: six positional fields read alike
 class Alert:
     step: int  # the optimizer step where it happened (trainer count, skipped steps included)
-    kind: (
-        str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS | LOSS_RISE | DATA_SHIFT | EVAL_LOSS_RISE ...
-    )
+    kind: str  # GRAD_SPIKE | NONFINITE_GRADS | LOSS_SPIKE | NONFINITE_LOSS | LOSS_RISE | DATA_SHIFT | EVAL_...
     value: float  # the z-score, the count of non-finite steps, or (rises) the ratio to the best so far
     threshold: float
     action: str  # ACTION_*
@@ -185,12 +184,6 @@ class Decision:
     cut_lr: bool = False  # for a rollback: whether the lr is multiplied by lr_factor
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
-
 def _fmt_norm(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
@@ -224,8 +217,7 @@ class Guard:
     # ------------------------------------------------------------------------------------------ binding
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember the configured lrs (rollbacks scale them) and the counters to compare against (one read)."""
-        # under an lr schedule a group's configured lr is its `initial_lr` ("lr" shows the scheduled one)
-        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+        self.base_lrs = [float(lr) for lr in _configured_lrs(optimizer)]
         self._rebaseline(optimizer)
 
     def resync(self, optimizer) -> None:
@@ -353,14 +345,14 @@ class Guard:
         kept = [float(r["loss"]) for r in rows if math.isfinite(float(r["loss"])) and not r.get("skipped")]
         if not kept:
             return []
-        median = _median(kept)
-        latest = max(median, _median(kept[-RISE_TAIL:]))
+        whole = median(kept)
+        latest = max(whole, median(kept[-RISE_TAIL:]))
         best = self.best_interval_loss
         if best is None:
             # the very first interval: its first steps show the starting model (the lr is still warming up),
             # the reference a too-high lr must not get to move before the first check
-            best = min(median, _median(kept[: max(1, len(kept) // 2)]))
-        self.best_interval_loss = min(best, median)
+            best = min(whole, median(kept[: max(1, len(kept) // 2)]))
+        self.best_interval_loss = min(best, whole)
         if self.config.loss_rise and best > 0 and latest > self.config.loss_rise * best:
             rise = dict(value=latest / best, threshold=self.config.loss_rise, action="", detected_at=step, loss=latest)
             return [Alert(step=int(rows[-1]["step"]), kind=LOSS_RISE, **rise, top_tensors=top)]
@@ -463,8 +455,12 @@ class Guard:
         """Every group's lr = its configured lr x lr_scale (a restored checkpoint may carry an older lr)."""
         if not self.base_lrs:
             return
-        for group, base in zip(optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * self.lr_scale
+        lrs = [base * self.lr_scale for base in self.base_lrs]
+        if hasattr(optimizer, "set_base_lrs"):  # FusedAdamW: under lr_schedule the base lr, not the shown one
+            optimizer.set_base_lrs(lrs)
+            return
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -493,3 +489,11 @@ class Guard:
         self.alerts_total = int(state.get("alerts_total", 0))
         if state.get("base_lrs"):
             self.base_lrs = [float(x) for x in state["base_lrs"]]
+
+
+def _configured_lrs(optimizer) -> list:
+    """Each group's configured lr: FusedAdamW says it (`base_lrs()`); any other optimizer keeps it in `lr`, or,
+    under one of torch's LR schedulers, in `initial_lr` (`lr` then shows the scheduled one)."""
+    if hasattr(optimizer, "base_lrs"):
+        return optimizer.base_lrs()
+    return [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]

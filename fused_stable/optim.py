@@ -271,6 +271,29 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         self._shown_lrs = views
         self._refresh_shown_lrs()
 
+    def base_lrs(self) -> list[float | torch.Tensor]:
+        """Every group's configured lr: under `lr_schedule` the base lr the schedule scales (`group["lr"]` shows the
+        scheduled one), otherwise `group["lr"]`. What a caller that rescales the lr reads (the guard's rollback),
+        instead of knowing where each case keeps it; a value assigned to `group["lr"]` since the last step counts."""
+        if self.rules.schedule is None:
+            return [group["lr"] for group in self.param_groups]
+        shown = self._shown_lrs
+        return [
+            group["initial_lr"] if index < len(shown) and group["lr"] is shown[index] else group["lr"]
+            for index, group in enumerate(self.param_groups)
+        ]
+
+    def set_base_lrs(self, lrs: list[float | torch.Tensor]) -> None:
+        """Set every group's configured lr (one value per group; under `lr_schedule` the base lr, and the shown lr
+        follows at once, on the device)."""
+        if len(lrs) != len(self.param_groups):
+            count = len(self.param_groups)
+            raise ValueError(f"set_base_lrs: {len(lrs)} lrs for {count} param groups: give one lr per group")
+        for group, lr in zip(self.param_groups, lrs):
+            group["lr"] = lr
+        if self.rules.schedule is not None:
+            self._show_lrs()  # the assigned values become the base lrs; the groups show the scheduled lr again
+
     def _refresh_shown_lrs(self) -> None:
         """The shown lrs from the base lrs and the count of applied updates, on the device (no host read)."""
         check_not_capturing(self.device, "a changed lr (group['lr'] was assigned)")

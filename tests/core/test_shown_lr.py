@@ -81,6 +81,32 @@ def test_an_lr_assigned_to_the_group_becomes_its_base_lr(backend):
     assert shown(opt) == pytest.approx([0.2 * SCHEDULE.factor(5), BASES[1] * SCHEDULE.factor(5)], rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", [backend_param(b) for b in CPU_BACKENDS])
+def test_base_lrs_reads_and_set_base_lrs_sets_the_configured_lr(backend):
+    """What a caller that rescales the lr uses (the guard's rollback): the base lr under a schedule, with the shown
+    lr following a new base at once, and an lr assigned to a group since the last step counted."""
+    params, opt = make(backend, tensor_lr=False)
+    for step in range(4):
+        set_grads(params, step)
+        opt.step()
+    factor = SCHEDULE.factor(int(opt.applied_steps))
+    assert opt.base_lrs() == list(BASES) and shown(opt) == pytest.approx([b * factor for b in BASES], rel=1e-6)
+    opt.set_base_lrs([0.2, 0.4])
+    assert opt.base_lrs() == [0.2, 0.4]
+    assert shown(opt) == pytest.approx([0.2 * factor, 0.4 * factor], rel=1e-6)  # before any step
+    set_grads(params, 4)
+    opt.step()
+    assert float(opt.last_lr) == pytest.approx(0.2 * factor, rel=1e-6)
+    opt.param_groups[1]["lr"] = 0.3  # assigned: the group's base from now on, before the next step too
+    assert opt.base_lrs() == [0.2, 0.3]
+    with pytest.raises(ValueError, match="2 param groups: give one lr per group"):
+        opt.set_base_lrs([0.1])
+    _, plain = make(backend, schedule=None)
+    assert plain.base_lrs()[0] == BASES[0] and float(plain.base_lrs()[1]) == BASES[1]
+    plain.set_base_lrs([0.05, 0.06])
+    assert [g["lr"] for g in plain.param_groups] == [0.05, 0.06]
+
+
 def test_without_a_schedule_the_groups_are_untouched():
     params, opt = make("torch", schedule=None)
     set_grads(params, 0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import BACKEND_PARAMS, CountDeviceOps, no_host_reads
 
-from fused_stable import FusedAdamW
+from fused_stable import FusedAdamW, schedules
 from fused_stable.guard import (
     ACTION_GIVE_UP,
     ACTION_REBASELINE,
@@ -208,6 +208,20 @@ def test_rollback_policy_cuts_the_lr_and_gives_up_after_k():
     assert decision.action == "stop" and decision.alerts[0].action == ACTION_GIVE_UP
     assert "gave up" in decision.message and "max_rollbacks=2" in decision.message
     assert run.guard.rollbacks == 2
+
+
+def test_a_rollback_under_an_lr_schedule_cuts_the_base_lr_not_the_scheduled_one():
+    """Mid warm-up the shown lr is a fraction of the configured one: the rollback halves the configured base lr
+    (FusedAdamW.base_lrs / set_base_lrs), and the shown lr follows it at once."""
+    schedule = schedules.warmup_cosine(400, 100)
+    run = Run("rollback", log_every=5, skip_z=1e9)
+    run.opt = make_opt(run.params, run.guard, lr_schedule=schedule)
+    run.run(10)
+    assert float(run.opt.param_groups[0]["lr"]) < 2e-4  # warming up towards 1e-3
+    run.guard.apply_rollback(run.opt, cut_lr=True)
+    assert run.opt.base_lrs() == [pytest.approx(5e-4)]
+    factor = schedule.factor(int(run.opt.applied_steps))
+    assert float(run.opt.param_groups[0]["lr"]) == pytest.approx(5e-4 * factor, rel=1e-6)
 
 
 def test_rollback_policy_lets_the_optimizer_skip_huge_spikes():

@@ -48,8 +48,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "guard-device-op-per-step",
         "fused_stable/guard.py",
-        '        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]\n',
-        '        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]\n'
+        "        self.base_lrs = [float(lr) for lr in _configured_lrs(optimizer)]\n",
+        "        self.base_lrs = [float(lr) for lr in _configured_lrs(optimizer)]\n"
         "        optimizer.register_step_post_hook(lambda *_: optimizer.grad_norm.clone())\n",
         ["tests/guard/test_guard.py"],
         "a guarded step issues the device ops of an unguarded one (binding a guard adds no per-step work)",
@@ -1210,11 +1210,38 @@ MUTATIONS: list[Mutation] = [
     M(
         "guard-rise-tail-ignored",
         "fused_stable/guard.py",
-        "latest = max(median, _median(kept[-RISE_TAIL:]))",
-        "latest = median",
+        "latest = max(whole, median(kept[-RISE_TAIL:]))",
+        "latest = whole",
         ["tests/guard/test_guard.py"],
         "a rise late in an interval (its last 3 losses) is caught at its check",
         select="late_in_an_interval",
+    ),
+    M(
+        "optim-base-lrs-reads-shown-lr",
+        "fused_stable/optim.py",
+        '            group["initial_lr"] if index < len(shown) and group["lr"] is shown[index] else group["lr"]\n',
+        '            group["lr"]\n',
+        ["tests/core/test_shown_lr.py"],
+        "base_lrs() under lr_schedule is the base lr the schedule scales, not the shown (scheduled) lr",
+        select="base_lrs",
+    ),
+    M(
+        "optim-set-base-lrs-leaves-shown-lr",
+        "fused_stable/optim.py",
+        "            self._show_lrs()  # the assigned values become the base lrs; the groups show the scheduled lr again\n",
+        "            pass\n",
+        ["tests/core/test_shown_lr.py"],
+        "set_base_lrs under lr_schedule: group['lr'] shows the scheduled lr of the new base at once",
+        select="base_lrs",
+    ),
+    M(
+        "guard-rollback-cuts-shown-lr",
+        "fused_stable/guard.py",
+        "        return optimizer.base_lrs()\n",
+        '        return [group["lr"] for group in optimizer.param_groups]\n',
+        ["tests/guard/test_guard.py"],
+        "a rollback under lr_schedule scales the configured base lr (not the warm-up's scheduled lr)",
+        select="base_lr",
     ),
     M(
         "optim-slots-not-renewed",
