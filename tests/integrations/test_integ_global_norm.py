@@ -11,7 +11,7 @@ import torch
 from integ_dist import spawn
 
 from fused_stable import sharding
-from fused_stable.integrations import distributed as fsd
+from fused_stable.integrations import distributed as fused_distributed
 
 
 def _no_host_sync_mode(record: dict):
@@ -286,5 +286,6 @@ def test_local_sumsq_shape_is_checked():
 def test_the_public_names_stay_in_integrations_distributed():
     """Users import global_sumsq and validate_params from fused_stable.integrations.distributed (docs); they now
     live in the core (sharding.py), which FusedAdamW imports without reaching up into integrations/."""
-    assert fsd.global_sumsq is sharding.global_sumsq and fsd.validate_params is sharding.validate_params
-    assert {"global_sumsq", "validate_params"} <= set(fsd.__all__)
+    assert fused_distributed.global_sumsq is sharding.global_sumsq
+    assert fused_distributed.validate_params is sharding.validate_params
+    assert {"global_sumsq", "validate_params"} <= set(fused_distributed.__all__)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from integ_models import tiny_llama
 
-from fused_stable.integrations import distributed as fsd
+from fused_stable.integrations import distributed as fused_distributed
 
 SCRIPT = Path(__file__).with_name("integ_torchrun_script.py")
 
@@ -51,26 +51,26 @@ def test_torchrun_two_ranks(tmp_path, tuner, wrapper):
 
 def test_single_process_without_torchrun_env(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    info = fsd.init_distributed_from_env()
+    info = fused_distributed.init_distributed_from_env()
     assert (info.rank, info.world_size, info.is_distributed) == (0, 1, False)
-    assert fsd.is_main_process()
+    assert fused_distributed.is_main_process()
     model = torch.nn.Linear(2, 2)
-    assert fsd.wrap_model(model, "full") is model
-    assert fsd.shard_data([1, 2, 3]) == [1, 2, 3]
+    assert fused_distributed.wrap_model(model, "full") is model
+    assert fused_distributed.shard_data([1, 2, 3]) == [1, 2, 3]
 
 
 def test_torchrun_env_errors(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="torchrun"):
-        fsd.init_distributed_from_env()
+        fused_distributed.init_distributed_from_env()
 
 
 def test_shard_data_equal_counts():
     items = list(range(7))
-    shards = [fsd.shard_data(items, r, 2) for r in range(2)]
+    shards = [fused_distributed.shard_data(items, r, 2) for r in range(2)]
     assert shards == [[0, 2, 4], [1, 3, 5]]  # the odd one out is dropped: equal step counts
     with pytest.raises(ValueError, match="rank"):
-        fsd.shard_data(items, 2, 2)
+        fused_distributed.shard_data(items, 2, 2)
     with pytest.raises(ValueError, match="at least one"):
-        fsd.shard_data([1], 0, 2)
+        fused_distributed.shard_data([1], 0, 2)
