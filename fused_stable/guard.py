@@ -44,9 +44,8 @@ from typing import Any
 
 import torch
 
+from fused_stable.guard_config import GuardConfig
 from fused_stable.loss_stats import LossStats
-
-POLICIES = ("warn", "skip", "stop", "rollback")
 
 # alert kinds
 GRAD_SPIKE = "grad_spike"  # grad-norm z-score above grad_z (and norm >= grad_ratio x mean)
@@ -71,67 +70,6 @@ ACTION_REBASELINE = "rebaseline"  # the loss statistics start over on the new da
 _LR_KINDS = (GRAD_SPIKE, LOSS_SPIKE, LOSS_RISE, EVAL_LOSS_RISE, RETENTION_LOSS_RISE)
 
 RISE_TAIL = 3  # the loss rise also looks at the median of an interval's last 3 losses (one spike does not move it)
-
-
-@dataclass
-class GuardConfig:
-    policy: str = "warn"
-    grad_z: float = 6.0  # alert when the grad norm's z-score exceeds this...
-    grad_ratio: float = 5.0  # ...and the norm is at least this many times its running mean (0: z alone)
-    skip_z: float = 6.0  # under skip / rollback the optimizer skips steps whose z-score exceeds this...
-    skip_ratio: float = 5.0  # ...and whose norm is at least this many times its running mean (0: z alone)
-    loss_z: float = 6.0  # alert when the loss's z-score exceeds this
-    loss_alpha: float = 0.97  # EMA decay of the loss statistics
-    loss_warmup: int = 20  # steps of loss collected before loss z-scores count
-    loss_rel_floor: float = (
-        0.01  # the loss std is floored at this fraction of the mean (a flat loss is not a hair trigger)
-    )
-    loss_rise: float = 1.5  # alert when a logging interval's median loss exceeds this x the best one so far (0: off)
-    # alert when an evaluation's eval_loss or retention_loss exceeds this x its best so far (0: off); chosen
-    # from the clean runs' own noise (docs/guard.md: their worst rise over the best so far was 1.13x on the tiny
-    # model, 1.06x on SmolLM2-135M)
-    eval_rise: float = 1.3
-    nonfinite_storm: int = 3  # non-finite-gradient steps within one logging interval that escalate to the policy
-    lr_factor: float = 0.5  # rollback multiplies every group's lr by this
-    max_rollbacks: int = 3  # give up (stop) when one more rollback would exceed this
-    top_k: int = 5  # tensors with the largest grad norm named in each alert
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"guard policy must be one of {' | '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("grad_z", "loss_z", "skip_z"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"guard {name} must be a positive number, got {value}")
-        if not 0.0 < self.loss_alpha < 1.0:
-            raise ValueError(f"guard loss_alpha must be in (0, 1), got {self.loss_alpha}")
-        if self.loss_warmup < 1:
-            raise ValueError(f"guard loss_warmup must be >= 1, got {self.loss_warmup}")
-        for name in ("grad_ratio", "skip_ratio"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"guard {name} must be a finite number >= 0 (0: the z-score alone), got {value}")
-        for name in ("loss_rise", "eval_rise"):
-            value = getattr(self, name)
-            if value and not (value > 1.0 and math.isfinite(value)):
-                raise ValueError(f"guard {name} must be > 1 (or 0 to disable), got {value}")
-        if self.loss_rel_floor < 0:
-            raise ValueError(f"guard loss_rel_floor must be >= 0, got {self.loss_rel_floor}")
-        if self.nonfinite_storm < 1:
-            raise ValueError(f"guard nonfinite_storm must be >= 1, got {self.nonfinite_storm}")
-        if not 0.0 < self.lr_factor <= 1.0:
-            raise ValueError(f"guard lr_factor must be in (0, 1], got {self.lr_factor}")
-        if self.max_rollbacks < 0:
-            raise ValueError(f"guard max_rollbacks must be >= 0, got {self.max_rollbacks}")
-        if self.top_k < 0:
-            raise ValueError(f"guard top_k must be >= 0, got {self.top_k}")
-
-    def optimizer_kwargs(self, zscore_threshold: float = 2.5) -> dict:
-        """What FusedAdamW needs for this policy: under `skip` and `rollback` the optimizer itself skips the
-        spikes on the device (a rollback is then kept for what got through)."""
-        if self.policy in ("skip", "rollback"):
-            return {"spike_skip_threshold": max(self.skip_z, zscore_threshold), "spike_skip_ratio": self.skip_ratio}
-        return {}
 
 
 @dataclass(kw_only=True)  # by name only: six positional fields read alike
@@ -181,7 +119,8 @@ class Decision:
     action: str = "continue"  # "continue" | "stop" | "rollback"
     alerts: list = field(default_factory=list)
     message: str = ""
-    cut_lr: bool = False  # for a rollback: whether the lr is multiplied by lr_factor
+    cut_lr: bool = False  # for a rollback: whether the lr is cut...
+    lr_factor: float = 1.0  # ...by this (lr_factor, or eval_lr_factor when an evaluation's rise is among the alerts)
 
 
 def _fmt_norm(x) -> str:
@@ -429,10 +368,16 @@ class Guard:
                     "look at alerts.jsonl and curves.png, then continue with --resume latest"
                 )
         cut_lr = action == ACTION_ROLLBACK and any(a.kind in _LR_KINDS for a in open_alerts)
-        return Decision(action, alerts, message, cut_lr)
+        factor = 1.0
+        if cut_lr:
+            evaluated = any(a.kind in EVALUATED.values() for a in open_alerts)
+            factor = c.eval_lr_factor if evaluated else c.lr_factor
+        return Decision(action, alerts, message, cut_lr, factor)
 
     # ------------------------------------------------------------------------------------------ rollback
-    def apply_rollback(self, optimizer, cut_lr: bool = True, to_step: int | None = None) -> None:
+    def apply_rollback(
+        self, optimizer, cut_lr: bool = True, to_step: int | None = None, lr_factor: float | None = None
+    ) -> None:
         """After the trainer restored a checkpoint (of step `to_step`): count the rollback, scale the lr, re-read
         the restored optimizer's counters, and take the evaluations' bests back to `to_step`'s (a best of the
         undone steps is not the restored model's: docs/guard.md). The loss statistics are kept: they have
@@ -440,8 +385,8 @@ class Guard:
         if to_step is not None:
             self._rewind_evaluations(to_step)
         self.rollbacks += 1
-        if cut_lr:
-            self.lr_scale *= self.config.lr_factor
+        if cut_lr:  # by the decision's factor (lr_factor when none is given)
+            self.lr_scale *= self.config.lr_factor if lr_factor is None else lr_factor
         self.after_rollback = True
         self.apply_lr(optimizer)
         self._rebaseline(optimizer)

@@ -308,7 +308,7 @@ class _Run:
             result.rolled_back_steps += step - self.snapshot["step"]
             self.step = self.snapshot["step"]
             self.rows = [r for r in self.rows if r["step"] <= self.step]
-            guard.apply_rollback(self.opt, cut_lr=decision.cut_lr, to_step=self.step)
+            guard.apply_rollback(self.opt, decision.cut_lr, to_step=self.step, lr_factor=decision.lr_factor)
             return None
         if decision.action == "stop":
             result.status, result.message = "stopped", decision.message

@@ -115,6 +115,27 @@ def test_each_policy_answers_a_rise(policy, action, alert_action, cut_lr):
     assert [(a.kind, a.action) for a in decision.alerts] == [(RETENTION_LOSS_RISE, alert_action)]
 
 
+def test_a_rollback_for_an_evaluation_cuts_the_lr_by_eval_lr_factor_a_spike_by_lr_factor():
+    """The probes see damage a check late, when the lr has done it: their rollback cuts deeper (0.25 by default)
+    than a loss or grad spike's (0.5); both factors are the user's to set."""
+    run = Run("rollback", log_every=5, skip_z=1e9)  # no device skip: the grad spike gets through
+    run.run(20)
+    run.guard.eval_reference({"retention_loss": 0.5})
+    decision = evaluate(run, retention_loss=1.0)
+    assert decision.cut_lr and decision.lr_factor == 0.25
+    run.guard.apply_rollback(run.opt, decision.cut_lr, lr_factor=decision.lr_factor)
+    assert run.guard.lr_scale == 0.25 and run.opt.base_lrs() == [pytest.approx(2.5e-4)]
+    run.run(10)
+    decision = run.run(10, grad_scale={run.step + 2: 100.0})
+    assert decision.action == "rollback" and decision.lr_factor == 0.5
+    run.guard.apply_rollback(run.opt, decision.cut_lr, lr_factor=decision.lr_factor)
+    assert run.guard.lr_scale == 0.125
+    own = Run("rollback", log_every=5, eval_lr_factor=0.1)
+    own.run(20)
+    own.guard.eval_reference({"eval_loss": 0.5})
+    assert evaluate(own, eval_loss=1.0).lr_factor == 0.1
+
+
 def test_after_a_data_shift_the_evaluations_follow_the_new_data():
     """A rollback whose restored model finds the new data bad is a data shift: the held-out losses move with the
     new data too, so until the guard's statistics are warm again each evaluation is the reference; then a rise

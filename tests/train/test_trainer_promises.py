@@ -374,6 +374,8 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
         "4",
         "--guard_lr_factor",
         "0.25",
+        "--guard_eval_lr_factor",
+        "0.125",
         "--guard_max_rollbacks",
         "2",
         "--guard_eval_rise",
@@ -391,9 +393,10 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
         c.loss_rise,
         c.nonfinite_storm,
         c.lr_factor,
+        c.eval_lr_factor,
         c.max_rollbacks,
         c.eval_rise,
-    ) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 2, 1.7)
+    ) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 0.125, 2, 1.7)
     assert setup.trainer.optimizer.rules.spike_skip_threshold == 30.0
 
 

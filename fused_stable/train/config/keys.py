@@ -212,6 +212,13 @@ class TrainConfig:
     guard_lr_factor: float = _key(
         0.5, "guard=rollback: multiply the lr by this on each rollback for a spike", "guard", Range(0, 1, low_open=True)
     )
+    guard_eval_lr_factor: float = _key(
+        0.25,
+        "guard=rollback: multiply the lr by this on a rollback that an evaluation's rise (eval_loss, retention_loss) "
+        "asked for",
+        "guard",
+        Range(0, 1, low_open=True),
+    )
     guard_max_rollbacks: int = _key(
         3, "guard=rollback: give up (stop, exit code 3) when this many rollbacks did not help", "guard"
     )

@@ -350,6 +350,7 @@ def guard_config(cfg: TrainConfig):
         eval_rise=cfg.guard_eval_rise,
         nonfinite_storm=cfg.guard_nonfinite_storm,
         lr_factor=cfg.guard_lr_factor,
+        eval_lr_factor=cfg.guard_eval_lr_factor,
         max_rollbacks=cfg.guard_max_rollbacks,
     )
 

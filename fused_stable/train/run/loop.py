@@ -281,7 +281,9 @@ class Trainer:
         if "rollback" in (decision.action, action):
             self.rollback()
             if self.guard is not None:
-                self.guard.apply_rollback(self.optimizer, cut_lr=decision.cut_lr, to_step=self.state.step)
+                self.guard.apply_rollback(
+                    self.optimizer, decision.cut_lr, to_step=self.state.step, lr_factor=decision.lr_factor
+                )
             if self.reporter is not None:
                 self.reporter.rewind(self.state.step)
             return "rollback"
