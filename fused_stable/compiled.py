@@ -73,17 +73,17 @@ _keys = itertools.count()
 def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
     """Trace time (eager): fills the op's argument lists for `opt`'s next step; returns the TracedStep key, -1 when
     no parameter has a grad (nothing to do, as in an eager step)."""
-    if getattr(opt, "_global_sumsq", None) is not None:
+    if getattr(opt, "norm_reducer", None) is not None:
         # the op would need the DTensors' local shards as graph inputs and an all-reduce inside it; refused
         # before anything is built, so the optimizer is left exactly as it was
         raise RuntimeError(
             "a compiled step with sharded (DTensor / FSDP2) parameters is not supported: compile the model and "
             "call opt.step() outside the compiled function"
         )
-    plan, plan_grads = opt._build_plan()
+    plan, plan_grads = opt.build_step_plan()
     if plan is None:
         return -1
-    buffers = opt._buffers
+    buffers = opt.step_buffers
     buffer_fields = [f.name for f in dataclasses.fields(StepBuffers)]
     tensors.extend(getattr(buffers, name) for name in buffer_fields)
     tensor_lists = []
@@ -94,7 +94,7 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
         tensor_lists.append((field.name, [v is not None for v in values]))
         tensors.extend(v for v in values if v is not None)
     grads.extend(plan_grads)
-    traced_lrs = [row.lr if isinstance(row.lr, torch.Tensor) else None for row in opt._hparam_rows()]
+    traced_lrs = [row.lr if isinstance(row.lr, torch.Tensor) else None for row in opt.hparam_rows()]
     lrs.extend(lr for lr in traced_lrs if lr is not None)
     step = TracedStep(
         optimizer=weakref.ref(opt),
@@ -148,7 +148,7 @@ def fused_step(
     plan, buffers = _plan_for(step, tensors, grads)
     hparams = _current_hparams(opt, step, lrs)
     ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, opt.rules, hparams, grad_scale, found_inf, None)
-    opt._last_tables = plan.backend_cache  # per_tensor_grad_norms() reads the latest step's tables
+    opt.last_tables = plan.backend_cache  # per_tensor_grad_norms() reads the latest step's tables
 
 
 @fused_step.register_fake
@@ -172,7 +172,7 @@ def _current_hparams(opt, step: TracedStep, lrs: list[torch.Tensor]) -> list:
     """Every group's hyper-parameters as they are now, read as an eager step reads them (the same row objects
     while the values stay, so a backend's identity check still spares it a re-upload); a group whose lr is the
     tensor traced takes the graph's input for it."""
-    rows = opt._hparam_rows()
+    rows = opt.hparam_rows()
     if not lrs:
         if any(isinstance(row.lr, torch.Tensor) for row in rows):
             _refuse_new_lr_kind()

@@ -26,7 +26,7 @@ from .sharding import norm_reducer
 DRIVEN_BY_ENGINE = "_fused_stable_engine_sumsq"
 # the modules of DeepSpeed's optimizer wrappers that step the client optimizer on flat rank partitions
 ZERO_WRAPPER_MODULES = ("deepspeed.runtime.zero.", "deepspeed.runtime.bf16_optimizer")
-# frames looked at above step(): FusedAdamW.step -> _plain_step / hooks -> _fused_step -> _build_plan, plus a
+# frames looked at above step(): FusedAdamW.step -> _plain_step / hooks -> _fused_step -> build_step_plan, plus a
 # GradScaler or a profiler wrapper between the wrapper and step()
 _MAX_DEPTH = 16
 
@@ -36,7 +36,7 @@ def drive(optimizer, global_sumsq) -> None:
     whole model, whose sum of squares `global_sumsq(local_per_tensor_sumsq, params)` turns into the global one.
     Kept through everything that recomputes the reducer (add_param_group, load_state_dict, unpickling)."""
     optimizer.__dict__[DRIVEN_BY_ENGINE] = global_sumsq
-    optimizer._global_sumsq = global_sumsq
+    optimizer.norm_reducer = global_sumsq
 
 
 def norm_reducer_of(optimizer):

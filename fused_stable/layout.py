@@ -139,7 +139,7 @@ def _optional_float(value) -> float | None:
 
 
 class HParams(NamedTuple):
-    """One param group's hyper-parameters as a fused step takes them, one per group (FusedAdamW._hparam_rows)."""
+    """One param group's hyper-parameters as a fused step takes them, one per group (FusedAdamW.hparam_rows)."""
 
     lr: float | torch.Tensor  # with an lr schedule, the group's base lr (`initial_lr`); a tensor is read on the device
     beta1: float

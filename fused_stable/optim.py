@@ -118,16 +118,16 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         self._check_params(self.param_groups)
         self.device = self._params_device()
         self.backend = ops.resolve_backend(backend, self.device)
-        self._global_sumsq = engines.norm_reducer_of(self)  # DTensor params: the all-reduce of the norm
+        self.norm_reducer = engines.norm_reducer_of(self)  # DTensor params: the all-reduce of the norm
         self._fstate, self._istate = layout.new_counters(self.device)
         self._worst_sumsq = self._new_worst_sumsq()
         self.reset_max_zscore()
-        self._buffers = self._step_buffers()
+        self.step_buffers = self._new_step_buffers()
         self._plan: StepPlan | None = None
-        self._last_tables = None  # the backend tables of the latest step: per-tensor norms
+        self.last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
         self._shown_lrs: list[torch.Tensor] = []
-        self._hparams: tuple[list | None, list[HParams]] = (None, [])  # _hparam_rows' last (key, rows)
+        self._hparams: tuple[list | None, list[HParams]] = (None, [])  # hparam_rows' last (key, rows)
         self._show_lrs()
 
     # ------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         if plan is not None and plan.version == self._version.value and type(self.state) is ParamStates:
             grads = plan.current_grads(self.param_groups)  # the per-step check: a few C-level passes
         if grads is None:
-            plan, grads = self._build_plan()
+            plan, grads = self.build_step_plan()
             if plan is None:
                 return
         attrs = self.__dict__  # GradScaler sets these two for the duration of its step() call
@@ -217,16 +217,27 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
             self.backend,
             plan,
             grads,
-            self._buffers,
+            self.step_buffers,
             self.rules,
-            self._hparam_rows(),
+            self.hparam_rows(),
             grad_scale=attrs.get("grad_scale"),
             found_inf=attrs.get("found_inf"),
-            global_sumsq=self._global_sumsq,
+            global_sumsq=self.norm_reducer,
         )
-        self._last_tables = plan.backend_cache
+        self.last_tables = plan.backend_cache
 
-    def _hparam_rows(self) -> list[HParams]:
+    # ------------------------------------------------------------------------------------------
+    # the package-internal surface: what compiled.py, engines.py, the integrations and the benchmark use of the
+    # optimizer (not user API): hparam_rows(), build_step_plan(), step_buffers, last_tables, norm_reducer,
+    # invalidate_plan(), device_schedule_only (set by the HF integration). No module but optim.py and its mixins
+    # reads a private member (tests/core/test_package_layout.py)
+
+    def invalidate_plan(self) -> None:
+        """The params were replaced behind the optimizer's back (DeepSpeed's flat partitions): the next step builds
+        a new plan."""
+        self._version.bump()
+
+    def hparam_rows(self) -> list[HParams]:
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
         group's base lr, `initial_lr`. The same list object while the values stay (a tensor lr by identity), so
         a backend needs one identity check per step, and no HParams is built per step."""
@@ -262,7 +273,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
             self._shown_lrs = []
             return
         previous = self._shown_lrs
-        views = list(self._buffers.hparams[:, layout.H_SHOWN_LR].unbind(0))
+        views = list(self.step_buffers.hparams[:, layout.H_SHOWN_LR].unbind(0))
         for index, (group, view) in enumerate(zip(self.param_groups, views)):
             lr = group["lr"]
             if not (index < len(previous) and lr is previous[index]):
@@ -301,9 +312,9 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         base = torch.stack([torch.as_tensor(b, dtype=torch.float32, device=self.device).reshape(()) for b in bases])
         factor = self.rules.schedule.factor_tensor(self._istate[layout.I_APPLIED_STEPS])
         with torch.no_grad():
-            torch.mul(base, factor, out=self._buffers.hparams[:, layout.H_SHOWN_LR])
+            torch.mul(base, factor, out=self.step_buffers.hparams[:, layout.H_SHOWN_LR])
 
-    def _build_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
+    def build_step_plan(self) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
         """The plan for the params that have a grad now (plan.build_plan), and those grads; (None, None) when
         none has one."""
         check_not_capturing(self.device, "a new step plan (the first step, or params, state or grads that changed)")
@@ -311,7 +322,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         if type(self.state) is not ParamStates:  # replaced wholesale (e.g. by torch's __setstate__)
             self.state = ParamStates(self._version, self.state)
         count = sum(len(group["params"]) for group in self.param_groups)
-        if count != self._worst_sumsq.numel() or len(self.param_groups) != self._buffers.hparams.shape[0]:
+        if count != self._worst_sumsq.numel() or len(self.param_groups) != self.step_buffers.hparams.shape[0]:
             self._renew_slots()  # params or groups added to param_groups in place, not through add_param_group
         self._plan, grads = build_plan(
             self.param_groups,
@@ -323,7 +334,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         )
         return self._plan, grads
 
-    def _step_buffers(self) -> StepBuffers:
+    def _new_step_buffers(self) -> StepBuffers:
         hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
         return StepBuffers(self._fstate, self._istate, hparams, self._worst_sumsq)
 
@@ -332,7 +343,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         anew for the current param_groups; the worst-step window starts over."""
         self._worst_sumsq = self._new_worst_sumsq()
         self.reset_max_zscore()
-        self._buffers = self._step_buffers()
+        self.step_buffers = self._new_step_buffers()
         self._show_lrs()
 
     def _new_worst_sumsq(self) -> torch.Tensor:
@@ -364,7 +375,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
         if "state_precision" in param_group:
             state_format.check_precision(param_group["state_precision"], "a param group's state_precision")
-        constructed = hasattr(self, "_buffers")
+        constructed = hasattr(self, "step_buffers")
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
         param_group["params"] = listed
@@ -373,7 +384,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()
-            self._global_sumsq = engines.norm_reducer_of(self)
+            self.norm_reducer = engines.norm_reducer_of(self)
             self._version.bump()
 
     def _check_params(self, groups: list[dict[str, Any]]) -> None:
@@ -413,9 +424,9 @@ def _refuse_a_torch_scheduler(opt: FusedAdamW) -> None:
     the next step overwrites (or, assigned as a number, becomes the base lr the device schedule multiplies: two
     schedules compounded), and the user is told nothing. torch's schedulers wrap the step of the optimizer they
     drive and mark the wrapper (`_wrapped_by_lr_sched`); the HF integration's DeviceScheduleLR writes no lr and
-    marks the optimizer `_device_schedule_only`. Raised before the step launches anything: nothing changes."""
+    marks the optimizer `device_schedule_only`. Raised before the step launches anything: nothing changes."""
     wrapped = getattr(opt.__dict__.get("step"), "_wrapped_by_lr_sched", False)
-    if wrapped and not opt.__dict__.get("_device_schedule_only", False):
+    if wrapped and not opt.__dict__.get("device_schedule_only", False):
         raise ValueError(
             "a torch LR scheduler drives this FusedAdamW, which already has lr_schedule= (run on the device inside "
             "step()): its lr would be overwritten or compounded. Drop the torch scheduler, or drop lr_schedule= "

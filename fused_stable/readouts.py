@@ -3,7 +3,7 @@
 Every property below is a view (or a tiny op) over the buffers laid out in layout.py, updated in place on the
 device by every step, so reading one costs nothing until its value is asked for on the host (`.item()`, a
 print). A mixin of its own because they are a reference list, one slot each, not logic: optim.py then reads as
-the step. It reads the host class's `_fstate`, `_istate`, `_worst_sumsq`, `_last_tables`, `_param_names`,
+the step. It reads the host class's `_fstate`, `_istate`, `_worst_sumsq`, `last_tables`, `_param_names`,
 `param_groups` and `device` (optim.FusedAdamW sets them all in its constructor).
 """
 
@@ -167,7 +167,7 @@ class ReadOuts:
         """
         params = [p for group in self.param_groups for p in group["params"]]
         norms = torch.zeros(len(params), dtype=torch.float32, device=self.device)
-        tables = self._last_tables
+        tables = self.last_tables
         if tables is not None and tables.per_tensor_sumsq is not None and tables.positions.numel() <= len(params):
             norms.index_copy_(0, tables.positions, tables.per_tensor_sumsq.sqrt())
         return norms

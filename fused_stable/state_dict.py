@@ -3,7 +3,7 @@ under one extra key, and a `__setstate__` that fills what older pickles lack.
 
 A mixin of FusedAdamW (optim.py), whose settings, buffers and helpers it uses: `rules`, `master_weights`,
 `device`, `backend`, `_fstate`, `_istate`, `_worst_sumsq`, `_version`, `_show_lrs()`, `_new_worst_sumsq()`,
-`_step_buffers()`, `_params_device()` and `reset_max_zscore()` / `_reset_worst_step()` (readouts.py).
+`_new_step_buffers()`, `_params_device()` and `reset_max_zscore()` / `_reset_worst_step()` (readouts.py).
 """
 
 from __future__ import annotations
@@ -198,12 +198,12 @@ class SavedState:
             self._fstate, self._istate = layout.new_counters(self.device)
             self._load_counters(saved)
         self._param_names = getattr(self, "_param_names", None)
-        self._buffers = self._step_buffers()
+        self.step_buffers = self._new_step_buffers()
         self._plan = None
-        self._last_tables = None
+        self.last_tables = None
         self._hparams = (None, [])
         self._version.bump()
-        self._global_sumsq = engines.norm_reducer_of(self)
+        self.norm_reducer = engines.norm_reducer_of(self)
         self._show_loaded_lrs()
 
 

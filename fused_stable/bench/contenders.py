@@ -297,7 +297,7 @@ def runs_exact_reference(optimizer) -> bool:
     slower than the fp32 step). Read from the plan the step cached, so the note goes when the fast op comes."""
     from fused_stable.backends.torch.exact_reference import ExactUpdate
 
-    cached = getattr(optimizer, "_last_tables", None)  # the latest step's backend plan (optim.py)
+    cached = getattr(optimizer, "last_tables", None)  # the latest step's backend plan (optim.py)
     return any(type(update) is ExactUpdate for update in getattr(cached, "updates", ()))
 
 

@@ -189,7 +189,7 @@ class EngineStep:
             setattr(wrapper, method, replacement)
         wrapper._optimizer_step = self._group_step  # on the instance: DeepSpeed's loop calls this per group
         engines.drive(fused, self._global_sumsq)  # the all-reduce of the sum of squares (cf. sharding.py)
-        fused._version.bump()  # DeepSpeed replaced the groups' params by its flat partitions: a new plan
+        fused.invalidate_plan()  # DeepSpeed replaced the groups' params by its flat partitions: a new plan
 
     # ------------------------------------------------------------------------------------------
     # per stage: where the flat partitions are, and what DeepSpeed does after each group's step

@@ -69,7 +69,7 @@ class DeviceScheduleLR(LRScheduler):
     def __init__(self, optimizer, *args: Any, **kwargs: Any) -> None:
         fused = find_fused_optimizer(optimizer)
         if fused is not None:  # the one torch scheduler FusedAdamW(lr_schedule=...) accepts: it writes no lr
-            fused._device_schedule_only = True
+            fused.device_schedule_only = True
         super().__init__(optimizer, *args, **kwargs)
 
     def get_lr(self) -> list[float]:

@@ -74,7 +74,7 @@ def assert_same_state(opt_a, opt_b, params_a, params_b):
         for key, value in opt_a.state[p].items():
             assert torch.equal(value, opt_b.state[q][key]), f"param {index}: state {key!r}"
     assert torch.equal(opt_a._fstate, opt_b._fstate) and torch.equal(opt_a._istate, opt_b._istate)
-    assert torch.equal(opt_a._buffers.hparams, opt_b._buffers.hparams)  # with the lrs param_groups show
+    assert torch.equal(opt_a.step_buffers.hparams, opt_b.step_buffers.hparams)  # with the lrs param_groups show
     assert all(g["lr"].data_ptr() == view.data_ptr() for g, view in zip(opt_b.param_groups, opt_b._shown_lrs))
 
 

@@ -67,7 +67,7 @@ def _decision_runs(seed: int, backends: tuple[str, ...], steps: int):
         for params, opt in opts:
             for p in params:
                 p.grad = torch.full_like(p, 0.25)
-            opt._global_sumsq = lambda per_tensor, params, value=sumsq: value.clone()
+            opt.norm_reducer = lambda per_tensor, params, value=sumsq: value.clone()
             for name, value in (("grad_scale", scale), ("found_inf", found)):
                 if value is None:
                     opt.__dict__.pop(name, None)
@@ -245,10 +245,10 @@ def test_meta_and_tensor_lrs_keep_the_tensor_decisions():
             p.grad = g
         opt.step()
     assert taken == [False]
-    assert torch_backend.on_host(opt._hparam_rows(), None) is False
+    assert torch_backend.on_host(opt.hparam_rows(), None) is False
     opt.param_groups[0]["lr"] = 1e-2
-    assert torch_backend.on_host(opt._hparam_rows(), None) is True
-    assert torch_backend.on_host(opt._hparam_rows(), torch.tensor(2.0, dtype=torch.float64)) is False
+    assert torch_backend.on_host(opt.hparam_rows(), None) is True
+    assert torch_backend.on_host(opt.hparam_rows(), torch.tensor(2.0, dtype=torch.float64)) is False
 
 
 def _reader_lines() -> set[int]:

@@ -213,6 +213,45 @@ def test_every_module_is_in_the_module_map():
     assert {"optim.py", "backends/torch/updates.py", "train/run/loop.py", "rules/adamw/triton.py"} <= named
 
 
+# FusedAdamW's own modules: the class, the mixins it is made of and its state mapping; the rest of the package uses its
+# package-internal surface (optim.py says which names)
+OPTIMIZER_MODULES = (
+    "fused_stable.optim",
+    "fused_stable.readouts",
+    "fused_stable.state_dict",
+    "fused_stable.param_state",
+)
+
+
+def _private_members_set_on_self(tree: ast.AST) -> set[str]:
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    }
+
+
+def test_no_module_reads_the_optimizers_private_members():
+    private = set()
+    for name in OPTIMIZER_MODULES:
+        private |= _private_members_set_on_self(ast.parse(MODULES[name].read_text()))
+    assert {"_plan", "_fstate", "_version", "_hparams"} <= private  # the check sees them
+    reached = []
+    for name, path in MODULES.items():
+        if name in OPTIMIZER_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    reached.append(f"{name}:{node.lineno}: .{node.attr}")
+    assert reached == [], f"FusedAdamW's private members used outside it (use its package-internal surface): {reached}"
+
+
 def test_the_checks_see_what_they_claim():
     """The graph is read right: the edges the checks rely on are there (or every check above would pass empty)."""
     assert {"fused_stable.sharding", "fused_stable.plan", "fused_stable.ops"} <= GRAPH["fused_stable.optim"]
@@ -285,7 +324,7 @@ def test_hparams_reach_the_backends_by_name():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     groups = [{"params": params[:1], "betas": (0.8, 0.9), "eps": 1e-6}, {"params": params[1:], "maximize": True}]
     opt = FusedAdamW(groups, lr=0.5, weight_decay=0.25, lr_schedule=schedules.constant(3), backend="torch")
-    first, second = opt._hparam_rows()
+    first, second = opt.hparam_rows()
     assert first == HParams(lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.25, maximize=False)
     assert second.maximize is True and second.lr == 0.5  # with a schedule: the base lr, not the shown tensor
 

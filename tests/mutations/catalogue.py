@@ -1264,7 +1264,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "optim-slots-not-renewed",
         "fused_stable/optim.py",
-        "if count != self._worst_sumsq.numel() or len(self.param_groups) != self._buffers.hparams.shape[0]:",
+        "if count != self._worst_sumsq.numel() or len(self.param_groups) != self.step_buffers.hparams.shape[0]:",
         "if False:",
         ["tests/core/test_plan.py"],
         "params added to a group's list in place get their worst-step window slots",
@@ -2046,7 +2046,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "torch-scheduler-on-lr-schedule-silent",
         "fused_stable/optim.py",
-        '    if wrapped and not opt.__dict__.get("_device_schedule_only", False):\n',
+        '    if wrapped and not opt.__dict__.get("device_schedule_only", False):\n',
         "    if False:\n",
         ["tests/core/test_shown_lr.py"],
         "a torch LR scheduler on top of lr_schedule= is refused at the next step, before anything changes",
@@ -2055,7 +2055,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "device-schedule-lr-refused",
         "fused_stable/integrations/hf.py",
-        "            fused._device_schedule_only = True\n",
+        "            fused.device_schedule_only = True\n",
         "            pass\n",
         ["tests/core/test_shown_lr.py"],
         "the HF integration's DeviceScheduleLR (it writes no lr) is accepted beside lr_schedule=",
@@ -2111,8 +2111,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "compiled-op-keeps-first-hparams",
         "fused_stable/compiled.py",
-        "    rows = opt._hparam_rows()\n",
-        '    rows = step.__dict__.setdefault("first_rows", opt._hparam_rows())\n',
+        "    rows = opt.hparam_rows()\n",
+        '    rows = step.__dict__.setdefault("first_rows", opt.hparam_rows())\n',
         ["tests/core/test_compile_hparams.py"],
         "a compiled step uses the hyper-parameters written into param_groups since the trace (LR schedulers)",
         select="written_between_compiled_steps and eager",
