@@ -94,10 +94,10 @@ def test_rollback_returns_to_the_last_checkpoint_whose_evaluation_passed(monkeyp
     assert [r["step"] for r in rows] == list(range(1, 26))  # rewound to step 10, then continued
     retention = {r["step"]: r["retention_loss"] for r in rows if "retention_loss" in r}
     assert sorted(retention) == [5, 10, 15, 20, 25]  # the failed step-15 evaluation was rewound with its row
-    # the window is not replayed and the lr is halved: the model stays near its base
+    # the window is not replayed and the lr cut by guard_eval_lr_factor (0.25): the model stays near its base
     assert max(retention.values()) < 1.1 * retention[5]
     state = json.loads((out / "checkpoints" / "step-15" / "trainer_state.json").read_text())
-    assert state["rollbacks"] == 1 and state["guard"]["lr_scale"] == 0.5
+    assert state["rollbacks"] == 1 and state["guard"]["lr_scale"] == 0.25
     assert state["micro_batches"] == 20  # steps 11-15 replayed on micro-batches 15-19, the fault window skipped
     best = min(state["eval_start"]["retention_loss"], *retention.values())  # the model before its first step too
     assert state["guard"]["best_eval"]["retention_loss"] == pytest.approx(best, rel=1e-6)
