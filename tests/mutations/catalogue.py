@@ -2153,4 +2153,32 @@ MUTATIONS: list[Mutation] = [
         "--bnb_4bit_compute_dtype sets the run's precision (a contradicting torch_dtype is refused)",
         select="tuner_type",
     ),
+    # ------------------------------------------------------------------ packing (issue 39 item 3)
+    M(
+        "packing-label-crosses-boundary",
+        TRAIN + "data/packing.py",
+        "            labels[r, start] = IGNORE_INDEX  # never predicted from the previous example's last token\n",
+        "",
+        ["tests/train/test_packing.py"],
+        "no label crosses an example boundary: each example's first token is IGNORE_INDEX in a packed row",
+        select="boundary or unpacked_logits",
+    ),
+    M(
+        "packing-positions-continue",
+        TRAIN + "data/packing.py",
+        "            position_ids[r, start:end] = torch.arange(end - start)\n",
+        "            position_ids[r, start:end] = torch.arange(start, end)\n",
+        ["tests/train/test_packing.py"],
+        "position ids restart at 0 for each example of a packed row",
+        select="positions_restart or transformers_own",
+    ),
+    M(
+        "neat-packing-mask-not-passed",
+        TRAIN + "data/packing.py",
+        "    if attention is not None and attention.neat:\n",
+        "    if attention is not None and attention.neat and False:\n",
+        ["tests/train/test_packing.py"],
+        "neat_packing confines attention to each example (the block-diagonal mask reaches the model)",
+        select="unpacked_logits",
+    ),
 ]
