@@ -2181,4 +2181,13 @@ MUTATIONS: list[Mutation] = [
         "neat_packing confines attention to each example (the block-diagonal mask reaches the model)",
         select="unpacked_logits",
     ),
+    M(
+        "loop-packed-attention-dropped",
+        TRAIN + "run/loop.py",
+        "            inputs = packing.model_inputs(batch, device, self.attention)",
+        "            inputs = packing.model_inputs(batch, device, None)",
+        ["tests/train/test_packing.py"],
+        "the training loop feeds packed rows with their neat mask (not only the collate function builds it)",
+        select="loop_feeds",
+    ),
 ]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from sft_helpers import TINY, read_metrics
+from sft_helpers import TINY, fit, read_metrics, setup_run
 
 from fused_stable.errors import UserError
 from fused_stable.train.config.resolve import resolve_config
@@ -168,3 +168,21 @@ def test_sft_trains_with_packing_on_the_tiny_model(sft, tmp_path, flag):
     losses = [row["loss"] for row in read_metrics(out)]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert len(losses) == 12 and last < first - 0.5, (first, last)
+
+
+def test_the_loop_feeds_the_model_the_rows_positions_and_neat_mask(tmp_path):
+    run = setup_run(
+        *TINY, "--output_dir", tmp_path / "run", "--max_steps", "1", "--max_length", "256", "--neat_packing"
+    )
+    assert run.trainer.attention == packing.PackedAttention(neat=True, implementation="sdpa")
+    seen = []
+    hook = run.trainer.model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    try:
+        fit(run)
+    finally:
+        hook.remove()
+    batches = [run.trainer.batches.batch(k) for k in range(2)]  # the step's window (grad_accum 2)
+    assert len(seen) == 2
+    for kwargs, batch in zip(seen, batches):
+        assert torch.equal(kwargs["position_ids"], batch.position_ids)
+        assert torch.equal(kwargs["attention_mask"], packing.block_diagonal_mask(batch.sequence_ids))
