@@ -97,9 +97,8 @@ def collate_packed(rows: list[list[TokenizedExample]], pad_id: int) -> Batch:
             start = end
     attention_mask = (sequence_ids > 0).long()
     num_label_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    batch = Batch(input_ids, attention_mask, labels, int(attention_mask.sum()), num_label_tokens)
-    batch.position_ids, batch.sequence_ids = position_ids, sequence_ids
-    return batch
+    num_tokens = int(attention_mask.sum())
+    return Batch(input_ids, attention_mask, labels, num_tokens, num_label_tokens, position_ids, sequence_ids)
 
 
 def block_diagonal_mask(sequence_ids: torch.Tensor) -> torch.Tensor:
