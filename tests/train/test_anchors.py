@@ -117,18 +117,18 @@ def test_llamafactory_defaults_are_the_hf_trainers(tmp_path):
 
 
 def test_keys_that_cannot_be_honoured_are_refused_in_one_line(tmp_path):
-    config = write(tmp_path, "stage: dpo\npacking: true\nfinetuning_type: freeze\nlearning_rate: 1.0e-4\n")
+    config = write(tmp_path, "stage: dpo\nuse_rslora: true\nfinetuning_type: freeze\nlearning_rate: 1.0e-4\n")
     with pytest.raises(UserError) as info:
         resolve("--config", config)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"{config}: keys fused-stable sft cannot honour: ")
-    for part in ("stage: dpo (only stage: sft", "never packed", "finetuning_type: freeze"):
+    for part in ("stage: dpo (only stage: sft", "rank-stabilised LoRA", "finetuning_type: freeze"):
         assert part in message
     assert "learning_rate" not in message, "a key that maps is not listed with the refused ones"
     # a refused key at its off value asks for nothing: accepted, and said so
-    cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\npacking: false\n"))
-    assert "packing: False -> off, nothing to map" in lines[0]
+    cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\nuse_rslora: false\n"))
+    assert "use_rslora: False -> off, nothing to map" in lines[0]
 
 
 def test_held_out_evaluation_keys_map_onto_ours(tmp_path):

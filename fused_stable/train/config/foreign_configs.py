@@ -224,8 +224,6 @@ REFUSED = {
     "flash_attn": "the attention implementation is the model's default",
     "attn_impl": "the attention implementation is the model's default",
     "max_samples": "a dataset is used whole",
-    "packing": "examples are padded, never packed",
-    "neat_packing": "examples are padded, never packed",
     "train_on_prompt": "only assistant turns are trained",
     "mask_history": "every assistant turn is trained",
     "system": "a default system prompt is not supported: put `system` in the data",

@@ -107,6 +107,16 @@ class TrainConfig:
     )
     max_length: int = _key(512, "truncate tokenised examples to this many tokens", "optim", Range(8, 2**20))
     seed: int = _key(42, "seed for model init, data order and dropout", "optim", Range(0, 2**32 - 1))
+    # packing (train/data/packing.py; LLaMA-Factory's keys, spelt as theirs)
+    packing: bool = _key(
+        False,
+        "pack several examples per row up to max_length (no padding inside a row; position ids restart at each "
+        "example; no label crosses an example); attention still sees the row's earlier examples",
+        "optim",
+    )
+    neat_packing: bool = _key(
+        False, "packing with attention confined to each example (a block-diagonal mask; implies packing)", "optim"
+    )
     # bookkeeping
     logging_steps: int = _key(10, "read metrics from the device every N optimizer steps", "run", POSITIVE_COUNT)
     save_steps: int = _key(100, "write a checkpoint every N optimizer steps (0 = only at the end)", "run")

@@ -304,6 +304,10 @@ class Batch:
     labels: torch.Tensor
     num_tokens: int  # non-padding tokens (host int: throughput without a device read)
     num_label_tokens: int  # tokens that count in the loss after the causal shift
+    # packed rows only (train/data/packing.py): per-example positions, and each token's example in its row (1, 2,
+    # ...; padding 0); None for one example per row
+    position_ids: torch.Tensor | None = None
+    sequence_ids: torch.Tensor | None = None
 
 
 def collate(items: list[TokenizedExample], pad_id: int) -> Batch:
@@ -325,8 +329,9 @@ class BatchOrder:
     """Micro-batch k of the whole run is a pure function of (seed, k): epoch k // per_epoch is a fresh
     permutation seeded by (seed, epoch). The data position in a checkpoint is just k, so resume is exact."""
 
-    def __init__(self, items: list[TokenizedExample], batch_size: int, seed: int, pad_id: int):
-        self.items = items
+    def __init__(self, items: list, batch_size: int, seed: int, pad_id: int, collate_rows=collate):
+        self.items = items  # TokenizedExamples, or packed rows (lists of them) with packing.collate_packed
+        self.collate_rows = collate_rows
         self.batch_size = batch_size
         self.seed = seed
         self.pad_id = pad_id
@@ -341,4 +346,4 @@ class BatchOrder:
             self._perm = torch.randperm(len(self.items), generator=generator).tolist()
             self._epoch = epoch
         idx = self._perm[pos * self.batch_size : (pos + 1) * self.batch_size]
-        return collate([self.items[i] for i in idx], self.pad_id)
+        return self.collate_rows([self.items[i] for i in idx], self.pad_id)

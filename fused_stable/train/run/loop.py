@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_stable.guard import Decision, Guard
+from fused_stable.train.data import packing
 from fused_stable.train.data.instructions import IGNORE_INDEX, BatchOrder
 from fused_stable.train.evaluation.held_out import HeldOutLosses
 from fused_stable.train.run import checkpoint, checkpoint_contents, parallel
@@ -143,6 +144,7 @@ class Trainer:
     engine: object | None = (
         None  # fused_stable.train.run.deepspeed_run.Engine: the loop runs through DeepSpeed (model: its engine)
     )
+    attention: packing.PackedAttention | None = None  # packed rows: how they reach the model (None: not packed)
     state: TrainState = field(default_factory=TrainState)
     stopped_by: str | None = None  # "guard" | "callback" | "interrupt"
     stop_message: str = ""
@@ -197,11 +199,10 @@ class Trainer:
         window_loss = torch.zeros((), device=device)
         for batch in window:
             parallel.set_grad_sync(model, batch is window[-1])  # torchrun/DDP: all-reduce once per window
-            input_ids = batch.input_ids.to(device, non_blocking=True)
-            attention_mask = batch.attention_mask.to(device, non_blocking=True)
+            inputs = packing.model_inputs(batch, device, self.attention)  # packed rows: positions, neat mask
             labels = batch.labels.to(device, non_blocking=True)
             with self.runtime.autocast():
-                logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+                logits = model(**inputs).logits
             loss = (
                 F.cross_entropy(
                     logits[:, :-1].float().reshape(-1, logits.size(-1)),

@@ -275,7 +275,10 @@ def _trainer(cfg, model, groups, items: list, tokenizer, runtime, guard):
     from fused_stable.train.run import deepspeed_run, parallel
     from fused_stable.train.run.loop import Trainer
 
-    batches = instructions.BatchOrder(parallel.shard(items), cfg.batch_size, cfg.seed, tokenizer.pad_token_id)
+    attention, rows, collate_rows = _packed(cfg, model, items)
+    batches = instructions.BatchOrder(
+        parallel.shard(rows), cfg.batch_size, cfg.seed, tokenizer.pad_token_id, collate_rows
+    )
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
     optimizer = _optimizer(cfg, groups, total_steps, guard)
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
@@ -297,7 +300,30 @@ def _trainer(cfg, model, groups, items: list, tokenizer, runtime, guard):
         save_total_limit=cfg.save_total_limit,
         guard=guard,
         eval_steps=eval_steps(cfg),
+        attention=attention,
     )
+
+
+def _packed(cfg, model, items: list):
+    """packing / neat_packing (train/data/packing.py): the examples in rows of at most max_length tokens, their
+    collate function and how they reach the model (neat: refused here, in one line, where the model's attention
+    cannot be confined); without packing, the examples one per row."""
+    from fused_stable.train.data import instructions, packing
+    from fused_stable.train.run import parallel
+
+    if not packing.packing_on(cfg):
+        return None, items, instructions.collate
+    attention = packing.check_attention(parallel.unwrap(model), neat=cfg.neat_packing)
+    rows = packing.pack_rows(items, cfg.max_length)
+    print_rank0(
+        f"packing: {len(items):,} examples in {len(rows):,} rows of at most {cfg.max_length} tokens "
+        + (
+            "(attention confined to each example)"
+            if cfg.neat_packing
+            else "(attention sees the row's earlier examples)"
+        )
+    )
+    return attention, rows, packing.collate_packed
 
 
 def print_rank0(text: str) -> None:
