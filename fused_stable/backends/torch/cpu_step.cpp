@@ -252,9 +252,11 @@ void adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
 // computed by the caller).
 
 constexpr int kFormatBF16 = 1, kFormatQ8 = 2;  // state_format.BF16, Q8
+// the block helpers always inlined into lowbit_piece (its loops vectorise only so; see rules/adamw/cpu.h)
+#define FUSED_STABLE_INLINE __attribute__((always_inline)) inline
 constexpr int64_t kQuantBlock = 128;           // state_format.QUANT_BLOCK; kUpdateChunk is a multiple of it
 
-inline uint32_t mix32(uint32_t x) {  // state_format.mix32 (Wellons' lowbias32)
+FUSED_STABLE_INLINE uint32_t mix32(uint32_t x) {  // state_format.mix32 (Wellons' lowbias32)
   x ^= x >> 16;
   x *= 0x21F0AAADu;
   x ^= x >> 15;
@@ -263,7 +265,7 @@ inline uint32_t mix32(uint32_t x) {  // state_format.mix32 (Wellons' lowbias32)
 }
 
 // state_format.round_stochastic_bf16: the dropped low 16 bits plus 16 random ones carry into the kept half
-inline c10::BFloat16 round_stochastic_bf16(float x, uint32_t bits) {
+FUSED_STABLE_INLINE c10::BFloat16 round_stochastic_bf16(float x, uint32_t bits) {
   uint32_t word;
   std::memcpy(&word, &x, sizeof(word));
   word = (word + (bits & 0xFFFFu)) & 0xFFFF0000u;
@@ -273,7 +275,7 @@ inline c10::BFloat16 round_stochastic_bf16(float x, uint32_t bits) {
 }
 
 // state_format.decode_signed / decode_unsigned on one block
-inline void decode_signed(const int8_t* codes, float scale, float* out, int64_t n) {
+FUSED_STABLE_INLINE void decode_signed(const int8_t* codes, float scale, float* out, int64_t n) {
   constexpr float kInverse = static_cast<float>(1.0 / 127.0);
   for (int64_t i = 0; i < n; ++i) {
     const float q = static_cast<float>(codes[i]) * kInverse;
@@ -281,7 +283,7 @@ inline void decode_signed(const int8_t* codes, float scale, float* out, int64_t 
   }
 }
 
-inline void decode_unsigned(const uint8_t* codes, float scale, float* out, int64_t n) {
+FUSED_STABLE_INLINE void decode_unsigned(const uint8_t* codes, float scale, float* out, int64_t n) {
   constexpr float kInverse = static_cast<float>(1.0 / 255.0);
   for (int64_t i = 0; i < n; ++i) {
     const float q = static_cast<float>(codes[i]) * kInverse;
@@ -291,7 +293,7 @@ inline void decode_unsigned(const uint8_t* codes, float scale, float* out, int64
 }
 
 // The block's largest value (a NaN anywhere makes it NaN, as torch's amax); the padding's zeros change nothing.
-inline float block_max(const float* values, int64_t n) {
+FUSED_STABLE_INLINE float block_max(const float* values, int64_t n) {
   float largest = 0.0f;
   bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
@@ -301,10 +303,10 @@ inline float block_max(const float* values, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : largest;
 }
 
-inline float inverse_of(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+FUSED_STABLE_INLINE float inverse_of(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
 // state_format.encode_signed: s = the block's max |x|, c = round(127 * sqrt(|x| / s)) with x's sign, ties up
-inline float encode_signed(const float* x, int8_t* codes, int64_t n) {
+FUSED_STABLE_INLINE float encode_signed(const float* x, int8_t* codes, int64_t n) {
   float magnitude[kQuantBlock];
   for (int64_t i = 0; i < n; ++i) {
     magnitude[i] = std::fabs(x[i]);
@@ -319,7 +321,7 @@ inline float encode_signed(const float* x, int8_t* codes, int64_t n) {
 }
 
 // state_format.encode_unsigned: r = sqrt(x), s = the block's max r, c = round(255 * sqrt(r / s)), ties up
-inline float encode_unsigned(const float* x, uint8_t* codes, int64_t n) {
+FUSED_STABLE_INLINE float encode_unsigned(const float* x, uint8_t* codes, int64_t n) {
   float root[kQuantBlock];
   for (int64_t i = 0; i < n; ++i) {
     root[i] = std::sqrt(x[i]);
@@ -345,7 +347,7 @@ struct LowbitTensor {
 };
 
 template <int kFormat>
-void decode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad, float* m, float* v, float* v_max) {
+FUSED_STABLE_INLINE void decode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad, float* m, float* v, float* v_max) {
   if (kFormat == kFormatQ8) {
     const int64_t block = first / kQuantBlock;
     decode_signed(static_cast<const int8_t*>(t.exp_avg) + first, t.exp_avg_scale[block], m, n);
@@ -370,7 +372,7 @@ void decode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad,
 }
 
 template <int kFormat>
-void encode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad, const float* m, const float* v,
+FUSED_STABLE_INLINE void encode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad, const float* m, const float* v,
                   const float* v_max) {
   if (kFormat == kFormatQ8) {
     const int64_t block = first / kQuantBlock;
