@@ -4,7 +4,9 @@ Contenders, all doing the same math (global-norm clip at 1.0 + AdamW, lr 1e-3, w
   - fused_stable: `FusedAdamW(max_grad_norm=1.0).step()` (the torch backend: host decisions and the compiled CPU
     ops of fused_stable/backends/torch/cpu_ops.py, one norm call and one update call that reads the grads times the
     clip coefficient without writing them);
-  - fused_stable_torch_ops: the same with torch's ops instead of the compiled ones (`_foreach_norm`,
+  - fused_stable_bf16, fused_stable_8bit: the same with `state_precision="bf16"` / `"8bit"` (the compiled update for
+    low-precision state, cpu_ops.adamw_lowbit; fp32 params, so against torch_fused's fp32 state: issue 36 item 2);
+  - fused_stable_torch_ops: the same as fused_stable with torch's ops instead of the compiled ones (`_foreach_norm`,
     `_fused_adamw_`: what a machine without a C++ compiler runs);
   - torch_fused: `clip_grad_norm_(foreach=True)` + `AdamW(fused=True)` (fused_stable.bench's baseline);
   - deepspeed_cpu_adam: torch's `clip_grad_norm_(foreach=True)` (the stand-in for DeepSpeed's clip, which is a
@@ -50,12 +52,28 @@ from fused_stable.bench.paramsets import plan_sets, sweep_shapes
 from fused_stable.bench.report import cpu_name
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 1e-2, 1.0
-CONTENDERS = ("fused_stable", "fused_stable_torch_ops", "torch_fused", "deepspeed_cpu_adam")
+CONTENDERS = (
+    "fused_stable",
+    "fused_stable_bf16",
+    "fused_stable_8bit",
+    "fused_stable_torch_ops",
+    "torch_fused",
+    "deepspeed_cpu_adam",
+)
+# the state precision of the low-precision contenders (fused_stable itself: fp32 state)
+PRECISIONS = {"fused_stable_bf16": "bf16", "fused_stable_8bit": "8bit"}
 # bytes per fp32 param of one step, by the bytes model: norm read 4; update read p, g, m, v + write p, m, v 28;
 # a clip pass (or torch's write of the unscaled grads when _fused_adamw_ gets grad_scale) 8 or 4
 BYTES_PER_PARAM = {
     ("fused_stable", "unclipped"): 32,
     ("fused_stable", "clipped"): 32,  # the compiled update reads grad * clip coefficient, writes no grad
+    # bf16 moments: update read p 4, g 4, m 2, v 2 + write p 4, m 2, v 2 = 20, with the norm 24
+    ("fused_stable_bf16", "unclipped"): 24,
+    ("fused_stable_bf16", "clipped"): 24,
+    # 8-bit moments: codes 1 + 1 read and written, one fp32 scale per 128 codes each read and written (0.125):
+    # 20.125 (tensors under 4096 elements keep fp32 moments: 32, a small share of the sets' params)
+    ("fused_stable_8bit", "unclipped"): 20.125,
+    ("fused_stable_8bit", "clipped"): 20.125,
     ("fused_stable_torch_ops", "unclipped"): 32,
     ("fused_stable_torch_ops", "clipped"): 36,  # torch's CPU _fused_adamw_ writes grad / grad_scale back
     ("torch_fused", "unclipped"): 40,
@@ -110,10 +128,12 @@ def build(contender: str, params):
     def clip():
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
 
-    if contender == "fused_stable":
+    if contender == "fused_stable" or contender in PRECISIONS:
         if not cpu_ops.available():
             raise SystemExit("the compiled CPU ops did not build here (see the warning above): nothing to measure")
-        return FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM).step
+        precision = PRECISIONS.get(contender, "fp32")
+        opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM, state_precision=precision)
+        return opt.step
     if contender == "fused_stable_torch_ops":
         opt = FusedAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM)
         # the backend picks its ops when it builds the step plan, at the first step: that one without the
@@ -214,7 +234,8 @@ def summary(rows: list[dict]) -> list[dict]:
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
-        "# CPU optimizer step: fused_stable vs torch clip + AdamW(fused) vs DeepSpeedCPUAdam + clip",
+        "# CPU optimizer step: fused_stable (fp32, bf16, 8-bit state) vs torch clip + AdamW(fused) vs "
+        "DeepSpeedCPUAdam + clip",
         "",
         f"Command: `{result['command']}`; {env['cpu']} ({env['cores']} logical cores), torch {env['torch']}, "
         f"deepspeed {env['deepspeed']}; load average {env['load_start']} at the start, {env['load_end']} at the end; "

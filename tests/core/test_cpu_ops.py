@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import reference_adamw_fp64, ulp_distance
 
-from fused_stable import FusedAdamW
+from fused_stable import FusedAdamW, schedules
 from fused_stable.backends.torch import cpu_ops
-from fused_stable.backends.torch.updates import CompiledUpdate
+from fused_stable.backends.torch.updates import CompiledUpdate, LowbitUpdate
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the compiled CPU ops could not be built here")
 
@@ -185,7 +185,7 @@ STEP_AND_REPORT = """
     import json
     import warnings
     import torch
-    from fused_stable import FusedAdamW
+    from fused_stable import FusedAdamW, schedules
     from fused_stable.backends.torch import cpu_ops
     p = torch.nn.Parameter(torch.ones(5))
     p.grad = torch.full((5,), 2.0)
@@ -308,3 +308,158 @@ def test_low_precision_params_take_the_compiled_update_within_torch_ops_floor(dt
     if master_weights:  # the params are their masters' roundings
         for p in params:
             assert torch.equal(p.detach(), opt.state[p]["master_param"].to(dtype))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bf16 and 8-bit state (issue 36 item 1): the compiled op (cpu_ops.adamw_lowbit, updates.LowbitUpdate) against
+# the exact reference (exact_reference.ExactUpdate) on the same run: the same compiled norm pass and host
+# decisions, only the update door differs, so every code, scale, moment and param must be bit-identical.
+
+# a matrix, a tail block, tensors spanning 2 and 4 of the 65536-element chunks, one under the 8-bit small-tensor
+# rule (fp32 moments in "8bit": the fp32 op), and a transposed grad (read from a copy)
+LOWBIT_SHAPES = [(64, 100), (9000,), (70001,), (3 * 65536 + 5,), (130,), (300, 257)]
+LOWBIT_CASES = {
+    "clipped": dict(weight_decay=0.1, max_grad_norm=1.0),
+    "amsgrad-maximize": dict(amsgrad=True, maximize=True, weight_decay=0.01, max_grad_norm=50.0),
+    "bf16-master-zscore-spike": dict(
+        dtype=torch.bfloat16, master_weights=True, clip="zscore", zscore_warmup=2, spike_skip_threshold=3.0
+    ),
+    "fp16-tensor-lr-schedule": dict(
+        dtype=torch.float16, lr=torch.tensor(1e-2), lr_schedule=schedules.warmup_cosine(8, 2), amsgrad=True
+    ),
+}
+
+
+def lowbit_grads(params, step):
+    gen = torch.Generator().manual_seed(2000 + step)
+    scale = 40.0 if step == 5 else 1.0 + step % 3  # a spike at step 5 (the z-score case skips it)
+    for k, p in enumerate(params):
+        g = torch.randn(p.shape[::-1] if k == 5 else p.shape, generator=gen) * scale
+        p.grad = (g.t() if k == 5 else g).to(p.dtype)
+
+
+def lowbit_run(precision, steps=7, dtype=torch.float32, **kwargs):
+    gen = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in LOWBIT_SHAPES]
+    kwargs.setdefault("lr", 1e-2)
+    opt = FusedAdamW(params, state_precision=precision, backend="torch", **kwargs)
+    for step in range(steps):
+        lowbit_grads(params, step)
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, grads)), "the grads were written"
+    return params, opt
+
+
+def lowbit_doors(opt):
+    return [type(door).__name__ for door in opt._plan.backend_cache.updates]
+
+
+def assert_bit_identical(run, reference):
+    (params, opt), (ref_params, ref_opt) = run, reference
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p.detach(), q.detach())
+        state, ref_state = opt.state[p], ref_opt.state[q]
+        assert sorted(state) == sorted(ref_state)
+        for key, value in state.items():
+            assert value.dtype == ref_state[key].dtype and torch.equal(value, ref_state[key]), (tuple(p.shape), key)
+
+
+def exact_reference_only(monkeypatch):
+    """Every bf16 / 8-bit update through the exact reference, the rest of the step unchanged."""
+    monkeypatch.setattr(LowbitUpdate, "fits", staticmethod(lambda *args: False))
+
+
+@pytest.mark.parametrize("case", list(LOWBIT_CASES), ids=list(LOWBIT_CASES))
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_lowbit_update_is_the_exact_reference_bit_for_bit(precision, case, monkeypatch):
+    """Codes, scales, bf16 moments (stochastic rounding included), masters and params all bit-identical to the
+    exact reference's after 7 steps, with the clip active (the coefficient applied once), amsgrad, maximize,
+    weight decay, master weights, a tensor lr with a schedule, and a z-score spike skip."""
+    kwargs = LOWBIT_CASES[case]
+    ours = lowbit_run(precision, **kwargs)
+    assert "LowbitUpdate" in lowbit_doors(ours[1]) and "ExactUpdate" not in lowbit_doors(ours[1])
+    if kwargs.get("max_grad_norm") == 1.0:
+        assert float(ours[1].grad_norm) > 1.0  # the clip was active
+    if "spike_skip_threshold" in kwargs:
+        assert int(ours[1].spike_skips) == 1  # the spike was skipped: state and scales untouched by it
+    exact_reference_only(monkeypatch)
+    reference = lowbit_run(precision, **kwargs)
+    assert "LowbitUpdate" not in lowbit_doors(reference[1])
+    assert_bit_identical(ours, reference)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_lowbit_update_does_not_depend_on_the_thread_count(precision):
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(lowbit_run(precision, steps=3, amsgrad=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert_bit_identical(*runs)
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["host-decisions", "tensor-lr"])
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_lowbit_skipped_step_leaves_codes_and_scales_untouched(precision, tensor_lr):
+    """A non-finite grad: no param, code, scale or moment changes (also with a tensor lr, whose tensor decisions
+    are read back to the host for the compiled update), and the next finite step applies."""
+    lr = torch.tensor(1e-2) if tensor_lr else 1e-2
+    params, opt = lowbit_run(precision, steps=2, lr=lr, amsgrad=True)
+    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    lowbit_grads(params, 2)
+    params[2].grad[17] = float("nan")
+    opt.step()
+    assert bool(opt.last_step_skipped)
+    for p, old_p, old_state in zip(params, *before):
+        assert torch.equal(p.detach(), old_p)
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, old_state[key]), key
+    lowbit_grads(params, 3)
+    opt.step()
+    assert not bool(opt.last_step_skipped) and float(opt.state[params[0]]["step"]) == 3.0
+
+
+def test_lowbit_doors_fall_back_to_the_exact_reference(monkeypatch):
+    """A non-contiguous param's bf16 / 8-bit state takes the exact reference (which walks any layout), the rest
+    the compiled op, in one step that agrees with the reference everywhere; without the compiled ops every
+    bf16 / 8-bit update is the reference's (`FUSED_STABLE_CPU_OPS=0`: test_the_switch_skips_the_build)."""
+
+    def mixed(precision):
+        gen = torch.Generator().manual_seed(3)
+        params = [
+            torch.nn.Parameter(torch.randn(80, 96, generator=gen).t()),
+            torch.nn.Parameter(torch.randn(5000, generator=gen)),
+        ]
+        opt = FusedAdamW(params, lr=1e-2, state_precision=precision, backend="torch")
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return params, opt
+
+    for precision in ("bf16", "8bit"):
+        ours = mixed(precision)
+        assert sorted(lowbit_doors(ours[1])) == ["ExactUpdate", "LowbitUpdate"]
+        with monkeypatch.context() as patch:
+            exact_reference_only(patch)
+            assert_bit_identical(ours, mixed(precision))
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_ops, "available", lambda: False)
+            assert lowbit_doors(mixed(precision)[1]) == ["ExactUpdate", "ExactUpdate"]
+
+
+def test_lowbit_adamw_refuses_wrong_lists():
+    p, codes = torch.zeros(256), torch.zeros(256, dtype=torch.int8)
+    scalars, keys = torch.zeros(1, 8), torch.zeros(1, dtype=torch.int64)
+    lists = ([codes], [codes.to(torch.uint8)], [])
+    with pytest.raises(RuntimeError, match="scales in 8bit only"):
+        cpu_ops.adamw_lowbit([p], [p], lists, ([], [], []), masters=None, scalars=scalars, keys=keys, state_format=2)
+    with pytest.raises(RuntimeError, match="one per block of 128"):
+        scales = ([torch.zeros(3)], [torch.zeros(2)], [])
+        cpu_ops.adamw_lowbit([p], [p], lists, scales, masters=None, scalars=scalars, keys=keys, state_format=2)
+    with pytest.raises(RuntimeError, match="state format's dtypes"):
+        cpu_ops.adamw_lowbit([p], [p], lists, ([], [], []), masters=None, scalars=scalars, keys=keys, state_format=1)

@@ -33,3 +33,19 @@ def test_cpu_step_benchmark_writes_its_table(tmp_path):
     assert all(r["median_ms"] > 0 for r in rows.values())
     table = (tmp_path / "r.md").read_text()
     assert table.count("| tiny-6 | clipped | 1 |") == 3
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the compiled CPU ops could not be built here")
+def test_cpu_step_benchmark_has_the_precision_axis(tmp_path):
+    """bf16 and 8-bit state rows beside fp32's, against torch's fp32-state clip + fused AdamW (issue 36 item 2),
+    with their bytes models: 24 and 20.125 B/param for fp32 params."""
+    contenders = "fused_stable,fused_stable_bf16,fused_stable_8bit,torch_fused"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_step.py"), "--runs", "1", "--threads", "1", "--sets",
+         "tiny-6", "--regimes", "unclipped", "--contenders", contenders, "--out", str(tmp_path), "--name", "r"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["contender"]: r for r in json.loads((tmp_path / "r.json").read_text())["summary"]}
+    assert [rows[c]["bytes_per_param"] for c in contenders.split(",")] == [32, 24, 20.125, 40]
+    assert all(r["median_ms"] > 0 for r in rows.values())

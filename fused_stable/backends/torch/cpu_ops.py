@@ -154,3 +154,23 @@ def adamw(
         maximize,
         grad_mul,
     )
+
+
+def adamw_lowbit(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    moments: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    scales: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    *,
+    masters: list[torch.Tensor] | None,
+    scalars: torch.Tensor,
+    keys: torch.Tensor,
+    state_format: int,
+) -> None:
+    """AdamW with bf16 (`state_format` = state_format.BF16) or 8-bit (Q8) moments on contiguous CPU tensors, as
+    the exact reference computes it (exact_reference.py): `moments` are (exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+    the last empty without amsgrad), `scales` their 8-bit per-block scales (empty lists in bf16), `scalars` the
+    rule's step scalars per tensor ([n, 8] fp32, rules/adamw/torch.py's `step_scalars` in its order) and `keys`
+    each tensor's stochastic-rounding key for this step ([n] int64, state_format.random_key). The `step`
+    counters are the caller's (already advanced); the grads are read, never written."""
+    torch.ops.fused_stable.adamw_lowbit(params, grads, *moments, *scales, masters or [], scalars, keys, state_format)

@@ -2,7 +2,9 @@
 //   fused_stable::sum_squares  every grad read once: per-tensor sums of squares in fp64, one call for all tensors;
 //   fused_stable::adamw        AdamW that reads each grad times the step's multiplier (clip coefficient / loss
 //                              scale) and never writes it back, and advances the `step` counters itself; fp32,
-//                              bf16 or fp16 params (with or without fp32 master copies), fp32 moments.
+//                              bf16 or fp16 params (with or without fp32 master copies), fp32 moments;
+//   fused_stable::adamw_lowbit the same with bf16 or 8-bit moments (state_format.py), one pass per chunk:
+//                              decode, update, encode, block by block, as the exact reference computes them.
 // Together 4 + 28 = 32 bytes per fp32 parameter, clipped or not (torch's CPU `_fused_adamw_` writes the scaled
 // grads back when given `grad_scale`: 36), and two calls per step instead of five torch ops; 2 + 22 = 24 for bf16
 // params (32 with a master copy), where torch's ops copy the params and grads to fp32 and back.
@@ -21,6 +23,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "adamw/cpu.h"  // fused_stable/rules/ is on the include path (cpu_ops.py)
@@ -237,6 +242,289 @@ void adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
   });
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// bf16 and 8-bit moments (fused_stable/state_format.py): the update of the exact reference
+// (backends/torch/exact_reference.py) in one pass per chunk: each block of kQuantBlock elements decoded, updated
+// and encoded again in registers. The arithmetic is state_format.py's, operation by operation in fp32 (IEEE
+// division and square root: the hardware's correctly rounded ones, as state_format.sqrt_rn), and the stochastic
+// rounding of bf16 exp_avg_sq draws state_format.random_bits: mix32(element ^ key), the element's index in its
+// tensor (its memory order: the tensors are contiguous), the key per tensor and step (state_format.random_key,
+// computed by the caller).
+
+constexpr int kFormatBF16 = 1, kFormatQ8 = 2;  // state_format.BF16, Q8
+// the block helpers always inlined into lowbit_piece (its loops vectorise only so; see rules/adamw/cpu.h)
+#define FUSED_STABLE_INLINE __attribute__((always_inline)) inline
+constexpr int64_t kQuantBlock = 128;           // state_format.QUANT_BLOCK; kUpdateChunk is a multiple of it
+
+FUSED_STABLE_INLINE uint32_t mix32(uint32_t x) {  // state_format.mix32 (Wellons' lowbias32)
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+// state_format.round_stochastic_bf16: the dropped low 16 bits plus 16 random ones carry into the kept half
+FUSED_STABLE_INLINE c10::BFloat16 round_stochastic_bf16(float x, uint32_t bits) {
+  uint32_t word;
+  std::memcpy(&word, &x, sizeof(word));
+  word = (word + (bits & 0xFFFFu)) & 0xFFFF0000u;
+  float rounded;
+  std::memcpy(&rounded, &word, sizeof(rounded));
+  return c10::BFloat16(rounded);  // exact: the low half is zero
+}
+
+// state_format.decode_signed / decode_unsigned on one block
+FUSED_STABLE_INLINE void decode_signed(const int8_t* codes, float scale, float* out, int64_t n) {
+  constexpr float kInverse = static_cast<float>(1.0 / 127.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = static_cast<float>(codes[i]) * kInverse;
+    out[i] = q * std::fabs(q) * scale;
+  }
+}
+
+FUSED_STABLE_INLINE void decode_unsigned(const uint8_t* codes, float scale, float* out, int64_t n) {
+  constexpr float kInverse = static_cast<float>(1.0 / 255.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = static_cast<float>(codes[i]) * kInverse;
+    const float root = q * q * scale;
+    out[i] = root * root;
+  }
+}
+
+// The block's largest value (a NaN anywhere makes it NaN, as torch's amax); the padding's zeros change nothing.
+FUSED_STABLE_INLINE float block_max(const float* values, int64_t n) {
+  float largest = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    nan |= std::isnan(values[i]);
+    largest = values[i] > largest ? values[i] : largest;
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : largest;
+}
+
+FUSED_STABLE_INLINE float inverse_of(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+
+// state_format.encode_signed: s = the block's max |x|, c = round(127 * sqrt(|x| / s)) with x's sign, ties up
+FUSED_STABLE_INLINE float encode_signed(const float* x, int8_t* codes, int64_t n) {
+  float magnitude[kQuantBlock];
+  for (int64_t i = 0; i < n; ++i) {
+    magnitude[i] = std::fabs(x[i]);
+  }
+  const float scale = block_max(magnitude, n);
+  const float inverse = inverse_of(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    const float code = std::floor(std::sqrt(std::min(magnitude[i] * inverse, 1.0f)) * 127.0f + 0.5f);
+    codes[i] = static_cast<int8_t>(x[i] < 0.0f ? -code : code);
+  }
+  return scale;
+}
+
+// state_format.encode_unsigned: r = sqrt(x), s = the block's max r, c = round(255 * sqrt(r / s)), ties up
+FUSED_STABLE_INLINE float encode_unsigned(const float* x, uint8_t* codes, int64_t n) {
+  float root[kQuantBlock];
+  for (int64_t i = 0; i < n; ++i) {
+    root[i] = std::sqrt(x[i]);
+  }
+  const float scale = block_max(root, n);
+  const float inverse = inverse_of(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    codes[i] = static_cast<uint8_t>(std::floor(std::sqrt(std::min(root[i] * inverse, 1.0f)) * 255.0f + 0.5f));
+  }
+  return scale;
+}
+
+// One tensor's pointers for the low-precision update (the moments' codes or bf16 values, and in 8-bit the
+// per-block scales; max_* only with amsgrad, master only with master weights).
+struct LowbitTensor {
+  void* param;
+  const void* grad;
+  float* master;
+  void *exp_avg, *exp_avg_sq, *max_exp_avg_sq;
+  float *exp_avg_scale, *exp_avg_sq_scale, *max_exp_avg_sq_scale;
+  StepScalars scalars;
+  uint32_t key;  // state_format.random_key of this tensor and step (bf16 exp_avg_sq's stochastic rounding)
+};
+
+template <int kFormat>
+FUSED_STABLE_INLINE void decode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad, float* m, float* v, float* v_max) {
+  if (kFormat == kFormatQ8) {
+    const int64_t block = first / kQuantBlock;
+    decode_signed(static_cast<const int8_t*>(t.exp_avg) + first, t.exp_avg_scale[block], m, n);
+    decode_unsigned(static_cast<const uint8_t*>(t.exp_avg_sq) + first, t.exp_avg_sq_scale[block], v, n);
+    if (amsgrad) {
+      decode_unsigned(static_cast<const uint8_t*>(t.max_exp_avg_sq) + first, t.max_exp_avg_sq_scale[block], v_max, n);
+    }
+    return;
+  }
+  const auto* m16 = static_cast<const c10::BFloat16*>(t.exp_avg) + first;
+  const auto* v16 = static_cast<const c10::BFloat16*>(t.exp_avg_sq) + first;
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = static_cast<float>(m16[i]);
+    v[i] = static_cast<float>(v16[i]);
+  }
+  if (amsgrad) {
+    const auto* max16 = static_cast<const c10::BFloat16*>(t.max_exp_avg_sq) + first;
+    for (int64_t i = 0; i < n; ++i) {
+      v_max[i] = static_cast<float>(max16[i]);
+    }
+  }
+}
+
+template <int kFormat>
+FUSED_STABLE_INLINE void encode_block(const LowbitTensor& t, int64_t first, int64_t n, bool amsgrad, const float* m, const float* v,
+                  const float* v_max) {
+  if (kFormat == kFormatQ8) {
+    const int64_t block = first / kQuantBlock;
+    t.exp_avg_scale[block] = encode_signed(m, static_cast<int8_t*>(t.exp_avg) + first, n);
+    t.exp_avg_sq_scale[block] = encode_unsigned(v, static_cast<uint8_t*>(t.exp_avg_sq) + first, n);
+    if (amsgrad) {
+      t.max_exp_avg_sq_scale[block] = encode_unsigned(v_max, static_cast<uint8_t*>(t.max_exp_avg_sq) + first, n);
+    }
+    return;
+  }
+  auto* m16 = static_cast<c10::BFloat16*>(t.exp_avg) + first;
+  auto* v16 = static_cast<c10::BFloat16*>(t.exp_avg_sq) + first;
+  for (int64_t i = 0; i < n; ++i) {
+    m16[i] = c10::BFloat16(m[i]);  // to nearest even
+    v16[i] = round_stochastic_bf16(v[i], mix32(static_cast<uint32_t>(first + i) ^ t.key));
+  }
+  if (amsgrad) {
+    auto* max16 = static_cast<c10::BFloat16*>(t.max_exp_avg_sq) + first;
+    for (int64_t i = 0; i < n; ++i) {
+      max16[i] = c10::BFloat16(v_max[i]);  // a running maximum: to nearest even
+    }
+  }
+}
+
+// One chunk (whole blocks, but the tensor's last) of one tensor: per block, decode, AdamW, encode.
+template <int kFormat, typename P, bool kAmsgrad, bool kMaster>
+void lowbit_piece(const LowbitTensor& t, int64_t begin, int64_t end) {
+  P* param = static_cast<P*>(t.param);
+  const P* grad = static_cast<const P*>(t.grad);
+  float m[kQuantBlock], v[kQuantBlock], v_max[kQuantBlock];
+  for (int64_t first = begin; first < end; first += kQuantBlock) {
+    const int64_t n = std::min(kQuantBlock, end - first);
+    decode_block<kFormat>(t, first, n, kAmsgrad, m, v, v_max);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t i = first + k;
+      float p = kMaster ? t.master[i] : static_cast<float>(param[i]);
+      fused_stable::adamw::adamw_element<kAmsgrad>(p, static_cast<float>(grad[i]), m[k], v[k], v_max[k], t.scalars);
+      if (kMaster) {
+        t.master[i] = p;
+      }
+      param[i] = static_cast<P>(p);
+    }
+    encode_block<kFormat>(t, first, n, kAmsgrad, m, v, v_max);
+  }
+}
+
+template <int kFormat, typename P>
+void lowbit_chunk_of(const LowbitTensor& t, bool amsgrad, int64_t begin, int64_t end) {
+  const bool master = t.master != nullptr;
+  if (amsgrad) {
+    return master ? lowbit_piece<kFormat, P, true, true>(t, begin, end)
+                  : lowbit_piece<kFormat, P, true, false>(t, begin, end);
+  }
+  return master ? lowbit_piece<kFormat, P, false, true>(t, begin, end)
+                : lowbit_piece<kFormat, P, false, false>(t, begin, end);
+}
+
+template <int kFormat>
+void lowbit_chunk(const LowbitTensor& t, at::ScalarType dtype, bool amsgrad, int64_t begin, int64_t end) {
+  switch (dtype) {
+    case at::kFloat:
+      return lowbit_chunk_of<kFormat, float>(t, amsgrad, begin, end);
+    case at::kBFloat16:
+      return lowbit_chunk_of<kFormat, c10::BFloat16>(t, amsgrad, begin, end);
+    case at::kHalf:
+      return lowbit_chunk_of<kFormat, c10::Half>(t, amsgrad, begin, end);
+    default:
+      TORCH_CHECK(false, "fused_stable::adamw_lowbit: unsupported param dtype ", dtype);
+  }
+}
+
+bool is_scales_of(const at::Tensor& scales, const at::Tensor& like) {
+  return is_plain_fp32(scales, scales) && scales.numel() == (like.numel() + kQuantBlock - 1) / kQuantBlock;
+}
+
+// AdamW with bf16 (`state_format` 1) or 8-bit (2) moments: the update of the exact reference, with its step
+// scalars given per tensor (`scalars`: [n, 8] fp32, rules/adamw/torch.py's `step_scalars` in its order, computed
+// by the caller from the `step` counters it has already advanced) and the stochastic rounding's keys (`keys`:
+// [n] int64, state_format.random_key). Grads are read (times the scalars' grad multiplier), never written.
+void adamw_lowbit(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList max_exp_avg_sqs, at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
+                  at::TensorList max_exp_avg_sq_scales, at::TensorList masters, const at::Tensor& scalars,
+                  const at::Tensor& keys, int64_t state_format) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  const bool with_masters = !masters.empty();
+  const bool q8 = state_format == kFormatQ8;
+  TORCH_CHECK(state_format == kFormatBF16 || q8,
+              "fused_stable::adamw_lowbit: state_format must be 1 (bf16) or 2 (8bit)");
+  auto sized = [n](at::TensorList list, bool wanted) {
+    return static_cast<int64_t>(list.size()) == (wanted ? n : 0);
+  };
+  TORCH_CHECK(sized(grads, true) && sized(exp_avgs, true) && sized(exp_avg_sqs, true) &&
+                  sized(max_exp_avg_sqs, amsgrad) && sized(masters, with_masters) && sized(exp_avg_scales, q8) &&
+                  sized(exp_avg_sq_scales, q8) && sized(max_exp_avg_sq_scales, q8 && amsgrad),
+              "fused_stable::adamw_lowbit: the lists must have one tensor per param (scales in 8bit only)");
+  TORCH_CHECK(scalars.scalar_type() == at::kFloat && scalars.is_contiguous() && scalars.dim() == 2 &&
+                  scalars.size(0) == n && scalars.size(1) == 8 && keys.scalar_type() == at::kLong &&
+                  keys.is_contiguous() && keys.numel() == n,
+              "fused_stable::adamw_lowbit: scalars must be contiguous fp32 [params, 8], keys int64 [params]");
+  const float* scalar_rows = scalars.const_data_ptr<float>();
+  const int64_t* key_values = keys.const_data_ptr<int64_t>();
+  std::vector<at::Tensor> dense_grads(grads.begin(), grads.end());
+  std::vector<LowbitTensor> tensors(n);
+  std::vector<int64_t> sizes(n);
+  const at::ScalarType dtype = n > 0 ? params[0].scalar_type() : at::kFloat;
+  for (int64_t t = 0; t < n; ++t) {
+    const at::Tensor& p = params[t];
+    if (!dense_grads[t].is_contiguous()) {
+      dense_grads[t] = dense_grads[t].contiguous();  // rare (a transposed grad): read from a copy
+    }
+    const at::ScalarType m_dtype = q8 ? at::kChar : at::kBFloat16;
+    const at::ScalarType v_dtype = q8 ? at::kByte : at::kBFloat16;
+    TORCH_CHECK(p.scalar_type() == dtype && is_plain(p, p, dtype) && is_plain(dense_grads[t], p, dtype) &&
+                    is_plain(exp_avgs[t], p, m_dtype) && is_plain(exp_avg_sqs[t], p, v_dtype) &&
+                    (!amsgrad || is_plain(max_exp_avg_sqs[t], p, v_dtype)) &&
+                    (!with_masters || is_plain_fp32(masters[t], p)),
+                "fused_stable::adamw_lowbit: params and grads must be contiguous CPU tensors of one dtype and size, "
+                "the moments contiguous of that size in the state format's dtypes, the masters fp32");
+    TORCH_CHECK(!q8 || (is_scales_of(exp_avg_scales[t], p) && is_scales_of(exp_avg_sq_scales[t], p) &&
+                        (!amsgrad || is_scales_of(max_exp_avg_sq_scales[t], p))),
+                "fused_stable::adamw_lowbit: 8-bit scales must be contiguous fp32, one per block of 128 elements");
+    const float* row = scalar_rows + 8 * t;
+    LowbitTensor& lt = tensors[t];
+    lt.param = p.data_ptr();
+    lt.grad = dense_grads[t].const_data_ptr();
+    lt.master = with_masters ? masters[t].data_ptr<float>() : nullptr;
+    lt.exp_avg = exp_avgs[t].data_ptr();
+    lt.exp_avg_sq = exp_avg_sqs[t].data_ptr();
+    lt.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[t].data_ptr() : nullptr;
+    lt.exp_avg_scale = q8 ? exp_avg_scales[t].data_ptr<float>() : nullptr;
+    lt.exp_avg_sq_scale = q8 ? exp_avg_sq_scales[t].data_ptr<float>() : nullptr;
+    lt.max_exp_avg_sq_scale = q8 && amsgrad ? max_exp_avg_sq_scales[t].data_ptr<float>() : nullptr;
+    // torch.py's order: grad_mul, decay, beta2, 1 - beta1, 1 - beta2, eps, step_size, sqrt(bias_correction2)
+    lt.scalars = {row[0], row[1], 0.0f, row[2], row[3], row[4], row[5], row[6], row[7]};
+    lt.key = static_cast<uint32_t>(key_values[t]);
+    sizes[t] = p.numel();
+  }
+  const std::vector<Piece> pieces = cut(sizes, kUpdateChunk);  // whole blocks: the chunk is a multiple of 128
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  at::parallel_for(0, num_pieces, 1, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const Piece& piece = pieces[num_pieces - 1 - j];  // last chunk first, as adamw
+      if (q8) {
+        lowbit_chunk<kFormatQ8>(tensors[piece.tensor], dtype, amsgrad, piece.begin, piece.end);
+      } else {
+        lowbit_chunk<kFormatBF16>(tensors[piece.tensor], dtype, amsgrad, piece.begin, piece.end);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fused_stable, m) {
@@ -246,4 +534,9 @@ TORCH_LIBRARY(fused_stable, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(f!)[] masters, Tensor(e!)[] steps, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, bool maximize, float grad_mul) -> ()",
       &adamw);
+  m.def(
+      "adamw_lowbit(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_scales, Tensor(f!)[] exp_avg_sq_scales, "
+      "Tensor(g!)[] max_exp_avg_sq_scales, Tensor(h!)[] masters, Tensor scalars, Tensor keys, int state_format) -> ()",
+      &adamw_lowbit);
 }

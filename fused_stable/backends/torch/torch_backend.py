@@ -34,7 +34,7 @@ from . import cpu_ops, host_decide
 from .exact_reference import ExactUpdate
 from .host_decide import HOST_READERS as HOST_READERS
 from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
-from .updates import CompiledUpdate, NativeUpdate, Update
+from .updates import CompiledUpdate, LowbitUpdate, NativeUpdate, Update
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
@@ -56,8 +56,9 @@ class TorchLists:
         by_update: dict[tuple, list[int]] = {}
         for index, (group, param, fmt) in enumerate(zip(plan.groups, plan.local_params, plan.formats)):
             by_dtype.setdefault(param.dtype, []).append(index)
-            if fmt != FP32:  # bf16 or 8-bit moments: the exact reference, which takes any layout
-                key = (group, param.dtype, plan.masters[index] is not None, fmt)
+            if fmt != FP32:  # bf16 or 8-bit moments: the compiled op or the exact reference (choose_update)
+                # (masters or not, contiguous or not): one non-contiguous param keeps only itself off the compiled op
+                key = (group, param.dtype, (plan.masters[index] is not None, param.is_contiguous()), fmt)
                 by_update.setdefault(key, []).append(index)
                 continue
             tensors = [
@@ -89,7 +90,7 @@ class TorchLists:
         self.compiled = self.cpu and cpu_ops.available()
         self.sumsq_out = torch.empty(len(plan.local_params), dtype=torch.float32) if self.compiled else None
         # one door per update, chosen here once (updates.py); for bf16 / 8-bit state the key's third item is
-        # whether the params have masters, not a layout class (the exact reference takes any layout)
+        # (whether the params have masters, whether they are contiguous), not a layout class
         self.updates: list[Update] = [
             choose_update(plan, group, None if ids == everything else ids, ids, relayout, fmt, self.compiled)
             for (group, _, relayout, fmt), ids in by_update.items()
@@ -104,10 +105,12 @@ class TorchLists:
 def choose_update(
     plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool, fmt: int, compiled
 ) -> Update:
-    """The door of one (group, dtype, layout class, state format): the exact reference for bf16 and 8-bit
-    state, the compiled op for contiguous params (fp32, bf16, fp16) and fp32 moments where it is built,
-    `_fused_adamw_` otherwise."""
+    """The door of one (group, dtype, layout class, state format): for bf16 and 8-bit state the compiled op on
+    contiguous CPU tensors where it is built, else the exact reference; for fp32 state the compiled op for
+    contiguous params (fp32, bf16, fp16) where it is built, `_fused_adamw_` otherwise."""
     if fmt != FP32:
+        if compiled and LowbitUpdate.fits(plan, group, all_indices, fmt):
+            return LowbitUpdate(plan, group, indices, all_indices, fmt)
         return ExactUpdate(plan, group, indices, all_indices, fmt)
     if compiled and not relayout and CompiledUpdate.fits(plan, group, all_indices):
         return CompiledUpdate(plan, group, indices, all_indices)

@@ -5,7 +5,10 @@ when the plan's lists are built (torch_backend.TorchLists):
                   tensors `_fused_adamw_` cannot walk as flat memory);
   CompiledUpdate  the compiled CPU op (cpu_ops.adamw, rules/adamw/cpu.h): contiguous fp32, bf16 or fp16 params
                   (with or without fp32 masters) and fp32 moments on the CPU;
-  ExactUpdate     the exact tensor reference for bf16 and 8-bit state (exact_reference.py).
+  LowbitUpdate    the compiled CPU op for bf16 and 8-bit state (cpu_ops.adamw_lowbit): contiguous CPU tensors,
+                  the exact reference's arithmetic in one pass per chunk;
+  ExactUpdate     the exact tensor reference for bf16 and 8-bit state (exact_reference.py): any layout, any
+                  device, and the CPU without the compiled ops.
 
 A step calls each door once: `on_host` with the CPU step's host decisions (never on a skipped step), or
 `on_tensors` with the 0-dim tensor decisions (meta and CUDA tensors, and CPU tensors without the compiled
@@ -19,8 +22,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ... import state_format
 from ...layout import HParams
 from ...plan import StepPlan
+from ...rules import adamw
+from ...rules.adamw.torch import step_scalars
+from ...state_format import Q8
 from . import cpu_ops
 
 _COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -201,3 +208,82 @@ class CompiledUpdate:
             maximize=hp.maximize,
             grad_mul=float(grad_mul),
         )
+
+
+class LowbitUpdate:
+    """One call of the compiled CPU op for bf16 or 8-bit moments (cpu_ops.adamw_lowbit) on contiguous CPU
+    tensors: the exact reference's update (exact_reference.ExactUpdate, the fallback and the tests' oracle) in
+    one pass per chunk. Its per-tensor step scalars and stochastic-rounding keys come from the reference's own
+    functions (rules/adamw/torch.py's `step_scalars`, state_format.random_key), one value per tensor, so the
+    codes, scales, moments and params are the reference's bit for bit. Taken only on host decisions; the
+    backend advances the `step` counters first, as for the reference."""
+
+    advances_steps = False
+    reads_grad_divisor = False
+
+    __slots__ = ("group", "indices", "format", "params", "masters", "moments", "scales", "steps", "positions", "rows")
+
+    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):
+        self.group, self.indices, self.format = group, indices, fmt
+        self.params = [plan.local_params[i] for i in all_indices]
+        masters = [plan.masters[i] for i in all_indices]
+        self.masters = masters if masters[0] is not None else None
+        amsgrad = plan.group_amsgrad[group]
+        pick = lambda tensors, wanted=True: [tensors[i] for i in all_indices] if wanted else []  # noqa: E731
+        self.moments = (pick(plan.exp_avgs), pick(plan.exp_avg_sqs), pick(plan.max_exp_avg_sqs, amsgrad))
+        q8 = fmt == Q8
+        self.scales = (
+            pick(plan.exp_avg_scales, q8),
+            pick(plan.exp_avg_sq_scales, q8),
+            pick(plan.max_exp_avg_sq_scales, q8 and amsgrad),
+        )
+        self.steps = [plan.steps[i] for i in all_indices]
+        self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
+        self.rows: dict[tuple, torch.Tensor] = {}  # the group's fp32 hyper-parameter row, per value
+
+    @staticmethod
+    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int) -> bool:
+        """Whether the op can update these tensors in place: CPU fp32, bf16 or fp16 params, every one with a master
+        or none, the params, moments, scales and masters contiguous (a non-contiguous grad is read from a copy)."""
+        first = plan.local_params[all_indices[0]]
+        if first.dtype not in _COMPILED_PARAM_DTYPES or first.device.type != "cpu":
+            return False
+        lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs]
+        if plan.group_amsgrad[group]:
+            lists.append(plan.max_exp_avg_sqs)
+        if fmt == Q8:
+            lists += [plan.exp_avg_scales, plan.exp_avg_sq_scales]
+            if plan.group_amsgrad[group]:
+                lists.append(plan.max_exp_avg_sq_scales)
+        with_master = [plan.masters[i] is not None for i in all_indices]
+        if any(with_master):
+            if not all(with_master):
+                return False
+            lists.append(plan.masters)
+        return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
+
+    def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+        steps = torch.stack(self.steps)
+        decisions = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, lr_factor)]
+        scalars = step_scalars(self._row(hp), steps[:, None], *decisions)
+        columns = torch.broadcast_tensors(*(x.reshape(-1) for x in scalars))
+        cpu_ops.adamw_lowbit(
+            self.params,
+            grads,
+            self.moments,
+            self.scales,
+            masters=self.masters,
+            scalars=torch.stack(columns, dim=1).contiguous(),
+            keys=state_format.random_key(self.positions, steps),
+            state_format=self.format,
+        )
+
+    def _row(self, hp: HParams) -> torch.Tensor:
+        """The group's hyper-parameter row in fp32, as the kernels' table (and the reference) holds it; the host
+        decisions give the lr as a float."""
+        key = (float(hp.lr), *hp[1:])
+        row = self.rows.get(key)
+        if row is None:
+            self.rows.clear()
+            row = self.rows[key] = torch.tensor(adamw.hparam_row(*key), dtype=torch.float32)
+        return row
