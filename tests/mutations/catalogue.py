@@ -2198,4 +2198,32 @@ MUTATIONS: list[Mutation] = [
         "--bnb_4bit_compute_dtype sets the run's precision (a contradicting torch_dtype is refused)",
         select="tuner_type",
     ),
+    # ------------------------------------------------------------------ several datasets (mixing.py)
+    M(
+        "mixing-sample-count-no-repeat",
+        TRAIN + "data/mixing.py",
+        "return examples * whole + rng.sample(examples, rest)",
+        "return rng.sample(examples, min(n, size))",
+        ["tests/train/test_mixing.py"],
+        "dataset#N above the size repeats the dataset N // size times plus N % size sampled (ms-swift)",
+        select="sample_count",
+    ),
+    M(
+        "mixing-max-samples-ignored",
+        TRAIN + "data/mixing.py",
+        "examples = examples[: cfg.max_samples]",
+        "examples = examples[:]",
+        ["tests/train/test_mixing.py"],
+        "max_samples keeps the first N examples of each dataset (LLaMA-Factory)",
+        select="llamafactory",
+    ),
+    M(
+        "mixing-interleave-under-runs-over",
+        TRAIN + "data/mixing.py",
+        'if strategy == "interleave_under" or all(exhausted):',
+        "if all(exhausted):",
+        ["tests/train/test_mixing.py"],
+        "interleave_under stops when the first dataset is exhausted",
+        select="interleave",
+    ),
 ]
