@@ -114,8 +114,9 @@ def load_mixed(cfg, load_one, log=None) -> tuple[list, str]:
         try:
             examples = load_one(spec.name)
         except UserError as exc:
-            where = f"dataset {spec.name!r}" + (f" (item {number} of {cfg.dataset!r})" if len(specs) > 1 else "")
-            raise UserError(f"{where}: {exc}") from None
+            if len(specs) == 1:
+                raise
+            raise UserError(f"dataset {spec.name!r} (item {number} of {cfg.dataset!r}): {exc}") from None
         if cfg.max_samples is not None:
             examples = examples[: cfg.max_samples]
         if spec.count is not None:
