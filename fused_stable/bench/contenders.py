@@ -293,8 +293,8 @@ DEFAULT_BASELINE = "torch_fused"
 
 def runs_exact_reference(optimizer) -> bool:
     """Whether a stepped fused_stable optimizer updates some tensors with the exact tensor reference
-    (backends/torch/exact_reference.py: bf16 / 8-bit state on the torch backend until the fast CPU op exists, 55-75x
-    slower than the fp32 step). Read from the plan the step cached, so the note goes when the fast op comes."""
+    (backends/torch/exact_reference.py: bf16 / 8-bit state where the compiled CPU update cannot run, 55-75x slower
+    than the fp32 step). Read from the plan the step cached."""
     from fused_stable.backends.torch.exact_reference import ExactUpdate
 
     cached = getattr(optimizer, "last_tables", None)  # the latest step's backend plan (optim.py)
