@@ -81,7 +81,7 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
     plan = opt._plan
     tables = triton_backend.TritonTables(
         plan,
-        opt._buffers,
+        opt.step_buffers,
         opt.rules,
         opt.device,
         sumsq_config=sumsq_config,
