@@ -78,7 +78,7 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
     """The same device tables as the optimizer's own, launched with other configurations and chunk size."""
     from fused_stable.backends import triton_backend
 
-    plan = opt._plan
+    plan, _ = opt.build_step_plan()  # the plan of the grads the probe set (the package-internal surface)
     tables = triton_backend.TritonTables(
         plan,
         opt.step_buffers,

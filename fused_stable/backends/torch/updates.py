@@ -176,20 +176,8 @@ class CompiledUpdate:
 
     @staticmethod
     def fits(plan: StepPlan, group: int, all_indices: list[int]) -> bool:
-        """Whether the op can update these tensors in place: fp32, bf16 or fp16 params (the torch backend groups by
-        dtype), fp32 moments, every tensor of them with a master copy or none, the params, states and masters
-        contiguous (a non-contiguous grad is read from a copy)."""
-        if plan.local_params[all_indices[0]].dtype not in _COMPILED_PARAM_DTYPES:
-            return False
-        lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs]
-        if plan.group_amsgrad[group]:
-            lists.append(plan.max_exp_avg_sqs)
-        with_master = [plan.masters[i] is not None for i in all_indices]
-        if any(with_master):
-            if not all(with_master):
-                return False
-            lists.append(plan.masters)
-        return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
+        """Whether the op can update these tensors in place (fp32 moments): see `_fits_in_place`."""
+        return _fits_in_place(plan, group, all_indices, [])
 
     def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
         cpu_ops.adamw(
@@ -243,24 +231,10 @@ class LowbitUpdate:
 
     @staticmethod
     def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int) -> bool:
-        """Whether the op can update these tensors in place: CPU fp32, bf16 or fp16 params, every one with a master
-        or none, the params, moments, scales and masters contiguous (a non-contiguous grad is read from a copy)."""
-        first = plan.local_params[all_indices[0]]
-        if first.dtype not in _COMPILED_PARAM_DTYPES or first.device.type != "cpu":
-            return False
-        lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs]
-        if plan.group_amsgrad[group]:
-            lists.append(plan.max_exp_avg_sqs)
-        if fmt == Q8:
-            lists += [plan.exp_avg_scales, plan.exp_avg_sq_scales]
-            if plan.group_amsgrad[group]:
-                lists.append(plan.max_exp_avg_sq_scales)
-        with_master = [plan.masters[i] is not None for i in all_indices]
-        if any(with_master):
-            if not all(with_master):
-                return False
-            lists.append(plan.masters)
-        return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
+        """Whether the op can update these tensors in place (bf16 or 8-bit moments, the 8-bit scales contiguous
+        too): see `_fits_in_place`."""
+        scales = [plan.exp_avg_scales, plan.exp_avg_sq_scales, plan.max_exp_avg_sq_scales] if fmt == Q8 else []
+        return _fits_in_place(plan, group, all_indices, scales)
 
     def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
         steps = torch.stack(self.steps)
@@ -287,3 +261,22 @@ class LowbitUpdate:
             self.rows.clear()
             row = self.rows[key] = torch.tensor(adamw.hparam_row(*key), dtype=torch.float32)
         return row
+
+
+def _fits_in_place(plan: StepPlan, group: int, all_indices: list[int], scales: list[list]) -> bool:
+    """Whether a compiled CPU op can update these tensors in place: CPU fp32, bf16 or fp16 params (the torch
+    backend groups by dtype), every one with a master copy or none, and the params, moments (max_exp_avg_sq with
+    amsgrad), the given scale lists (their amsgrad one likewise) and the masters contiguous (a non-contiguous grad
+    is read from a copy)."""
+    first = plan.local_params[all_indices[0]]
+    if first.dtype not in _COMPILED_PARAM_DTYPES or first.device.type != "cpu":
+        return False
+    lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs, *scales[:2]]
+    if plan.group_amsgrad[group]:
+        lists += [plan.max_exp_avg_sqs, *scales[2:]]
+    with_master = [plan.masters[i] is not None for i in all_indices]
+    if any(with_master):
+        if not all(with_master):
+            return False
+        lists.append(plan.masters)
+    return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
