@@ -15,7 +15,7 @@ from fused_stable import strict_json
 from . import measure
 
 # What the table says of a row that runs the exact tensor reference (bf16 / 8-bit state on CPU today).
-EXACT_REFERENCE_NOTE = "exact reference (slow) until the fast CPU op for this state exists"
+EXACT_REFERENCE_NOTE = "exact reference (slow): no compiled CPU op for these tensors (non-contiguous, or no compiler)"
 # Goals of issue 6. GPU goals apply to CUDA runs; the CPU bar is the core issue's bar for the torch path.
 CPU_TIME_RATIO_BAR = 0.95
 
