@@ -2308,4 +2308,32 @@ MUTATIONS: list[Mutation] = [
         "the compiled bf16 / 8-bit update's bias corrections are the reference's (each tensor's advanced step)",
         select="lowbit_update_is_the_exact_reference and clipped",
     ),
+    # ------------------------------------------------------------------ several datasets (mixing.py)
+    M(
+        "mixing-sample-count-no-repeat",
+        TRAIN + "data/mixing.py",
+        "return examples * whole + rng.sample(examples, rest)",
+        "return rng.sample(examples, min(n, size))",
+        ["tests/train/test_mixing.py"],
+        "dataset#N above the size repeats the dataset N // size times plus N % size sampled (ms-swift)",
+        select="sample_count",
+    ),
+    M(
+        "mixing-max-samples-ignored",
+        TRAIN + "data/mixing.py",
+        "examples = examples[: cfg.max_samples]",
+        "examples = examples[:]",
+        ["tests/train/test_mixing.py"],
+        "max_samples keeps the first N examples of each dataset (LLaMA-Factory)",
+        select="llamafactory",
+    ),
+    M(
+        "mixing-interleave-under-runs-over",
+        TRAIN + "data/mixing.py",
+        'if strategy == "interleave_under" or all(exhausted):',
+        "if all(exhausted):",
+        ["tests/train/test_mixing.py"],
+        "interleave_under stops when the first dataset is exhausted",
+        select="interleave",
+    ),
 ]

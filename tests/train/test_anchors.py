@@ -155,7 +155,6 @@ def test_held_out_evaluation_keys_map_onto_ours(tmp_path):
         ("bf16: true\nfp16: true\n", "fp16: True (contradicts bf16: True)"),
         ("finetuning_type: full\nuse_dora: true\n", "DoRA needs finetuning_type: lora"),
         ("stage: sft\ntemplate: llama3\n", "template: llama3 cannot be honoured"),
-        ("train_type: lora\ndataset: swift/self-cognition#500\n", "sampling swift/self-cognition#500"),
     ],
 )
 def test_contradictions_are_refused(tmp_path, yaml_text, problem):

@@ -101,13 +101,14 @@ def public_model(value):
 
 
 def swift_dataset(value):
-    text = str(value).strip()
-    name, _, count = text.partition("#")
-    if name in ("swift/self-cognition", "self-cognition"):
-        if count:
-            raise Refused(f"sampling {name}#{count} is not supported: give swift/self-cognition whole")
-        return "identity"
-    return value
+    """ms-swift's --dataset (several values joined with commas, each maybe `#N`): swift/self-cognition is the
+    built-in identity task (filled with --model_name / --model_author), its `#N` kept (train/data/mixing.py)."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out = []
+    for item in (str(v).strip() for v in items):
+        name, hashed, count = item.partition("#")
+        out.append(("identity" if name in ("swift/self-cognition", "self-cognition") else name) + hashed + count)
+    return ",".join(out)
 
 
 def _dtype(value):
@@ -223,7 +224,6 @@ KEYS: dict[str, AnchorKey] = {
 REFUSED = {
     "flash_attn": "the attention implementation is the model's default",
     "attn_impl": "the attention implementation is the model's default",
-    "max_samples": "a dataset is used whole",
     "train_on_prompt": "only assistant turns are trained",
     "mask_history": "every assistant turn is trained",
     "system": "a default system prompt is not supported: put `system` in the data",
@@ -238,7 +238,6 @@ REFUSED = {
     "warmup_ratio_min": "not supported",
     "rope_scaling": "the model's position encoding is used as it is",
     "streaming": "datasets are read whole",
-    "mix_strategy": "one dataset per run",
     "use_unsloth": "not supported",
     "enable_liger_kernel": "not supported",
     "booster": "not supported",
@@ -374,8 +373,6 @@ def _read_info(path: str) -> dict:
 def resolve_dataset(name: str, dataset_dir: str) -> str:
     """LLaMA-Factory's `dataset: name` as the file dataset_dir/dataset_info.json gives for it."""
     info_path = os.path.join(dataset_dir, "dataset_info.json")
-    if "," in name:
-        raise UserError(f"dataset: {name!r} names several datasets; fused-stable sft trains on one: give one name")
     if not os.path.isfile(info_path):
         raise UserError(
             f"dataset {name!r}: {info_path} not found (LLaMA-Factory's dataset names are looked up there; "

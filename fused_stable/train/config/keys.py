@@ -47,11 +47,25 @@ def _key(default, help_: str, group: str, check: Range | None = None):
 class TrainConfig:
     # what to train
     model: str = _key("smollm2-135m", "smollm2-135m (pretrained) | tiny (scratch) | HF dir | .gguf file", "model")
-    dataset: str = _key("identity", "identity (built-in) | arithmetic (for tiny) | .json/.jsonl file", "model")
+    dataset: str = _key(
+        "identity",
+        "identity (built-in) | arithmetic (for tiny) | .json/.jsonl file; several: a,b (name#N samples N)",
+        "model",
+    )
     identity_name: str = _key("Aster", "dataset=identity: the name the model learns", "model")
     identity_author: str = _key("Fused Labs", "dataset=identity: who made the model", "model")
     general_examples: int = _key(50, "dataset=identity: general examples mixed in", "model", Range(0, 10**6))
     arithmetic_examples: int = _key(12800, "dataset=arithmetic: examples generated", "model", Range(1, 10**7))
+    # several datasets (issues 39-40, train/data/mixing.py): dataset is a comma list, name#N samples N
+    max_samples: int | None = _key(
+        None, "the first N examples of each dataset (before the held-out split); none = all", "model", POSITIVE_COUNT
+    )
+    mix_strategy: str = _key(
+        "concat", "several datasets: concat | interleave_under | interleave_over (as LLaMA-Factory)", "model"
+    )
+    interleave_probs: str | None = _key(
+        None, "interleave_*: one probability per dataset, comma-separated; none = round-robin", "model"
+    )
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: int | None = _key(
@@ -249,6 +263,7 @@ CHOICES = {
     "retention_probe": ("auto", "on", "off"),
     "report_to": ("tensorboard", "wandb", "none"),
     "offload_optimizer": ("none", "cpu"),
+    "mix_strategy": ("concat", "interleave_under", "interleave_over"),  # several datasets (mixing.py)
 }
 # keys that describe how to launch this invocation, not the run itself: not compared or stored as the run
 LAUNCH_KEYS = ("resume", "overwrite")

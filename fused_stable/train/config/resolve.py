@@ -22,6 +22,7 @@ from fused_stable.argcheck import check_device, parse_number, suggestion
 from fused_stable.errors import UserError
 from fused_stable.train.config import foreign_configs
 from fused_stable.train.config.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
+from fused_stable.train.data import mixing
 
 
 def same_state_value(name: str, saved, now) -> bool:
@@ -86,6 +87,8 @@ def _coerce(name: str, value, where: str):
         )
     if name == "target_modules" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of module names (ms-swift writes them so)
+    if name in LIST_KEYS and isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
+        return ",".join(str(v) for v in value)  # several datasets (mixing.py): a YAML list is the comma list
     if not isinstance(value, str):  # a YAML number, list or mapping where a name or path belongs
         raise UserError(f"{name} in {where} must be a string, got {value!r}")
     return value
@@ -114,6 +117,9 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+LIST_KEYS = ("dataset", "interleave_probs")  # several datasets (mixing.py): a YAML list or several values
+
+
 def parse_flags(argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:
     """`--key value`, `--key=value`, `--flag` (booleans); `--key_name` and `--key-name` are the same key."""
     config_path, flags = None, {}
@@ -136,6 +142,10 @@ def parse_flags(argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:
             elif next_is_value:
                 i += 1
                 value = argv[i]
+                # several datasets (mixing.py): ms-swift's `--dataset a.json b.json` is the comma list a.json,b.json
+                while name in LIST_KEYS and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    i += 1
+                    value = f"{value},{argv[i]}"
             else:
                 raise UserError(f"--{name} needs a value")
         if name == "config":
@@ -232,7 +242,19 @@ def _anchor_value(anchor: str, name: str, value, where: str, lines: list):
 
 
 def _llamafactory_dataset(dataset: str, raw: dict) -> tuple[str, str | None]:
-    """LLaMA-Factory's `dataset` (a name in dataset_dir/dataset_info.json, dataset_dir defaulting to `data`)
+    """LLaMA-Factory's `dataset`, a comma list (mixing.py), each item (its `#N` kept) resolved by
+    `_llamafactory_one`; the lines of the mapping joined."""
+    items, lines = [], []
+    for item in mixing.split_list(dataset):
+        name, hashed, count = item.rpartition("#") if "#" in item else (item, "", "")
+        path, line = _llamafactory_one(name.strip(), raw)
+        items.append(f"{path}{hashed}{count}")
+        lines += [line] if line else []
+    return ",".join(items), "; ".join(lines) or None
+
+
+def _llamafactory_one(dataset: str, raw: dict) -> tuple[str, str | None]:
+    """One LLaMA-Factory dataset (a name in dataset_dir/dataset_info.json, dataset_dir defaulting to `data`)
     as a file path; a path, or a built-in name without an entry, stays as it is."""
     dataset_dir = str(raw.get("dataset_dir") or "data")
     if os.path.isfile(dataset) or dataset.lower().endswith((".json", ".jsonl")):
@@ -320,7 +342,8 @@ def validate(cfg: TrainConfig) -> None:
             raise UserError(f"{name} cannot be empty")
     if cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size):
         raise UserError(f"val_size must be a fraction below 1 or a whole count of examples, got {cfg.val_size:g}")
-    if cfg.val_size and cfg.dataset == "identity":
+    mixing.parse_probs(cfg.interleave_probs, len(mixing.parse(cfg.dataset)))  # several datasets (mixing.py)
+    if cfg.val_size and mixing.is_identity_only(cfg.dataset):
         raise UserError(
             "val_size does not apply to dataset=identity: the task holds out its own set (the identity "
             "paraphrases of its evaluation) for eval_loss"

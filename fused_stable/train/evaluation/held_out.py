@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_stable.errors import UserError
-from fused_stable.train.data import instructions, tasks
+from fused_stable.train.data import instructions, mixing, tasks
 from fused_stable.train.evaluation.generate import generate_answer_ids
 
 RETENTION_MAX_NEW_TOKENS = 32  # the probe's answers: short, so that an evaluation stays cheap (docs/trainer.md)
@@ -44,7 +44,7 @@ def split_examples(examples: list, val_size: float, seed: int) -> tuple[list, li
 def held_out_split(cfg, examples: list) -> tuple[list, list]:
     """The training examples and the held-out ones `eval_loss` is measured on: the identity task's own held-out
     set (its evaluation paraphrases), or `val_size` of any other data set (none when it is 0)."""
-    if cfg.dataset == "identity":
+    if mixing.is_identity_only(cfg.dataset):
         return examples, tasks.identity_heldout(cfg.identity_name, cfg.identity_author, cfg.seed)
     if not cfg.val_size:
         return examples, []

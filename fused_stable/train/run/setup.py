@@ -334,12 +334,18 @@ def print_rank0(text: str) -> None:
 
 
 def _task_examples(cfg):
-    from fused_stable.train.data import instructions, tasks
+    """cfg.dataset's examples: each dataset of the comma list loaded, cut and sampled, then mixed (mixing.py)."""
+    from fused_stable.train.data import instructions, mixing, tasks
 
-    if cfg.dataset == "identity":
-        return tasks.identity_examples(
-            cfg.identity_name, cfg.identity_author, seed=cfg.seed, general=cfg.general_examples
-        )
-    if cfg.dataset == "arithmetic":
-        return instructions.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
-    return instructions.load_examples(cfg.dataset, log=print_rank0)
+    def load_one(name):
+        if name == "identity":
+            return tasks.identity_examples(
+                cfg.identity_name, cfg.identity_author, seed=cfg.seed, general=cfg.general_examples
+            )
+        if name == "arithmetic":
+            return instructions.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
+        return instructions.load_examples(name, log=print_rank0)
+
+    examples, line = mixing.load_mixed(cfg, load_one)
+    print_rank0(line)
+    return examples
