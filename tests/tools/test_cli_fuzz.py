@@ -23,7 +23,7 @@ import pytest
 from fused_stable import stress
 from fused_stable.bench import cli as bench_cli
 from fused_stable.train.config.keys import CHOICES, FIELDS, TrainConfig
-from fused_stable.train.config.resolve import resolve_config
+from fused_stable.train.config.resolve import LIST_KEYS, resolve_config
 from fused_stable.train.run import sft as sft_cli
 from fused_stable.train.saved import chat as chat_cli
 from fused_stable.train.saved import export as export_cli
@@ -186,6 +186,11 @@ def _yaml_cases():
             values["inf"] = ".inf"
         if kind is bool:
             values["a word"] = "maybe"
+        if name in LIST_KEYS:  # a YAML list is their right type (several datasets): a list of lists is not
+            values["a list"] = "[[1], {a: 1}]"
+        if name == "interleave_probs":  # numbers are its items
+            values.pop("a number")
+            values["a word"] = "abc"
         for what, text in values.items():
             yield pytest.param(name, text, id=f"{name}:{what}")
 
@@ -239,6 +244,14 @@ WORD_CASES = [
     (["--output_dir", "{t}/not-empty"], "not a fused-stable run"),
     (["--output_dir", "{t}/not-empty", "--overwrite"], "not a fused-stable run"),
     (["--output_dir", ""], "output_dir"),
+    (["--dataset", "arithmetic#0"], "#N"),
+    (["--dataset", "arithmetic#many"], "#N"),
+    (["--dataset", ","], "dataset"),
+    (["--dataset", "arithmetic,{t}/missing.jsonl"], "missing.jsonl"),
+    (["--dataset", "arithmetic,identity", "--interleave_probs", "a,b"], "interleave_probs"),
+    (["--dataset", "arithmetic,identity", "--interleave_probs", "0.5"], "interleave_probs"),
+    (["--dataset", "arithmetic,identity", "--interleave_probs", "0.9,0.9"], "interleave_probs"),
+    (["--dataset", "arithmetic,identity", "--interleave_probs", "nan,1"], "interleave_probs"),
     (["--identity_name", ""], "identity_name"),
     (["--identity_name", " "], "identity_name"),
     (["--identity_author", ""], "identity_author"),

@@ -87,8 +87,8 @@ def _coerce(name: str, value, where: str):
         )
     if name == "target_modules" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of module names (ms-swift writes them so)
-    if name in LIST_KEYS and isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
-        return ",".join(str(v) for v in value)  # several datasets (mixing.py): a YAML list is the comma list
+    if name in LIST_KEYS:  # several datasets (mixing.py): a YAML list is the comma list
+        return _list_value(name, value, where)
     if not isinstance(value, str):  # a YAML number, list or mapping where a name or path belongs
         raise UserError(f"{name} in {where} must be a string, got {value!r}")
     return value
@@ -117,7 +117,29 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-LIST_KEYS = ("dataset", "interleave_probs")  # several datasets (mixing.py): a YAML list or several values
+# several datasets (mixing.py): keys that take a YAML list or several values, and what each item must be
+LIST_KEYS = {"dataset": ((str,), "a dataset name or path"), "interleave_probs": ((int, float, str), "a number")}
+
+
+def _is_item(name: str, value) -> bool:
+    """interleave_probs' items are numbers, also inside a comma string ("0.3,0.7")."""
+    if name != "interleave_probs" or not isinstance(value, str):
+        return True
+    try:
+        return all(math.isfinite(float(p)) for p in value.split(",") if p.strip())
+    except ValueError:
+        return False
+
+
+def _list_value(name: str, value, where: str) -> str:
+    """A list key's YAML value (a string, or a list of items of its kind) as the comma list the trainer reads."""
+    kinds, item = LIST_KEYS[name]
+    items = value if isinstance(value, list) else [value]
+    if items and all(isinstance(v, kinds) and not isinstance(v, bool) and _is_item(name, v) for v in items):
+        return ",".join(str(v) for v in items)
+    raise UserError(
+        f"{name} in {where} must be {item} or a list of them (as a YAML list or a comma list), got {value!r}"
+    )
 
 
 def parse_flags(argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:

@@ -9,6 +9,7 @@ dataset contributed (`summary`).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def parse_probs(text, k: int) -> list[float] | None:
         raise UserError(f"interleave_probs must be numbers, one per dataset (as 0.5,0.5), got {text!r}") from None
     if len(probs) != k:
         raise UserError(f"interleave_probs gives {len(probs)} probabilities for {k} datasets: give one per dataset")
-    if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+    if not all(math.isfinite(p) and p >= 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
         raise UserError(f"interleave_probs must be non-negative and sum to 1, got {text!r}")
     return probs
 
