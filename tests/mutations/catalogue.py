@@ -2336,4 +2336,42 @@ MUTATIONS: list[Mutation] = [
         "interleave_under stops when the first dataset is exhausted",
         select="interleave",
     ),
+    # ------------------------------------------------------------------ the run's system message (--system)
+    M(
+        "system-overwrites-the-examples-own",
+        TRAIN + "data/rows.py",
+        "    if system is None or has_system(messages):\n        return messages\n",
+        "    if system is None:\n        return messages\n    if has_system(messages):\n"
+        '        return [{"role": "system", "content": system}, *messages[1:]]\n',
+        ["tests/train/test_system.py"],
+        "an example's own system message wins over the run's --system",
+        select="theirs_wins or chat_template",
+    ),
+    M(
+        "system-not-stored-with-the-run",
+        TRAIN + "saved/final_model.py",
+        '"system": cfg.system,',
+        '"system": None,',
+        ["tests/train/test_system.py"],
+        "the run's --system is stored with it (fused_stable.json) so chat uses it",
+        select="stored",
+    ),
+    M(
+        "system-not-given-to-held-out-examples",
+        TRAIN + "run/setup.py",
+        "    heldout, given_heldout = give_system(heldout, cfg.system)\n",
+        "    given_heldout = 0\n",
+        ["tests/train/test_system.py"],
+        "held-out examples get the run's --system too (train and eval ask with the same prompt)",
+        select="held_out",
+    ),
+    M(
+        "chat-ignores-the-runs-system",
+        TRAIN + "saved/chat.py",
+        "    return saved.system if saved is not None else None\n",
+        "    return None\n",
+        ["tests/train/test_system.py"],
+        "chat sends the run's stored system message unless given its own --system",
+        select="chat",
+    ),
 ]
