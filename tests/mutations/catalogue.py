@@ -2374,4 +2374,23 @@ MUTATIONS: list[Mutation] = [
         "chat sends the run's stored system message unless given its own --system",
         select="chat",
     ),
+    # ------------------------------------------------------------------ ms-swift's example scripts, as written
+    M(
+        "swift-several-datasets-after-one-flag-lost",
+        TRAIN + "config/resolve.py",
+        '                while name in LIST_KEYS and i + 1 < len(argv) and not argv[i + 1].startswith("--"):\n',
+        "                while False:\n",
+        ["tests/train/test_swift_examples.py"],
+        "ms-swift's several values after one --dataset are the run's datasets (lora_sft.sh, qlora/bnb/train.sh)",
+        select="lora_sft",
+    ),
+    M(
+        "swift-self-cognition-not-the-identity-task",
+        TRAIN + "config/foreign_configs.py",
+        'out.append(("identity" if name in ("swift/self-cognition", "self-cognition") else name) + hashed + count)',
+        "out.append(name + hashed + count)",
+        ["tests/train/test_swift_examples.py"],
+        "ms-swift's swift/self-cognition#N is the built-in identity task (tuners/dora/train.sh)",
+        select="dora",
+    ),
 ]
