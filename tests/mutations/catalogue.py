@@ -2374,6 +2374,33 @@ MUTATIONS: list[Mutation] = [
         "chat sends the run's stored system message unless given its own --system",
         select="chat",
     ),
+    M(
+        "system-not-asked-in-eval-json",
+        TRAIN + "evaluation/run_evaluations.py",
+        "            system=cfg.system,\n",
+        "            system=None,\n",
+        ["tests/train/test_system.py"],
+        "eval.json's before/after prompts carry the run's --system, as chat sends it",
+        select="evaluations",
+    ),
+    M(
+        "system-not-asked-in-the-retention-probe",
+        TRAIN + "evaluation/run_evaluations.py",
+        "prompts = [with_system(as_messages(p), cfg.system) for p in tasks.retention_prompts()]",
+        "prompts = [as_messages(p) for p in tasks.retention_prompts()]",
+        ["tests/train/test_system.py"],
+        "the retention probe's prompts carry the run's --system, as chat sends it",
+        select="evaluations",
+    ),
+    M(
+        "system-not-asked-by-the-web-chat",
+        "fused_stable/webui/finished.py",
+        'clean = with_system([{"role": m["role"], "content": str(m["content"])} for m in messages], system)',
+        'clean = [{"role": m["role"], "content": str(m["content"])} for m in messages]',
+        ["tests/webui/test_finished.py"],
+        "the web page's chat sends the run's stored system message, as fused-stable chat does",
+        select="chat_answers",
+    ),
     # ------------------------------------------------------------------ ms-swift's example scripts, as written
     M(
         "swift-several-datasets-after-one-flag-lost",

@@ -148,3 +148,30 @@ def test_llamafactory_default_system_and_swift_system_map(tmp_path):
         path.write_text(f"stage: sft\ndefault_system: '{value}'\n")
         with pytest.raises(UserError, match="system"):
             resolve_config(["--config", str(path)])
+
+
+def test_the_evaluations_ask_with_the_system_as_chat_does(tmp_path):
+    """eval.json's before/after answers and the retention probe's prompts carry the run's system, as chat sends
+    it (the identity task on the tiny model, whose greedy answers depend on the prompt)."""
+    from fused_stable.train.data.rows import with_system
+    from fused_stable.train.evaluation.generate import EVAL_MAX_NEW_TOKENS, as_messages, generate_answers
+    from fused_stable.train.evaluation.run_evaluations import evaluate_run
+
+    setup = setup_run(
+        "--model", "tiny", "--max_steps", "1", "--system", SYSTEM, "--general_examples", "0",
+        "--retention_probe", "on", "--output_dir", tmp_path / "o",
+    )  # fmt: skip
+    retention = setup.trainer.evaluator.batches["retention_loss"]
+    texts = plain_texts(setup.tokenizer, [row for b in retention for row in b.input_ids.tolist()])
+    assert texts and all(f"### System:\n{SYSTEM}\n\n### Instruction:\n" in text for text in texts)
+    answers = evaluate_run(setup, base=True)["answers"]
+    prompts = [as_messages(a["prompt"]) for a in answers]
+
+    def asked(system):
+        return generate_answers(
+            setup.model, setup.tokenizer, [with_system(p, system) for p in prompts], max_new_tokens=EVAL_MAX_NEW_TOKENS
+        )
+
+    with_run_system = asked(SYSTEM)
+    assert with_run_system != asked(None), "the tiny model answers alike with and without the system"
+    assert [a["answer"] for a in answers] == with_run_system
