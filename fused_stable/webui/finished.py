@@ -17,7 +17,7 @@ class FinishedRuns:
 
     def __init__(self, workspace: Workspace):
         self.workspace = workspace
-        self._loaded: tuple[str, object, object] | None = None  # (run_dir, model, tokenizer)
+        self._loaded: tuple | None = None  # (run_dir, model, tokenizer, the run's system message)
         self._mutex = threading.Lock()
 
     def finished_dir(self, run: str) -> str:
@@ -34,12 +34,14 @@ class FinishedRuns:
             self._loaded = None  # the previous model goes before the next one loads
             args = SimpleNamespace(adapter=run_dir, saved=inspect_saved(run_dir))
             model, tokenizer, _ = load_chat_model(args, "cpu", log=lambda text: None)
-            self._loaded = (run_dir, model, tokenizer)
-        return self._loaded[1], self._loaded[2]
+            self._loaded = (run_dir, model, tokenizer, args.saved.system)
+        return self._loaded[1:]
 
     def reply(self, run: str, messages: list[dict], max_new_tokens: int = 128) -> str:
         """The run's answer (greedy, as `fused-stable chat` gives it) to the conversation `messages`
-        ([{"role", "content"}], the last one the user's)."""
+        ([{"role", "content"}], the last one the user's), with the run's system message first unless the
+        conversation has its own."""
+        from fused_stable.train.data.rows import with_system
         from fused_stable.train.saved.chat import answer
 
         if not messages or messages[-1].get("role") != "user" or not str(messages[-1].get("content", "")).strip():
@@ -48,8 +50,8 @@ class FinishedRuns:
             raise UserError(f"max_new_tokens must be in [1, 100000], got {max_new_tokens}")
         run_dir = self.finished_dir(run)
         with self._mutex:  # one generation at a time on the loaded model
-            model, tokenizer = self._model(run_dir)
-            clean = [{"role": m["role"], "content": str(m["content"])} for m in messages]
+            model, tokenizer, system = self._model(run_dir)
+            clean = with_system([{"role": m["role"], "content": str(m["content"])} for m in messages], system)
             return answer(model, tokenizer, clean, max_new_tokens=int(max_new_tokens), stream=False)
 
     def export(self, run: str, target: str, overwrite: bool = False) -> dict:

@@ -255,6 +255,8 @@ WORD_CASES = [
     (["--identity_name", ""], "identity_name"),
     (["--identity_name", " "], "identity_name"),
     (["--identity_author", ""], "identity_author"),
+    (["--system", ""], "system"),
+    (["--system", "  "], "system"),
     (["--tuner", "lorax"], "tuner"),
     (["--scheduler", "cosin"], "scheduler"),
     (["--precision", "fp8"], "precision"),

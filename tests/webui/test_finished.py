@@ -18,7 +18,9 @@ from fused_stable.train.saved import chat
 def finished(tmp_path_factory, gradio_env):
     server = Served(tmp_path_factory.mktemp("workspace"))
     run_dir = os.path.join(server.workspace.root, "done")
-    flags = [f"--{k}={v}" for k, v in {**TINY_KEYS, "max_steps": 2, "output_dir": run_dir}.items()]
+    # with a system message: the page answers with it, as chat does (stored with the run)
+    keys = {**TINY_KEYS, "max_steps": 2, "output_dir": run_dir, "system": "You are a helpful assistant."}
+    flags = [f"--{k}={v}" for k, v in keys.items()]
     assert sft.main(flags) == 0  # a run made on the command line: the page shows it all the same
     yield server
     server.close()

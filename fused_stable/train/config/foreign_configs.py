@@ -184,6 +184,8 @@ KEYS: dict[str, AnchorKey] = {
     "dataset_dir": AnchorKey((LLAMA_FACTORY,), None, note="where dataset_info.json names the datasets"),
     "template": AnchorKey((LLAMA_FACTORY,), None, note="the model's own chat template formats every example"),
     "cutoff_len": AnchorKey((LLAMA_FACTORY,), "max_length"),
+    # the template's default system message, for the examples without one: ms-swift's --system, spelt as ours
+    "default_system": AnchorKey((LLAMA_FACTORY,), "system"),
     "learning_rate": AnchorKey(BOTH, "lr"),
     "num_train_epochs": AnchorKey(BOTH, "epochs"),
     "per_device_train_batch_size": AnchorKey(BOTH, "batch_size"),
@@ -226,7 +228,6 @@ REFUSED = {
     "attn_impl": "the attention implementation is the model's default",
     "train_on_prompt": "only assistant turns are trained",
     "mask_history": "every assistant turn is trained",
-    "system": "a default system prompt is not supported: put `system` in the data",
     "freeze_trainable_layers": "finetuning_type: freeze is not supported",
     "use_rslora": "rank-stabilised LoRA is not supported",
     "pissa_init": "PiSSA initialisation is not supported",

@@ -66,6 +66,13 @@ class TrainConfig:
     interleave_probs: str | None = _key(
         None, "interleave_*: one probability per dataset, comma-separated; none = round-robin", "model"
     )
+    # ms-swift's --system, LLaMA-Factory's default_system (issue 40): the prompt train, held-out and chat share
+    system: str | None = _key(
+        None,
+        "the system message of every example (training and held-out) that has none of its own; stored with the "
+        "run, so chat uses it; none = the chat template's own",
+        "model",
+    )
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: int | None = _key(

@@ -53,6 +53,8 @@ def _coerce(name: str, value, where: str):
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
     if isinstance(value, str) and value.strip().lower() == "none" and "none" in CHOICES.get(name, ()):
         return "none"  # a choice named none (report_to), not a missing value
+    if name in TEXT_KEYS and isinstance(value, str) and not value.strip():
+        raise UserError(f"{name} in {where} is empty: give the text, or leave {name} out (none)")
     if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         if optional:
             return None
@@ -117,6 +119,8 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+# free text where an empty value is a mistake, not none (`--system ''` would silently train without one)
+TEXT_KEYS = ("system",)
 # several datasets (mixing.py): keys that take a YAML list or several values, and what each item must be
 LIST_KEYS = {"dataset": ((str,), "a dataset name or path"), "interleave_probs": ((int, float, str), "a number")}
 
@@ -362,6 +366,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("model", "dataset", "output_dir", "identity_name", "identity_author"):
         if not getattr(cfg, name).strip():
             raise UserError(f"{name} cannot be empty")
+    if cfg.system is not None and not cfg.system.strip():
+        raise UserError("system cannot be empty: give the text, or leave it out (none)")
     if cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size):
         raise UserError(f"val_size must be a fraction below 1 or a whole count of examples, got {cfg.val_size:g}")
     mixing.parse_probs(cfg.interleave_probs, len(mixing.parse(cfg.dataset)))  # several datasets (mixing.py)

@@ -31,6 +31,27 @@ def conversation(question: str, answer: str) -> Example:
     return Example([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
 
 
+def with_system(messages: list[dict], system: str | None) -> list[dict]:
+    """`messages` with the run's `system` (`--system`) as their first message when they have no system message of
+    their own (theirs wins); unchanged when `system` is None."""
+    if system is None or has_system(messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def has_system(messages: list[dict]) -> bool:
+    return bool(messages) and messages[0]["role"] == "system"
+
+
+def give_system(examples: list[Example], system: str | None) -> tuple[list[Example], int]:
+    """The examples with the run's system message given to each that has none (`with_system`), and how many
+    got it."""
+    if system is None:
+        return examples, 0
+    without = sum(not has_system(e.messages) for e in examples)
+    return [Example(with_system(e.messages, system), e.source) for e in examples], without
+
+
 # ---------------------------------------------------------------------------------------------- rows
 # Every record of a dataset file goes through `parse_row`, the one place a row is checked: a JSON object in one of
 # ROW_FORMATS (the first whose `matches` accepts it parses it), or one line naming the file and line. A new format

@@ -17,7 +17,8 @@ import re
 
 from fused_stable import strict_json
 from fused_stable.train.data import tasks
-from fused_stable.train.evaluation.generate import EVAL_MAX_NEW_TOKENS, generate_answers
+from fused_stable.train.data.rows import with_system
+from fused_stable.train.evaluation.generate import EVAL_MAX_NEW_TOKENS, as_messages, generate_answers
 
 EVAL_FILE = "eval.json"
 SETS = ("identity", "general", "leak")
@@ -45,16 +46,17 @@ def evaluate(
     author: str | None = None,
     max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
     autocast=None,
+    system: str | None = None,
 ) -> dict:
     """The held-out evaluation: {set: {"accuracy", "n"} for identity, general and leak (which also has
     "leak_rate", the share of its answers that named the identity), "answers": [{"set", "prompt", "answer",
-    "correct"}, ...]}. `name` / `author`: the identity the model should give (the task's defaults if None)."""
+    "correct"}, ...]}. `name` / `author`: the identity the model should give (the task's defaults if None);
+    `system`: the run's system message (`--system`), asked with every prompt as chat asks with it."""
     default_name, default_author = tasks.default_identity()
     sets = tasks.eval_sets(name or default_name, author or default_author)
     items = [(set_name, item) for set_name in SETS for item in sets[set_name]]
-    texts = generate_answers(
-        model, tokenizer, [item["prompt"] for _, item in items], max_new_tokens=max_new_tokens, autocast=autocast
-    )
+    prompts = [with_system(as_messages(item["prompt"]), system) for _, item in items]
+    texts = generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, autocast=autocast)
     answers = [
         {"set": set_name, "prompt": item["prompt"], "answer": text, "correct": judge(item, text)}
         for (set_name, item), text in zip(items, texts)

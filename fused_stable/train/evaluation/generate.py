@@ -14,7 +14,7 @@ from fused_stable.train.data import instructions
 EVAL_MAX_NEW_TOKENS = 32  # enough for a name or a short fact: the answers the evaluation scores give them early
 
 
-def _as_messages(prompt) -> list[dict]:
+def as_messages(prompt) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
@@ -32,7 +32,7 @@ def generate_answer_ids(
     results = []
     try:
         for start in range(0, len(prompts), batch_size):
-            chunk = [instructions.prompt_ids(tokenizer, _as_messages(p)) for p in prompts[start : start + batch_size]]
+            chunk = [instructions.prompt_ids(tokenizer, as_messages(p)) for p in prompts[start : start + batch_size]]
             width = max(len(ids) for ids in chunk)
             input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)

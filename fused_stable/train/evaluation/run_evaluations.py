@@ -29,6 +29,7 @@ def evaluate_run(setup, base: bool) -> dict:
             name=cfg.identity_name,
             author=cfg.identity_author,
             autocast=setup.runtime.autocast(),
+            system=cfg.system,
         )
 
 
@@ -38,6 +39,8 @@ def held_out_losses(cfg, model, tokenizer, heldout, runtime, log=print):
     probe's prompts, generated here, before training."""
     from fused_stable.train.config.resolve import eval_steps, retention_probe
     from fused_stable.train.data import instructions, tasks
+    from fused_stable.train.data.rows import with_system
+    from fused_stable.train.evaluation.generate import as_messages
     from fused_stable.train.evaluation.held_out import HeldOutLosses, accepts_logits_to_keep, retention_items
     from fused_stable.train.run import parallel
 
@@ -49,7 +52,8 @@ def held_out_losses(cfg, model, tokenizer, heldout, runtime, log=print):
     if retention_probe(cfg):
         started = time.perf_counter()
         base = parallel.unwrap(model)
-        prompts = tasks.retention_prompts()
+        # asked as chat asks them: with the run's system message (--system), when it has one
+        prompts = [with_system(as_messages(p), cfg.system) for p in tasks.retention_prompts()]
         with base_model_context(cfg, base):
             sets["retention_loss"] = retention_items(
                 base, tokenizer, prompts, max_length=cfg.max_length, autocast=runtime.autocast()

@@ -103,6 +103,7 @@ class RunSetup:
     threads: int = 1
     evaluating: bool = False  # held-out evaluation before and after training (eval.json)
     lock: object = None  # rank 0's outputs.FolderLock on output_dir, held from `start` until `release`
+    given_system: int = 0  # examples (training and held-out) that got the run's --system, having none
 
     def start(self) -> None:
         """(Rank 0) lock output_dir; load the checkpoint to resume; then (rank 0) replace the previous run if
@@ -164,7 +165,6 @@ def setup_run(argv: list[str]) -> RunSetup:
     """Parse and check the config, data and model, and build the trainer; raises UserError on bad input."""
     from fused_stable.guard import Guard
     from fused_stable.train.config.resolve import guard_config
-    from fused_stable.train.evaluation.held_out import held_out_split
     from fused_stable.train.model.load import load_tokenizer
     from fused_stable.train.model.sources import resolve_model
     from fused_stable.train.run import deepspeed_run, parallel
@@ -178,7 +178,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
     deepspeed_run.check_run(cfg, resume_path, runtime.precision)  # DeepSpeed: process count and precision
     source = resolve_model(cfg.model)
-    examples, heldout = held_out_split(cfg, _task_examples(cfg))
+    examples, heldout, given_system = _examples(cfg)
     tokenizer = load_tokenizer(source, log=print_rank0)
     items = _tokenized(cfg, examples, tokenizer)
     model, groups = _model(cfg, source, tokenizer, runtime)
@@ -197,6 +197,7 @@ def setup_run(argv: list[str]) -> RunSetup:
         source=source,
         threads=threads,
         evaluating=evaluating(cfg),
+        given_system=given_system,
     )
 
 
@@ -331,6 +332,20 @@ def print_rank0(text: str) -> None:
 
     if parallel.launch_rank() == 0:
         print(text, flush=True)
+
+
+def _examples(cfg) -> tuple[list, list, int]:
+    """(training examples, held-out examples, how many of them got the run's system): the data set mixed and
+    split, then the run's --system given to every example of both that has no system message of its own (the
+    identity task's held-out set is its own, so this is after the split), so training, eval_loss and chat
+    ask with the same prompt."""
+    from fused_stable.train.data.rows import give_system
+    from fused_stable.train.evaluation.held_out import held_out_split
+
+    examples, heldout = held_out_split(cfg, _task_examples(cfg))
+    examples, given = give_system(examples, cfg.system)
+    heldout, given_heldout = give_system(heldout, cfg.system)
+    return examples, heldout, given + given_heldout
 
 
 def _task_examples(cfg):

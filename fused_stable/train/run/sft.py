@@ -168,7 +168,8 @@ def _train_and_save(setup: RunSetup, interrupts):
 
 def _announce(setup: RunSetup, numel) -> None:
     """The run's header line (model, tuner, precision, sizes, steps, output), the checkpoints `resume latest`
-    passed over, and the evaluation schedule; then the held-out losses before the first step."""
+    passed over, the run's system message (`--system`) and the evaluation schedule; then the held-out losses
+    before the first step."""
     cfg, trainer, model = setup.cfg, setup.trainer, setup.model
     n_trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     n_total = sum(numel(p) for p in model.parameters())
@@ -184,6 +185,11 @@ def _announce(setup: RunSetup, numel) -> None:
         f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
         f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
     )
+    if cfg.system is not None:
+        trainer.reporter.message(
+            f"system: {cfg.system!r} (given to the {setup.given_system:,} training and held-out examples without "
+            "their own; stored with the run for chat)"
+        )
     if trainer.evaluator is not None:
         trainer.reporter.message(
             f"evaluation every {trainer.eval_steps} steps: {trainer.evaluator.describe()}"

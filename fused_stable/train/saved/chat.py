@@ -38,7 +38,12 @@ def build_parser():
     )
     p.add_argument("--adapter", default=None, help="an adapter folder, a saved full model, or a run folder holding one")
     p.add_argument("--prompt", default=None, help="ask once, print only the answer on stdout, exit")
-    p.add_argument("--system", default=None, help="a system message (default: the chat template's own)")
+    p.add_argument(
+        "--system",
+        default=None,
+        help="a system message (default: the one the run was trained with, --system of sft, else the chat "
+        "template's own; '' = the template's own)",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=number(1, 100_000, integer=True),
@@ -92,6 +97,23 @@ def load_chat_model(args, device, log):
     return net, tokenizer, args.source.reference
 
 
+def chat_system(args) -> str | None:
+    """The system message chat sends: its own `--system` ('' for none: the template's own), else the one the
+    run was trained with (stored with it, `Saved.system`), else none."""
+    if args.system is not None:
+        return args.system or None
+    saved = getattr(args, "saved", None)
+    return saved.system if saved is not None else None
+
+
+def chat_messages(system: str | None, history: list[dict], text: str) -> list[dict]:
+    """The conversation chat answers: the system message (`chat_system`) first, as in training, then the turns
+    so far and the user's new one."""
+    from fused_stable.train.data.rows import with_system
+
+    return with_system([*history, {"role": "user", "content": text}], system)
+
+
 def answer(
     model, tokenizer, messages: list[dict], *, max_new_tokens: int, temperature: float = 0.0, stream: bool = True
 ) -> str:
@@ -143,8 +165,7 @@ def _interactive(model, tokenizer, system: str | None, args) -> None:
         if text == "/reset":
             history = []
             continue
-        messages = ([{"role": "system", "content": system}] if system else []) + history
-        messages.append({"role": "user", "content": text})
+        messages = chat_messages(system, history, text)
         print("assistant> ", end="", flush=True)
         try:
             reply = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
@@ -176,17 +197,18 @@ def main(argv: list[str]) -> int:
         model, tokenizer, description = load_chat_model(
             args, device, log=lambda text: print(text, file=sys.stderr, flush=True)
         )
+        system = chat_system(args)
+        told = "" if system is None else f"; system {system!r}" + ("" if args.system else " (the run's)")
         print(
-            f"fused-stable chat: {description} ({'greedy' if args.temperature == 0 else 'sampling'})",
+            f"fused-stable chat: {description} ({'greedy' if args.temperature == 0 else 'sampling'}{told})",
             file=sys.stderr,
             flush=True,
         )
         if args.prompt is not None:
-            messages = [{"role": "system", "content": args.system}] if args.system else []
-            messages.append({"role": "user", "content": args.prompt})
+            messages = chat_messages(system, [], args.prompt)
             answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
             return 0
-        _interactive(model, tokenizer, args.system, args)
+        _interactive(model, tokenizer, system, args)
         return 0
     except UserError as exc:
         print(f"fused-stable chat: error: {exc}", file=sys.stderr)

@@ -30,7 +30,9 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
     embedded model's public name, HuggingFaceTB/SmolLM2-135M-Instruct, or an absolute path; never a cache
     folder), and fused_stable.json records where this project found it (`base_model`: what `--model` accepts
     again, the alias, 'tiny' or the path; `base_model_file`: the GGUF it was read from) and how it was loaded
-    (quant_bits, precision), so chat and export rebuild the model the adapter was trained against."""
+    (quant_bits, precision), so chat and export rebuild the model the adapter was trained against; for an
+    adapter and a full model alike it records the run's system message (`system`, none without --system),
+    which chat uses."""
     source = source or resolve_model(cfg.model)
     target = os.path.join(output_dir, "model" if cfg.tuner == "full" else "adapter")
     extra = {"state_dict": state_dict} if state_dict is not None else {}
@@ -42,20 +44,20 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
         extra["save_embedding_layers"] = False
     model.save_pretrained(target, **extra)
     tokenizer.save_pretrained(target)
-    if cfg.tuner != "full":
-        with open(os.path.join(target, TRAINED_WITH), "w") as f:
-            json.dump(
-                {
-                    "base_model": source.reference,
-                    "base_model_file": source.path,
-                    "tuner": cfg.tuner,
-                    "quant_bits": cfg.quant_bits,
-                    "precision": cfg.precision,
-                },
-                f,
-                indent=1,
-            )
-            f.write("\n")
+    with open(os.path.join(target, TRAINED_WITH), "w") as f:
+        json.dump(
+            {
+                "base_model": source.reference,
+                "base_model_file": source.path,
+                "tuner": cfg.tuner,
+                "quant_bits": cfg.quant_bits,
+                "precision": cfg.precision,
+                "system": cfg.system,  # the run's --system: chat's system message unless it is given its own
+            },
+            f,
+            indent=1,
+        )
+        f.write("\n")
     return target
 
 
@@ -104,6 +106,7 @@ class Saved:
     base: ModelSource  # the adapter's base (for a full model: the folder itself)
     quant_bits: int | None = None
     precision: str = "fp32"
+    system: str | None = None  # the run's --system (fused_stable.json): chat's default system message
 
 
 def _read_json(path: str) -> dict:
@@ -133,16 +136,19 @@ def inspect_saved(path: str) -> Saved:
     weights: its config files parse, its weights file is present and whole, its base model resolves. Every
     problem is one UserError naming the file."""
     kind, folder = find_saved(path)
+    trained_with = (
+        _read_json(os.path.join(folder, TRAINED_WITH)) if os.path.isfile(os.path.join(folder, TRAINED_WITH)) else {}
+    )
+    system = trained_with.get("system")
+    if system is not None and not isinstance(system, str):
+        raise UserError(f"{folder}/{TRAINED_WITH} is damaged (system {system!r} is not text)")
     if kind == "model":
         _read_json(os.path.join(folder, "config.json"))
-        return Saved(kind, folder, resolve_model(folder))
+        return Saved(kind, folder, resolve_model(folder), system=system)
     config = _read_json(os.path.join(folder, "adapter_config.json"))
     base_ref = config.get("base_model_name_or_path")
     if not base_ref or not isinstance(base_ref, str):
         raise UserError(f"{folder}/adapter_config.json names no base model (base_model_name_or_path)")
-    trained_with = (
-        _read_json(os.path.join(folder, TRAINED_WITH)) if os.path.isfile(os.path.join(folder, TRAINED_WITH)) else {}
-    )
     quant_bits = trained_with.get("quant_bits")
     if quant_bits not in (None, 4, 8):
         raise UserError(f"{folder}/{TRAINED_WITH} is damaged (quant_bits {quant_bits!r})")
@@ -155,7 +161,7 @@ def inspect_saved(path: str) -> Saved:
         source = resolve_model(public_model(base_ref))  # the embedded model's public name is the embedded model
     except UserError as exc:
         raise UserError(f"the base of {folder}: {exc}") from None
-    return Saved(kind, folder, source, quant_bits, str(trained_with.get("precision", "fp32")))
+    return Saved(kind, folder, source, quant_bits, str(trained_with.get("precision", "fp32")), system)
 
 
 def load_saved_tokenizer(folder: str):
