@@ -26,6 +26,10 @@ ZeRO 1-2 with `offload_optimizer`) the wrapper's norm is replaced by a CPU const
 check reads host memory (no device sync) and never skips a step on its own; ZeRO-3's multiplication of every
 gradient partition by 1 (`unscale_and_clip_grads`) is replaced by nothing. docs/integrations.md says what is left.
 fp16 (DeepSpeed's loss scaler), NVMe offload, partial offload and ZenFlow are refused.
+
+The state's size: `FusedAdamW.state_bytes()` counts its groups' params, which ZeRO-3 empties between steps;
+`EngineStep.state_bytes()` counts this rank's partitions (what the step sees), `state_bytes_per_rank()` every rank's
+(a collective, once).
 """
 
 from __future__ import annotations
