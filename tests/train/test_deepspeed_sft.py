@@ -222,6 +222,7 @@ def test_example_config_under_the_deepspeed_launcher_matches_the_run_without_dee
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in plain], rel=rel), key
     state = json.loads((tmp_path / "ds" / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 2 and state["world_size"] == 1
+    _check_state_header(proc, tmp_path / "ds", tmp_path, 2, 1, args)  # two groups (decay, no decay), one rank
     wa = load_file(tmp_path / "ds" / "model" / "model.safetensors")
     wb = load_file(tmp_path / "plain" / "model" / "model.safetensors")
     assert wa.keys() == wb.keys()
