@@ -26,10 +26,15 @@ ZeRO 1-2 with `offload_optimizer`) the wrapper's norm is replaced by a CPU const
 check reads host memory (no device sync) and never skips a step on its own; ZeRO-3's multiplication of every
 gradient partition by 1 (`unscale_and_clip_grads`) is replaced by nothing. docs/integrations.md says what is left.
 fp16 (DeepSpeed's loss scaler), NVMe offload, partial offload and ZenFlow are refused.
+
+The state's size: `FusedAdamW.state_bytes()` counts its groups' params, which ZeRO-3 empties between steps;
+`EngineStep.state_bytes()` counts this rank's partitions (what the step sees), `state_bytes_per_rank()` every rank's
+(a collective, once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -159,8 +164,10 @@ class EngineStep:
         self.stage = int(engine.zero_optimization_stage()) if wrapper is not fused else 0
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.engine_steps = 0  # engine steps this integration ran (host count; skipped steps included)
+        self.offload = False
         if wrapper is fused:  # ZeRO 0: DeepSpeed all-reduces the grads and calls step() once with every group
             self.calls = 1
+            self.process_group = None  # (the state is whole on every rank: state_bytes_per_rank gathers over all)
             engines.drive(fused, None)
             return
         for attr in ("torch_autocast_gradscaler", "zenflow", "swap_optimizer"):
@@ -225,6 +232,40 @@ class EngineStep:
             self.group_params[group].append(self.flats[call])
 
     # ------------------------------------------------------------------------------------------
+    # the state's size
+
+    def state_bytes(self) -> int:
+        """Bytes of FusedAdamW's state on this rank (moments in the state_precision, scales, `step`), counted by
+        FusedAdamW.state_bytes over what its step sees: at ZeRO 1-3 this rank's flat fp32 partitions (DeepSpeed's
+        padding included), at ZeRO-0 every param. What the state takes, or will take before the first step; in
+        host memory under ZeRO-Offload (`offload`). Local: no collective."""
+        with self._partitions_in_groups():
+            return self.optimizer.state_bytes()
+
+    def state_bytes_per_rank(self) -> list[int]:
+        """state_bytes() of every rank of the data-parallel group, in rank order: one all_gather_object, a
+        collective (every rank calls it, once: at the start, not per step)."""
+        mine = self.state_bytes()
+        ranks: list = [None] * dist.get_world_size(group=self.process_group)
+        dist.all_gather_object(ranks, mine, group=self.process_group)
+        return [int(n) for n in ranks]
+
+    @contextlib.contextmanager
+    def _partitions_in_groups(self):
+        """FusedAdamW's groups hold their partitions: at ZeRO-3 only while this lasts (DeepSpeed empties them
+        between calls); at ZeRO 1-2 (one flat partition per group) and ZeRO-0 they always do."""
+        if self.stage != 3:
+            yield
+            return
+        for group, params in zip(self.optimizer.param_groups, self.group_params):
+            group["params"] = params
+        try:
+            yield
+        finally:
+            for group in self.optimizer.param_groups:
+                group["params"] = []
+
+    # ------------------------------------------------------------------------------------------
     # the step
 
     def _global_sumsq(self, local_sumsq: torch.Tensor, params: list) -> torch.Tensor:
@@ -256,15 +297,8 @@ class EngineStep:
         wrapper, fused = self.wrapper, self.optimizer
         for call, grad in self.pending:
             self.flats[call].grad = grad  # DeepSpeed dropped the earlier groups' (ZeRO 1-2 without offload)
-        if self.stage == 3:
-            for group, params in zip(fused.param_groups, self.group_params):
-                group["params"] = params
-        try:
+        with self._partitions_in_groups():
             fused.step()
-        finally:
-            if self.stage == 3:
-                for group in fused.param_groups:
-                    group["params"] = []
         self.engine_steps += 1
         # what engine.get_global_grad_norm() returns (the HF Trainer logs it as grad_norm): the fused step's norm,
         # a device view (read it when logging)

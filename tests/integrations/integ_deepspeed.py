@@ -134,6 +134,38 @@ def optimizer_states(engine) -> list[torch.Tensor]:
     return out
 
 
+def state_figures(engine) -> dict:
+    """What the integration says FusedAdamW's state takes: on this rank (before the first step: planned) and on
+    every rank (gathered, a collective), and whether it is offloaded."""
+    fused_step = engine.fused_stable_step
+    return {
+        "planned": fused_step.state_bytes(),
+        "per_rank": fused_step.state_bytes_per_rank(),
+        "host": fused_step.offload,
+    }
+
+
+def measured_state_bytes(engine) -> int:
+    """Bytes of the state tensors this rank's FusedAdamW holds after a step (moments, scales), plus `step`'s 4
+    per tensor it steps (what FusedAdamW.state_bytes counts for it)."""
+    from fused_stable import state_format
+
+    fused = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    return sum(state_format.moment_bytes(state) + 4 for state in fused.state.values())
+
+
+def padded_engine(stage):
+    """An engine whose param sizes (35, 5, 15, 3: 58 elements) DeepSpeed pads on 2 ranks, differently per stage."""
+    from fused_stable import FusedAdamW
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    opt = FusedAdamW(model.parameters(), lr=LR)
+    engine, *_ = fs_deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, "fp32"))
+    return engine
+
+
 def fused_engine(stage, dtype, groups, **config):
     from fused_stable import FusedAdamW
     from fused_stable.integrations import deepspeed as fs_deepspeed
@@ -183,22 +215,43 @@ def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
     for stage in (1, 2, 3):
         for groups in (1, 2):
             engine, model = fused_engine(stage, "fp32", groups)
+            figures = state_figures(engine)
             norms = train(engine, rank, range(STEPS))
             results[("fp32", stage, groups)] = {
                 "params": full_fp32_params(engine, model),
                 "norms": norms,
                 **counters(engine),
+                "state": {**figures, "measured": measured_state_bytes(engine)},
             }
     # ZeRO-Offload: FusedAdamW is the offloaded CPU optimizer (zero_force_ds_cpu_optimizer: false)
     for stage in (1, 2, 3):
         offload = {"offload_optimizer": {"device": "cpu"}}
         engine, model = fused_engine(stage, "fp32", 2, zero_optimization={"stage": stage, **offload})
+        figures = state_figures(engine)
         norms = train(engine, rank, range(STEPS))
-        results[("offload", stage, 2)] = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
+        results[("offload", stage, 2)] = {
+            "params": full_fp32_params(engine, model),
+            "norms": norms,
+            **counters(engine),
+            "state": {**figures, "measured": measured_state_bytes(engine)},
+        }
     # ZeRO 0: DeepSpeed all-reduces whole grads and steps once
     engine, model = fused_engine(0, "fp32", 2)
+    figures = state_figures(engine)
     norms = train(engine, rank, range(STEPS))
-    results[("fp32", 0, 2)] = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
+    results[("fp32", 0, 2)] = {
+        "params": full_fp32_params(engine, model),
+        "norms": norms,
+        **counters(engine),
+        "state": {**figures, "measured": measured_state_bytes(engine)},
+    }
+    # the state's size where DeepSpeed pads the partitions: planned, then after one step
+    for stage in (1, 2, 3):
+        engine = padded_engine(stage)
+        figures = state_figures(engine)
+        engine.backward(engine(torch.randn(LOCAL_BATCH, 7, generator=torch.Generator().manual_seed(rank))).sum())
+        engine.step()
+        results[("padded", stage)] = {**figures, "measured": measured_state_bytes(engine)}
     # bf16: against DeepSpeed with torch's AdamW (for-loop, and fused for the floor) and DeepSpeed's clip
     for stage in (1, 2, 3):
         engine, model = fused_engine(stage, "bf16", 2)

@@ -12,6 +12,7 @@ failure, not a skip.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import integ_deepspeed as ds
 import pytest
@@ -73,6 +74,52 @@ def test_fp32_trajectory_equals_torch_adamw_with_clip(runs, kind, stage, groups)
     assert ours["applied"] == ours["engine_steps"] == ds.STEPS
     assert ours["skipped"] == 0
     assert ours["last_lr"] == pytest.approx(ds.LR * ds.schedule().factor(ds.STEPS - 1), rel=1e-6)
+
+
+def partition_elements(numels_by_group: list[list[int]], stage: int, world: int) -> list[int]:
+    """Elements of each flat fp32 partition DeepSpeed hands one rank's optimizer, from the params' sizes alone.
+    ZeRO 1-2 flatten each group, pad it to a multiple of 2 x world (stage_1_and_2.py: alignment =
+    nccl_start_alignment_factor (2) x the data-parallel size; no per-param padding, parameter_alignment is off by
+    default) and give each rank an equal slice; ZeRO-3 pads each param to a multiple of world
+    (partition_parameters.py `_padding_size`), a rank holds ceil(numel / world) of each, and a group is one
+    sub-group (sub_group_size 1e9). ZeRO-0: no partitions, the optimizer steps every param whole."""
+    if stage == 0:
+        return [n for group in numels_by_group for n in group]
+    if stage in (1, 2):
+        return [math.ceil(sum(group) / (2 * world)) * 2 * world // world for group in numels_by_group]
+    return [sum(math.ceil(n / world) for n in group) for group in numels_by_group]
+
+
+def fp32_state_bytes(elements: list[int]) -> int:
+    """fp32 exp_avg and exp_avg_sq (4 + 4 bytes an element), and 4 bytes of `step` for each tensor stepped."""
+    return 8 * sum(elements) + 4 * len(elements)
+
+
+def _check_state_figures(runs, entry_key, numels_by_group, stage, host):
+    expected = fp32_state_bytes(partition_elements(numels_by_group, stage, ds.WORLD))
+    for rank, result in enumerate(runs):
+        state = result[entry_key]
+        state = state.get("state", state)
+        # before the first step (what the trainer's header prints), after the steps (what the state holds)
+        assert state["planned"] == state["measured"] == expected, (rank, entry_key, state, expected)
+        assert state["per_rank"] == [expected] * ds.WORLD and state["host"] is host, (rank, state)
+
+
+@pytest.mark.parametrize("kind, stage, groups", FP32_RUNS)
+def test_the_state_size_is_every_ranks_partitions(runs, kind, stage, groups):
+    """EngineStep.state_bytes(): this rank's partitions (the module's params are empty at ZeRO-3), planned before
+    the first step as FusedAdamW allocates them after it; state_bytes_per_rank() gathers every rank's."""
+    numels = [[p.numel() for p in group["params"]] for group in ds.param_groups(ds.make_model(), groups)]
+    _check_state_figures(runs, (kind, stage, groups), numels, stage, host=kind == "offload")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_state_size_counts_deepspeeds_padding(runs, stage):
+    """Params of 35, 5, 15 and 3 elements (58) on 2 ranks: ZeRO 1-2 pad the group to 60 (30 a rank), ZeRO-3 each
+    param (18 + 3 + 8 + 2 = 31 a rank); the optimizer's state covers the padding too."""
+    elements = partition_elements([[35, 5, 15, 3]], stage, ds.WORLD)
+    assert elements == ([31] if stage == 3 else [30])
+    _check_state_figures(runs, ("padded", stage), [[35, 5, 15, 3]], stage, host=False)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -7,6 +7,7 @@ through the engine; bad DeepSpeed input is one line before the model loads. Deep
 installed is a failure, not a skip."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 from test_torchrun import first_step_reference
 
-from fused_stable.train.run import checkpoint
+from fused_stable.train.run import checkpoint, outputs
 
 # 4 steps, checkpoints at 2 and 4; no LoRA dropout, so that the step-1 grad norm has a reference in one process
 RUN = [*TINY, "--logging_steps", "1", "--save_total_limit", "0", "--lr", "1e-3", "--lora_dropout", "0"]
@@ -102,6 +103,45 @@ def _resume_exactly(out, tmp_path, saved):
     return wa
 
 
+def _partition_elements(groups: list[list[int]], stage: int, ranks: int) -> list[int]:
+    """Elements of each flat fp32 partition one rank's FusedAdamW steps, from the trainable params' sizes: ZeRO 1-2
+    pad each group to a multiple of 2 x ranks and slice it evenly (deepspeed/runtime/zero/stage_1_and_2.py:
+    alignment = nccl_start_alignment_factor (2) x the data-parallel size; parameter_alignment off by default);
+    ZeRO-3 pads each param to a multiple of ranks, a rank holds ceil(numel / ranks) of each, one sub-group per
+    group (partition_parameters.py `_padding_size`; sub_group_size 1e9)."""
+    if stage == 3:
+        return [sum(math.ceil(n / ranks) for n in group) for group in groups]
+    return [math.ceil(sum(group) / (2 * ranks)) * 2 * ranks // ranks for group in groups]
+
+
+def _check_state_header(proc, out, tmp_path, stage: int, ranks: int, args, host: bool = False):
+    """The header's and run_manifest.json's optimizer state: every rank's ZeRO partitions, counted from the tiny
+    model's trainable params (8 bytes an element: fp32 exp_avg and exp_avg_sq; 4 bytes of `step` a partition),
+    not the module's empty params; the total is the ranks' sum, about `ranks` times a rank's (the padding)."""
+    optimizer = setup_run(*args, "--output_dir", tmp_path / "count").trainer.optimizer  # no DeepSpeed
+    groups = [[p.numel() for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
+    elements = _partition_elements(groups, stage, ranks)
+    per_rank = 8 * sum(elements) + 4 * len(elements)
+    total = ranks * per_rank
+    trainable = sum(map(sum, groups))
+    padding = ranks * sum(elements) - trainable  # elements DeepSpeed added: all of the total's excess over 8 / element
+    assert 0 <= padding < sum(2 * ranks if stage < 3 else ranks * len(group) for group in groups)
+    assert total == 8 * (trainable + padding) + 4 * len(elements) * ranks and per_rank > 0
+    state = outputs.read_manifest(str(out))["optimizer_state"]
+    assert state == {
+        "precision": "fp32",
+        "mib": round(per_rank / 2**20, 3),
+        "mib_total": round(total / 2**20, 3),
+        "bytes_per_rank": [per_rank] * ranks,
+        "zero_stage": stage,
+        "memory": "host" if host else "device",
+    }
+    where = ", offloaded to host memory" if host else ""
+    header = f"optimizer state fp32 {per_rank / 2**20:#.3g} MiB per rank, {total / 2**20:#.3g} MiB in all"
+    assert proc.stdout.count(f"{header} (ZeRO-{stage} partitions{where}) |") == 1, proc.stdout[:3000]
+    assert "optimizer state fp32 0.0 MiB" not in proc.stdout
+
+
 @pytest.fixture(scope="module")
 def zero2_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero2") / "run"
@@ -116,6 +156,7 @@ def test_zero2_two_ranks_trains_with_the_signals_of_ddp(zero2_run, tmp_path):
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert adapter and all("lora_" in k for k in adapter)
     assert all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # trained (B starts at zero)
+    _check_state_header(proc, out, tmp_path, 2, 2, RUN)
 
 
 def test_zero2_resume_is_exact(zero2_run, tmp_path):
@@ -139,6 +180,7 @@ def test_zero3_two_ranks_trains_and_the_export_loads_with_transformers(zero3_run
     out, proc = zero3_run
     # ZeRO-3 leaves empty tensors on the module: the banner counts the partitioned parameters' real sizes
     assert proc.stdout.count("16,384 trainable of 837,504 params") == 1
+    _check_state_header(proc, out, tmp_path, 3, 2, RUN)  # the module's params are empty there
     _check_signals(out, proc, tmp_path, *RUN)
     _check_engine_checkpoints(out, 3)
     # the adapter was gathered from both ranks' partitions: whole tensors, trained
@@ -180,6 +222,7 @@ def test_example_config_under_the_deepspeed_launcher_matches_the_run_without_dee
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in plain], rel=rel), key
     state = json.loads((tmp_path / "ds" / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 2 and state["world_size"] == 1
+    _check_state_header(proc, tmp_path / "ds", tmp_path, 2, 1, args)  # two groups (decay, no decay), one rank
     wa = load_file(tmp_path / "ds" / "model" / "model.safetensors")
     wb = load_file(tmp_path / "plain" / "model" / "model.safetensors")
     assert wa.keys() == wb.keys()
@@ -202,17 +245,22 @@ def test_one_process_without_a_launcher_with_zero_offload(tmp_path):
     state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["zero_stage"] == 1 and state["world_size"] == 1
     assert [r["skipped"] for r in read_metrics(out)] == [False, False]
+    _check_state_header(proc, out, tmp_path, 1, 1, RUN, host=True)
 
 
 def test_guard_rollback_goes_through_the_engine(tmp_path):
-    """Non-finite logits on 3 micro-batches in a row on both ranks (ZeRO-2): the guard sees the skipped steps,
-    rolls every rank back to the step-10 checkpoint through engine.load_checkpoint and the run completes."""
+    """Non-finite logits on 3 micro-batches in a row on both ranks (ZeRO-1, the stage no other run here takes on 2
+    ranks): the guard sees the skipped steps, rolls every rank back to the step-10 checkpoint through
+    engine.load_checkpoint and the run completes."""
     out = tmp_path / "fault"
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
     args = [*TINY[:8], "--batch_size", 2, "--grad_accum", 1, "--max_length", 96, "--tensorboard", "false"]
-    args += ["--logging_steps", 5, "--save_steps", 10, "--max_steps", 20, "--guard", "rollback", "--zero_stage", 2]
-    proc = launch("torchrun", *args, "--output_dir", out, program=(script,), env={"FAULT_BATCHES": "12,13,14"})
+    args += ["--logging_steps", 5, "--save_steps", 10, "--max_steps", 20, "--guard", "rollback"]
+    proc = launch(
+        "torchrun", *args, "--zero_stage", 1, "--output_dir", out, program=(script,), env={"FAULT_BATCHES": "12,13,14"}
+    )
     assert proc.stdout.count("done: steps 0->20") == 1
+    _check_state_header(proc, out, tmp_path, 1, 2, args)
     from fused_stable.train.run.report import read_alerts
 
     rollbacks = [a for a in read_alerts(str(out)) if a["action"] == "rollback"]
@@ -220,9 +268,32 @@ def test_guard_rollback_goes_through_the_engine(tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 21))  # rewound to step 10, then 11..20 again
     state = json.loads((out / "checkpoints" / "step-20" / "trainer_state.json").read_text())
-    assert state["rollbacks"] == 1 and state["micro_batches"] == 25 and state["zero_stage"] == 2
+    assert state["rollbacks"] == 1 and state["micro_batches"] == 25 and state["zero_stage"] == 1
     # the restored FusedAdamW counted no skip (step 10's state), the lr cut by guard_lr_factor after the rollback
     assert rows[-1]["skipped_total"] == 0 and all(r["loss"] == r["loss"] for r in rows[10:])
+
+
+def test_the_header_says_what_the_state_figure_is_under_each_stage():
+    """The header's words for the optimizer state (setup.state_words) from run_manifest.json's fields: the ranks'
+    sum in all, a range where their partitions differ, ZeRO-0's copies, ZeRO-Offload's host memory; whose share
+    under torchrun."""
+    from fused_stable.train.run.setup import state_words
+
+    mib = 2**20
+    zero = {"precision": "bf16", "mib": 1.5, "zero_stage": 3, "memory": "device"}
+    assert state_words({**zero, "bytes_per_rank": [3 * mib // 2] * 2}) == (
+        "bf16 1.50 MiB per rank, 3.00 MiB in all (ZeRO-3 partitions)"
+    )
+    assert state_words({**zero, "bytes_per_rank": [mib, 2 * mib, 8 * mib], "memory": "host"}) == (
+        "bf16 1.00-8.00 MiB per rank, 11.0 MiB in all (ZeRO-3 partitions, offloaded to host memory)"
+    )
+    assert state_words({**zero, "bytes_per_rank": [mib] * 4, "zero_stage": 0}) == (
+        "bf16 1.00 MiB per rank, 4.00 MiB in all (ZeRO-0 replicated on every rank)"
+    )
+    plain = {"precision": "8bit", "mib": 0.126}
+    assert state_words(plain) == "8bit 0.1 MiB"
+    assert state_words(plain, "ddp", 2) == "8bit 0.1 MiB per rank (DDP replicates it)"
+    assert state_words(plain, "fsdp2", 4) == "8bit 0.1 MiB on rank 0 (FSDP2 shards it over 4 ranks)"
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -19,7 +19,7 @@ from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
 
 from fused_stable.integrations.distributed import shard_data
 from fused_stable.train.data.instructions import IGNORE_INDEX, BatchOrder
-from fused_stable.train.run import checkpoint
+from fused_stable.train.run import checkpoint, outputs
 from fused_stable.train.run.report import read_alerts
 
 # 4 steps of 2 micro-batches of 4 rows per rank, a checkpoint every 2 steps, all kept
@@ -118,6 +118,11 @@ def test_lora_ddp_two_ranks_rank0_outputs_and_mean_loss(ddp_run, tmp_path):
     ckpt = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
     assert all(k.startswith("base_model.model.") and "lora_" in k for k in ckpt)
     assert sum(v.numel() for v in ckpt.values()) == sum(v.numel() for v in adapter.values())
+    # the header's optimizer state is a rank's, which DDP replicates: 8 bytes an adapter element (fp32 exp_avg,
+    # exp_avg_sq) and 4 of `step` a tensor
+    mib = round((8 * sum(v.numel() for v in ckpt.values()) + 4 * len(ckpt)) / 2**20, 3)
+    assert outputs.read_manifest(str(out))["optimizer_state"] == {"precision": "fp32", "mib": mib}
+    assert proc.stdout.count(f"optimizer state fp32 {mib:.1f} MiB per rank (DDP replicates it) |") == 1
 
     # each rank trained on its own half of the rows and the logged loss is the mean of the two
     per_rank, _ = first_step_reference(tmp_path, *RUN)
@@ -185,6 +190,11 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     optim = torch.load(out / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
     assert optim["state"]["lm_head.weight"]["exp_avg"].shape == params["lm_head.weight"].shape
     assert int(optim["fused_stable"]["istate"][0]) == 4  # FusedAdamW's counters ride along
+    # the header's optimizer state is rank 0's shard: FSDP2 gives it the first ceil(rows / 2) rows of each param
+    shard = sum(math.ceil(v.shape[0] / 2) * v[0].numel() for v in weights.values())
+    mib = round((8 * shard + 4 * len(weights)) / 2**20, 3)
+    assert outputs.read_manifest(str(out))["optimizer_state"] == {"precision": "fp32", "mib": mib}
+    assert proc.stdout.count(f"optimizer state fp32 {mib:.1f} MiB on rank 0 (FSDP2 shards it over 2 ranks) |") == 1
 
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)

@@ -278,7 +278,12 @@ def start(model, optimizer, cfg, runtime) -> Engine:
     # DeepSpeed's ZeRO calls a collective torch deprecates, once per step and rank: nothing the user can act on
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     engine, *_ = fs_deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return Engine(engine, stage=int(ds_config["zero_optimization"].get("stage", 0)), adapter=cfg.tuner != "full")
+    out = Engine(engine, stage=int(ds_config["zero_optimization"].get("stage", 0)), adapter=cfg.tuner != "full")
+    fused_step = engine.fused_stable_step
+    # the header's and run_manifest.json's optimizer-state figure: every rank's partitions, gathered once here
+    # (every rank builds the engine; only rank 0 prints and writes)
+    out.state_per_rank, out.offload = fused_step.state_bytes_per_rank(), fused_step.offload
+    return out
 
 
 class Engine:
@@ -286,6 +291,22 @@ class Engine:
 
     def __init__(self, ds_engine, stage: int, adapter: bool):
         self.ds, self.stage, self.adapter = ds_engine, stage, adapter
+        self.state_per_rank: list[int] = []  # bytes of FusedAdamW's state on each rank (set by `start`)
+        self.offload = False  # ZeRO-Offload: that state lies in host memory
+
+    def optimizer_state(self) -> dict:
+        """The optimizer state's size from every rank's partitions (run_manifest.json's `optimizer_state` and the
+        header): `mib` is this rank's share, as without DeepSpeed; `bytes_per_rank` (rank order), `mib_total`
+        (their sum: under ZeRO-0 each rank holds a whole copy), `zero_stage`, `memory` ("host" under
+        ZeRO-Offload, else "device")."""
+        mine = self.state_per_rank[parallel.rank()]
+        return {
+            "mib": round(mine / 2**20, 3),
+            "mib_total": round(sum(self.state_per_rank) / 2**20, 3),
+            "bytes_per_rank": list(self.state_per_rank),
+            "zero_stage": self.stage,
+            "memory": "host" if self.offload else "device",
+        }
 
     def backward(self, loss: torch.Tensor) -> None:
         # the loop's loss is already divided by the window's label tokens: DeepSpeed must not divide it again

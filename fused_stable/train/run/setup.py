@@ -155,10 +155,51 @@ class RunSetup:
 
 
 def optimizer_state(trainer) -> dict:
-    """What the run header and run_manifest.json say about the optimizer's state: its precision and size (this
-    process's share under torchrun: FSDP2 shards the state with the params)."""
+    """What the run header and run_manifest.json say about the optimizer's state: its precision and size in MiB
+    (`mib`: this process's share under torchrun, where FSDP2 shards the state with the params); under DeepSpeed
+    from every rank's ZeRO partitions, with the per-rank bytes, the total and where it lies
+    (deepspeed_run.Engine.optimizer_state): the local params are empty there at ZeRO-3."""
     opt = trainer.optimizer
-    return {"precision": opt.defaults["state_precision"], "mib": round(opt.state_bytes() / 2**20, 3)}
+    precision = {"precision": opt.defaults["state_precision"]}
+    if trainer.engine is not None:
+        return {**precision, **trainer.engine.optimizer_state()}
+    return {**precision, "mib": round(opt.state_bytes() / 2**20, 3)}
+
+
+def _mib(n_bytes: int) -> str:
+    """MiB for the DeepSpeed header: one decimal from 10 MiB, three significant digits below (a LoRA adapter's
+    partitions are a small fraction of one MiB)."""
+    return f"{n_bytes / 2**20:.1f}" if n_bytes >= 10 * 2**20 else f"{n_bytes / 2**20:#.3g}"
+
+
+def optimizer_state_text(trainer) -> str:
+    """The header's words for the optimizer state (`state_words` of `optimizer_state`)."""
+    from fused_stable.train.run import parallel
+
+    sharing = None
+    if trainer.engine is None and parallel.world_size() > 1:
+        sharing = "fsdp2" if parallel.is_fsdp(trainer.model) else "ddp"
+    return state_words(optimizer_state(trainer), sharing, parallel.world_size())
+
+
+def state_words(state: dict, sharing: str | None = None, ranks: int = 1) -> str:
+    """`optimizer_state`'s dict in words: `fp32 1.2 MiB`; under torchrun (`sharing` "ddp" or "fsdp2") this
+    process's share, said so (`per rank (DDP replicates it)`, `on rank 0 (FSDP2 shards it over N ranks)`); under
+    DeepSpeed `fp32 1.2 MiB per rank, 2.4 MiB in all (ZeRO-3 partitions)`, a range where the ranks' partitions
+    differ, and `offloaded to host memory` under ZeRO-Offload."""
+    if "bytes_per_rank" not in state:  # no DeepSpeed
+        text = f"{state['precision']} {state['mib']:.1f} MiB"
+        if sharing == "fsdp2":
+            return f"{text} on rank 0 (FSDP2 shards it over {ranks} ranks)"
+        return f"{text} per rank (DDP replicates it)" if sharing == "ddp" else text
+    per_rank = sorted(state["bytes_per_rank"])
+    low, high = _mib(per_rank[0]), _mib(per_rank[-1])
+    what = "replicated on every rank" if state["zero_stage"] == 0 else "partitions"
+    where = ", offloaded to host memory" if state["memory"] == "host" else ""
+    return (
+        f"{state['precision']} {low if low == high else f'{low}-{high}'} MiB per rank, "
+        f"{_mib(sum(per_rank))} MiB in all (ZeRO-{state['zero_stage']} {what}{where})"
+    )
 
 
 def setup_run(argv: list[str]) -> RunSetup:

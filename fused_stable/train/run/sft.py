@@ -20,7 +20,7 @@ from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 from fused_stable.train.evaluation.run_evaluations import evaluate_run
 from fused_stable.train.run import stop_message
-from fused_stable.train.run.setup import RunSetup, optimizer_state, print_rank0, setup_run
+from fused_stable.train.run.setup import RunSetup, optimizer_state_text, print_rank0, setup_run
 
 
 def main(argv: list[str]) -> int:
@@ -181,7 +181,7 @@ def _announce(setup: RunSetup, numel) -> None:
         f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
         f"device={setup.runtime.device} threads={setup.threads} | "
         f"{n_trainable:,} trainable of {n_total:,} params | "
-        f"optimizer state {cfg.state_precision} {optimizer_state(trainer)['mib']:.1f} MiB | "
+        f"optimizer state {optimizer_state_text(trainer)} | "
         f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
         f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
     )
