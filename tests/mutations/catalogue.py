@@ -2317,6 +2317,15 @@ MUTATIONS: list[Mutation] = [
         select="lowbit_update_is_the_exact_reference and 8bit",
     ),
     M(
+        "sft-resume-precision-change-unsaid",
+        "fused_stable/train/run/setup.py",
+        '    if cfg.state_precision != saved_cfg.state_precision and "state_precision" in explicit:\n',
+        "    if False:\n",
+        ["tests/train/test_state_precision.py"],
+        "a resume in another state_precision says that the state is converted as it loads",
+        select="another",
+    ),
+    M(
         "cpu-lowbit-nearest-not-stochastic",
         "fused_stable/backends/torch/cpu_step.cpp",
         "    v16[i] = round_stochastic_bf16(v[i], mix32(static_cast<uint32_t>(first + i) ^ t.key));\n",

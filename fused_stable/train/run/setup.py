@@ -46,6 +46,10 @@ def tensorboard_on(cfg) -> bool:
     return cfg.tensorboard and cfg.report_to == "tensorboard"
 
 
+# what FusedAdamW.load_state_dict does to a state saved in another precision (docs/optimizer.md, "State dicts")
+_CONVERSION = {"fp32": "decoded to fp32", "bf16": "rounded to bf16", "8bit": "quantised to 8-bit codes and scales"}
+
+
 def _resolve(argv: list[str]):
     """The config, the checkpoint to resume from (None for a fresh run), and the damaged or incomplete
     checkpoints `resume latest` passed over (one line each)."""
@@ -78,6 +82,11 @@ def _resolve(argv: list[str]):
             f"cannot resume {path} with a different {diffs}: the checkpoint fixes them (its weights' shapes and "
             "meaning, or the optimizer state that restores lr and weight_decay); leave them out to continue the "
             "run, or start a new run in another output_dir"
+        )
+    if cfg.state_precision != saved_cfg.state_precision and "state_precision" in explicit:
+        print_rank0(
+            f"resuming {path}: its {saved_cfg.state_precision} optimizer state is converted to "
+            f"{cfg.state_precision} once, as it loads ({_CONVERSION[cfg.state_precision]})"
         )
     # keys not given now come from the run being resumed, so `--resume latest` alone continues it
     saved = saved_cfg.to_dict()
