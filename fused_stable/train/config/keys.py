@@ -66,6 +66,11 @@ class TrainConfig:
     interleave_probs: str | None = _key(
         None, "interleave_*: one probability per dataset, comma-separated; none = round-robin", "model"
     )
+    eval_dataset: str | None = _key(
+        None,
+        "held-out data for eval_loss instead of val_size: a dataset or a,b (loaded and mixed as dataset is)",
+        "model",
+    )
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: int | None = _key(
@@ -331,6 +336,7 @@ ALIASES = {
     "validation_split": "val_size",
     "val_set_size": "val_size",
     "eval_size": "val_size",
+    "val_dataset": "eval_dataset",
     "save_every": "save_steps",
     "load_in_4bit": "quant_bits",
     "load_in_8bit": "quant_bits",

@@ -178,7 +178,7 @@ def setup_run(argv: list[str]) -> RunSetup:
     parallel.check_resume(resume_path)  # torchrun: only with the process count that wrote the checkpoint
     deepspeed_run.check_run(cfg, resume_path, runtime.precision)  # DeepSpeed: process count and precision
     source = resolve_model(cfg.model)
-    examples, heldout = held_out_split(cfg, _task_examples(cfg))
+    examples, heldout = held_out_split(cfg, _task_examples(cfg), _task_examples(cfg, held_out=True))
     tokenizer = load_tokenizer(source, log=print_rank0)
     items = _tokenized(cfg, examples, tokenizer)
     model, groups = _model(cfg, source, tokenizer, runtime)
@@ -333,8 +333,9 @@ def print_rank0(text: str) -> None:
         print(text, flush=True)
 
 
-def _task_examples(cfg):
-    """cfg.dataset's examples: each dataset of the comma list loaded, cut and sampled, then mixed (mixing.py)."""
+def _task_examples(cfg, held_out: bool = False):
+    """cfg.dataset's examples (`held_out`: cfg.eval_dataset's, [] without one): each dataset of the comma list
+    loaded, cut and sampled, then mixed (mixing.py)."""
     from fused_stable.train.data import instructions, mixing, tasks
 
     def load_one(name):
@@ -346,6 +347,8 @@ def _task_examples(cfg):
             return instructions.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
         return instructions.load_examples(name, log=print_rank0)
 
-    examples, line = mixing.load_mixed(cfg, load_one)
+    if held_out and cfg.eval_dataset is None:
+        return []
+    examples, line = mixing.load_mixed(cfg, load_one, held_out=held_out)
     print_rank0(line)
     return examples
