@@ -224,6 +224,10 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
             raise UserError(f"{where} sets {', '.join(both)} twice: by its own name and by another trainer's name")
         lines += mapped.lines
         raw_anchor.update(theirs)
+        if values.get("precision") in mapped.precisions_off:  # `--bf16 false` over the file's `bf16: true`
+            lines.append(f"{values['precision']}: false over the earlier true -> precision: fp32")
+            values["precision"] = "fp32"
+            explicit.add("precision")
         label = where if where == config_path else None
         for name, value in {**mapped.values, **ours}.items():
             if anchor is not None and name == "max_steps" and value in (-1, "-1"):
