@@ -39,7 +39,9 @@ def _setup_form(page: Page):
         preset = gr.Radio(list(form.PRESETS), label="start from", value=None, elem_id="preset")
     with gr.Row():
         model = gr.Dropdown(page.model_choices(), value=d("model"), label="model", allow_custom_value=True)
-        dataset = gr.Dropdown(page.dataset_choices(), value=d("dataset"), label="dataset", allow_custom_value=True)
+        dataset = gr.Dropdown(
+            page.dataset_choices(), value=d("dataset"), label="dataset (several: a,b)", allow_custom_value=True
+        )
         upload = gr.UploadButton("upload a dataset (.json / .jsonl)", file_types=[".json", ".jsonl"])
         run_name = gr.Textbox(label="run folder (in the workspace; empty: run-<time>)", elem_id="run_name")
     with gr.Row():

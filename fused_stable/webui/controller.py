@@ -35,7 +35,8 @@ from fused_stable.webui.records import RunRecord
 from fused_stable.webui.runs import RunStatus, read_status
 
 BUILTIN_DATASETS = ("identity", "arithmetic")
-PATH_KEYS = ("output_dir", "dataset", "model")  # the sft keys that name files: resolved inside the workspace
+PATH_KEYS = ("output_dir", "dataset", "eval_dataset", "model")  # sft keys naming files: kept inside the workspace
+DATASET_KEYS = ("dataset", "eval_dataset")  # a comma list (or YAML list) of datasets, each resolved on its own
 RUNNER = [sys.executable, "-m", "fused_stable.webui.runner"]
 
 
@@ -108,18 +109,33 @@ class RunController:
                 raise UserError(f"unknown key {name!r}{hint}")
             if name == "resume":
                 raise UserError("resume is not a key of a new run: use Resume to continue a paused or stopped run")
-            if isinstance(value, (list, dict)):
+            if isinstance(value, (list, dict)) and not (name in DATASET_KEYS and isinstance(value, list)):
                 raise UserError(f"{name} must be a single value, got {value!r}")
             values[name] = value
         values["output_dir"] = self.workspace.resolve(values.get("output_dir") or self._new_run_name(), "output_dir")
-        if values.get("dataset") not in (None, *BUILTIN_DATASETS):
-            values["dataset"] = self.workspace.resolve(flag_value(values["dataset"]), "dataset")
+        for name in DATASET_KEYS:
+            if values.get(name) is not None:
+                values[name] = self._datasets(values[name], name)
         if values.get("model") not in (None, *builtin_models()):
             values["model"] = self.workspace.resolve(flag_value(values["model"]), "model")
         args = [f"--{name}={flag_value(value)}" for name, value in values.items()]
         cfg, _ = resolve_config(args)  # the CLI's own checks and messages
         check_output_dir(cfg.output_dir, overwrite=cfg.overwrite)
         return Launch(args, cfg.output_dir)
+
+    def _datasets(self, value, name: str) -> str:
+        """A dataset key's comma list (or YAML list) with each file inside the workspace; the built-in tasks
+        and each item's `#N` (its sample count) kept as they are."""
+        from fused_stable.train.data import mixing
+
+        items = []
+        for item in mixing.split_list(value if isinstance(value, list) else flag_value(value)):
+            path, hashed, count = item.rpartition("#") if "#" in item else (item, "", "")
+            path = path.strip()
+            items.append((path if path in BUILTIN_DATASETS else self.workspace.resolve(path, name)) + hashed + count)
+        if not items:
+            raise UserError(f"{name} is empty: give a built-in task or a file inside the workspace")
+        return ",".join(items)
 
     def preview(self, text: str) -> Launch:
         return self.prepare(parse_keys(text))

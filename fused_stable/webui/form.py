@@ -113,6 +113,8 @@ def form_keys(fields: dict, tuner: str, run_name: str) -> dict:
         value = fields.get(key)
         if key == "max_steps" and value in (0, None, ""):
             continue  # none: derived from epochs
+        if key == "dataset" and isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)  # several datasets, mixed (train/data/mixing.py)
         if isinstance(value, float) and value.is_integer() and key in _INT_KEYS:
             value = int(value)  # a number field gives 20.0 for 20
         if not _is_default(key, value):

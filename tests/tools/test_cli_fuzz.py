@@ -252,6 +252,14 @@ WORD_CASES = [
     (["--dataset", "arithmetic,identity", "--interleave_probs", "0.5"], "interleave_probs"),
     (["--dataset", "arithmetic,identity", "--interleave_probs", "0.9,0.9"], "interleave_probs"),
     (["--dataset", "arithmetic,identity", "--interleave_probs", "nan,1"], "interleave_probs"),
+    (["--eval_dataset", "arithmetic,{t}/missing.jsonl"], "missing.jsonl"),
+    (["--eval_dataset", ","], "eval_dataset cannot be empty"),
+    (["--eval_dataset", "arithmetic", "--val_size", "0.1"], "eval_dataset and val_size"),
+    (
+        ["--dataset", "arithmetic,identity", "--eval_dataset", "arithmetic,identity,arithmetic"]
+        + ["--mix_strategy", "interleave_under", "--interleave_probs", "0.5,0.5"],
+        "eval_dataset",
+    ),
     (["--identity_name", ""], "identity_name"),
     (["--identity_name", " "], "identity_name"),
     (["--identity_author", ""], "identity_author"),

@@ -311,3 +311,19 @@ def test_ms_swift_current_tuner_type_and_the_4bit_compute_dtype():
             "--model", "tiny", "--dataset", "swift/self-cognition", "--quant_bits", "4",
             "--bnb_4bit_compute_dtype", "float16", "--torch_dtype", "bfloat16",
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("file_keys", "flag", "precision"),
+    [
+        ("bf16: true", ("--bf16", "false"), "fp32"),  # flags over the file: LF with neither key is fp32
+        ("fp16: true", ("--fp16", "false"), "fp32"),
+        ("fp16: true", ("--bf16", "false"), "fp16"),  # turning off what was not on changes nothing
+        ("bf16: false", (), "auto"),  # false alone sets nothing: the run's default
+        ("bf16: true", ("--bf16", "true"), "bf16"),
+    ],
+)
+def test_a_flags_false_undoes_the_files_true_precision(tmp_path, file_keys, flag, precision):
+    cfg, _, lines = resolve("--config", write(tmp_path, f"stage: sft\n{file_keys}\n"), *flag, "--dataset", "arithmetic")
+    assert cfg.precision == precision
+    assert ("false over the earlier true -> precision: fp32" in lines[0]) == (precision == "fp32")

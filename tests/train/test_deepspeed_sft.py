@@ -31,8 +31,9 @@ EXAMPLE = os.path.join(REPO_ROOT, "examples", "sft_zero2.json")
 ERROR_PREFIX = "fused-stable sft: error:"
 
 
-def launch(launcher, *argv, program=("-m", "fused_stable"), env=None, timeout=400):
-    """`fused-stable sft ARGV` under `launcher` (torchrun on 2 ranks, or DeepSpeed's own), DeepSpeed on the CPU."""
+def launch(launcher, *argv, program=("-m", "fused_stable"), env=None, timeout=400, cwd=REPO_ROOT):
+    """`fused-stable sft ARGV` under `launcher` (torchrun on 2 ranks, or DeepSpeed's own), DeepSpeed on the CPU,
+    in `cwd` (the repository, or a config's own folder when its paths are relative)."""
     clean = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {
         **{k: v for k, v in os.environ.items() if k not in clean},
@@ -47,7 +48,7 @@ def launch(launcher, *argv, program=("-m", "fused_stable"), env=None, timeout=40
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "0"]
         cmd += ["--module", *program[1:]] if program[0] == "-m" else list(program)
     cmd += ["sft", *map(str, argv)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

@@ -2,75 +2,31 @@
 config keys with its data layout (dataset_info.json, identity 91 rows, alpaca_en_demo 999 rows) and an ms-swift
 command line, trained on the tiny model; the header says what each dataset contributed."""
 
-import json
 import random
 
 import pytest
+from test_llamafactory_examples import LORA, lf_layout
 
 from fused_stable.errors import UserError
 from fused_stable.train.data import mixing
 
-# LLaMA-Factory's examples/train_lora/qwen3_lora_sft.yaml, its keys as shipped (the model is replaced on the
-# command line, as the issue's user does)
-LF_LORA = """\
-model_name_or_path: Qwen/Qwen3-4B-Instruct-2507
-trust_remote_code: true
-stage: sft
-do_train: true
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-dataset: identity,alpaca_en_demo
-template: qwen3_nothink
-cutoff_len: 2048
-max_samples: {max_samples}
-overwrite_cache: true
-preprocessing_num_workers: 16
-dataloader_num_workers: 4
-output_dir: {out}
-logging_steps: 10
-save_steps: 500
-plot_loss: true
-overwrite_output_dir: true
-save_only_model: false
-report_to: none
-per_device_train_batch_size: 1
-gradient_accumulation_steps: 8
-learning_rate: 1.0e-4
-num_train_epochs: 3.0
-lr_scheduler_type: cosine
-warmup_ratio: 0.1
-bf16: true
-ddp_timeout: 180000000
-resume_from_checkpoint: null
-"""
-
 
 def lf_data(root):
-    """LLaMA-Factory's data/ layout: dataset_info.json naming identity.json (91 rows) and alpaca_en_demo.json
-    (999 rows)."""
-    data = root / "data"
-    data.mkdir()
-    rows = {"identity": 91, "alpaca_en_demo": 999}
-    for name, n in rows.items():
-        records = [{"instruction": f"{name} question {i}", "input": "", "output": f"answer {i}"} for i in range(n)]
-        (data / f"{name}.json").write_text(json.dumps(records))
-    (data / "dataset_info.json").write_text(json.dumps({name: {"file_name": f"{name}.json"} for name in rows}))
-    return data
+    """LLaMA-Factory's data/ layout (tests/train/test_llamafactory_examples.py): dataset_info.json naming
+    identity.json (91 rows) and alpaca_en_demo.json (999 rows), and LF's example files beside it."""
+    lf_layout(root)
+    return root / "data"
 
 
-@pytest.mark.parametrize(
-    ("max_samples", "line"),
-    [(1000, "identity 91 + alpaca_en_demo 999 = 1090"), (50, "identity 50 + alpaca_en_demo 50 = 100")],
-)
-def test_llamafactory_lora_example_mixes_its_two_datasets(sft, tmp_path, monkeypatch, max_samples, line):
+def test_llamafactory_lora_example_cut_by_max_samples(sft, tmp_path, monkeypatch):
+    """LF's qwen3_lora_sft.yaml as it ships (its max_samples 1000 keeps both whole: the 1090 of
+    test_llamafactory_examples.py); --max_samples 50 cuts each dataset to its first 50."""
     lf_data(tmp_path)
     monkeypatch.chdir(tmp_path)
-    out = tmp_path / "run"
-    (tmp_path / "lf.yaml").write_text(LF_LORA.format(max_samples=max_samples, out=out))
-    code, stdout, err = sft("--config", "lf.yaml", "--model", "tiny", "--max_steps", "1", "--bf16", "false")
+    (tmp_path / "lf.yaml").write_text(LORA)
+    code, stdout, err = sft("--config", "lf.yaml", "--model", "tiny", "--max_steps", "1", "--max_samples", "50")
     assert code == 0, err
-    assert f"datasets: {line} examples" in stdout
+    assert "datasets: identity 50 + alpaca_en_demo 50 = 100 examples (max_samples 50" in stdout
 
 
 def test_ms_swift_several_datasets_after_one_flag_with_counts(sft, tmp_path, monkeypatch):
@@ -99,5 +55,7 @@ def test_interleave_under_stops_at_the_first_exhausted_and_over_at_the_last():
     assert mixing.mix([a, b], "interleave_under", None, 0) == ["a0", "b0", "a1"]
     assert mixing.mix([a, b], "interleave_over", None, 0) == ["a0", "b0", "a1", "b1", "a0", "b2"]
     assert mixing.mix([a, b], "concat", None, 0) == a + b
+    # one dataset (an eval_dataset of one beside two training datasets): nothing to mix, the probabilities unused
+    assert mixing.mix([b], "interleave_under", "0.5,0.5", 0) == b
     with pytest.raises(UserError, match="one per dataset"):
         mixing.mix([a, b], "interleave_under", "1", 0)

@@ -210,3 +210,20 @@ def test_safe_defaults_and_the_form_give_the_keys_and_command_they_show(tmp_path
     assert form.run_keys(fields, "QLoRA", "", "")["quant_bits"] == 4
     with pytest.raises(UserError, match="must be a YAML mapping"):
         form.run_keys(fields, "LoRA", "", "- a list")
+
+
+def test_the_dataset_field_takes_several_datasets_each_inside_the_workspace(tmp_path):
+    """A comma list in the dataset field (or a YAML list, and eval_dataset in the box): each file resolved in the
+    workspace on its own, the built-in tasks and each item's #N kept; one item outside is refused."""
+    fields = {key: form.default(key) for key in form.FIELD_KEYS}
+    fields.update({"model": "tiny", "dataset": "arithmetic, uploads/a.jsonl#5"})
+    keys = form.run_keys(fields, "LoRA", "several", "eval_dataset: [identity, uploads/b.json]\n")
+    assert keys["dataset"] == "arithmetic, uploads/a.jsonl#5"
+    launch = RunController(Workspace(str(tmp_path))).prepare(keys)
+    assert f"--dataset=arithmetic,{tmp_path}/uploads/a.jsonl#5" in launch.args
+    assert f"--eval_dataset=identity,{tmp_path}/uploads/b.json" in launch.args
+    assert form.form_keys({**fields, "dataset": ["identity", "uploads/a.jsonl"]}, "LoRA", "")["dataset"] == (
+        "identity,uploads/a.jsonl"
+    )
+    with pytest.raises(UserError, match="dataset '../a.jsonl' climbs out"):
+        RunController(Workspace(str(tmp_path))).prepare({**keys, "dataset": "identity,../a.jsonl"})

@@ -292,6 +292,13 @@ def anchor_of(names) -> str | None:
 class Mapped:
     values: dict  # our key -> value (still to be coerced and checked by config)
     lines: list  # "anchor_key: value -> our_key: value", for the mapping the run prints
+    # the precisions this source turns off (`bf16: false`): a flag's false undoes the YAML file's true
+    precisions_off: tuple = ()
+
+
+# bf16 / fp16 false set nothing (the run's default precision stays), but over an earlier source's true they undo
+# it: LLaMA-Factory with neither key trains in fp32
+PRECISION_KEYS = {"bf16": "bf16", "fp16": "fp16"}
 
 
 def translate(raw: dict, where: str) -> Mapped:
@@ -324,7 +331,8 @@ def translate(raw: dict, where: str) -> Mapped:
         lines.append(f"{name}: {value} -> {key.ours}: {ours}")
     if refused:
         raise UserError(f"{where}: keys fused-stable sft cannot honour: {'; '.join(refused)}")
-    return Mapped(values, lines)
+    off = tuple(PRECISION_KEYS[n] for n in raw if n in PRECISION_KEYS and raw[n] is not None and not _true(raw[n]))
+    return Mapped(values, lines, off)
 
 
 # ---------------------------------------------------------------------------------------------- dataset_info.json

@@ -73,6 +73,11 @@ class TrainConfig:
         "run, so chat uses it; none = the chat template's own",
         "model",
     )
+    eval_dataset: str | None = _key(
+        None,
+        "held-out data for eval_loss instead of val_size: a dataset or a,b (loaded and mixed as dataset is)",
+        "model",
+    )
     output_dir: str = _key("runs/sft", "where metrics, curves, checkpoints and the adapter/model go", "model")
     tuner: str = _key("lora", "lora | dora | full", "model")
     quant_bits: int | None = _key(
@@ -338,6 +343,7 @@ ALIASES = {
     "validation_split": "val_size",
     "val_set_size": "val_size",
     "eval_size": "val_size",
+    "val_dataset": "eval_dataset",
     "save_every": "save_steps",
     "load_in_4bit": "quant_bits",
     "load_in_8bit": "quant_bits",

@@ -122,7 +122,11 @@ def _read_yaml(path: str) -> dict:
 # free text where an empty value is a mistake, not none (`--system ''` would silently train without one)
 TEXT_KEYS = ("system",)
 # several datasets (mixing.py): keys that take a YAML list or several values, and what each item must be
-LIST_KEYS = {"dataset": ((str,), "a dataset name or path"), "interleave_probs": ((int, float, str), "a number")}
+LIST_KEYS = {
+    "dataset": ((str,), "a dataset name or path"),
+    "eval_dataset": ((str,), "a dataset name or path"),
+    "interleave_probs": ((int, float, str), "a number"),
+}
 
 
 def _is_item(name: str, value) -> bool:
@@ -224,6 +228,10 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
             raise UserError(f"{where} sets {', '.join(both)} twice: by its own name and by another trainer's name")
         lines += mapped.lines
         raw_anchor.update(theirs)
+        if values.get("precision") in mapped.precisions_off:  # `--bf16 false` over the file's `bf16: true`
+            lines.append(f"{values['precision']}: false over the earlier true -> precision: fp32")
+            values["precision"] = "fp32"
+            explicit.add("precision")
         label = where if where == config_path else None
         for name, value in {**mapped.values, **ours}.items():
             if anchor is not None and name == "max_steps" and value in (-1, "-1"):
@@ -235,8 +243,11 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
     if anchor == foreign_configs.LLAMA_FACTORY and "lora_alpha" not in explicit and "lora_r" in values:
         values["lora_alpha"] = 2 * values["lora_r"]  # LLaMA-Factory: lora_alpha defaults to 2 x lora_rank
     if anchor == foreign_configs.LLAMA_FACTORY:
-        values["dataset"], line = _llamafactory_dataset(values.get("dataset", "identity"), raw_anchor)
-        lines += [line] if line else []
+        for key in ("dataset", "eval_dataset"):  # both are names in dataset_info.json, loaded alike (mixing.py)
+            given = values.get(key, FIELDS[key].default)
+            if given is not None:
+                values[key], line = _llamafactory_dataset(given, raw_anchor, key)
+                lines += [line] if line else []
     if anchor == foreign_configs.LLAMA_FACTORY and raw_anchor.get("template") is not None:
         _check_template(str(raw_anchor["template"]), values.get("model", FIELDS["model"].default))
     cfg = TrainConfig(**values)
@@ -267,19 +278,19 @@ def _anchor_value(anchor: str, name: str, value, where: str, lines: list):
     return ours
 
 
-def _llamafactory_dataset(dataset: str, raw: dict) -> tuple[str, str | None]:
+def _llamafactory_dataset(dataset: str, raw: dict, key: str = "dataset") -> tuple[str, str | None]:
     """LLaMA-Factory's `dataset`, a comma list (mixing.py), each item (its `#N` kept) resolved by
     `_llamafactory_one`; the lines of the mapping joined."""
     items, lines = [], []
     for item in mixing.split_list(dataset):
         name, hashed, count = item.rpartition("#") if "#" in item else (item, "", "")
-        path, line = _llamafactory_one(name.strip(), raw)
+        path, line = _llamafactory_one(name.strip(), raw, key)
         items.append(f"{path}{hashed}{count}")
         lines += [line] if line else []
     return ",".join(items), "; ".join(lines) or None
 
 
-def _llamafactory_one(dataset: str, raw: dict) -> tuple[str, str | None]:
+def _llamafactory_one(dataset: str, raw: dict, key: str = "dataset") -> tuple[str, str | None]:
     """One LLaMA-Factory dataset (a name in dataset_dir/dataset_info.json, dataset_dir defaulting to `data`)
     as a file path; a path, or a built-in name without an entry, stays as it is."""
     dataset_dir = str(raw.get("dataset_dir") or "data")
@@ -287,8 +298,8 @@ def _llamafactory_one(dataset: str, raw: dict) -> tuple[str, str | None]:
         return dataset, None
     if dataset in foreign_configs.dataset_names(dataset_dir) or dataset not in ("identity", "arithmetic"):
         path = foreign_configs.resolve_dataset(dataset, dataset_dir)
-        return path, f"dataset: {dataset} -> dataset: {path} ({os.path.join(dataset_dir, 'dataset_info.json')})"
-    return dataset, f"dataset: {dataset} -> the built-in {dataset} task (no {dataset_dir}/dataset_info.json entry)"
+        return path, f"{key}: {dataset} -> {key}: {path} ({os.path.join(dataset_dir, 'dataset_info.json')})"
+    return dataset, f"{key}: {dataset} -> the built-in {dataset} task (no {dataset_dir}/dataset_info.json entry)"
 
 
 def _check_template(template: str, model: str) -> None:
@@ -371,6 +382,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size):
         raise UserError(f"val_size must be a fraction below 1 or a whole count of examples, got {cfg.val_size:g}")
     mixing.parse_probs(cfg.interleave_probs, len(mixing.parse(cfg.dataset)))  # several datasets (mixing.py)
+    _check_eval_dataset(cfg)
     if cfg.val_size and mixing.is_identity_only(cfg.dataset):
         raise UserError(
             "val_size does not apply to dataset=identity: the task holds out its own set (the identity "
@@ -384,6 +396,26 @@ def validate(cfg: TrainConfig) -> None:
         guard_config(cfg)
     except ValueError as exc:
         raise UserError(str(exc).replace("guard ", "guard_", 1) if "policy" not in str(exc) else str(exc)) from None
+
+
+def _check_eval_dataset(cfg: TrainConfig) -> None:
+    """eval_dataset (LLaMA-Factory's): the held-out set instead of val_size (LLaMA-Factory refuses both too),
+    mixed as the training datasets are, so interleave_probs must fit it as well when it names several."""
+    if cfg.eval_dataset is None:
+        return
+    if not mixing.split_list(cfg.eval_dataset):
+        raise UserError("eval_dataset cannot be empty (leave it out, or name the held-out datasets)")
+    if cfg.val_size:
+        raise UserError(
+            f"eval_dataset and val_size={cfg.val_size:g} both choose the held-out set: give one of them "
+            "(as LLaMA-Factory, which refuses both)"
+        )
+    count = len(mixing.parse(cfg.eval_dataset))
+    if count > 1 and cfg.mix_strategy != "concat" and cfg.interleave_probs:
+        try:
+            mixing.parse_probs(cfg.interleave_probs, count)
+        except UserError as exc:
+            raise UserError(f"eval_dataset {cfg.eval_dataset!r} is mixed as dataset is: {exc}") from None
 
 
 def guard_config(cfg: TrainConfig):

@@ -4,7 +4,8 @@ list; ms-swift's `--dataset a.json b.json` arrives here as the same list), each 
 (`sample_count`); `max_samples` (LLaMA-Factory's: the first N examples of each dataset, before the held-out
 split); then mixed as LLaMA-Factory mixes them (`mix`: concat, interleave_under, interleave_over with
 interleave_probs and the run's seed). One code path for both trainers; the run's header line lists what each
-dataset contributed (`summary`).
+dataset contributed (`summary`). `eval_dataset` (LLaMA-Factory's held-out datasets, used instead of val_size) is
+loaded and mixed by the same path.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def mix(parts: list[list], strategy: str, probs, seed: int) -> list:
     all_exhausted."""
     if strategy not in MIX_STRATEGIES:
         raise UserError(f"mix_strategy must be one of {' | '.join(MIX_STRATEGIES)}, got {strategy!r}")
-    weights = parse_probs(probs, len(parts))
-    if strategy == "concat" or len(parts) == 1:
+    if strategy == "concat" or len(parts) == 1:  # one dataset: nothing to mix (LLaMA-Factory's merge_dataset)
         return [e for part in parts for e in part]
+    weights = parse_probs(probs, len(parts))
     rng = random.Random(seed)
     positions, exhausted, out = [0] * len(parts), [False] * len(parts), []
     turn = -1
@@ -106,10 +107,12 @@ def mix(parts: list[list], strategy: str, probs, seed: int) -> list:
                 return out
 
 
-def load_mixed(cfg, load_one, log=None) -> tuple[list, str]:
-    """Every dataset of cfg.dataset loaded (`load_one(name) -> examples`), cut to max_samples, sampled by #N, and
-    mixed; returns (examples, the header's line). A dataset that fails to load names itself."""
-    specs = parse(cfg.dataset)
+def load_mixed(cfg, load_one, *, held_out: bool = False) -> tuple[list, str]:
+    """Every dataset of cfg.dataset (or, `held_out`, of cfg.eval_dataset: LLaMA-Factory loads and mixes both
+    alike) loaded (`load_one(name) -> examples`), cut to max_samples, sampled by #N, and mixed; returns (examples, the
+    header's line). A dataset that fails to load names itself."""
+    text = cfg.eval_dataset if held_out else cfg.dataset
+    specs = parse(text)
     parts = []
     for number, spec in enumerate(specs, start=1):
         try:
@@ -117,14 +120,15 @@ def load_mixed(cfg, load_one, log=None) -> tuple[list, str]:
         except UserError as exc:
             if len(specs) == 1:
                 raise
-            raise UserError(f"dataset {spec.name!r} (item {number} of {cfg.dataset!r}): {exc}") from None
+            raise UserError(f"dataset {spec.name!r} (item {number} of {text!r}): {exc}") from None
         if cfg.max_samples is not None:
             examples = examples[: cfg.max_samples]
         if spec.count is not None:
             examples = sample_count(examples, spec.count, random.Random(cfg.seed + number))
         parts.append(examples)
     mixed = mix(parts, cfg.mix_strategy, cfg.interleave_probs, cfg.seed)
-    return mixed, summary(specs, parts, len(mixed), cfg)
+    line = summary(specs, parts, len(mixed), cfg)
+    return mixed, f"eval_{line}" if held_out else line
 
 
 def summary(specs: list[Spec], parts: list[list], total: int, cfg) -> str:

@@ -41,9 +41,12 @@ def split_examples(examples: list, val_size: float, seed: int) -> tuple[list, li
     return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
 
 
-def held_out_split(cfg, examples: list) -> tuple[list, list]:
-    """The training examples and the held-out ones `eval_loss` is measured on: the identity task's own held-out
-    set (its evaluation paraphrases), or `val_size` of any other data set (none when it is 0)."""
+def held_out_split(cfg, examples: list, eval_examples: list = ()) -> tuple[list, list]:
+    """The training examples and the held-out ones `eval_loss` is measured on: eval_dataset's (`eval_examples`,
+    loaded and mixed as the training data), the identity task's own held-out set (its evaluation paraphrases),
+    or `val_size` of any other data set (none when it is 0)."""
+    if cfg.eval_dataset is not None:
+        return examples, list(eval_examples)
     if mixing.is_identity_only(cfg.dataset):
         return examples, tasks.identity_heldout(cfg.identity_name, cfg.identity_author, cfg.seed)
     if not cfg.val_size:

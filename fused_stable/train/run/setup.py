@@ -392,14 +392,15 @@ def _examples(cfg) -> tuple[list, list, int]:
     from fused_stable.train.data.rows import give_system
     from fused_stable.train.evaluation.held_out import held_out_split
 
-    examples, heldout = held_out_split(cfg, _task_examples(cfg))
+    examples, heldout = held_out_split(cfg, _task_examples(cfg), _task_examples(cfg, held_out=True))
     examples, given = give_system(examples, cfg.system)
     heldout, given_heldout = give_system(heldout, cfg.system)
     return examples, heldout, given + given_heldout
 
 
-def _task_examples(cfg):
-    """cfg.dataset's examples: each dataset of the comma list loaded, cut and sampled, then mixed (mixing.py)."""
+def _task_examples(cfg, held_out: bool = False):
+    """cfg.dataset's examples (`held_out`: cfg.eval_dataset's, [] without one): each dataset of the comma list
+    loaded, cut and sampled, then mixed (mixing.py)."""
     from fused_stable.train.data import instructions, mixing, tasks
 
     def load_one(name):
@@ -411,6 +412,8 @@ def _task_examples(cfg):
             return instructions.builtin_examples(cfg.arithmetic_examples, seed=cfg.seed)
         return instructions.load_examples(name, log=print_rank0)
 
-    examples, line = mixing.load_mixed(cfg, load_one)
+    if held_out and cfg.eval_dataset is None:
+        return []
+    examples, line = mixing.load_mixed(cfg, load_one, held_out=held_out)
     print_rank0(line)
     return examples
