@@ -40,9 +40,15 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def make_model() -> torch.nn.Module:
+def make_model(hidden: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+
+
+# the low-precision ZeRO-Offload runs: 12,288 weights, so each rank's flat partition of the weight group (6,144
+# elements) is over the 4096 below which a tensor keeps fp32 moments, and its state is codes (or bf16)
+LOWBIT_HIDDEN = 1024
+LOWBIT_RUNS = [("offload-8bit", 2, 2), ("offload-8bit", 3, 2), ("offload-bf16", 2, 2)]
 
 
 def param_groups(model: torch.nn.Module, groups: int) -> list:
@@ -166,17 +172,18 @@ def padded_engine(stage):
     return engine
 
 
-def fused_engine(stage, dtype, groups, **config):
+def fused_engine(stage, dtype, groups, hidden=16, state_precision="fp32", **config):
     from fused_stable import FusedAdamW
     from fused_stable.integrations import deepspeed as fs_deepspeed
 
-    model = make_model()
+    model = make_model(hidden)
     opt = FusedAdamW(
         param_groups(model, groups),
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         max_grad_norm=MAX_NORM,
         lr_schedule=schedule(),
+        state_precision=state_precision,
     )
     engine, *_ = fs_deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, **config))
     return engine, model
@@ -234,6 +241,29 @@ def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
             "norms": norms,
             **counters(engine),
             "state": {**figures, "measured": measured_state_bytes(engine)},
+        }
+    # ZeRO-Offload with bf16 / 8-bit state (issue 36 item 3): FusedAdamW's compact state in host memory
+    from fused_stable.state_format import moment_bytes
+
+    for kind, stage, groups in LOWBIT_RUNS:
+        offload = {"offload_optimizer": {"device": "cpu"}}
+        engine, model = fused_engine(
+            stage, "fp32", groups, hidden=LOWBIT_HIDDEN, state_precision=kind.split("-")[1],
+            zero_optimization={"stage": stage, **offload},
+        )  # fmt: skip
+        figures = state_figures(engine)
+        norms = train(engine, rank, range(STEPS))
+        fused = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+        results[(kind, stage, groups)] = {
+            "params": full_fp32_params(engine, model),
+            "norms": norms,
+            **counters(engine),
+            "state": {**figures, "measured": measured_state_bytes(engine)},
+            # per flat partition: (elements, its moments' bytes, {state name: (dtype, device)})
+            "moments": [
+                (p.numel(), moment_bytes(state), {k: (v.dtype, str(v.device)) for k, v in state.items()})
+                for p, state in fused.state.items()
+            ],
         }
     # ZeRO 0: DeepSpeed all-reduces whole grads and steps once
     engine, model = fused_engine(0, "fp32", 2)
