@@ -128,14 +128,12 @@ class RunController:
         and each item's `#N` (its sample count) kept as they are."""
         from fused_stable.train.data import mixing
 
-        items = []
-        for item in mixing.split_list(value if isinstance(value, list) else flag_value(value)):
-            path, hashed, count = item.rpartition("#") if "#" in item else (item, "", "")
-            path = path.strip()
-            items.append((path if path in BUILTIN_DATASETS else self.workspace.resolve(path, name)) + hashed + count)
-        if not items:
+        text = value if isinstance(value, list) else flag_value(value)
+        if not mixing.split_list(text):
             raise UserError(f"{name} is empty: give a built-in task or a file inside the workspace")
-        return ",".join(items)
+        return mixing.rename(
+            text, lambda path: path if path in BUILTIN_DATASETS else self.workspace.resolve(path, name)
+        )
 
     def preview(self, text: str) -> Launch:
         return self.prepare(parse_keys(text))

@@ -2497,8 +2497,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "swift-self-cognition-not-the-identity-task",
         TRAIN + "config/foreign_configs.py",
-        'out.append(("identity" if name in ("swift/self-cognition", "self-cognition") else name) + hashed + count)',
-        "out.append(name + hashed + count)",
+        'return mixing.rename(value, lambda name: "identity" if name in mixing.SELF_COGNITION else name)',
+        "return mixing.rename(value, lambda name: name)",
         ["tests/train/test_swift_examples.py"],
         "ms-swift's swift/self-cognition#N is the built-in identity task (tuners/dora/train.sh)",
         select="dora",
@@ -2605,9 +2605,9 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "webui-dataset-item-loses-its-count",
-        "fused_stable/webui/controller.py",
-        "self.workspace.resolve(path, name)) + hashed + count)",
-        "self.workspace.resolve(path, name)))",
+        TRAIN + "data/mixing.py",
+        '        return self.name if self.count is None else f"{self.name}#{self.count}"\n',
+        "        return self.name\n",
         ["tests/webui/test_lock_and_states.py"],
         "the form's dataset comma list keeps each item's #N",
         select="several_datasets",

@@ -103,12 +103,9 @@ def public_model(value):
 def swift_dataset(value):
     """ms-swift's --dataset (several values joined with commas, each maybe `#N`): swift/self-cognition is the
     built-in identity task (filled with --model_name / --model_author), its `#N` kept (train/data/mixing.py)."""
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    out = []
-    for item in (str(v).strip() for v in items):
-        name, hashed, count = item.partition("#")
-        out.append(("identity" if name in ("swift/self-cognition", "self-cognition") else name) + hashed + count)
-    return ",".join(out)
+    from fused_stable.train.data import mixing
+
+    return mixing.rename(value, lambda name: "identity" if name in mixing.SELF_COGNITION else name)
 
 
 def _dtype(value):

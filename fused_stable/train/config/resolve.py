@@ -281,13 +281,14 @@ def _anchor_value(anchor: str, name: str, value, where: str, lines: list):
 def _llamafactory_dataset(dataset: str, raw: dict, key: str = "dataset") -> tuple[str, str | None]:
     """LLaMA-Factory's `dataset`, a comma list (mixing.py), each item (its `#N` kept) resolved by
     `_llamafactory_one`; the lines of the mapping joined."""
-    items, lines = [], []
-    for item in mixing.split_list(dataset):
-        name, hashed, count = item.rpartition("#") if "#" in item else (item, "", "")
-        path, line = _llamafactory_one(name.strip(), raw, key)
-        items.append(f"{path}{hashed}{count}")
-        lines += [line] if line else []
-    return ",".join(items), "; ".join(lines) or None
+    lines = []
+
+    def resolved(name: str) -> str:
+        path, line = _llamafactory_one(name, raw, key)
+        lines.extend([line] if line else [])
+        return path
+
+    return mixing.rename(dataset, resolved), "; ".join(lines) or None
 
 
 def _llamafactory_one(dataset: str, raw: dict, key: str = "dataset") -> tuple[str, str | None]:

@@ -10,6 +10,7 @@ loaded and mixed by the same path.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -34,6 +35,11 @@ class Spec:
             return self.name
         return os.path.splitext(os.path.basename(self.name))[0] or self.name
 
+    @property
+    def text(self) -> str:
+        """The item as written: `name`, or `name#N`."""
+        return self.name if self.count is None else f"{self.name}#{self.count}"
+
 
 def split_list(text) -> list[str]:
     """`a,b,c` (or a YAML list) as its items, stripped; empty items dropped."""
@@ -52,6 +58,13 @@ def parse(text) -> list[Spec]:
     if not specs:
         raise UserError("dataset cannot be empty")
     return specs
+
+
+def rename(text, new_name) -> str:
+    """The comma list (or YAML list) with each dataset's name replaced by `new_name(name)`, its `#N` kept: where
+    names are rewritten (dataset_info.json entries, the webui's workspace paths, ms-swift's self-cognition), `parse`
+    stays the one reader of `name#N`."""
+    return ",".join(dataclasses.replace(spec, name=new_name(spec.name)).text for spec in parse(text))
 
 
 def is_identity_only(text) -> bool:
