@@ -327,3 +327,51 @@ def test_a_flags_false_undoes_the_files_true_precision(tmp_path, file_keys, flag
     cfg, _, lines = resolve("--config", write(tmp_path, f"stage: sft\n{file_keys}\n"), *flag, "--dataset", "arithmetic")
     assert cfg.precision == precision
     assert ("false over the earlier true -> precision: fp32" in lines[0]) == (precision == "fp32")
+
+
+@pytest.mark.parametrize(
+    ("optim", "precision", "paged"),
+    [
+        ("adamw_torch", "fp32", False),
+        ("adamw_torch_fused", "fp32", False),
+        ("paged_adamw_32bit", "fp32", True),
+        ("adamw_bnb_8bit", "8bit", False),
+        ("adamw_8bit", "8bit", False),
+        ("paged_adamw_8bit", "8bit", True),
+    ],
+)
+def test_the_hf_trainers_adamw_optim_names_set_the_state_precision(tmp_path, optim, precision, paged):
+    """`optim:` (issue 35 item 6): an AdamW name is FusedAdamW with the state it names, and the mapping's line
+    says what the state is, and that a paged one is not paged."""
+    cfg, _, lines = resolve("--config", write(tmp_path, f"stage: sft\noptim: {optim}\n"))
+    assert cfg.state_precision == precision
+    line = next(line for line in lines[0].splitlines() if line.strip().startswith("optim:"))
+    assert f"optim: {optim} -> state_precision: {precision} (FusedAdamW" in line
+    assert ("not paged" in line) == paged
+    assert ("8-bit blockwise state" in line) == (precision == "8bit")
+    # the flag is read the same way (ms-swift's --optim)
+    cfg, _, _ = resolve("--optim", optim, "--model", "tiny", "--dataset", "swift/self-cognition")
+    assert cfg.state_precision == precision
+
+
+def test_every_mapped_optim_name_is_the_hf_trainers():
+    from transformers.training_args import OptimizerNames
+
+    names = {o.value for o in OptimizerNames}
+    # adamw_hf is transformers' old AdamW, dropped from OptimizerNames; older configs still name it
+    assert set(foreign_configs.ADAMW_OPTIMS) - names == {"adamw_hf"}
+
+
+def test_other_optimizers_and_muon_are_refused_naming_what_is_supported(tmp_path):
+    for text in ("stage: sft\noptim: lion_8bit\n", "stage: sft\noptim: adafactor\n"):
+        with pytest.raises(UserError, match=r"supported optim values: adamw_torch, adamw_torch_fused"):
+            resolve("--config", write(tmp_path, text))
+    with pytest.raises(UserError, match=r"use_muon \(Muon is not available yet"):
+        resolve("--config", write(tmp_path, "stage: sft\nuse_muon: true\n"))
+    cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\nuse_muon: false\n"))
+    assert "use_muon: False -> off, nothing to map" in lines[0]
+    # optim beside our state_precision in one file is one setting asked twice; a flag over the file wins
+    with pytest.raises(UserError, match=r"sets state_precision twice"):
+        resolve("--config", write(tmp_path, "stage: sft\noptim: adamw_8bit\nstate_precision: bf16\n"))
+    cfg, _, _ = resolve("--config", write(tmp_path, "stage: sft\noptim: adamw_8bit\n"), "--state_precision", "fp32")
+    assert cfg.state_precision == "fp32"

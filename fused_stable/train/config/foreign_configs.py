@@ -134,12 +134,41 @@ def _eval_strategy(value):
     raise Refused("evaluations run every eval_steps optimizer steps: use eval_strategy: steps (or no)")
 
 
+# The HF Trainer's `optim` names (what LLaMA-Factory and ms-swift pass on to it) that are AdamW: the state
+# precision each stands for in FusedAdamW, and what the run says of it. Paged optimizers move their state between
+# GPU and host memory under memory pressure (bitsandbytes' paged buffers); FusedAdamW's state stays where its
+# params are, so a paged name gets the same state, not paged. adamw_hf is transformers' old AdamW (gone in 4.5x).
+ADAMW_OPTIMS = {
+    "adamw_torch": ("fp32", "FusedAdamW, fp32 state"),
+    "adamw_torch_fused": ("fp32", "FusedAdamW, fp32 state"),
+    "adamw_hf": ("fp32", "FusedAdamW, fp32 state"),
+    "paged_adamw_32bit": ("fp32", "FusedAdamW, fp32 state, not paged: it stays beside the params"),
+    "adamw_bnb_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state"),
+    "adamw_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state"),
+    "adamw_torch_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state"),
+    "paged_adamw_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state, not paged: it stays beside the params"),
+}
+
+
+def _optim(value):
+    """The HF Trainer's `optim`: an AdamW name as the state precision it asks for; any other rule is refused."""
+    key = str(value).strip().lower()
+    if key not in ADAMW_OPTIMS:
+        raise Refused(f"the optimizer here is FusedAdamW; supported optim values: {', '.join(ADAMW_OPTIMS)}")
+    return ADAMW_OPTIMS[key][0]
+
+
+def _optim_note(value) -> str:
+    return ADAMW_OPTIMS[str(value).strip().lower()][1]
+
+
 @dataclass(frozen=True)
 class AnchorKey:
     anchors: tuple[str, ...]  # the trainers that use this name
     ours: str | None  # the key it sets (None: checked, then nothing to set)
     convert: Callable = _same  # value -> our value (None: nothing to set); Refused when it cannot be honoured
     note: str = ""  # printed in the mapping for a key with no effect here
+    explain: Callable | None = None  # value -> what the mapped value means here, printed beside it
 
 
 # every anchor key this trainer reads; keys spelled as ours (lora_alpha, output_dir, seed, ...) need no entry
@@ -178,6 +207,7 @@ KEYS: dict[str, AnchorKey] = {
     "bnb_4bit_use_double_quant": AnchorKey(
         (MS_SWIFT,), None, _must_be(True, "4-bit quantisation here is always NF4 with double quantisation")
     ),
+    "optim": AnchorKey(BOTH, "state_precision", _optim, explain=_optim_note),
     "dataset_dir": AnchorKey((LLAMA_FACTORY,), None, note="where dataset_info.json names the datasets"),
     "template": AnchorKey((LLAMA_FACTORY,), None, note="the model's own chat template formats every example"),
     "cutoff_len": AnchorKey((LLAMA_FACTORY,), "max_length"),
@@ -231,7 +261,7 @@ REFUSED = {
     "additional_target": "extra trained modules are not supported",
     "lora_modules_to_save": "extra trained modules are not supported",
     "modules_to_save": "extra trained modules are not supported",
-    "optim": "the optimizer is always FusedAdamW",
+    "use_muon": "Muon is not available yet: the optimizer is FusedAdamW (optim: adamw_torch, or an 8-bit one)",
     "lr_scheduler_kwargs": "the schedules take no extra arguments",
     "warmup_ratio_min": "not supported",
     "rope_scaling": "the model's position encoding is used as it is",
@@ -265,6 +295,7 @@ BOOL_KEYS = frozenset(
         "plot_loss",
         "overwrite_cache",
         "trust_remote_code",
+        "use_muon",
     }
 )
 
@@ -325,7 +356,8 @@ def translate(raw: dict, where: str) -> Mapped:
             refused.append(f"{name}: {value} (contradicts {sources[key.ours]})")
             continue
         values[key.ours], sources[key.ours] = ours, f"{name}: {value}"
-        lines.append(f"{name}: {value} -> {key.ours}: {ours}")
+        explained = f" ({key.explain(value)})" if key.explain else ""
+        lines.append(f"{name}: {value} -> {key.ours}: {ours}{explained}")
     if refused:
         raise UserError(f"{where}: keys fused-stable sft cannot honour: {'; '.join(refused)}")
     off = tuple(PRECISION_KEYS[n] for n in raw if n in PRECISION_KEYS and raw[n] is not None and not _true(raw[n]))
