@@ -40,6 +40,7 @@ from transformers import TrainerCallback
 
 from .. import schedules
 from ..optim import FusedAdamW
+from . import optim_names
 
 __all__ = [
     "DeviceScheduleLR",
@@ -163,14 +164,18 @@ def fused_trainer_optimizers(
     args,
     num_training_steps: int | None = None,
     *,
-    state_precision: str = "fp32",
+    state_precision: str | None = None,
     **fused_kwargs: Any,
 ) -> tuple[FusedAdamW, DeviceScheduleLR]:
     """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW configured from ``args``.
 
     ``state_precision`` ("fp32", "bf16" or "8bit") is how the moments are stored (FusedAdamW's option of that
-    name): "8bit" is the fused counterpart of ``optim="adamw_bnb_8bit"``, with the clip and the skip inside the
-    step. The Trainer's checkpoints save the compact state (``optimizer.pt``) and resume from it exactly.
+    name); None (the default) takes it from ``args.optim``, which must name AdamW: ``adamw_torch`` (the
+    Trainer's default), ``adamw_torch_fused`` or ``paged_adamw_32bit`` are fp32, ``adamw_bnb_8bit``,
+    ``adamw_8bit`` or ``paged_adamw_8bit`` 8-bit, with the clip and the skip inside the step and the state not
+    paged (integrations/optim_names.py); another rule (``adafactor``, ``lion_8bit``, ...) is refused, since
+    the optimizer is FusedAdamW whatever ``args.optim`` says. The Trainer's checkpoints save the compact state
+    (``optimizer.pt``) and resume from it exactly.
 
     Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm`` (clipping moves
     into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not clip again) and
@@ -179,12 +184,13 @@ def fused_trainer_optimizers(
     ``spike_skip_threshold=6.0``, ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``) override or
     extend what comes from ``args``. Call it before building the Trainer, with the same args.
     """
+    named_precision = optim_names.state_precision_of(args.optim)  # refuses a rule that is not AdamW
     kwargs: dict[str, Any] = dict(
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
-        state_precision=state_precision,
+        state_precision=named_precision if state_precision is None else state_precision,
     )
     if "max_grad_norm" not in fused_kwargs:
         mgn = args.max_grad_norm
@@ -297,7 +303,8 @@ class FusedStableTrainerMixin:
       pass under fp16) just to log it; FusedAdamW already has it, and the callback logs it.
 
     ``optimizers=(optimizer, scheduler)`` passed to the Trainer are kept as they are (then only the last point
-    applies); ``args.optim`` is ignored; ``optimizer_cls_and_kwargs`` is refused (use ``fused_optimizer_kwargs``).
+    applies); ``args.optim`` names the state precision (see ``fused_trainer_optimizers``);
+    ``optimizer_cls_and_kwargs`` is refused (use ``fused_optimizer_kwargs``).
     """
 
     def __init__(self, *args: Any, fused_optimizer_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -250,3 +250,23 @@ def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path):
     resumed, _ = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
     for p, q in zip(resumed.parameters(), full.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("optim", "precision"),
+    [("adamw_torch", "fp32"), ("adamw_torch_fused", "fp32"), ("adamw_bnb_8bit", "8bit"), ("paged_adamw_8bit", "8bit")],
+)
+def test_args_optim_names_the_state_precision(tmp_path, optim, precision):
+    """`args.optim` (issue 35 item 6): an AdamW name is FusedAdamW with the state it names; an explicit
+    state_precision wins over it."""
+    opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim))
+    assert {group["state_precision"] for group in opt.param_groups} == {precision}
+    opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim), state_precision="bf16")
+    assert {group["state_precision"] for group in opt.param_groups} == {"bf16"}
+
+
+def test_an_optim_that_is_not_adamw_is_refused(tmp_path):
+    """FusedAdamW in place of the Adafactor or Lion `args.optim` asks for would be a silent substitution."""
+    for optim in ("adafactor", "lion_8bit"):
+        with pytest.raises(ValueError, match=rf"optim '{optim}' is not AdamW.*supported optim values are: adamw_torch"):
+            fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim))

@@ -2632,7 +2632,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "anchor-8bit-optim-read-as-fp32",
-        TRAIN + "config/foreign_configs.py",
+        "fused_stable/integrations/optim_names.py",
         '    "paged_adamw_8bit": ("8bit", ',
         '    "paged_adamw_8bit": ("fp32", ',
         ["tests/train/test_anchors.py"],
@@ -2651,10 +2651,19 @@ MUTATIONS: list[Mutation] = [
     M(
         "anchor-other-optimizer-taken-as-adamw",
         TRAIN + "config/foreign_configs.py",
-        "    if key not in ADAMW_OPTIMS:\n        raise Refused(",
-        "    if key not in ADAMW_OPTIMS:\n        return None\n        raise Refused(",
+        "    except ValueError:\n        supported = ",
+        "    except ValueError:\n        return None\n        supported = ",
         ["tests/train/test_anchors.py"],
         "optim: lion_8bit (or any rule but AdamW) is refused, naming the supported values",
         select="refused_naming_what_is_supported",
+    ),
+    M(
+        "hf-args-optim-ignored",
+        "fused_stable/integrations/hf.py",
+        "        state_precision=named_precision if state_precision is None else state_precision,",
+        '        state_precision="fp32" if state_precision is None else state_precision,',
+        ["tests/integrations/test_integ_hf_trainer.py"],
+        "fused_trainer_optimizers takes the state precision from args.optim (adamw_bnb_8bit: 8-bit)",
+        select="optim_names_the_state_precision",
     ),
 ]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fused_stable.errors import UserError
+from fused_stable.integrations import optim_names
 
 LLAMA_FACTORY = "LLaMA-Factory"
 MS_SWIFT = "ms-swift"
@@ -134,32 +135,14 @@ def _eval_strategy(value):
     raise Refused("evaluations run every eval_steps optimizer steps: use eval_strategy: steps (or no)")
 
 
-# The HF Trainer's `optim` names (what LLaMA-Factory and ms-swift pass on to it) that are AdamW: the state
-# precision each stands for in FusedAdamW, and what the run says of it. Paged optimizers move their state between
-# GPU and host memory under memory pressure (bitsandbytes' paged buffers); FusedAdamW's state stays where its
-# params are, so a paged name gets the same state, not paged. adamw_hf is transformers' old AdamW (gone in 4.5x).
-ADAMW_OPTIMS = {
-    "adamw_torch": ("fp32", "FusedAdamW, fp32 state"),
-    "adamw_torch_fused": ("fp32", "FusedAdamW, fp32 state"),
-    "adamw_hf": ("fp32", "FusedAdamW, fp32 state"),
-    "paged_adamw_32bit": ("fp32", "FusedAdamW, fp32 state, not paged: it stays beside the params"),
-    "adamw_bnb_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state"),
-    "adamw_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state"),
-    "adamw_torch_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state"),
-    "paged_adamw_8bit": ("8bit", "FusedAdamW, 8-bit blockwise state, not paged: it stays beside the params"),
-}
-
-
 def _optim(value):
-    """The HF Trainer's `optim`: an AdamW name as the state precision it asks for; any other rule is refused."""
-    key = str(value).strip().lower()
-    if key not in ADAMW_OPTIMS:
-        raise Refused(f"the optimizer here is FusedAdamW; supported optim values: {', '.join(ADAMW_OPTIMS)}")
-    return ADAMW_OPTIMS[key][0]
-
-
-def _optim_note(value) -> str:
-    return ADAMW_OPTIMS[str(value).strip().lower()][1]
+    """The HF Trainer's `optim`: an AdamW name as the state precision it stands for (integrations/optim_names.py);
+    any other rule is refused, naming the supported values."""
+    try:
+        return optim_names.state_precision_of(value)
+    except ValueError:
+        supported = ", ".join(optim_names.ADAMW_OPTIMS)
+        raise Refused(f"not AdamW, the optimizer here is FusedAdamW; supported optim values: {supported}") from None
 
 
 @dataclass(frozen=True)
@@ -207,7 +190,7 @@ KEYS: dict[str, AnchorKey] = {
     "bnb_4bit_use_double_quant": AnchorKey(
         (MS_SWIFT,), None, _must_be(True, "4-bit quantisation here is always NF4 with double quantisation")
     ),
-    "optim": AnchorKey(BOTH, "state_precision", _optim, explain=_optim_note),
+    "optim": AnchorKey(BOTH, "state_precision", _optim, explain=optim_names.describe),
     "dataset_dir": AnchorKey((LLAMA_FACTORY,), None, note="where dataset_info.json names the datasets"),
     "template": AnchorKey((LLAMA_FACTORY,), None, note="the model's own chat template formats every example"),
     "cutoff_len": AnchorKey((LLAMA_FACTORY,), "max_length"),
