@@ -29,10 +29,6 @@ def _entry(optim) -> tuple[str, str] | None:
     return ADAMW_OPTIMS.get(str(getattr(optim, "value", optim)).strip().lower())
 
 
-def is_adamw(optim) -> bool:
-    return _entry(optim) is not None
-
-
 def state_precision_of(optim) -> str:
     """The state_precision an AdamW `optim` name stands for; ValueError for any other rule, naming the supported."""
     entry = _entry(optim)
