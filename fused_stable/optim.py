@@ -25,6 +25,7 @@ from .layout import HParams, StepBuffers, StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
 from .plan import StepPlan, build_plan
 from .readouts import ReadOuts
+from .rules import RULES
 from .schedules import Schedule
 from .sharding import local, validate_params
 from .state_dict import SavedState
@@ -33,60 +34,23 @@ from .state_dict import SavedState
 _is_compiling = torch.compiler.is_compiling
 
 
-class FusedAdamW(ReadOuts, SavedState, Optimizer):
-    """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
+class FusedOptimizer(ReadOuts, SavedState, Optimizer):
+    """The fused step around one update rule (`RULE`, a fused_stable/rules package): param groups, state, the
+    device buffers, the plan, the read-outs and the state dict. A subclass names its rule and takes its rule's
+    keywords with torch's defaults (FusedAdamW, FusedLion); `step_options` are the step-wide ones every rule
+    shares (max_grad_norm, clip, the spike rules, lr_schedule, master_weights, state_precision, capturable,
+    backend), documented on FusedAdamW."""
 
-    Args:
-        params: parameters, (name, parameter) pairs or param-group dicts, as for torch.optim.AdamW.
-        lr, betas, eps, weight_decay, amsgrad, maximize: as torch.optim.AdamW (decoupled weight decay), per param
-            group as there. `lr` may be a 1-element tensor; tensor `betas` are read once, when their group is
-            added. amsgrad=True keeps torch's `max_exp_avg_sq` state (fp32, like the moments).
-        foreach, fused: accepted for torch.optim.AdamW's call sites and kept in the param groups; they have no
-            effect (the step is always the fused one). As in torch, they cannot both be True.
-        differentiable: only False: the fused step is not differentiable (True is refused with an error, from
-            the constructor, a param group or a loaded state dict).
-        max_grad_norm: clip the global L2 norm over all groups to this value; None disables fixed clipping.
-        lr_schedule: a `fused_stable.schedules` schedule, evaluated on the device from the count of applied
-            updates, multiplying every group's lr (skipped steps do not advance it).
-        master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
-            the rounded result), so small updates are not lost to rounding.
-        state_precision: how the moments (exp_avg, exp_avg_sq, amsgrad's max_exp_avg_sq) are stored, also per
-            param group: "fp32" (torch's state), "bf16", or "8bit" (blockwise codes with one fp32 scale per
-            block; tensors of fewer than 4096 elements stay fp32). The update dequantises, updates and
-            requantises in the same pass; state_dict() keeps the compact form, torch_state_dict() gives fp32
-            moments under torch's keys (fused_stable/state_format.py, docs/optimizer.md).
-        capturable: a whole step can be captured in a CUDA graph and replayed (docs/optimizer.md, "CUDA graphs"): every
-            per-step value stays on the device (always true here); change lr through a tensor lr or
-            `lr_schedule` so a replay sees the change. Anything that would upload host data while capturing
-            (the first step, new grad storage, a changed float hyper-parameter) raises a clear error instead.
-        clip: "fixed" (max_grad_norm only) or "zscore" (also clip spikes to mean + zscore_threshold * std of the
-            running norm statistics, ZClip-style, after `zscore_warmup` finite steps).
-        zscore_alpha, zscore_threshold, zscore_warmup: the running statistics (kept in every mode, for
-            spike detection).
-        spike_skip_threshold: skip steps whose norm's z-score exceeds this (counted in `spike_skips`).
-        spike_skip_ratio: ...and only those whose norm is also at least this many times the running mean (0, the
-            default: the z-score alone). Small-batch fine-tuning has normal steps at z ~ 10 but only a few times
-            the mean norm; with a ratio of 5 a threshold near 6 skips real spikes and none of those.
-        backend: None / "auto", "triton", "interpret" or "torch" (default: $FUSED_STABLE_BACKEND, else by device).
-    """
-
+    RULE: Any = None  # the subclass's rule
     # GradScaler hands us `grad_scale` and `found_inf` instead of running its own unscale pass
     _step_supports_amp_scaling = True
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
+        defaults: dict[str, Any],
         *,
-        maximize: bool = False,
-        foreach: bool | None = None,
         capturable: bool = False,
-        differentiable: bool = False,
-        fused: bool | None = None,
         max_grad_norm: float | None = None,
         lr_schedule: Schedule | None = None,
         master_weights: bool = False,
@@ -99,7 +63,6 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         spike_skip_ratio: float = 0.0,
         backend: str | None = None,
     ) -> None:
-        defaults = _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
         defaults["state_precision"] = state_format.check_precision(state_precision)
         rules = StepRules(  # checks itself, before anything is built
             max_grad_norm=max_grad_norm,
@@ -127,7 +90,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         self.last_tables = None  # the backend tables of the latest step: per-tensor norms
         self._param_names: list[str] | None = None
         self._shown_lrs: list[torch.Tensor] = []
-        self._hparams: tuple[list | None, list[HParams]] = (None, [])  # hparam_rows' last (key, rows)
+        self._hparams: tuple[list | None, list] = (None, [])  # hparam_rows' last (key, rows)
         self._show_lrs()
 
     # ------------------------------------------------------------------------------------------
@@ -237,25 +200,27 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         a new plan."""
         self._version.bump()
 
-    def hparam_rows(self) -> list[HParams]:
+    def hparam_rows(self) -> list:
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
         group's base lr, `initial_lr`. The same list object while the values stay (a tensor lr by identity), so
-        a backend needs one identity check per step, and no HParams is built per step."""
+        a backend needs one identity check per step, and no row is built per step. A row is the rule's HParams:
+        the lr, then the rule's own (rules/<rule>: `group_hparams`)."""
+        group_hparams = self.RULE.group_hparams
         groups = self.param_groups
         if self.rules.schedule is None:
-            values = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+            values = [(g["lr"], *group_hparams(g)) for g in groups]
         else:
             if "step" in self.__dict__:  # step() wrapped from outside, as torch's LR schedulers do
                 _refuse_a_torch_scheduler(self)
             shown = self._shown_lrs
             if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
                 self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
-            values = [(g["initial_lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in groups]
+            values = [(g["initial_lr"], *group_hparams(g)) for g in groups]
         # tensors by identity: comparing them by value would read the device (the cached rows keep them alive)
         key = [v if not isinstance(v[0], torch.Tensor) else (id(v[0]), *v[1:]) for v in values]
         cached_key, rows = self._hparams
         if key != cached_key:
-            rows = [HParams(*v) for v in values]
+            rows = [self.RULE.HParams(*v) for v in values]
             self._hparams = (key, rows)
         return rows
 
@@ -328,6 +293,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
             self.param_groups,
             self.state,
             self._version,
+            rule=self.RULE,
             dense_layouts=ops.needs_dense_layouts(self.backend),
             master_weights=self.master_weights,
             device=self.device,
@@ -365,13 +331,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         params = [p[1] if isinstance(p, tuple) else p for p in listed]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in one param group; list every parameter once")
-        if "lr" in param_group or "betas" in param_group or "eps" in param_group or "weight_decay" in param_group:
-            HParams.check(
-                param_group.get("lr", self.defaults["lr"]),
-                param_group.get("betas", self.defaults["betas"]),
-                param_group.get("eps", self.defaults["eps"]),
-                param_group.get("weight_decay", self.defaults["weight_decay"]),
-            )
+        self.RULE.check_group(param_group, self.defaults)
         check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
         if "state_precision" in param_group:
             state_format.check_precision(param_group["state_precision"], "a param group's state_precision")
@@ -379,8 +339,7 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
         param_group["params"] = listed
-        if "betas" in param_group:
-            param_group["betas"] = HParams.float_betas(param_group["betas"])
+        self.RULE.normalize_group(param_group)
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()
@@ -394,15 +353,18 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
             for p in group["params"]:
                 if p.is_complex():
                     raise TypeError(
-                        "FusedAdamW does not support complex parameters; optimize torch.view_as_real(param) instead"
+                        f"{type(self).__name__} does not support complex parameters; optimize "
+                        "torch.view_as_real(param) instead"
                     )
                 if not p.is_floating_point() or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise TypeError(f"FusedAdamW supports float32, bfloat16 and float16 parameters, got {p.dtype}")
+                    raise TypeError(
+                        f"{type(self).__name__} supports float32, bfloat16 and float16 parameters, got {p.dtype}"
+                    )
                 devices.add(local(p).device)
             validate_params(list(group["params"]))  # FSDP1 flat params, mixed meshes
         if len(devices) > 1:
             raise ValueError(
-                f"all parameters of one FusedAdamW must be on one device, got {sorted(map(str, devices))}: "
+                f"all parameters of one {type(self).__name__} must be on one device, got {sorted(map(str, devices))}: "
                 "create one optimizer per device"
             )
         device = devices.pop() if devices else None
@@ -419,7 +381,66 @@ class FusedAdamW(ReadOuts, SavedState, Optimizer):
         return local(self.param_groups[0]["params"][0]).device
 
 
-def _refuse_a_torch_scheduler(opt: FusedAdamW) -> None:
+class FusedAdamW(FusedOptimizer):
+    """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
+
+    Args:
+        params: parameters, (name, parameter) pairs or param-group dicts, as for torch.optim.AdamW.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as torch.optim.AdamW (decoupled weight decay), per param
+            group as there. `lr` may be a 1-element tensor; tensor `betas` are read once, when their group is
+            added. amsgrad=True keeps torch's `max_exp_avg_sq` state (fp32, like the moments).
+        foreach, fused: accepted for torch.optim.AdamW's call sites and kept in the param groups; they have no
+            effect (the step is always the fused one). As in torch, they cannot both be True.
+        differentiable: only False: the fused step is not differentiable (True is refused with an error, from
+            the constructor, a param group or a loaded state dict).
+        max_grad_norm: clip the global L2 norm over all groups to this value; None disables fixed clipping.
+        lr_schedule: a `fused_stable.schedules` schedule, evaluated on the device from the count of applied
+            updates, multiplying every group's lr (skipped steps do not advance it).
+        master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
+            the rounded result), so small updates are not lost to rounding.
+        state_precision: how the moments (exp_avg, exp_avg_sq, amsgrad's max_exp_avg_sq) are stored, also per
+            param group: "fp32" (torch's state), "bf16", or "8bit" (blockwise codes with one fp32 scale per
+            block; tensors of fewer than 4096 elements stay fp32). The update dequantises, updates and
+            requantises in the same pass; state_dict() keeps the compact form, torch_state_dict() gives fp32
+            moments under torch's keys (fused_stable/state_format.py, docs/optimizer.md).
+        capturable: a whole step can be captured in a CUDA graph and replayed (docs/optimizer.md, "CUDA graphs"): every
+            per-step value stays on the device (always true here); change lr through a tensor lr or
+            `lr_schedule` so a replay sees the change. Anything that would upload host data while capturing
+            (the first step, new grad storage, a changed float hyper-parameter) raises a clear error instead.
+        clip: "fixed" (max_grad_norm only) or "zscore" (also clip spikes to mean + zscore_threshold * std of the
+            running norm statistics, ZClip-style, after `zscore_warmup` finite steps).
+        zscore_alpha, zscore_threshold, zscore_warmup: the running statistics (kept in every mode, for
+            spike detection).
+        spike_skip_threshold: skip steps whose norm's z-score exceeds this (counted in `spike_skips`).
+        spike_skip_ratio: ...and only those whose norm is also at least this many times the running mean (0, the
+            default: the z-score alone). Small-batch fine-tuning has normal steps at z ~ 10 but only a few times
+            the mean norm; with a ratio of 5 a threshold near 6 skips real spikes and none of those.
+        backend: None / "auto", "triton", "interpret" or "torch" (default: $FUSED_STABLE_BACKEND, else by device).
+    """
+
+    RULE = RULES["adamw"]
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        **step_options: Any,
+    ) -> None:
+        defaults = _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
+        super().__init__(params, defaults, capturable=capturable, **step_options)
+
+
+def _refuse_a_torch_scheduler(opt: FusedOptimizer) -> None:
     """With `lr_schedule`, a torch LR scheduler's lr goes nowhere: it fills group["lr"], the shown-lr view that
     the next step overwrites (or, assigned as a number, becomes the base lr the device schedule multiplies: two
     schedules compounded), and the user is told nothing. torch's schedulers wrap the step of the optimizer they
@@ -428,8 +449,8 @@ def _refuse_a_torch_scheduler(opt: FusedAdamW) -> None:
     wrapped = getattr(opt.__dict__.get("step"), "_wrapped_by_lr_sched", False)
     if wrapped and not opt.__dict__.get("device_schedule_only", False):
         raise ValueError(
-            "a torch LR scheduler drives this FusedAdamW, which already has lr_schedule= (run on the device inside "
-            "step()): its lr would be overwritten or compounded. Drop the torch scheduler, or drop lr_schedule= "
+            f"a torch LR scheduler drives this {type(opt).__name__}, which already has lr_schedule= (run on the device "
+            "inside step()): its lr would be overwritten or compounded. Drop the torch scheduler, or drop lr_schedule= "
             "and let the scheduler set group['lr'] (fused_stable.schedules has warm-up + cosine / linear / constant)"
         )
 

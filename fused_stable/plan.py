@@ -112,17 +112,15 @@ class StepPlan:
     members: list[int] | None  # flat positions of the params taking part; None: all of them
     params: list[torch.Tensor]  # the optimizer's param objects taking part (DTensors under FSDP2)
     local_params: list[torch.Tensor]  # what the kernels update (a DTensor's local shard)
-    exp_avgs: list[torch.Tensor]  # fp32 or bf16 moments, or 8-bit codes (state_format.py)
-    exp_avg_sqs: list[torch.Tensor]
+    rule: Any  # the update rule (a fused_stable/rules package): its state names, codecs and option
+    # each param's state tensors, in the rule's order (rule.state_names(its group's option)): fp32 or bf16, or 8-bit
+    # codes (state_format.py)
+    states: list[tuple[torch.Tensor, ...]]
+    scales: list[tuple[torch.Tensor | None, ...]]  # the 8-bit states' per-block scales, beside them (else None)
     masters: list[torch.Tensor | None]  # fp32 master copy of a low-precision param, or None
-    max_exp_avg_sqs: list[torch.Tensor | None]  # amsgrad's running maximum (torch's `max_exp_avg_sq`), or None
-    group_amsgrad: list[bool]  # each group's `amsgrad` when built: it decides which state the update uses
+    group_options: list[bool]  # each group's rule option (AdamW's `amsgrad`) when built: it decides the states
     group_precisions: list[str]  # each group's `state_precision` when built: it decides the states' formats
     formats: list[int]  # each param's state format (state_format.FP32 / BF16 / Q8)
-    # the 8-bit moments' per-block scales (None for other formats, and without amsgrad for the last)
-    exp_avg_scales: list[torch.Tensor | None]
-    exp_avg_sq_scales: list[torch.Tensor | None]
-    max_exp_avg_sq_scales: list[torch.Tensor | None]
     steps: list[torch.Tensor]  # fp32 0-dim per-param step counters (torch.optim.AdamW's `step`)
     groups: list[int]  # param-group index of each param
     numels: list[int]
@@ -150,22 +148,23 @@ class StepPlan:
     # the per-step check
 
     def changed_group(self, param_groups: list[dict]) -> str | None:
-        """What in the groups no longer matches this plan (the param set, `amsgrad`, `state_precision`), or None.
+        """What in the groups no longer matches this plan (the param set, the rule's option such as `amsgrad`,
+        `state_precision`), or None.
         By content, not by list identity: a compiled step (compiled.py) holds the plan of its trace, and a list
         rebuilt with the same params changes nothing it holds."""
         if len(param_groups) != len(self.group_params):
             return f"{len(self.group_params)} param groups when traced, {len(param_groups)} now"
         start = 0
-        for index, (group, size, amsgrad, precision) in enumerate(
-            zip(param_groups, self.group_sizes, self.group_amsgrad, self.group_precisions)
+        for index, (group, size, option, precision) in enumerate(
+            zip(param_groups, self.group_sizes, self.group_options, self.group_precisions)
         ):
             # all_params is a copy made at build time: a list edited in place is seen too
             now, built = group["params"], self.all_params[start : start + size]
             start += size
             if len(now) != size or not all(map(_is, now, built)):
                 return f"group {index}'s params"
-            if group["amsgrad"] != amsgrad or group["state_precision"] != precision:
-                return f"group {index}'s amsgrad or state_precision"
+            if group_option(self.rule, group) != option or group["state_precision"] != precision:
+                return f"group {index}'s {self.rule.OPTION or 'option'} or state_precision"
         return None
 
     def current_grads(self, param_groups: list[dict]) -> list[torch.Tensor] | None:
@@ -174,13 +173,14 @@ class StepPlan:
         group_params = self.group_params
         if len(param_groups) != len(group_params):
             return None
-        for group, params, size, amsgrad, precision in zip(
-            param_groups, group_params, self.group_sizes, self.group_amsgrad, self.group_precisions
+        option_key = self.rule.OPTION
+        for group, params, size, option, precision in zip(
+            param_groups, group_params, self.group_sizes, self.group_options, self.group_precisions
         ):
             if (
                 group["params"] is not params
                 or len(params) != size
-                or group["amsgrad"] != amsgrad
+                or (option_key is not None and group[option_key] != option)
                 or group["state_precision"] != precision
             ):
                 return None
@@ -268,22 +268,28 @@ class StepPlan:
         return True
 
 
+def group_option(rule, group: dict) -> bool:
+    """A group's value of the rule's option (AdamW's `amsgrad`); False for a rule without one."""
+    return bool(group[rule.OPTION]) if rule.OPTION is not None else False
+
+
 def build_plan(
     param_groups: list[dict],
     state: ParamStates,
     version: Version,
     *,
+    rule,
     dense_layouts: bool,
     master_weights: bool,
     device: torch.device,
 ) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
-    """The plan for the params that have a grad now, with their state (created where missing), and those grads
-    (local shards, plan order); (None, None) when no param has a grad. Validates every grad and state before a
-    step runs; afterwards a step only checks that nothing the plan encodes moved (`StepPlan.current_grads`)."""
+    """The plan for the params that have a grad now, with their state for `rule` (created where missing), and those
+    grads (local shards, plan order); (None, None) when no param has a grad. Validates every grad and state before
+    a step runs; afterwards a step only checks that nothing the plan encodes moved (`StepPlan.current_grads`)."""
     group_params = [group["params"] for group in param_groups]
     all_params = [p for params in group_params for p in params]
     groups = [index for index, params in enumerate(group_params) for _ in params]
-    group_amsgrad = [bool(group["amsgrad"]) for group in param_groups]
+    group_options = [group_option(rule, group) for group in param_groups]
     group_precisions = [
         state_format.check_precision(group["state_precision"], f"param_groups[{index}]['state_precision']")
         for index, group in enumerate(param_groups)
@@ -299,8 +305,8 @@ def build_plan(
     member_groups = [groups[i] for i in members]
     # from the whole param (a DTensor's numel is global): the same format on every mesh (sharded_state.py)
     formats = [state_format.format_for(group_precisions[group], p.numel()) for p, group in zip(params, member_groups)]
-    amsgrads = [group_amsgrad[group] for group in member_groups]
-    states = _ready_states(params, formats, amsgrads, state, master_weights, device)
+    names = [rule.state_names(group_options[group]) for group in member_groups]
+    states = _ready_states(params, formats, names, state, master_weights, device, rule)
     plan = StepPlan(
         version=version.value,  # after the states created above bumped it
         group_params=group_params,
@@ -309,21 +315,13 @@ def build_plan(
         members=None if len(members) == len(all_params) else members,
         params=params,
         local_params=local_params,
-        exp_avgs=[local(s["exp_avg"]) for s in states],
-        exp_avg_sqs=[local(s["exp_avg_sq"]) for s in states],
+        rule=rule,
+        states=[tuple(local(s[key]) for key in keys) for s, keys in zip(states, names)],
+        scales=[tuple(_scale(s, key) for key in keys) for s, keys in zip(states, names)],
         masters=[local(s["master_param"]) if "master_param" in s else None for s in states],
-        max_exp_avg_sqs=[
-            local(s["max_exp_avg_sq"]) if group_amsgrad[groups[i]] else None for i, s in zip(members, states)
-        ],
-        group_amsgrad=group_amsgrad,
+        group_options=group_options,
         group_precisions=group_precisions,
         formats=formats,
-        exp_avg_scales=_scales(states, "exp_avg"),
-        exp_avg_sq_scales=_scales(states, "exp_avg_sq"),
-        max_exp_avg_sq_scales=[
-            local(s[key]) if group_amsgrad[groups[i]] and key in s else None
-            for i, s, key in zip(members, states, repeat("max_exp_avg_sq" + SCALE_SUFFIX))
-        ],
         steps=[s["step"] for s in states],
         groups=[groups[i] for i in members],
         numels=[p.numel() for p in local_params],
@@ -344,36 +342,36 @@ def build_plan(
     return plan, local_grads
 
 
-def _scales(states: list[dict], key: str) -> list[torch.Tensor | None]:
+def _scale(state: dict, key: str) -> torch.Tensor | None:
     key += SCALE_SUFFIX
-    return [local(s[key]) if key in s else None for s in states]
+    return local(state[key]) if key in state else None
 
 
-def _ready_states(params, formats, amsgrads, state, master_weights: bool, device) -> list[dict]:
+def _ready_states(params, formats, names, state, master_weights: bool, device, rule) -> list[dict]:
     """Each param's state, created where missing and converted where its group's state_precision changed, then
     checked; a format a sharded param cannot hold is refused before any state is created or converted."""
     for p, fmt in zip(params, formats):
         if fmt == Q8 and is_dtensor(p):
             sharded_state.check_q8_layout(p)
     states = []
-    for p, fmt, amsgrad in zip(params, formats, amsgrads):
+    first = rule.STATE_NAMES[0]
+    for p, fmt, keys in zip(params, formats, names):
         param_state = state[p]
         if not param_state:
-            init_state(p, param_state, amsgrad, master_weights, device, fmt)
-        elif state_format.format_of(param_state) != fmt:  # the group's state_precision changed: convert
+            init_state(p, param_state, keys, master_weights, device, fmt)
+        elif state_format.format_of(param_state, first) != fmt:  # the group's state_precision changed: convert
             sharded_state.convert(param_state, fmt, p)
-        check_state(local(p), param_state, amsgrad, fmt)
+        check_state(local(p), param_state, keys, fmt, rule)
         states.append(param_state)
     return states
 
 
 def init_state(
-    p: torch.Tensor, state: dict, amsgrad: bool, master_weights: bool, device: torch.device, fmt: int = FP32
+    p: torch.Tensor, state: dict, keys: tuple[str, ...], master_weights: bool, device: torch.device, fmt: int = FP32
 ) -> None:
-    """A param's first state, as torch.optim.AdamW's (zero moments and `step`) in the format `fmt`
-    (state_format.py), plus amsgrad's maximum and the fp32 master copy of a low-precision param when asked for."""
+    """A param's first state, as torch's optimizers make it (zero states named `keys` and `step`) in the format
+    `fmt` (state_format.py), plus the fp32 master copy of a low-precision param when asked for."""
     fresh = {"step": torch.zeros((), dtype=torch.float32, device=device)}
-    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
     for key in keys:
         fresh.update(sharded_state.zero_moment(p, key, fmt))  # may refuse the format: nothing stored yet
     if master_weights and p.dtype != torch.float32:
@@ -411,24 +409,28 @@ def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_lay
             )
 
 
-def check_state(param: torch.Tensor, state: dict, amsgrad: bool = False, fmt: int = FP32) -> None:
+def check_state(param: torch.Tensor, state: dict, keys: tuple[str, ...], fmt: int = FP32, rule=None) -> None:
     """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not), in
-    the format `fmt` its group asks for."""
-    required = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("step", "exp_avg", "exp_avg_sq")
+    the format `fmt` its group asks for: `keys`, the rule's states for the group (rule.state_names)."""
+    required = ("step", *keys)
     missing = [key for key in required if key not in state]
     if fmt == Q8:
-        missing += [key + SCALE_SUFFIX for key in required[1:] if key + SCALE_SUFFIX not in state]
+        missing += [key + SCALE_SUFFIX for key in keys if key + SCALE_SUFFIX not in state]
     if missing:
-        why, saved = (", and its group has amsgrad=True", " saved with amsgrad=True") if amsgrad else ("", "")
+        why = saved = ""
+        if rule is not None and rule.OPTION is not None and rule.OPTIONAL_STATE in keys:
+            why, saved = f", and its group has {rule.OPTION}=True", f" saved with {rule.OPTION}=True"
+        name = rule.TITLE if rule is not None else "optimizer"
         raise ValueError(
-            f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}{why}): load a complete AdamW "
+            f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}{why}): load a complete {name} "
             f"state{saved}, or clear that parameter's state (opt.state[p].clear()) to start it afresh"
         )
-    expected = {key: (state_format.moment_dtype(key, fmt), param.numel()) for key in state_format.MOMENT_KEYS}
+    # every state a rule keeps, where present (a stale one of another setting too): it is loaded and saved
+    expected = {key: (state_format.moment_dtype(key, fmt), param.numel()) for key in state_format.state_keys()}
     expected["master_param"] = (torch.float32, param.numel())
     if fmt == Q8:
         blocks = state_format.num_blocks(param.numel())
-        expected.update({key: (torch.float32, blocks) for key in state_format.SCALE_KEYS})
+        expected.update({key: (torch.float32, blocks) for key in state_format.scale_keys()})
     for key, (dtype, numel) in expected.items():
         tensor = state.get(key)
         if tensor is None:

@@ -19,7 +19,7 @@ import torch
 
 from . import state_format
 from .sharding import is_dtensor, local
-from .state_format import Q8, QUANT_BLOCK, SCALE_KEYS
+from .state_format import Q8, QUANT_BLOCK, SCALE_SUFFIX
 
 
 def _chunk(total: int, pieces: int, index: int) -> tuple[int, int]:
@@ -81,7 +81,7 @@ def wrap(p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
         return value
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if key in SCALE_KEYS:
+    if key.endswith(SCALE_SUFFIX):
         mesh_dim = _shard_dim(p)
         placements = [Shard(0) if d == mesh_dim else Replicate() for d in range(p.device_mesh.ndim)]
         blocks = state_format.num_blocks(p.numel())

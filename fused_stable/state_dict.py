@@ -13,13 +13,18 @@ from typing import Any
 import torch
 
 from . import engines, layout, ops, sharded_state, state_format
-from .layout import HParams, StepRules, check_not_differentiable
+from .layout import StepRules, check_not_differentiable
 from .param_state import ParamStates, Version
+from .plan import group_option
 from .sharding import is_dtensor, local
 
-# taken out before torch's loader, which casts floating state to the param's dtype (8-bit codes are not floating,
-# their fp32 scales are)
-_MOMENT_KEYS = state_format.MOMENT_KEYS + state_format.SCALE_KEYS + ("master_param",)
+
+def _taken_keys() -> tuple[str, ...]:
+    """The state taken out before torch's loader, which casts floating state to the param's dtype (8-bit codes
+    are not floating, their fp32 scales are): every rule's states, their scales, the master weights."""
+    return state_format.state_keys() + state_format.scale_keys() + ("master_param",)
+
+
 _STATE_KEY = "fused_stable"
 _LAYOUT_VERSION = 2  # of the counters saved under _STATE_KEY: 2 added the worst-step window (layout.F_WORST_*)
 
@@ -37,17 +42,18 @@ class SavedState:
         return state
 
     def torch_state_dict(self) -> dict[str, Any]:
-        """This state as torch.optim.AdamW saves it, from any state_precision: fp32 moments (8-bit ones decoded,
-        bf16 ones widened) under torch's keys (`step`, `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`), no scales,
-        master weights or device counters; param groups without `state_precision`. torch.optim.AdamW's
-        load_state_dict takes it (and casts the moments to each param's dtype, as it always does)."""
+        """This state as torch's optimizer of the rule saves it (FusedAdamW: torch.optim.AdamW's), from any
+        state_precision: fp32 states (8-bit ones decoded, bf16 ones widened) under torch's keys (AdamW: `step`,
+        `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`), no scales, master weights or device counters; param groups
+        without `state_precision`. torch's load_state_dict takes it (and casts the moments to each param's dtype,
+        as it always does)."""
         state = self.state_dict()
         state.pop(_STATE_KEY)
         for entry in state["state"].values():
-            for key in state_format.MOMENT_KEYS:
+            for key in state_format.state_keys():
                 if key in entry:
                     entry[key] = state_format.to_fp32(entry, key)
-            for key in state_format.SCALE_KEYS + ("master_param",):
+            for key in state_format.scale_keys() + ("master_param",):
                 entry.pop(key, None)
         for group in state["param_groups"]:
             group.pop("state_precision", None)
@@ -58,9 +64,10 @@ class SavedState:
         group's state_precision with their scales, `step`, and master weights; from the param groups."""
         total = 0
         for group in self.param_groups:
+            states = len(self.RULE.state_names(group_option(self.RULE, group)))
             for p in group["params"]:
                 numel = local(p).numel()
-                total += state_format.planned_bytes(numel, group["state_precision"], group["amsgrad"], p.numel()) + 4
+                total += state_format.planned_bytes(numel, group["state_precision"], states, p.numel()) + 4
                 if self.master_weights and p.dtype != torch.float32:
                     total += 4 * numel
         return total
@@ -88,10 +95,11 @@ class SavedState:
         # param would lose bits, 8-bit scales too); they are converted to each group's state_precision below
         moments: dict[Any, dict[str, torch.Tensor]] = {}
         plain_state = {}
+        taken_keys = _taken_keys()
         for param_id, entry in state_dict["state"].items():
             param = id_to_param.get(param_id)
-            kept = {k: v for k, v in entry.items() if k not in _MOMENT_KEYS}
-            taken = {k: v for k, v in entry.items() if k in _MOMENT_KEYS}
+            kept = {k: v for k, v in entry.items() if k not in taken_keys}
+            taken = {k: v for k, v in entry.items() if k in taken_keys}
             if param is not None:
                 _check_saved_moments(taken, param)
                 moments[param_id] = taken
@@ -99,7 +107,7 @@ class SavedState:
         precisions = [group["state_precision"] for group in self.param_groups]
         super().load_state_dict({**state_dict, "state": plain_state})
         for group, precision in zip(self.param_groups, precisions):
-            group["betas"] = HParams.float_betas(group["betas"])  # torch may save tensor betas: the tables hold floats
+            self.RULE.normalize_group(group)  # e.g. torch may save tensor betas: the tables hold floats
             group["state_precision"] = precision  # this optimizer's, whatever the saved one: moments are converted
         formats = {
             id(p): state_format.format_for(group["state_precision"], p.numel())  # the whole param's: mesh-free
@@ -180,9 +188,8 @@ class SavedState:
         super().__setstate__(state)
         self.state = ParamStates(self._version, self.state)
         for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-            group.setdefault("maximize", False)
-            group.setdefault("decoupled_weight_decay", True)
+            for key, value in self.RULE.PICKLE_DEFAULTS.items():
+                group.setdefault(key, value)
             group.setdefault("state_precision", "fp32")
         self.defaults.setdefault("state_precision", "fp32")
         if not hasattr(self, "rules"):  # pickled by an older version or by a plain Optimizer
@@ -211,7 +218,8 @@ def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:
     """A saved moment (or its codes) has its param's shape; 8-bit scales one value per block: else the state dict
     belongs to another model (refused before anything changes)."""
     for key, value in taken.items():
-        if key in state_format.SCALE_KEYS:  # a DTensor's scales cover the whole param's blocks, a shard's its own
+        # a DTensor's scales cover the whole param's blocks, a shard's its own
+        if key.endswith(state_format.SCALE_SUFFIX):
             blocks = state_format.num_blocks((param if is_dtensor(value) else local(param)).numel())
             if value.dim() != 1 or value.numel() != blocks or value.dtype != torch.float32:
                 raise ValueError(
@@ -224,10 +232,10 @@ def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:
                 f"state {key!r} has shape {tuple(value.shape)} but its parameter has shape "
                 f"{tuple(param.shape)}: this state dict belongs to another model"
             )
-        elif key in state_format.MOMENT_KEYS and not _loadable_moment(key, value, taken):
+        elif key in state_format.state_keys() and not _loadable_moment(key, value, taken):
             raise ValueError(
                 f"state {key!r} is {value.dtype}: a saved moment is floating point (converted to the group's "
-                f"state_precision), or 8-bit codes ({state_format.CODE_DTYPES[key]}) with "
+                f"state_precision), or 8-bit codes ({state_format.moment_dtype(key, state_format.Q8)}) with "
                 f"{key + state_format.SCALE_SUFFIX!r} beside them"
             )
 
@@ -235,7 +243,7 @@ def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:
 def _loadable_moment(key: str, value: torch.Tensor, taken: dict) -> bool:
     if value.is_floating_point():
         return True
-    return value.dtype == state_format.CODE_DTYPES[key] and key + state_format.SCALE_SUFFIX in taken
+    return value.dtype == state_format.moment_dtype(key, state_format.Q8) and key + state_format.SCALE_SUFFIX in taken
 
 
 def _check_counters(extra: dict) -> None:

@@ -43,12 +43,30 @@ MIN_QUANTISED_NUMEL = 4096  # smaller tensors keep fp32 moments in "8bit" groups
 EXP_AVG_LEVELS = 127.0  # int8 codes -127..127
 EXP_AVG_SQ_LEVELS = 255.0  # uint8 codes 0..255
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# A state's 8-bit codec kind, declared by its rule (rules/<rule>: CODECS): SIGNED for a value of either sign (AdamW's
+# exp_avg, Lion's), UNSIGNED for a value >= 0 (a second moment)
+SIGNED, UNSIGNED = 0, 1
 SCALE_SUFFIX = "_scale"
-SCALE_KEYS = tuple(key + SCALE_SUFFIX for key in MOMENT_KEYS)
-_CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8, "max_exp_avg_sq": torch.uint8}
+CODE_DTYPES = {SIGNED: torch.int8, UNSIGNED: torch.uint8}  # the 8-bit codes of each codec kind
 _STORAGE = {FP32: torch.float32, BF16: torch.bfloat16}
-CODE_DTYPES = _CODE_DTYPES  # the 8-bit codes of each moment
+
+
+def codec_of(key: str) -> int:
+    """The codec kind of the state named `key`, as the rule that keeps it declares (fused_stable/rules)."""
+    from .rules import codec_of
+
+    return codec_of(key)
+
+
+def state_keys() -> tuple[str, ...]:
+    """Every state name some rule keeps (the tensors the formats store), and their scales' keys."""
+    from .rules import CODECS
+
+    return tuple(CODECS)
+
+
+def scale_keys() -> tuple[str, ...]:
+    return tuple(key + SCALE_SUFFIX for key in state_keys())
 
 
 def check_precision(value, where: str = "state_precision") -> str:
@@ -64,9 +82,10 @@ def format_for(precision: str, numel: int) -> int:
     return BF16 if precision == "bf16" else FP32
 
 
-def format_of(state: dict) -> int | None:
-    """The format a param's state is stored in, from its `exp_avg` (None without one, or in another dtype)."""
-    return moment_format(state["exp_avg"]) if "exp_avg" in state else None
+def format_of(state: dict, first_state: str = "exp_avg") -> int | None:
+    """The format a param's state is stored in, from its rule's first state (None without one, or in another
+    dtype)."""
+    return moment_format(state[first_state]) if first_state in state else None
 
 
 def moment_format(value) -> int | None:
@@ -82,7 +101,7 @@ def num_blocks(numel: int) -> int:
 
 
 def moment_dtype(key: str, fmt: int) -> torch.dtype:
-    return _CODE_DTYPES[key] if fmt == Q8 else _STORAGE[fmt]
+    return CODE_DTYPES[codec_of(key)] if fmt == Q8 else _STORAGE[fmt]
 
 
 def zero_moment(p: torch.Tensor, key: str, fmt: int) -> dict[str, torch.Tensor]:
@@ -149,8 +168,8 @@ def decode_unsigned(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return root * root
 
 
-ENCODERS = {"exp_avg": encode_signed, "exp_avg_sq": encode_unsigned, "max_exp_avg_sq": encode_unsigned}
-DECODERS = {"exp_avg": decode_signed, "exp_avg_sq": decode_unsigned, "max_exp_avg_sq": decode_unsigned}
+ENCODERS = {SIGNED: encode_signed, UNSIGNED: encode_unsigned}  # by codec kind
+DECODERS = {SIGNED: decode_signed, UNSIGNED: decode_unsigned}
 
 
 def _as_blocks(values: torch.Tensor) -> torch.Tensor:
@@ -162,9 +181,10 @@ def _as_blocks(values: torch.Tensor) -> torch.Tensor:
 
 def encode(x: torch.Tensor, key: str, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A moment (any layout) as Q8 codes laid out like `like` (its param; default: `x`), and their scales."""
-    out = torch.empty_like(x if like is None else like, dtype=_CODE_DTYPES[key], memory_format=torch.preserve_format)
+    codec = codec_of(key)
+    out = torch.empty_like(x if like is None else like, dtype=CODE_DTYPES[codec], memory_format=torch.preserve_format)
     values = flat(x, memory_order(out)).to(torch.float32)  # in the codes' memory order: the blocks' order
-    codes, scale = ENCODERS[key](_as_blocks(values))
+    codes, scale = ENCODERS[codec](_as_blocks(values))
     flat_view(out).copy_(codes.view(-1)[: values.numel()])
     return out, scale
 
@@ -172,7 +192,7 @@ def encode(x: torch.Tensor, key: str, like: torch.Tensor | None = None) -> tuple
 def decode(codes: torch.Tensor, scale: torch.Tensor, key: str) -> torch.Tensor:
     """Q8 codes (laid out like their param) and scales -> the fp32 moment, laid out the same way."""
     values = flat(codes)
-    decoded = DECODERS[key](_as_blocks(values), scale)
+    decoded = DECODERS[codec_of(key)](_as_blocks(values), scale)
     out = torch.empty_like(codes, dtype=torch.float32, memory_format=torch.preserve_format)
     flat_view(out).copy_(decoded.view(-1)[: values.numel()])
     return out
@@ -239,7 +259,7 @@ def to_fp32(state: dict, key: str) -> torch.Tensor:
 def convert(state: dict, fmt: int, like: torch.Tensor) -> None:
     """Re-stores every moment of a param's state in `fmt`, laid out like `like` (the param), in place; a moment
     already in `fmt` is left as it is."""
-    for key in MOMENT_KEYS:
+    for key in state_keys():
         if key not in state or moment_format(state[key]) == fmt:
             continue
         value = to_fp32(state, key)
@@ -250,17 +270,18 @@ def convert(state: dict, fmt: int, like: torch.Tensor) -> None:
             state[key] = value.to(_STORAGE[fmt])
 
 
-def planned_bytes(numel: int, precision: str, amsgrad: bool = False, whole_numel: int | None = None) -> int:
-    """Bytes the moments of a tensor of `numel` elements take in a group of this `state_precision` (scales
-    included); `whole_numel`, the whole param's size when the tensor is a shard of it, decides the format."""
+def planned_bytes(numel: int, precision: str, states: int = 2, whole_numel: int | None = None) -> int:
+    """Bytes the `states` state tensors (AdamW: 2, 3 with amsgrad) of a tensor of `numel` elements take in a group
+    of this `state_precision` (scales included); `whole_numel`, the whole param's size when the tensor is a shard
+    of it, decides the format."""
     fmt = format_for(precision, numel if whole_numel is None else whole_numel)
     per_moment = numel * (1 if fmt == Q8 else 2 if fmt == BF16 else 4)
     if fmt == Q8:
         per_moment += 4 * num_blocks(numel)
-    return per_moment * (3 if amsgrad else 2)
+    return per_moment * states
 
 
 def moment_bytes(state: dict) -> int:
     """Bytes a param's moments take (codes and scales included; `step` and master weights not)."""
-    keys = MOMENT_KEYS + SCALE_KEYS
+    keys = state_keys() + scale_keys()
     return sum(t.numel() * t.element_size() for k, t in state.items() if k in keys and isinstance(t, torch.Tensor))

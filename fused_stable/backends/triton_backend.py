@@ -22,9 +22,8 @@ import torch
 
 from .. import layout
 from ..kernels.tables import CHUNK_SIZE, build_chunk_map, check_not_capturing, upload, upload_int64
-from ..layout import HParams, StepBuffers, StepRules
+from ..layout import StepBuffers, StepRules
 from ..plan import StepPlan, check_grads
-from ..rules import adamw
 
 DENSE_LAYOUTS = True  # the kernels walk memory linearly (fused_stable.backends.Backend)
 
@@ -57,6 +56,7 @@ class TritonTables:
         from ..kernels.decide import prepare_decide
 
         self.buffers, self.rules, self.device = buffers, rules, device
+        self.rule = plan.rule
         launch_groups = _launch_groups(plan)
         self.kernel_order = [i for indices in launch_groups.values() for i in indices]
         n = len(self.kernel_order)
@@ -93,7 +93,7 @@ class TritonTables:
         from ..kernels.update import TABLE_COLUMNS, UPDATE_CONFIG, prepare_update
 
         norms, updates = [], []
-        for ((dtype, has_master, amsgrad, state_format_id), indices), (chunks, partial_offset, first) in zip(
+        for ((dtype, has_master, option, state_format_id), indices), (chunks, partial_offset, first) in zip(
             launch_groups.items(), chunk_maps
         ):
             grad_addrs = self.grad_addrs[first : first + len(indices)]
@@ -110,7 +110,8 @@ class TritonTables:
                 fstate=self.buffers.fstate,
                 param_dtype=dtype,
                 has_master=has_master,
-                amsgrad=amsgrad,
+                rule=plan.rule,
+                option=option,
                 state_format_id=state_format_id,
                 config=adamw_config or UPDATE_CONFIG,
             )
@@ -129,15 +130,15 @@ class TritonTables:
             self.uploaded_grad_ptrs = plan.grad_ptrs
         self.grads_version = plan.grads_version
 
-    def refresh_hparams(self, hparams: list[HParams]) -> None:
+    def refresh_hparams(self, hparams: list) -> None:
         """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync).
         The optimizer hands the same list while its values stay: then one identity check is all. Rows are read
-        by position, in HParams' order (benchmarks/gpu_probe.py passes plain tuples)."""
+        by position, in the rule's HParams order (benchmarks/gpu_probe.py passes plain tuples)."""
         if hparams is not self.hparams_rows:
             key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
             if key != self.hparams_key:
                 upload(
-                    [adamw.hparam_row(*row) for row in hparams],
+                    [self.rule.hparam_row(*row) for row in hparams],
                     torch.float32,
                     self.device,
                     "changed hyper-parameters",
@@ -155,13 +156,14 @@ class TritonTables:
 
 
 def _launch_groups(plan: StepPlan) -> dict[tuple, list[int]]:
-    """(param dtype, has master, amsgrad, state format) -> plan indices: one norm and one update launch per group
-    (so a step launches once more per further dtype or state format, never per tensor)."""
+    """(param dtype, has master, the rule's group option, state format) -> plan indices: one norm and one update
+    launch per group (so a step launches once more per further dtype or state format, never per tensor)."""
     launch_groups: dict[tuple, list[int]] = {}
-    for index, (param, master, max_sq, fmt) in enumerate(
-        zip(plan.local_params, plan.masters, plan.max_exp_avg_sqs, plan.formats)
+    options = plan.group_options
+    for index, (param, master, group, fmt) in enumerate(
+        zip(plan.local_params, plan.masters, plan.groups, plan.formats)
     ):
-        launch_groups.setdefault((param.dtype, master is not None, max_sq is not None, fmt), []).append(index)
+        launch_groups.setdefault((param.dtype, master is not None, options[group], fmt), []).append(index)
     return launch_groups
 
 
@@ -180,24 +182,27 @@ def _chunk_maps(plan: StepPlan, launch_groups: dict, device: torch.device, chunk
 
 
 def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
-    """The update table of one launch group, row by row in kernels/update.py's column order (COL_*)."""
+    """The update table of one launch group, row by row in kernels/update.py's column order (COL_*): the param,
+    master, step, size, group and position, then the rule's states and their 8-bit scales, each padded with 0 to
+    the kernel's MAX_STATES slots."""
+    from ..kernels.update import MAX_STATES
+
     rows, positions = [], plan.positions
     address = lambda t: t.data_ptr() if t is not None else 0  # noqa: E731
     for i in indices:
-        master, max_sq = plan.masters[i], plan.max_exp_avg_sqs[i]
+        states, scales = plan.states[i], plan.scales[i]
+        padding = [0] * (MAX_STATES - len(states))
         rows += [
             plan.local_params[i].data_ptr(),
-            plan.exp_avgs[i].data_ptr(),
-            plan.exp_avg_sqs[i].data_ptr(),
-            master.data_ptr() if master is not None else 0,
+            address(plan.masters[i]),
             plan.steps[i].data_ptr(),
             plan.numels[i],
             plan.groups[i],
-            max_sq.data_ptr() if max_sq is not None else 0,
-            address(plan.exp_avg_scales[i]),
-            address(plan.exp_avg_sq_scales[i]),
-            address(plan.max_exp_avg_sq_scales[i]),
             positions[i],
+            *map(address, states),
+            *padding,
+            *map(address, scales),
+            *padding,
         ]
     return rows
 
@@ -207,12 +212,12 @@ def fused_step(
     grads: list[torch.Tensor],
     buffers: StepBuffers,
     rules: StepRules,
-    hparams: list[HParams],
+    hparams: list,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     global_sumsq,
 ) -> None:
-    """Norm pass, decision kernel and AdamW for every tensor of `plan`, on the parameters' device
+    """Norm pass, decision kernel and the rule's update for every tensor of `plan`, on the parameters' device
     (`fused_stable.backends.Backend.fused_step`)."""
     device = buffers.fstate.device
     tables: TritonTables | None = plan.backend_cache

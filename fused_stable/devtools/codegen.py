@@ -32,6 +32,7 @@ from .. import state_format
 from ..kernels import decide, norm, update
 from ..kernels.launch import LaunchConfig
 from ..kernels.tables import CHUNK_SIZE
+from ..rules import RULES
 
 _I64, _F32 = "*i64", "*fp32"
 _TYPES = {
@@ -210,7 +211,7 @@ def _adamw_record(dtype: str, has_master: bool, amsgrad: bool, fmt: int, config:
         "HAS_MASTER": has_master,
         "CHUNK": CHUNK_SIZE,
         "BLOCK": config.block,
-        "AMSGRAD": amsgrad,
+        "RULE": update.rule_constexpr(RULES["adamw"], amsgrad),
         "STATE_FORMAT": fmt,
     }
     describe = dict(dtype=dtype, has_master=has_master, amsgrad=amsgrad, state_format=state_format.FORMAT_NAMES[fmt])

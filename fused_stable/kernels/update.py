@@ -4,9 +4,10 @@ Every program reads the decisions of `_decide_kernel` (kernels/decide.py) from t
 step it returns at once; otherwise it updates its chunk of one tensor with grad * (clip coefficient / loss
 scale), the group's hyper-parameters and the scheduled lr, fp32 arithmetic, optional fp32 master weights, and
 stores the param rounded to nearest even. What is the rule's (the scalars from its hyper-parameter row and the
-per-element math) is the rule's `step_scalars` and element (rules/adamw/triton.py: AdamW); what is here is
-rule-free: chunks and tails, alignment, the skip, master weights, the state formats' loads and stores (codes,
-scales, stochastic rounding).
+per-element math) is the rule's `step_scalars` and `element` (rules/<rule>/triton.py, e.g. rules/adamw/triton.py),
+which the kernel takes as one constexpr argument (`rule_constexpr`); what is here is rule-free: chunks and tails,
+alignment, the skip, master weights, up to MAX_STATES state slots in the rule's order and the state formats'
+loads and stores (codes, scales, stochastic rounding, as the rule's codecs say).
 
 The buffer and table layouts reach the code as constexpr defaults, as in kernels/decide.py (whose module doc
 says why, and why the kernel takes `LAYOUT`).
@@ -28,8 +29,6 @@ import triton
 import triton.language as tl
 
 from .. import layout, state_format
-from ..rules import adamw
-from ..rules.adamw.triton import adamw_element, step_scalars
 from .common import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
 from .state_codes import load_moment, mix32, moment_pointer, store_moment
@@ -41,12 +40,98 @@ from .tables import ChunkMap
 # (bar.sync) to convert between the two layouts (tests/core/test_kernels_codegen.py checks this).
 UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 
-# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); COL_MAX_EXP_AVG_SQ is 0 without amsgrad, the scale
-# columns 0 but for 8-bit state
-COL_PARAM, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP, COL_MAX_EXP_AVG_SQ = range(8)
-COL_EXP_AVG_SCALE, COL_EXP_AVG_SQ_SCALE, COL_MAX_EXP_AVG_SQ_SCALE = 8, 9, 10  # consecutive: the kernel reads them so
-COL_POSITION = 11  # the param's index in the optimizer's flat order: keys bf16 stochastic rounding
-TABLE_COLUMNS = 12
+# A rule keeps up to MAX_STATES state tensors per param (AdamW: exp_avg, exp_avg_sq and amsgrad's max_exp_avg_sq;
+# Lion: exp_avg): the kernel has that many state slots, of which a launch uses the first NUM_STATES.
+MAX_STATES = 3
+# update-table columns (int64 [num_tensors, TABLE_COLUMNS]); a state column past the rule's count is 0, a scale
+# column 0 but for 8-bit state
+COL_PARAM, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP = range(5)
+COL_POSITION = 5  # the param's index in the optimizer's flat order: keys bf16 stochastic rounding
+COL_STATE = 6  # MAX_STATES consecutive columns: the rule's states, in its order (rules/<rule>: STATE_NAMES)
+COL_SCALE = COL_STATE + MAX_STATES  # MAX_STATES consecutive columns: their 8-bit scales
+TABLE_COLUMNS = COL_SCALE + MAX_STATES
+
+
+# The rule, as the kernel's one constexpr argument `RULE` (`rule_constexpr`): a tuple read by index inside the jit
+# functions (a constexpr tuple cannot be unpacked there):
+#   0 step_scalars, 1 element (rules/<rule>/triton.py), 2 the group option (AdamW's amsgrad), 3 the number of states,
+#   4 each slot's codec is signed (a tuple of MAX_STATES bools), 5 each slot rounds stochastically in bf16 (the same),
+#   6 the rule's ROW_LAYOUT and 7 its jit functions' source hash: Triton's cache key holds a constexpr function by its
+#   name only, so these make a changed rule recompile instead of reading a stale cached binary
+
+
+@triton.jit
+def _load_states(
+    states, scale_rows, mask, row_mask, RULE: tl.constexpr, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.constexpr
+):
+    """The rule's states of one block as fp32 values; a slot past the rule's count is not read (slot 0's values
+    stand in, and the rule's element leaves them alone)."""
+    s0 = load_moment(states[0], scale_rows[0], mask, row_mask, STATE_FORMAT, RULE[4][0], FMT_Q8)
+    s1 = s0
+    s2 = s0
+    if RULE[3] > 1:
+        s1 = load_moment(states[1], scale_rows[1], mask, row_mask, STATE_FORMAT, RULE[4][1], FMT_Q8)
+    if RULE[3] > 2:
+        s2 = load_moment(states[2], scale_rows[2], mask, row_mask, STATE_FORMAT, RULE[4][2], FMT_Q8)
+    return s0, s1, s2
+
+
+@triton.jit
+def _store_states(
+    states,
+    scale_rows,
+    values,
+    mask,
+    row_mask,
+    random,
+    RULE: tl.constexpr,
+    STATE_FORMAT: tl.constexpr,
+    FMT_BF16: tl.constexpr,
+    FMT_Q8: tl.constexpr,
+):
+    """Stores the rule's states in the state format, the last slot first (the order the AdamW kernel always stored
+    them in); bf16 rounds stochastically where the rule says (state_format.py says why)."""
+    if RULE[3] > 2:
+        store_moment(
+            states[2],
+            scale_rows[2],
+            values[2],
+            mask,
+            row_mask,
+            random,
+            STATE_FORMAT,
+            RULE[4][2],
+            FMT_BF16,
+            FMT_Q8,
+            RULE[5][2],
+        )
+    store_moment(
+        states[0],
+        scale_rows[0],
+        values[0],
+        mask,
+        row_mask,
+        random,
+        STATE_FORMAT,
+        RULE[4][0],
+        FMT_BF16,
+        FMT_Q8,
+        RULE[5][0],
+    )
+    if RULE[3] > 1:
+        store_moment(
+            states[1],
+            scale_rows[1],
+            values[1],
+            mask,
+            row_mask,
+            random,
+            STATE_FORMAT,
+            RULE[4][1],
+            FMT_BF16,
+            FMT_Q8,
+            RULE[5][1],
+        )
 
 
 @triton.jit
@@ -59,39 +144,27 @@ def _update_block(
     random,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
-    AMSGRAD: tl.constexpr,
     STATE_FORMAT: tl.constexpr,
     FMT_BF16: tl.constexpr,
     FMT_Q8: tl.constexpr,
+    RULE: tl.constexpr,
 ):
-    """The rule's element on one block, given its pointers (one per element: param, grad, exp_avg, exp_avg_sq,
-    master, max_exp_avg_sq); unmasked (vectorisable) when `mask` is None. `scalars` are the rule's
-    `step_scalars`. This loads in the storage dtypes and state format, calls the element on fp32 values and
-    stores: with 8-bit state the block is 2-D (a row per quantisation block), `scale_rows` point at the rows'
-    scales of exp_avg, exp_avg_sq and max_exp_avg_sq, and `row_mask` says which rows exist. `random` is what bf16
-    exp_avg_sq's stochastic rounding draws from: (this tensor's key for this step, the block's element indices)."""
-    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
-    exp_avg_scale, exp_avg_sq_scale, max_exp_avg_sq_scale = scale_rows
+    """The rule's element on one block, given its pointers (one per element: param, grad, master, and the rule's
+    state slots); unmasked (vectorisable) when `mask` is None. `scalars` are the rule's `step_scalars`. This
+    loads in the storage dtypes and state format, calls the element on fp32 values and stores: with 8-bit
+    state the block is 2-D (a row per quantisation block), `scale_rows` point at the rows' scales of each state,
+    and `row_mask` says which rows exist. `random` is what bf16 stochastic rounding draws from: (this tensor's
+    key for this step, the block's element indices)."""
+    param, grad, master, states = pointers
     other = None if mask is None else 0.0
     g = tl.load(grad, mask=mask, other=other).to(tl.float32)
     if HAS_MASTER:
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
-    m = load_moment(exp_avg, exp_avg_scale, mask, row_mask, STATE_FORMAT, True, FMT_Q8)
-    v = load_moment(exp_avg_sq, exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
-    if AMSGRAD:
-        v_max = load_moment(max_exp_avg_sq, max_exp_avg_sq_scale, mask, row_mask, STATE_FORMAT, False, FMT_Q8)
-    else:
-        v_max = v  # not read by the element
-    p, m, v, v_max = adamw_element(p, g, m, v, v_max, scalars, AMSGRAD)
-    if AMSGRAD:
-        store_moment(
-            max_exp_avg_sq, max_exp_avg_sq_scale, v_max, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8
-        )
-    store_moment(exp_avg, exp_avg_scale, m, mask, row_mask, random, STATE_FORMAT, True, FMT_BF16, FMT_Q8)
-    # exp_avg_sq: stochastic in bf16 (state_format.py says why)
-    store_moment(exp_avg_sq, exp_avg_sq_scale, v, mask, row_mask, random, STATE_FORMAT, False, FMT_BF16, FMT_Q8, True)
+    s0, s1, s2 = _load_states(states, scale_rows, mask, row_mask, RULE, STATE_FORMAT, FMT_Q8)
+    p, s0, s1, s2 = RULE[1](p, g, s0, s1, s2, scalars, RULE[2])
+    _store_states(states, scale_rows, (s0, s1, s2), mask, row_mask, random, RULE, STATE_FORMAT, FMT_BF16, FMT_Q8)
     if HAS_MASTER:
         tl.store(master, p, mask=mask)
     tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
@@ -100,19 +173,21 @@ def _update_block(
 @triton.jit
 def _block_pointers(pointers, block_start, offsets, ALIGNED: tl.constexpr):
     """Each tensor's pointers to the elements of the block at `block_start`, marked 16-byte aligned if ALIGNED."""
-    param, grad, exp_avg, exp_avg_sq, master, max_exp_avg_sq = pointers
+    param, grad, master, states = pointers
     if ALIGNED:
         return (
             aligned_block(param, block_start) + offsets,
             aligned_block(grad, block_start) + offsets,
-            aligned_block(exp_avg, block_start) + offsets,
-            aligned_block(exp_avg_sq, block_start) + offsets,
             aligned_block(master, block_start) + offsets,
-            aligned_block(max_exp_avg_sq, block_start) + offsets,
+            (
+                aligned_block(states[0], block_start) + offsets,
+                aligned_block(states[1], block_start) + offsets,
+                aligned_block(states[2], block_start) + offsets,
+            ),
         )
     else:
         idx = block_start + offsets
-        return param + idx, grad + idx, exp_avg + idx, exp_avg_sq + idx, master + idx, max_exp_avg_sq + idx
+        return param + idx, grad + idx, master + idx, (states[0] + idx, states[1] + idx, states[2] + idx)
 
 
 @triton.jit
@@ -140,11 +215,11 @@ def _update_chunk(
     BLOCK: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
-    AMSGRAD: tl.constexpr,
     STATE_FORMAT: tl.constexpr,
     FMT_BF16: tl.constexpr,
     FMT_Q8: tl.constexpr,
     QUANT_BLOCK: tl.constexpr,
+    RULE: tl.constexpr,
 ):
     """The update of elements [start, end) of one tensor (`offsets`: 0..BLOCK-1, as [rows, QUANT_BLOCK] for 8-bit
     state): the full blocks up to `full_end` without a mask, with 16-byte alignment hints when every address of
@@ -161,10 +236,10 @@ def _update_chunk(
                 (random_key, block_start + offsets),
                 PARAM_DTYPE,
                 HAS_MASTER,
-                AMSGRAD,
                 STATE_FORMAT,
                 FMT_BF16,
                 FMT_Q8,
+                RULE,
             )
     else:
         for block_start in range(start, full_end, BLOCK):
@@ -177,10 +252,10 @@ def _update_chunk(
                 (random_key, block_start + offsets),
                 PARAM_DTYPE,
                 HAS_MASTER,
-                AMSGRAD,
                 STATE_FORMAT,
                 FMT_BF16,
                 FMT_Q8,
+                RULE,
             )
     if full_end < end:
         _update_block(
@@ -192,10 +267,10 @@ def _update_chunk(
             (random_key, full_end + offsets),
             PARAM_DTYPE,
             HAS_MASTER,
-            AMSGRAD,
             STATE_FORMAT,
             FMT_BF16,
             FMT_Q8,
+            RULE,
         )
 
 
@@ -204,44 +279,44 @@ def _tensor_pointers(
     row,
     grad_address,
     PARAM_DTYPE: tl.constexpr,
-    AMSGRAD: tl.constexpr,
+    RULE: tl.constexpr,
     STATE_FORMAT: tl.constexpr,
     FMT_BF16: tl.constexpr,
     FMT_Q8: tl.constexpr,
     COL_PARAM: tl.constexpr,
-    COL_EXP_AVG: tl.constexpr,
-    COL_EXP_AVG_SQ: tl.constexpr,
     COL_MASTER: tl.constexpr,
-    COL_MAX_EXP_AVG_SQ: tl.constexpr,
-    COL_EXP_AVG_SCALE: tl.constexpr,
+    COL_STATE: tl.constexpr,
+    COL_SCALE: tl.constexpr,
 ):
-    """One tensor's pointers from its row of the update table (param, grad, exp_avg, exp_avg_sq, master,
-    max_exp_avg_sq; in the state format's dtypes), the 8-bit scales' pointers, and whether all are 16-byte
-    aligned."""
+    """One tensor's pointers from its row of the update table (param, grad, master, and the state slots in the
+    state format's dtypes), the 8-bit scales' pointers, and whether all are 16-byte aligned. A slot past the
+    rule's count points at slot 0's state: never read or written, it keeps the block calls uniform."""
     param_address = load_address(row + COL_PARAM)
-    exp_avg_address = load_address(row + COL_EXP_AVG)
-    exp_avg_sq_address = load_address(row + COL_EXP_AVG_SQ)
     master_address = load_address(row + COL_MASTER)  # 0 without master weights
-    if AMSGRAD:
-        max_address = load_address(row + COL_MAX_EXP_AVG_SQ)
-    else:
-        max_address = exp_avg_sq_address  # never read or written: keeps the block calls uniform
+    address0 = load_address(row + COL_STATE)
+    address1 = address0
+    address2 = address0
+    if RULE[3] > 1:
+        address1 = load_address(row + COL_STATE + 1)
+    if RULE[3] > 2:
+        address2 = load_address(row + COL_STATE + 2)
+    states = (
+        moment_pointer(address0, STATE_FORMAT, RULE[4][0], FMT_BF16, FMT_Q8),
+        moment_pointer(address1, STATE_FORMAT, RULE[4][1], FMT_BF16, FMT_Q8),
+        moment_pointer(address2, STATE_FORMAT, RULE[4][2], FMT_BF16, FMT_Q8),
+    )
     pointers = (
         as_pointer(param_address, PARAM_DTYPE),
         as_pointer(grad_address, PARAM_DTYPE),
-        moment_pointer(exp_avg_address, STATE_FORMAT, True, FMT_BF16, FMT_Q8),
-        moment_pointer(exp_avg_sq_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
         as_pointer(master_address, tl.float32),
-        moment_pointer(max_address, STATE_FORMAT, False, FMT_BF16, FMT_Q8),
+        states,
     )
-    scales = (  # 0 but for 8-bit state: the columns of exp_avg's, exp_avg_sq's and max_exp_avg_sq's scales
-        as_pointer(load_address(row + COL_EXP_AVG_SCALE), tl.float32),
-        as_pointer(load_address(row + COL_EXP_AVG_SCALE + 1), tl.float32),
-        as_pointer(load_address(row + COL_EXP_AVG_SCALE + 2), tl.float32),
+    scales = (  # 0 but for 8-bit state
+        as_pointer(load_address(row + COL_SCALE), tl.float32),
+        as_pointer(load_address(row + COL_SCALE + 1), tl.float32),
+        as_pointer(load_address(row + COL_SCALE + 2), tl.float32),
     )
-    aligned = is_aligned(
-        param_address | grad_address | exp_avg_address | exp_avg_sq_address | master_address | max_address
-    )
+    aligned = is_aligned(param_address | grad_address | master_address | address0 | address1 | address2)
     return pointers, scales, aligned
 
 
@@ -268,27 +343,24 @@ def _update_kernel(
     HAS_MASTER: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    AMSGRAD: tl.constexpr = False,
-    STATE_FORMAT: tl.constexpr = state_format.FP32,  # the moments' format (state_format.py)
+    RULE: tl.constexpr,  # the update rule (`rule_constexpr`)
+    STATE_FORMAT: tl.constexpr = state_format.FP32,  # the states' format (state_format.py)
     # the table and buffer layouts and the state formats, as constexpr arguments with defaults: see the module doc
     TABLE_COLUMNS: tl.constexpr = TABLE_COLUMNS,
     COL_PARAM: tl.constexpr = COL_PARAM,
-    COL_EXP_AVG: tl.constexpr = COL_EXP_AVG,
-    COL_EXP_AVG_SQ: tl.constexpr = COL_EXP_AVG_SQ,
     COL_MASTER: tl.constexpr = COL_MASTER,
     COL_STEP: tl.constexpr = COL_STEP,
     COL_NUMEL: tl.constexpr = COL_NUMEL,
     COL_GROUP: tl.constexpr = COL_GROUP,
-    COL_MAX_EXP_AVG_SQ: tl.constexpr = COL_MAX_EXP_AVG_SQ,
-    COL_EXP_AVG_SCALE: tl.constexpr = COL_EXP_AVG_SCALE,  # then exp_avg_sq's and max_exp_avg_sq's
     COL_POSITION: tl.constexpr = COL_POSITION,
+    COL_STATE: tl.constexpr = COL_STATE,
+    COL_SCALE: tl.constexpr = COL_SCALE,
     F_SKIP: tl.constexpr = layout.F_SKIP,
     H_SIZE: tl.constexpr = layout.H_SIZE,
     FMT_BF16: tl.constexpr = state_format.BF16,
     FMT_Q8: tl.constexpr = state_format.Q8,
     QUANT_BLOCK: tl.constexpr = state_format.QUANT_BLOCK,
     LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (kernels/decide.py says why)
-    RULE_LAYOUT: tl.constexpr = adamw.ROW_LAYOUT,  # and of the rule's slots (rules/adamw)
 ):
     if tl.load(fstate + F_SKIP) == 0.0:  # a skipped step returns before any load: every state stays bit-identical
         pid = tl.program_id(0).to(tl.int64)
@@ -300,19 +372,17 @@ def _update_kernel(
             row,
             load_address(grad_addrs + tensor),
             PARAM_DTYPE,
-            AMSGRAD,
+            RULE,
             STATE_FORMAT,
             FMT_BF16,
             FMT_Q8,
             COL_PARAM,
-            COL_EXP_AVG,
-            COL_EXP_AVG_SQ,
             COL_MASTER,
-            COL_MAX_EXP_AVG_SQ,
-            COL_EXP_AVG_SCALE,
+            COL_STATE,
+            COL_SCALE,
         )
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
-        scalars = step_scalars(hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)
+        scalars = RULE[0](hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)  # the rule's step_scalars
         # state_format.random_key: bf16 stochastic rounding's key for this tensor and step
         random_key = mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ mix32(step.to(tl.uint32)))
         rows, offsets = _block_offsets(BLOCK, STATE_FORMAT, FMT_Q8, QUANT_BLOCK)
@@ -331,12 +401,34 @@ def _update_kernel(
             BLOCK,
             PARAM_DTYPE,
             HAS_MASTER,
-            AMSGRAD,
             STATE_FORMAT,
             FMT_BF16,
             FMT_Q8,
             QUANT_BLOCK,
+            RULE,
         )
+
+
+def rule_constexpr(rule, option: bool) -> tuple:
+    """The update kernel's `RULE` argument for a rule (a rules/<rule> package, with a `triton.py` beside it) and a
+    group option (`rule.OPTION`'s value, e.g. AdamW's amsgrad): see the layout comment above `_load_states`."""
+    from importlib import import_module
+
+    jit = import_module(rule.__name__ + ".triton")
+    names = rule.state_names(option)
+    if not 1 <= len(names) <= MAX_STATES:
+        raise ValueError(f"rule {rule.NAME!r} keeps {len(names)} states; the update kernel has {MAX_STATES} slots")
+    padded = list(names) + [names[0]] * (MAX_STATES - len(names))
+    signed = tuple(rule.CODECS[name] == state_format.SIGNED for name in padded)
+    stochastic = tuple(name in rule.STOCHASTIC_BF16 for name in padded)
+    source = _source_key(jit.step_scalars) + _source_key(jit.element)
+    return (jit.step_scalars, jit.element, bool(option), len(names), signed, stochastic, rule.ROW_LAYOUT, source)
+
+
+def _source_key(fn) -> str:
+    """A jit function's hash of its source and its callees' (Triton's `cache_key`); "" under the interpreter, which
+    compiles nothing and keeps no cache."""
+    return getattr(fn, "cache_key", "")
 
 
 def prepare_update(
@@ -348,12 +440,14 @@ def prepare_update(
     fstate: torch.Tensor,
     param_dtype: torch.dtype,
     has_master: bool,
-    amsgrad: bool = False,
+    rule,
+    option: bool = False,
     state_format_id: int = state_format.FP32,
     config: LaunchConfig = UPDATE_CONFIG,
 ) -> tuple[PreparedLaunch, ArgTemplate] | None:
-    """The update of every tensor of one param dtype and state format, with the decision kernel's clip / skip / lr
-    factor; None when there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses,
+    """The update of every tensor of one param dtype and state format by `rule` (a rules/<rule> package; `option`
+    its group option's value, e.g. AdamW's amsgrad), with the decision kernel's clip / skip / lr factor; None when
+    there is nothing to update. Addresses that are multiples of 16 bytes get 128-bit accesses,
     per tensor."""
     if param_dtype not in TRITON_DTYPES:
         raise TypeError(f"fused_stable kernels support float32, bfloat16 and float16 params, got {param_dtype}")
@@ -379,7 +473,7 @@ def prepare_update(
         HAS_MASTER=has_master,
         CHUNK=chunks.chunk_size,
         BLOCK=config.block,
-        AMSGRAD=amsgrad,
+        RULE=rule_constexpr(rule, option),
         STATE_FORMAT=state_format_id,
     )
     return PreparedLaunch(_update_kernel, chunks.num_chunks, config), args

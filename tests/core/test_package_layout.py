@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import os
 import subprocess
@@ -260,7 +261,25 @@ def test_the_checks_see_what_they_claim():
     assert "fused_stable.kernels.decide" in GRAPH["fused_stable.backends.triton_backend"]  # a function-level import
     assert "fused_stable.sharding" in GRAPH["fused_stable.integrations.distributed"]
     assert not _core("fused_stable.train.run.loop") and _core("fused_stable.kernels.update")
-    assert "fused_stable.rules.adamw.triton" in GRAPH["fused_stable.kernels.update"]
+    assert "fused_stable.rules" in GRAPH["fused_stable.optim"]
+
+
+# the step's machinery: it may read the rules registry, never import a rule by name (a new rule is new files only)
+RULE_FREE = (
+    "fused_stable.plan",
+    "fused_stable.state_format",
+    "fused_stable.state_dict",
+    "fused_stable.kernels.update",
+    "fused_stable.kernels.decide",
+    "fused_stable.backends.triton_backend",
+    "fused_stable.backends.torch.torch_backend",
+    "fused_stable.backends.torch.exact_reference",
+)
+
+
+def test_the_step_machinery_names_no_rule():
+    named = {name: sorted(t for t in GRAPH[name] if t.startswith("fused_stable.rules.")) for name in RULE_FREE}
+    assert {name: targets for name, targets in named.items() if targets} == {}
 
 
 def test_one_backend_registry_and_one_protocol():
@@ -346,31 +365,44 @@ def test_the_core_imports_without_triton():
 
 def test_every_layout_constant_the_kernels_read_is_in_their_cache_key():
     """The kernels' jit helpers take the buffer slots as constexpr defaults, which Triton's cache key does not
-    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value), and the update kernel
-    `RULE_LAYOUT` (the rule's slots of the hyper-parameter row, rules/adamw), so a slot that moves recompiles
-    instead of reading a stale cached binary. Checked: every `layout.X` and `adamw.X` default in a kernel module
-    or the rule's Triton file is in its string, and the kernels that read slots take them."""
+    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value), and the update kernel's `RULE`
+    carries the rule's ROW_LAYOUT (its slots of the hyper-parameter row) and its jit functions' source hash, so a
+    slot that moves, or a rule's math that changes, recompiles instead of reading a stale cached binary. Checked:
+    every `layout.X` default in a kernel module and every `<rule>.X` default in a rule's Triton file is in its
+    string, and the kernels that read slots take them."""
     from fused_stable import layout
     from fused_stable.kernels import decide, update
-    from fused_stable.rules import adamw
+    from fused_stable.rules import RULES
 
-    keyed = {
-        "layout": (layout, dict(item.split("=") for item in layout.KERNEL_LAYOUT.split(";"))),
-        "adamw": (adamw, dict(item.split("=") for item in adamw.ROW_LAYOUT.split(";"))),
-    }
-    seen = set()
-    for module in ("fused_stable.kernels.decide", "fused_stable.kernels.update", "fused_stable.rules.adamw.triton"):
-        for node in ast.walk(ast.parse(MODULES[module].read_text())):
-            if isinstance(node, ast.FunctionDef):
-                for default in node.args.defaults + node.args.kw_defaults:
-                    owner = getattr(default, "value", None)
-                    if isinstance(default, ast.Attribute) and getattr(owner, "id", None) in keyed:
-                        source, names = keyed[owner.id]
-                        name = default.attr
-                        seen.add(owner.id)
-                        if name not in ("KERNEL_LAYOUT", "ROW_LAYOUT"):
-                            assert names.get(name) == repr(getattr(source, name)), name
-    assert seen == {"layout", "adamw"}
+    layout_names = dict(item.split("=") for item in layout.KERNEL_LAYOUT.split(";"))
+    for module in ("fused_stable.kernels.decide", "fused_stable.kernels.update"):
+        for owner, name in _attribute_defaults(module):
+            if owner == "layout" and name != "KERNEL_LAYOUT":
+                assert layout_names.get(name) == repr(getattr(layout, name)), name
+    for rule in RULES.values():
+        row_names = dict(item.split("=") for item in rule.ROW_LAYOUT.split(";"))
+        defaults = _attribute_defaults(rule.__name__ + ".triton")
+        assert rule.NAME in {owner for owner, _ in defaults}, f"{rule.NAME}'s triton.py reads no slot by its name"
+        for owner, name in defaults:
+            source, names = (rule, row_names) if owner == rule.NAME else (layout, layout_names)
+            assert names.get(name) == repr(getattr(source, name)), name
+        jit = importlib.import_module(rule.__name__ + ".triton")
+        for option in (False, True) if rule.OPTION else (False,):
+            constant = update.rule_constexpr(rule, option)
+            assert constant[6] == rule.ROW_LAYOUT
+            assert constant[7] == update._source_key(jit.step_scalars) + update._source_key(jit.element)
+            assert constant[7] or os.environ.get("TRITON_INTERPRET") == "1"  # compiled kernels: a real hash
     for kernel in (decide._decide_kernel, update._update_kernel):
         assert inspect.signature(kernel.fn).parameters["LAYOUT"].default == layout.KERNEL_LAYOUT
-    assert inspect.signature(update._update_kernel.fn).parameters["RULE_LAYOUT"].default == adamw.ROW_LAYOUT
+
+
+def _attribute_defaults(module: str) -> list[tuple[str, str]]:
+    """(owner, name) of every `owner.name` default of a jit function's arguments in `module`."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for default in node.args.defaults + node.args.kw_defaults:
+                owner = getattr(default, "value", None)
+                if isinstance(default, ast.Attribute) and isinstance(owner, ast.Name):
+                    found.append((owner.id, default.attr))
+    return found

@@ -1,5 +1,6 @@
-"""The torch backend's exact reference of the update kernel, for bf16 and 8-bit state: the kernel's arithmetic in
-torch, op for op, the reference the kernels are tested against.
+"""The torch backend's exact reference of the update kernel, for any rule and state format (the door of bf16 and
+8-bit state, and of a rule without faster doors): the kernel's arithmetic in torch, op for op, the reference the
+kernels are tested against.
 
 One `ExactUpdate` per (param group, param dtype, state format) of a plan, built once. A step gathers its
 tensors into one padded flat layout, [blocks, QUANT_BLOCK] (each tensor in its state's memory order, which is
@@ -15,14 +16,13 @@ tensor and param stays bit-identical.
 
 from __future__ import annotations
 
+from importlib import import_module
+
 import torch
 
 from ... import layout, state_format
-from ...layout import HParams
 from ...plan import StepPlan
-from ...rules import adamw
-from ...rules.adamw.torch import adamw_element, step_scalars
-from ...state_format import BF16, Q8, QUANT_BLOCK
+from ...state_format import BF16, FP32, Q8, QUANT_BLOCK
 
 QB = QUANT_BLOCK
 
@@ -62,7 +62,7 @@ class _Flat:
 
 
 class ExactUpdate:
-    """The update door of the tensors of one (group, dtype, format) with bf16 or 8-bit moments (see the module
+    """The update door of the tensors of one (group, dtype, format), for any rule and state format (see the module
     doc); it takes the decisions as 0-dim tensors, on either kind of step (torch_backend.py, `Update`)."""
 
     advances_steps = False  # the backend advances the `step` counters first
@@ -70,19 +70,21 @@ class ExactUpdate:
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):
         self.group, self.indices, self.format = group, indices, fmt
-        self.amsgrad = plan.group_amsgrad[group]
+        self.rule, self.option = plan.rule, plan.group_options[group]
+        self.language = import_module(plan.rule.__name__ + ".torch")  # the rule's step_scalars and element
         self.params = [plan.local_params[i] for i in all_indices]
         self.masters = [plan.masters[i] for i in all_indices]
         self.has_master = self.masters[0] is not None  # the same for all: the torch backend groups by it
-        self.keys = [*adamw.STATE_NAMES] + ([adamw.AMSGRAD_STATE] if self.amsgrad else [])
-        lists = {"exp_avg": plan.exp_avgs, "exp_avg_sq": plan.exp_avg_sqs, "max_exp_avg_sq": plan.max_exp_avg_sqs}
-        self.moments = {key: [lists[key][i] for i in all_indices] for key in self.keys}
-        scale_lists = {"exp_avg": plan.exp_avg_scales, "exp_avg_sq": plan.exp_avg_sq_scales}
-        scale_lists["max_exp_avg_sq"] = plan.max_exp_avg_sq_scales
-        self.scales = {key: [scale_lists[key][i] for i in all_indices] for key in self.keys} if fmt == Q8 else {}
+        self.keys = list(plan.rule.state_names(self.option))
+        self.moments = {key: [plan.states[i][slot] for i in all_indices] for slot, key in enumerate(self.keys)}
+        self.scales = (
+            {key: [plan.scales[i][slot] for i in all_indices] for slot, key in enumerate(self.keys)}
+            if fmt == Q8
+            else {}
+        )
         self.steps = [plan.steps[i] for i in all_indices]
         device = self.params[0].device
-        self.flat = _Flat(self.moments["exp_avg"], device)
+        self.flat = _Flat(self.moments[self.keys[0]], device)
         # each block's tensor: the per-tensor scalars (bias corrections of each param's own `step`) per block
         counts = torch.tensor(self.flat.blocks, device=device)
         self.block_tensor = torch.repeat_interleave(torch.arange(len(self.params), device=device), counts)
@@ -92,15 +94,15 @@ class ExactUpdate:
         self.lanes = torch.arange(QB, device=device)
         self.row_cache: tuple | None = None
 
-    def __call__(self, grads: list[torch.Tensor], hp: HParams, grad_mul, skip, lr_factor) -> None:
+    def __call__(self, grads: list[torch.Tensor], hp, grad_mul, skip, lr_factor) -> None:
         flat = self.flat
         sources = self.masters if self.has_master else self.params
         p = flat.gather(sources, torch.float32)
         g = flat.gather(grads, torch.float32)
         moments = [self._read(key) for key in self.keys]
         scalars = self._step_scalars(hp, grad_mul, lr_factor)
-        m, v = moments[:2]
-        new_p, *new_moments = adamw_element(p, g, m, v, moments[2] if self.amsgrad else v, scalars, self.amsgrad)
+        slots = moments + moments[:1] * (3 - len(moments))  # the kernel's three slots: unused ones stand in
+        new_p, *new_moments = self.language.element(p, g, *slots, scalars, self.option)
         keep = skip != 0  # a skipped step stores what it read: bit-identical
         if self.has_master:  # the masters get the fp32 result, the params its rounding (the kernel's to_storage)
             flat.scatter(torch.where(keep, p, new_p), self.masters)
@@ -111,49 +113,55 @@ class ExactUpdate:
         for key, value in zip(self.keys, new_moments):
             self._write(key, value, keep)
 
-    def on_host(self, grads: list[torch.Tensor], hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+    def on_host(self, grads: list[torch.Tensor], hp, grad_mul, lr_factor, grad_divisor) -> None:
         """The host decisions of an applied step (`Update.on_host`), as the 0-dim tensors this takes."""
         scalars = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, 0.0, lr_factor)]
         self(grads, hp, *scalars)
 
-    def on_tensors(self, grads: list[torch.Tensor], hp: HParams, grad_mul, skip, lr_factor, grad_divisor) -> None:
+    def on_tensors(self, grads: list[torch.Tensor], hp, grad_mul, skip, lr_factor, grad_divisor) -> None:
         self(grads, hp, grad_mul, skip, lr_factor)
 
     def _read(self, key: str) -> torch.Tensor:
-        if self.format == BF16:
+        if self.format in (FP32, BF16):
             return self.flat.gather(self.moments[key], torch.float32)
         codes = self.flat.gather(self.moments[key], torch.int16)  # int8 and uint8 codes fit, padding codes 0
         scale = torch.cat(self.scales[key])
-        return state_format.DECODERS[key](codes, scale)
+        return state_format.DECODERS[self.rule.CODECS[key]](codes, scale)
 
     def _write(self, key: str, value: torch.Tensor, keep: torch.Tensor) -> None:
+        if self.format == FP32:
+            old = self.flat.gather(self.moments[key], torch.float32)
+            self.flat.scatter(torch.where(keep, old, value), self.moments[key])
+            return
         if self.format == BF16:
             old = self.flat.gather(self.moments[key], torch.bfloat16)
-            rounded = self._round_stochastic(value) if key == "exp_avg_sq" else value.to(torch.bfloat16)
+            stochastic = key in self.rule.STOCHASTIC_BF16
+            rounded = self._round_stochastic(value) if stochastic else value.to(torch.bfloat16)
             self.flat.scatter(torch.where(keep, old, rounded), self.moments[key])
             return
-        codes, scale = state_format.ENCODERS[key](value)
+        codes, scale = state_format.ENCODERS[self.rule.CODECS[key]](value)
         old_codes = self.flat.gather(self.moments[key], codes.dtype)
         old_scale = torch.cat(self.scales[key])
         self.flat.scatter(torch.where(keep, old_codes, codes), self.moments[key])
         torch._foreach_copy_(self.scales[key], torch.where(keep, old_scale, scale).split(self.flat.blocks))
 
     def _round_stochastic(self, value: torch.Tensor) -> torch.Tensor:
-        """bf16 exp_avg_sq: stochastic rounding with the kernel's random bits (state_format.random_bits)."""
+        """bf16 states the rule rounds stochastically (AdamW's exp_avg_sq), with the kernel's random bits
+        (state_format.random_bits)."""
         keys = state_format.random_key(self.positions, torch.stack(self.steps))[self.block_tensor][:, None]
         elements = self.block_in_tensor[:, None] * QB + self.lanes
         return state_format.round_stochastic_bf16(value, state_format.random_bits(keys, elements))
 
-    def _step_scalars(self, hp: HParams, grad_mul, lr_factor):
+    def _step_scalars(self, hp, grad_mul, lr_factor):
         """The rule's `step_scalars`, per tensor, as [blocks, 1] columns (each block's own `step`)."""
         steps = torch.stack(self.steps)[self.block_tensor][:, None]
-        return step_scalars(self._row(hp), steps, grad_mul, lr_factor)
+        return self.language.step_scalars(self._row(hp), steps, grad_mul, lr_factor)
 
-    def _row(self, hp: HParams) -> torch.Tensor:
+    def _row(self, hp) -> torch.Tensor:
         """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays)."""
         key = (id(hp.lr) if isinstance(hp.lr, torch.Tensor) else hp.lr, *hp[1:])
         if self.row_cache is None or self.row_cache[0] != key:
-            row = torch.tensor(adamw.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)
+            row = torch.tensor(self.rule.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)
             self.row_cache = (key, row)
         row = self.row_cache[1]
         if isinstance(hp.lr, torch.Tensor):

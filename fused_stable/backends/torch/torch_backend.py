@@ -27,14 +27,14 @@ import numpy as np
 import torch
 
 from ...kernels.tables import upload_int64
-from ...layout import HParams, StepBuffers, StepRules
+from ...layout import StepBuffers, StepRules
 from ...plan import StepPlan, is_dense
 from ...state_format import FP32
 from . import cpu_ops, host_decide
 from .exact_reference import ExactUpdate
 from .host_decide import HOST_READERS as HOST_READERS
 from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
-from .updates import CompiledUpdate, LowbitUpdate, NativeUpdate, Update
+from .updates import Update, doors_of
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
@@ -61,14 +61,7 @@ class TorchLists:
                 key = (group, param.dtype, (plan.masters[index] is not None, param.is_contiguous()), fmt)
                 by_update.setdefault(key, []).append(index)
                 continue
-            tensors = [
-                param,
-                grads[index],
-                plan.exp_avgs[index],
-                plan.exp_avg_sqs[index],
-                plan.masters[index],
-                plan.max_exp_avg_sqs[index],
-            ]
+            tensors = [param, grads[index], *plan.states[index], plan.masters[index]]
             relayout = not layout_fits_fused_adamw(tensors)
             by_update.setdefault((group, param.dtype, relayout, FP32), []).append(index)
         everything = list(range(len(plan.local_params)))
@@ -99,22 +92,19 @@ class TorchLists:
         # whether any door takes the grad divisor
         pairs = zip(self.updates, by_update.values())
         self.uncompiled_steps = [plan.steps[i] for u, indices in pairs if not u.advances_steps for i in indices]
-        self.any_fused_adamw = any(u.reads_grad_divisor for u in self.updates)
+        self.any_reads_grad_divisor = any(u.reads_grad_divisor for u in self.updates)
 
 
 def choose_update(
     plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool, fmt: int, compiled
 ) -> Update:
-    """The door of one (group, dtype, layout class, state format): for bf16 and 8-bit state the compiled op on
-    contiguous CPU tensors where it is built, else the exact reference; for fp32 state the compiled op for
-    contiguous params (fp32, bf16, fp16) where it is built, `_fused_adamw_` otherwise."""
-    if fmt != FP32:
-        if compiled and LowbitUpdate.fits(plan, group, all_indices, fmt):
-            return LowbitUpdate(plan, group, indices, all_indices, fmt)
-        return ExactUpdate(plan, group, indices, all_indices, fmt)
-    if compiled and not relayout and CompiledUpdate.fits(plan, group, all_indices):
-        return CompiledUpdate(plan, group, indices, all_indices)
-    return NativeUpdate(plan, group, indices, all_indices, relayout)
+    """The door of one (group, dtype, layout class, state format): the first of the rule's own doors that fits
+    (updates.doors_of; AdamW: the compiled ops on contiguous CPU tensors where they are built, `_fused_adamw_`
+    for fp32 state otherwise), else the exact reference, which runs any rule in any state format."""
+    for door in doors_of(plan.rule):
+        if door.fits(plan, group, all_indices, fmt, relayout, compiled):
+            return door(plan, group, indices, all_indices, fmt, relayout)
+    return ExactUpdate(plan, group, indices, all_indices, fmt)
 
 
 def fused_step(
@@ -122,14 +112,15 @@ def fused_step(
     grads: list[torch.Tensor],
     buffers: StepBuffers,
     rules: StepRules,
-    hparams: list[HParams],
+    hparams: list,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     global_sumsq,
 ) -> None:
-    """The norm, the decisions and AdamW for every tensor of `plan` (`fused_stable.backends.Backend.fused_step`),
-    in the order of the Triton path: norm pass, decision kernel, update. On CPU tensors the decisions run on
-    host scalars (`on_host`); elsewhere (meta, or CUDA tensors given this backend) on 0-dim device tensors."""
+    """The norm, the decisions and the rule's update for every tensor of `plan`
+    (`fused_stable.backends.Backend.fused_step`), in the order of the Triton path: norm pass, decision kernel,
+    update. On CPU tensors the decisions run on host scalars (`on_host`); elsewhere (meta, or CUDA tensors given
+    this backend) on 0-dim device tensors."""
     lists: TorchLists | None = plan.backend_cache
     if lists is None:
         lists = plan.backend_cache = TorchLists(plan, grads, buffers.fstate.device)
@@ -162,15 +153,15 @@ def fused_step(
     if rules.schedule is not None:
         show_next_lrs(lists, buffers, hparams, rules.schedule)
     if host:
-        adamw_update_host(lists, grads, hparams, grad_mul, skip, lr_factor)
+        run_updates_host(lists, grads, hparams, grad_mul, skip, lr_factor)
     elif lists.compiled:  # CPU tensors, tensor decisions: the compiled update all the same (one update code)
-        adamw_update_host(lists, grads, *read_decisions(hparams, grad_mul, skip, lr_factor))
+        run_updates_host(lists, grads, *read_decisions(hparams, grad_mul, skip, lr_factor))
     else:
         advance_steps(lists.steps, skip)
-        adamw_update(lists, grads, hparams, grad_mul, skip, lr_factor)
+        run_updates(lists, grads, hparams, grad_mul, skip, lr_factor)
 
 
-def on_host(hparams: list[HParams], grad_scale: torch.Tensor | None) -> bool:
+def on_host(hparams: list, grad_scale: torch.Tensor | None) -> bool:
     """Whether a CPU step's decisions run on host scalars: all but a tensor lr (whose dtype the 0-dim ops would
     promote to) and a GradScaler scale that is not one fp32 value, which keep the 0-dim tensor ops."""
     if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1):
@@ -192,9 +183,9 @@ def compiled_sums(
     return per_tensor_sumsq, sumsq
 
 
-def read_decisions(hparams: list[HParams], grad_mul, skip, lr_factor) -> tuple:
+def read_decisions(hparams: list, grad_mul, skip, lr_factor) -> tuple:
     """The 0-dim CPU tensor decisions as numpy fp32 scalars, and the rows' tensor lrs as floats, for the host
-    update (`adamw_update_host`'s arguments after the grads; a read of host memory)."""
+    update (`run_updates_host`'s arguments after the grads; a read of host memory)."""
     rows = [row._replace(lr=float(row.lr)) if type(row.lr) is torch.Tensor else row for row in hparams]
     return (rows, *(np.float32(x.item()) for x in (grad_mul, skip, lr_factor)))
 
@@ -215,15 +206,15 @@ def host_scalars(lists: TorchLists, buffers: StepBuffers, sumsq, grad_scale, fou
     )
 
 
-def adamw_update(
+def run_updates(
     lists: TorchLists,
     grads: list[torch.Tensor],
-    hparams: list[HParams],
+    hparams: list,
     grad_mul: torch.Tensor,
     skip: torch.Tensor,
     lr_factor: torch.Tensor,
 ) -> None:
-    """AdamW with the 0-dim tensor decisions, one door call per update (`Update.on_tensors`): a skipped step
+    """The rule's update with the 0-dim tensor decisions, one door call per update (`Update.on_tensors`): a skipped step
     leaves everything untouched (`found_inf` = 1 for `_fused_adamw_`, the exact reference's own skip)."""
     grad_divisor = grad_mul.reciprocal()
     for update in lists.updates:
@@ -232,15 +223,15 @@ def adamw_update(
         update.on_tensors(group_grads, hparams[update.group], grad_mul, skip, lr_factor, grad_divisor)
 
 
-def adamw_update_host(
+def run_updates_host(
     lists: TorchLists,
     grads: list[torch.Tensor],
-    hparams: list[HParams],
+    hparams: list,
     grad_mul: np.float32,
     skip: np.float32,
     lr_factor: np.float32,
 ) -> None:
-    """`adamw_update` with the decisions as host scalars (`Update.on_host`): a skipped step runs nothing (what
+    """`run_updates` with the decisions as host scalars (`Update.on_host`): a skipped step runs nothing (what
     `found_inf` = 1 leaves: every tensor untouched, the `step` counters too). The compiled update (cpu_ops.adamw)
     reads the grads times `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip,
     or a loss scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4 bytes per
@@ -250,7 +241,7 @@ def adamw_update_host(
     if lists.uncompiled_steps:  # the compiled update advances its own
         torch._foreach_add_(lists.uncompiled_steps, 1.0)
     grad_divisor = None
-    if grad_mul != 1.0 and lists.any_fused_adamw:
+    if grad_mul != 1.0 and lists.any_reads_grad_divisor:
         grad_divisor = lists.grad_divisor
         grad_divisor.fill_(float(np.float32(1.0) / grad_mul))
     for update in lists.updates:

@@ -244,5 +244,5 @@ def keep_worst(
 
 def advance_steps(steps: list[torch.Tensor], skip: torch.Tensor) -> None:
     """The per-param `step` counters (what the bias correction reads): +1 only when the update is applied (the
-    0-dim tensor decisions' skip flag; the host path advances them in torch_backend.adamw_update_host)."""
+    0-dim tensor decisions' skip flag; the host path advances them in torch_backend.run_updates_host)."""
     torch._foreach_add_(steps, 1.0 - skip)

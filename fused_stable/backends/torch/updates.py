@@ -17,6 +17,7 @@ ops; a plan with compiled doors reads the tensor decisions and takes `on_host`, 
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Protocol
 
 import numpy as np
@@ -27,7 +28,7 @@ from ...layout import HParams
 from ...plan import StepPlan
 from ...rules import adamw
 from ...rules.adamw.torch import step_scalars
-from ...state_format import Q8
+from ...state_format import FP32, Q8
 from . import cpu_ops
 
 _COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,15 +84,18 @@ class NativeUpdate:
         "copy_out",
     )
 
-    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool):
+    @staticmethod
+    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout: bool, compiled: bool) -> bool:
+        """fp32 moments, any layout (working copies where needed)."""
+        return fmt == FP32
+
+    def __init__(self, plan: StepPlan, group, indices: list[int] | None, all_indices: list[int], fmt, relayout: bool):
         params = [plan.local_params[i] for i in all_indices]
         masters = [plan.masters[i] for i in all_indices]
         self.group, self.indices = group, indices
-        self.amsgrad = plan.group_amsgrad[group]
+        self.amsgrad = plan.group_options[group]
         self.steps = [plan.steps[i] for i in all_indices]
-        self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
-        self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
-        self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if self.amsgrad else []
+        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = _moments(plan, all_indices, self.amsgrad)
         self.params, self.grads32, self.copy_in, self.copy_out = params, None, None, None
         dtype = params[0].dtype
         if relayout:  # every tensor of the update as a contiguous fp32 copy, copied in before and back after
@@ -163,21 +167,18 @@ class CompiledUpdate:
 
     __slots__ = ("group", "indices", "params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
 
-    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int]):
+    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt, relayout):
         self.group, self.indices = group, indices
         self.params = [plan.local_params[i] for i in all_indices]
         masters = [plan.masters[i] for i in all_indices]
         self.masters = masters if masters[0] is not None else None
         self.steps = [plan.steps[i] for i in all_indices]
-        self.exp_avgs = [plan.exp_avgs[i] for i in all_indices]
-        self.exp_avg_sqs = [plan.exp_avg_sqs[i] for i in all_indices]
-        amsgrad = plan.group_amsgrad[group]
-        self.max_exp_avg_sqs = [plan.max_exp_avg_sqs[i] for i in all_indices] if amsgrad else []
+        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = _moments(plan, all_indices, plan.group_options[group])
 
     @staticmethod
-    def fits(plan: StepPlan, group: int, all_indices: list[int]) -> bool:
-        """Whether the op can update these tensors in place (fp32 moments): see `_fits_in_place`."""
-        return _fits_in_place(plan, group, all_indices, [])
+    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout: bool, compiled: bool) -> bool:
+        """Whether the op is built and can update these tensors in place (fp32 moments): see `_fits_in_place`."""
+        return compiled and fmt == FP32 and not relayout and _fits_in_place(plan, group, all_indices, False)
 
     def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
         cpu_ops.adamw(
@@ -211,30 +212,26 @@ class LowbitUpdate:
 
     __slots__ = ("group", "indices", "format", "params", "masters", "moments", "scales", "steps", "positions", "rows")
 
-    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):
+    def __init__(
+        self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int, relayout
+    ):
         self.group, self.indices, self.format = group, indices, fmt
         self.params = [plan.local_params[i] for i in all_indices]
         masters = [plan.masters[i] for i in all_indices]
         self.masters = masters if masters[0] is not None else None
-        amsgrad = plan.group_amsgrad[group]
-        pick = lambda tensors, wanted=True: [tensors[i] for i in all_indices] if wanted else []  # noqa: E731
-        self.moments = (pick(plan.exp_avgs), pick(plan.exp_avg_sqs), pick(plan.max_exp_avg_sqs, amsgrad))
+        amsgrad = plan.group_options[group]
+        self.moments = _moments(plan, all_indices, amsgrad)
         q8 = fmt == Q8
-        self.scales = (
-            pick(plan.exp_avg_scales, q8),
-            pick(plan.exp_avg_sq_scales, q8),
-            pick(plan.max_exp_avg_sq_scales, q8 and amsgrad),
-        )
+        self.scales = _moments(plan, all_indices, amsgrad, plan.scales) if q8 else ([], [], [])
         self.steps = [plan.steps[i] for i in all_indices]
         self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
         self.rows: dict[tuple, torch.Tensor] = {}  # the group's fp32 hyper-parameter row, per value
 
     @staticmethod
-    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int) -> bool:
-        """Whether the op can update these tensors in place (bf16 or 8-bit moments, the 8-bit scales contiguous
-        too): see `_fits_in_place`."""
-        scales = [plan.exp_avg_scales, plan.exp_avg_sq_scales, plan.max_exp_avg_sq_scales] if fmt == Q8 else []
-        return _fits_in_place(plan, group, all_indices, scales)
+    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout: bool, compiled: bool) -> bool:
+        """Whether the op is built and can update these tensors in place (bf16 or 8-bit moments, the 8-bit scales
+        contiguous too): see `_fits_in_place`."""
+        return compiled and fmt != FP32 and _fits_in_place(plan, group, all_indices, fmt == Q8)
 
     def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
         steps = torch.stack(self.steps)
@@ -263,20 +260,41 @@ class LowbitUpdate:
         return row
 
 
-def _fits_in_place(plan: StepPlan, group: int, all_indices: list[int], scales: list[list]) -> bool:
+def _moments(plan: StepPlan, all_indices: list[int], amsgrad: bool, tensors=None) -> tuple[list, list, list]:
+    """AdamW's (exp_avgs, exp_avg_sqs, max_exp_avg_sqs) of these tensors from the plan's state slots (or from its
+    scale slots, `tensors=plan.scales`); the last is empty without amsgrad."""
+    slots = plan.states if tensors is None else tensors
+    picked = [[slots[i][slot] for i in all_indices] for slot in range(2)]
+    return picked[0], picked[1], [slots[i][2] for i in all_indices] if amsgrad else []
+
+
+def _fits_in_place(plan: StepPlan, group: int, all_indices: list[int], with_scales: bool) -> bool:
     """Whether a compiled CPU op can update these tensors in place: CPU fp32, bf16 or fp16 params (the torch
-    backend groups by dtype), every one with a master copy or none, and the params, moments (max_exp_avg_sq with
-    amsgrad), the given scale lists (their amsgrad one likewise) and the masters contiguous (a non-contiguous grad
-    is read from a copy)."""
+    backend groups by dtype), every one with a master copy or none, and the params, states (max_exp_avg_sq with
+    amsgrad), their 8-bit scales when `with_scales`, and the masters contiguous (a non-contiguous grad is read
+    from a copy)."""
     first = plan.local_params[all_indices[0]]
     if first.dtype not in _COMPILED_PARAM_DTYPES or first.device.type != "cpu":
         return False
-    lists = [plan.local_params, plan.exp_avgs, plan.exp_avg_sqs, *scales[:2]]
-    if plan.group_amsgrad[group]:
-        lists += [plan.max_exp_avg_sqs, *scales[2:]]
+    tensors = [plan.local_params[i] for i in all_indices]
+    for i in all_indices:
+        tensors += plan.states[i]
+        if with_scales:
+            tensors += plan.scales[i]
     with_master = [plan.masters[i] is not None for i in all_indices]
     if any(with_master):
         if not all(with_master):
             return False
-        lists.append(plan.masters)
-    return all(tensors[i].is_contiguous() for tensors in lists for i in all_indices)
+        tensors += [plan.masters[i] for i in all_indices]
+    return all(t.is_contiguous() for t in tensors)
+
+
+# the rules' own doors, tried in order before the exact reference (torch_backend.choose_update)
+_RULE_DOORS = {adamw.NAME: (CompiledUpdate, LowbitUpdate, NativeUpdate)}
+
+
+def doors_of(rule) -> tuple:
+    """The doors a rule offers besides the exact reference: AdamW's above, and those a rule's torch.py lists in
+    DOORS (a new rule needs no edit here)."""
+    language = import_module(rule.__name__ + ".torch")
+    return _RULE_DOORS.get(rule.NAME, ()) + tuple(getattr(language, "DOORS", ()))

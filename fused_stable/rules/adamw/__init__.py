@@ -14,14 +14,27 @@ import math
 
 from torch import Tensor
 
-from ...layout import H_LR, H_SHOWN_LR, H_SIZE
+from ...layout import H_LR, H_SHOWN_LR, H_SIZE, HParams
+from ...state_format import SIGNED, UNSIGNED
 
 NAME = "adamw"
+TITLE = "AdamW"
 
 # the moments, in the order the element functions take and return them (torch.optim.AdamW's state keys)
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
-AMSGRAD_STATE = "max_exp_avg_sq"  # amsgrad=True only: the largest exp_avg_sq so far
+OPTION = "amsgrad"  # the group key whose True adds OPTIONAL_STATE
+OPTIONAL_STATE = AMSGRAD_STATE = "max_exp_avg_sq"  # amsgrad=True only: the largest exp_avg_sq so far
 TORCH_STATE_KEYS = ("step", *STATE_NAMES, AMSGRAD_STATE)  # what torch.optim.AdamW's state dict holds per param
+# 8-bit: exp_avg signed, the second moments unsigned (state_format.py); bf16: exp_avg_sq rounds stochastically, as
+# it moves under half an ulp per step with beta2 = 0.999 (max_exp_avg_sq, a running maximum, to nearest)
+CODECS = {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED, "max_exp_avg_sq": UNSIGNED}
+STOCHASTIC_BF16 = frozenset({"exp_avg_sq"})
+
+
+def state_names(amsgrad: bool) -> tuple[str, ...]:
+    """The states a param of a group with this `amsgrad` keeps, in the element's order."""
+    return STATE_NAMES + (AMSGRAD_STATE,) if amsgrad else STATE_NAMES
+
 
 # AdamW's slots of the hyper-parameter table (one fp32 row per param group)
 H_BETA1 = 1
@@ -43,6 +56,11 @@ ROW_LAYOUT = ";".join(
 )
 
 
+def group_hparams(group: dict) -> tuple:
+    """A param group's hyper-parameters after the lr, in HParams' order (the optimizer puts the lr first)."""
+    return (*group["betas"], group["eps"], group["weight_decay"], group["maximize"])
+
+
 def hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, maximize=False) -> list[float]:
     """One group's row of the hyper-parameter table, as every backend computes with it (fp32 on the device)."""
     row = [0.0] * H_SIZE
@@ -55,3 +73,25 @@ def hparam_row(lr, beta1: float, beta2: float, eps: float, weight_decay: float, 
     row[H_LOG_BETA2] = math.log(beta2) if beta2 > 0 else float("-inf")
     row[H_GRAD_SIGN] = -1.0 if maximize else 1.0
     return row
+
+
+def check_group(group: dict, defaults: dict) -> None:
+    """A param group's hyper-parameters (those it sets; the rest are the defaults, checked once), with
+    torch.optim.AdamW's checks and words."""
+    if any(key in group for key in ("lr", "betas", "eps", "weight_decay")):
+        HParams.check(
+            group.get("lr", defaults["lr"]),
+            group.get("betas", defaults["betas"]),
+            group.get("eps", defaults["eps"]),
+            group.get("weight_decay", defaults["weight_decay"]),
+        )
+
+
+def normalize_group(group: dict) -> None:
+    """Tensor betas (torch accepts 1-element ones) as floats, in place: the step's tables hold floats."""
+    if "betas" in group:
+        group["betas"] = HParams.float_betas(group["betas"])
+
+
+# what a group pickled by an older FusedAdamW (or torch's AdamW) may lack
+PICKLE_DEFAULTS = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}

@@ -74,3 +74,6 @@ def adamw_element(p, g, m, v, v_max, scalars, AMSGRAD: tl.constexpr):
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
     return p, m, v, v_max
+
+
+element = adamw_element  # the name the update kernel and the exact reference call (rules/__init__.py)
