@@ -1,4 +1,4 @@
-"""FusedAdamW: global-norm clipping, inf/NaN skipping and AdamW in one fused, sync-free step.
+"""FusedAdamW, FusedLion: global-norm clipping, inf/NaN skipping and the update in one fused, sync-free step.
 
 The optimizer owns param groups, per-param state and a few device scalars. A step goes
 optimizer -> plan (plan.py: the params, states and grads flattened once, rebuilt only when they change)
@@ -438,6 +438,38 @@ class FusedAdamW(FusedOptimizer):
     ) -> None:
         defaults = _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
         super().__init__(params, defaults, capturable=capturable, **step_options)
+
+
+class FusedLion(FusedOptimizer):
+    """Lion (lion-pytorch's update, names, defaults and `exp_avg` state) with the global grad-norm clip, the
+    non-finite check and the update fused on the device: `p *= 1 - lr * weight_decay; p -= lr * sign(beta1 * m +
+    (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g`, with g the clipped (and unscaled) grad.
+
+    Args:
+        params: parameters, (name, parameter) pairs or param-group dicts.
+        lr, betas, weight_decay: as lion_pytorch.Lion, per param group as there (lr >= 0 may be a 1-element
+            tensor; betas in [0, 1]). Lion's update has the magnitude lr in every element: its lr is usually 3-10x
+            smaller than AdamW's, its weight decay 3-10x larger (the Lion paper).
+        max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
+        spike_skip_ratio, lr_schedule, master_weights, state_precision, capturable, backend: as FusedAdamW (the
+            step-wide options every rule shares); state_precision stores `exp_avg` in fp32, bf16 (stochastic
+            rounding) or 8-bit (signed blockwise codes).
+    """
+
+    RULE = RULES["lion"]
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        max_grad_norm: float | None = None,
+        **step_options: Any,
+    ) -> None:
+        defaults = self.RULE.defaults(lr, betas, weight_decay)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm, **step_options)
 
 
 def _refuse_a_torch_scheduler(opt: FusedOptimizer) -> None:

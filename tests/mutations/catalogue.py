@@ -26,6 +26,61 @@ M = Mutation
 TRAIN = "fused_stable/train/"
 
 MUTATIONS: list[Mutation] = [
+    # ------------------------------------------------------------------ update rules (tests/core/test_rule_parity.py)
+    M(
+        "lion-kernel-sign-flipped",
+        "fused_stable/rules/lion/triton.py",
+        "    p = p - lr * direction\n",
+        "    p = p + lr * direction\n",
+        ["tests/core/test_rule_parity.py"],
+        "Lion steps against the sign of the interpolated momentum (lion-pytorch's update)",
+        select="matches_the_reference and interpret",
+    ),
+    M(
+        "lion-reference-sign-flipped",
+        "fused_stable/rules/lion/torch.py",
+        "    p = p - lr * torch.sign(interpolation)\n",
+        "    p = p + lr * torch.sign(interpolation)\n",
+        ["tests/core/test_rule_parity.py"],
+        "Lion steps against the sign of the interpolated momentum, on the torch backend too",
+        select="matches_the_reference and torch",
+    ),
+    M(
+        "lion-momentum-from-the-unclipped-grad",
+        "fused_stable/rules/lion/triton.py",
+        "    m = m * beta2 + one_minus_beta2 * g\n",
+        "    m = m * beta2 + one_minus_beta2 * (g / grad_mul)\n",
+        ["tests/core/test_rule_parity.py"],
+        "the clip comes before the momentum: Lion's exp_avg follows the clipped grads",
+        select="matches_the_reference and interpret",
+    ),
+    M(
+        "lion-interpolation-with-the-momentum-beta",
+        "fused_stable/rules/lion/torch.py",
+        "    interpolation = m * beta1 + one_minus_beta1 * g\n",
+        "    interpolation = m * beta2 + one_minus_beta2 * g\n",
+        ["tests/core/test_rule_parity.py"],
+        "Lion's update interpolates with beta1, its momentum with beta2",
+        select="matches_the_reference and torch",
+    ),
+    M(
+        "exact-reference-fp32-state-written-on-a-skipped-step",
+        "fused_stable/backends/torch/exact_reference.py",
+        "            self.flat.scatter(torch.where(keep, old, value), self.moments[key])\n            return\n        if self.format == BF16:",
+        "            self.flat.scatter(value, self.moments[key])\n            return\n        if self.format == BF16:",
+        ["tests/core/test_rule_parity.py"],
+        "a skipped step leaves a rule's fp32 state bit-identical on the exact reference (Lion's momentum)",
+        select="non_finite and lion and tensor",
+    ),
+    M(
+        "lion-bf16-momentum-rounded-to-nearest",
+        "fused_stable/rules/lion/__init__.py",
+        'STOCHASTIC_BF16 = frozenset({"exp_avg"})',
+        "STOCHASTIC_BF16 = frozenset()",
+        ["tests/core/test_rule_parity.py"],
+        "Lion's bf16 momentum rounds stochastically (an EMA with beta2 = 0.99 would freeze under nearest rounding)",
+        select="lion_bf16_momentum",
+    ),
     # ------------------------------------------------------------------ no host reads
     M(
         "loop-loss-read-per-micro-batch",
