@@ -14,8 +14,9 @@ fuse a multiply-add (`add(x, alpha=...)` is an FMA in its vectorised loop).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
