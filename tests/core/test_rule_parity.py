@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -36,7 +36,6 @@ class Row:
     fused: Callable[..., Any]
     hparams: dict
     state_keys: tuple[str, ...]
-    low_precision_keys: tuple[str, ...] = field(default=())
 
 
 ROWS = [
