@@ -221,6 +221,7 @@ OPTIMIZER_MODULES = (
     "fused_stable.optim",
     "fused_stable.readouts",
     "fused_stable.state_dict",
+    "fused_stable.shown_lrs",
     "fused_stable.param_state",
 )
 
@@ -269,6 +270,7 @@ RULE_FREE = (
     "fused_stable.plan",
     "fused_stable.state_format",
     "fused_stable.state_dict",
+    "fused_stable.shown_lrs",
     "fused_stable.kernels.update",
     "fused_stable.kernels.decide",
     "fused_stable.backends.triton_backend",
