@@ -1327,7 +1327,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "optim-base-lrs-reads-shown-lr",
-        "fused_stable/optim.py",
+        "fused_stable/shown_lrs.py",
         '            group["initial_lr"] if index < len(shown) and group["lr"] is shown[index] else group["lr"]\n',
         '            group["lr"]\n',
         ["tests/core/test_shown_lr.py"],
@@ -1336,7 +1336,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "optim-set-base-lrs-leaves-shown-lr",
-        "fused_stable/optim.py",
+        "fused_stable/shown_lrs.py",
         "            self._show_lrs()  # the assigned values become the base lrs; the groups show the scheduled lr again\n",
         "            pass\n",
         ["tests/core/test_shown_lr.py"],
