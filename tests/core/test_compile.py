@@ -15,7 +15,7 @@ import torch._dynamo
 from helpers import HAS_CUDA, backend_param
 
 import fused_stable
-from fused_stable import FusedAdamW, compiled, schedules
+from fused_stable import FusedAdamW, FusedLion, compiled, schedules
 
 STEPS = 20
 # dynamo before torch 2.13 cannot trace an attribute write on an optimizer (GradScaler's protocol sets
@@ -57,7 +57,7 @@ def grads_for(step, params, scale=1.0):
     return grads
 
 
-def make_optimizer(params, backend, **overrides):
+def make_optimizer(params, backend, optimizer=FusedAdamW, **overrides):
     half = len(params) // 2
     kwargs = dict(
         lr=2e-2, weight_decay=0.1, max_grad_norm=1.0, lr_schedule=schedules.warmup_cosine(STEPS, 4), backend=backend
@@ -65,7 +65,7 @@ def make_optimizer(params, backend, **overrides):
     kwargs.update(overrides)
     device = params[0].device
     groups = [{"params": params[:half]}, {"params": params[half:], "lr": torch.tensor(1e-2, device=device)}]
-    return FusedAdamW(groups, **kwargs)
+    return optimizer(groups, **kwargs)
 
 
 def assert_same_state(opt_a, opt_b, params_a, params_b):
@@ -118,6 +118,18 @@ def test_compiled_fullgraph_step_equals_eager(backend, steps, op_calls):
     assert int(opt_b.skipped_steps) == skipped == 1 + (steps > 13)
     assert int(opt_b.applied_steps) == steps - skipped
     torch.testing.assert_close(opt_b.per_tensor_grad_norms(), opt_a.per_tensor_grad_norms(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_lion_step_equals_eager(precision, op_calls):
+    """Every rule takes the same route: FusedLion's step compiles to the one op and computes what eager does."""
+    opt_a, opt_b, params_a, params_b = run_side_by_side(
+        "torch", optimizer=FusedLion, state_precision=precision, lr=2e-3, weight_decay=0.5
+    )
+    assert len(op_calls) == STEPS
+    assert_same_state(opt_a, opt_b, params_a, params_b)
+    assert set(opt_b.state[params_b[0]]) == {"step", "exp_avg"}
+    assert int(opt_b.skipped_steps) == len(INF_STEPS)
 
 
 def test_compiled_step_with_persistent_grads_and_low_precision_params(op_calls):
