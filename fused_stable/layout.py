@@ -180,6 +180,20 @@ class HParams(NamedTuple):
         return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
 
 
+class LrOnly(NamedTuple):
+    """The row of a group the update pass leaves alone (FusedOptimizer.group_rule None): its lr, which the step's
+    shown-lr slot and read-outs use."""
+
+    lr: float | torch.Tensor
+
+
+def lr_row(lr) -> list[float]:
+    """LrOnly's row of the hyper-parameter table (a tensor lr is copied in on the device)."""
+    row = [0.0] * H_SIZE
+    row[H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)
+    return row
+
+
 def check_not_differentiable(differentiable, where: str) -> None:
     """differentiable=True is refused wherever it can come from (constructor, a param group, a state dict)."""
     if differentiable:

@@ -201,27 +201,38 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         a new plan."""
         self._version.bump()
 
+    def group_rule(self, group: dict):
+        """The rule that updates a group's params in the fused step: RULE; None for a group whose params the step
+        only measures and decides for, updated by the subclass after it (FusedMuon's Muon groups)."""
+        return self.RULE
+
+    def check_group(self, group: dict) -> None:
+        """A group's hyper-parameters, checked by its rule before the group is added (nothing changes on an
+        error)."""
+        self.RULE.check_group(group, self.defaults)
+
     def hparam_rows(self) -> list:
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
         group's base lr, `initial_lr`. The same list object while the values stay (a tensor lr by identity), so
-        a backend needs one identity check per step, and no row is built per step. A row is the rule's HParams:
-        the lr, then the rule's own (rules/<rule>: `group_hparams`)."""
-        group_hparams = self.RULE.group_hparams
+        a backend needs one identity check per step, and no row is built per step. A row is the group rule's
+        HParams: the lr, then the rule's own (rules/<rule>: `group_hparams`); layout.LrOnly for a group without
+        a rule (`group_rule`)."""
         groups = self.param_groups
+        rules = [self.group_rule(g) for g in groups]
         if self.rules.schedule is None:
-            values = [(g["lr"], *group_hparams(g)) for g in groups]
+            values = [(g["lr"], *(r.group_hparams(g) if r else ())) for g, r in zip(groups, rules)]
         else:
             if "step" in self.__dict__:  # step() wrapped from outside, as torch's LR schedulers do
                 _refuse_a_torch_scheduler(self)
             shown = self._shown_lrs
             if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
                 self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
-            values = [(g["initial_lr"], *group_hparams(g)) for g in groups]
+            values = [(g["initial_lr"], *(r.group_hparams(g) if r else ())) for g, r in zip(groups, rules)]
         # tensors by identity: comparing them by value would read the device (the cached rows keep them alive)
         key = [v if not isinstance(v[0], torch.Tensor) else (id(v[0]), *v[1:]) for v in values]
         cached_key, rows = self._hparams
         if key != cached_key:
-            rows = [self.RULE.HParams(*v) for v in values]
+            rows = [(r.HParams if r else layout.LrOnly)(*v) for r, v in zip(rules, values)]
             self._hparams = (key, rows)
         return rows
 
@@ -239,7 +250,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
             self.param_groups,
             self.state,
             self._version,
-            rule=self.RULE,
+            group_rules=[self.group_rule(group) for group in self.param_groups],
             dense_layouts=ops.needs_dense_layouts(self.backend),
             master_weights=self.master_weights,
             device=self.device,
@@ -277,7 +288,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         params = [p[1] if isinstance(p, tuple) else p for p in listed]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter appears twice in one param group; list every parameter once")
-        self.RULE.check_group(param_group, self.defaults)
+        self.check_group(param_group)
         check_not_differentiable(param_group.get("differentiable"), "a param group with differentiable=True")
         if "state_precision" in param_group:
             state_format.check_precision(param_group["state_precision"], "a param group's state_precision")
@@ -285,7 +296,9 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
         param_group["params"] = listed
-        self.RULE.normalize_group(param_group)
+        rule = self.group_rule(param_group)
+        if rule is not None:
+            rule.normalize_group(param_group)
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()

@@ -113,6 +113,10 @@ class StepPlan:
     params: list[torch.Tensor]  # the optimizer's param objects taking part (DTensors under FSDP2)
     local_params: list[torch.Tensor]  # what the kernels update (a DTensor's local shard)
     rule: Any  # the update rule (a fused_stable/rules package): its state names, codecs and option
+    # each group's rule: `rule`, or None for a group the update pass leaves alone (its params take part in the norm
+    # and the decisions only, and keep no rule state: FusedMuon's Muon groups, updated after the fused step)
+    group_rules: list
+    updated: list[bool]  # each param: whether the update pass updates it (its group has a rule)
     # each param's state tensors, in the rule's order (rule.state_names(its group's option)): fp32 or bf16, or 8-bit
     # codes (state_format.py)
     states: list[tuple[torch.Tensor, ...]]
@@ -155,16 +159,16 @@ class StepPlan:
         if len(param_groups) != len(self.group_params):
             return f"{len(self.group_params)} param groups when traced, {len(param_groups)} now"
         start = 0
-        for index, (group, size, option, precision) in enumerate(
-            zip(param_groups, self.group_sizes, self.group_options, self.group_precisions)
+        for index, (group, size, option, precision, rule) in enumerate(
+            zip(param_groups, self.group_sizes, self.group_options, self.group_precisions, self.group_rules)
         ):
             # all_params is a copy made at build time: a list edited in place is seen too
             now, built = group["params"], self.all_params[start : start + size]
             start += size
             if len(now) != size or not all(map(_is, now, built)):
                 return f"group {index}'s params"
-            if group_option(self.rule, group) != option or group["state_precision"] != precision:
-                return f"group {index}'s {self.rule.OPTION or 'option'} or state_precision"
+            if group_option(rule, group) != option or group["state_precision"] != precision:
+                return f"group {index}'s {getattr(rule, 'OPTION', None) or 'option'} or state_precision"
         return None
 
     def current_grads(self, param_groups: list[dict]) -> list[torch.Tensor] | None:
@@ -173,14 +177,13 @@ class StepPlan:
         group_params = self.group_params
         if len(param_groups) != len(group_params):
             return None
-        option_key = self.rule.OPTION
-        for group, params, size, option, precision in zip(
-            param_groups, group_params, self.group_sizes, self.group_options, self.group_precisions
+        for group, params, size, option, precision, rule in zip(
+            param_groups, group_params, self.group_sizes, self.group_options, self.group_precisions, self.group_rules
         ):
             if (
                 group["params"] is not params
                 or len(params) != size
-                or (option_key is not None and group[option_key] != option)
+                or (rule is not None and rule.OPTION is not None and group[rule.OPTION] != option)
                 or group["state_precision"] != precision
             ):
                 return None
@@ -269,8 +272,8 @@ class StepPlan:
 
 
 def group_option(rule, group: dict) -> bool:
-    """A group's value of the rule's option (AdamW's `amsgrad`); False for a rule without one."""
-    return bool(group[rule.OPTION]) if rule.OPTION is not None else False
+    """A group's value of the rule's option (AdamW's `amsgrad`); False for a rule without one (or no rule)."""
+    return bool(group[rule.OPTION]) if rule is not None and rule.OPTION is not None else False
 
 
 def build_plan(
@@ -278,18 +281,23 @@ def build_plan(
     state: ParamStates,
     version: Version,
     *,
-    rule,
+    group_rules: list,
     dense_layouts: bool,
     master_weights: bool,
     device: torch.device,
 ) -> tuple[StepPlan | None, list[torch.Tensor] | None]:
-    """The plan for the params that have a grad now, with their state for `rule` (created where missing), and those
+    """The plan for the params that have a grad now, with their state for their group's rule in `group_rules`
+    (created where missing; one rule for every group but those with None, which keep only `step`), and those
     grads (local shards, plan order); (None, None) when no param has a grad. Validates every grad and state before
     a step runs; afterwards a step only checks that nothing the plan encodes moved (`StepPlan.current_grads`)."""
     group_params = [group["params"] for group in param_groups]
     all_params = [p for params in group_params for p in params]
     groups = [index for index, params in enumerate(group_params) for _ in params]
-    group_options = [group_option(rule, group) for group in param_groups]
+    rules = {id(rule): rule for rule in group_rules if rule is not None}
+    if len(rules) > 1:
+        raise ValueError("one fused step runs one update rule: the param groups name several")
+    rule = next(iter(rules.values()), None)
+    group_options = [group_option(rule, group) for rule, group in zip(group_rules, param_groups)]
     group_precisions = [
         state_format.check_precision(group["state_precision"], f"param_groups[{index}]['state_precision']")
         for index, group in enumerate(param_groups)
@@ -305,8 +313,9 @@ def build_plan(
     member_groups = [groups[i] for i in members]
     # from the whole param (a DTensor's numel is global): the same format on every mesh (sharded_state.py)
     formats = [state_format.format_for(group_precisions[group], p.numel()) for p, group in zip(params, member_groups)]
-    names = [rule.state_names(group_options[group]) for group in member_groups]
-    states = _ready_states(params, formats, names, state, master_weights, device, rule)
+    updated = [group_rules[group] is not None for group in member_groups]
+    names = [rule.state_names(group_options[group]) if up else () for group, up in zip(member_groups, updated)]
+    states = _ready_states(params, formats, names, state, [master_weights and up for up in updated], device, rule)
     plan = StepPlan(
         version=version.value,  # after the states created above bumped it
         group_params=group_params,
@@ -316,6 +325,8 @@ def build_plan(
         params=params,
         local_params=local_params,
         rule=rule,
+        group_rules=list(group_rules),
+        updated=updated,
         states=[tuple(local(s[key]) for key in keys) for s, keys in zip(states, names)],
         scales=[tuple(_scale(s, key) for key in keys) for s, keys in zip(states, names)],
         masters=[local(s["master_param"]) if "master_param" in s else None for s in states],
@@ -347,19 +358,22 @@ def _scale(state: dict, key: str) -> torch.Tensor | None:
     return local(state[key]) if key in state else None
 
 
-def _ready_states(params, formats, names, state, master_weights: bool, device, rule) -> list[dict]:
+def _ready_states(params, formats, names, state, master_weights: list[bool], device, rule) -> list[dict]:
     """Each param's state, created where missing and converted where its group's state_precision changed, then
     checked; a format a sharded param cannot hold is refused before any state is created or converted."""
     for p, fmt in zip(params, formats):
         if fmt == Q8 and is_dtensor(p):
             sharded_state.check_q8_layout(p)
     states = []
-    first = rule.STATE_NAMES[0]
-    for p, fmt, keys in zip(params, formats, names):
+    first = rule.STATE_NAMES[0] if rule is not None else None
+    for p, fmt, keys, master in zip(params, formats, names, master_weights):
         param_state = state[p]
         if not param_state:
-            init_state(p, param_state, keys, master_weights, device, fmt)
-        elif state_format.format_of(param_state, first) != fmt:  # the group's state_precision changed: convert
+            init_state(p, param_state, keys, master, device, fmt)
+        elif "step" not in param_state and all(key in param_state for key in keys):
+            # loaded from an optimizer that keeps no `step` (lion-pytorch, torch.optim.Muon): counted from here
+            param_state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        if keys and first in param_state and state_format.format_of(param_state, first) != fmt:  # precision changed
             sharded_state.convert(param_state, fmt, p)
         check_state(local(p), param_state, keys, fmt, rule)
         states.append(param_state)

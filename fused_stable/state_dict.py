@@ -64,7 +64,8 @@ class SavedState:
         group's state_precision with their scales, `step`, and master weights; from the param groups."""
         total = 0
         for group in self.param_groups:
-            states = len(self.RULE.state_names(group_option(self.RULE, group)))
+            rule = self.group_rule(group)
+            states = len(rule.state_names(group_option(rule, group))) if rule is not None else 0
             for p in group["params"]:
                 numel = local(p).numel()
                 total += state_format.planned_bytes(numel, group["state_precision"], states, p.numel()) + 4
@@ -107,7 +108,9 @@ class SavedState:
         precisions = [group["state_precision"] for group in self.param_groups]
         super().load_state_dict({**state_dict, "state": plain_state})
         for group, precision in zip(self.param_groups, precisions):
-            self.RULE.normalize_group(group)  # e.g. torch may save tensor betas: the tables hold floats
+            rule = self.group_rule(group)
+            if rule is not None:
+                rule.normalize_group(group)  # e.g. torch may save tensor betas: the tables hold floats
             group["state_precision"] = precision  # this optimizer's, whatever the saved one: moments are converted
         formats = {
             id(p): state_format.format_for(group["state_precision"], p.numel())  # the whole param's: mesh-free

@@ -57,6 +57,7 @@ class TritonTables:
 
         self.buffers, self.rules, self.device = buffers, rules, device
         self.rule = plan.rule
+        self.group_rules = plan.group_rules
         launch_groups = _launch_groups(plan)
         self.kernel_order = [i for indices in launch_groups.values() for i in indices]
         n = len(self.kernel_order)
@@ -93,7 +94,7 @@ class TritonTables:
         from ..kernels.update import TABLE_COLUMNS, UPDATE_CONFIG, prepare_update
 
         norms, updates = [], []
-        for ((dtype, has_master, option, state_format_id), indices), (chunks, partial_offset, first) in zip(
+        for ((dtype, has_master, option, state_format_id, updated), indices), (chunks, partial_offset, first) in zip(
             launch_groups.items(), chunk_maps
         ):
             grad_addrs = self.grad_addrs[first : first + len(indices)]
@@ -101,6 +102,10 @@ class TritonTables:
             norm = prepare_sumsq(
                 grad_addrs, numels, chunks, self.partials, partial_offset, dtype, sumsq_config or SUMSQ_CONFIG
             )
+            if norm is not None:
+                norms.append(norm)
+            if not updated:  # a group without a rule: measured and decided for, updated elsewhere
+                continue
             table = upload_int64(_update_rows(plan, indices), self.device, "an update table")
             update = prepare_update(
                 table=table.view(len(indices), TABLE_COLUMNS),
@@ -115,8 +120,6 @@ class TritonTables:
                 state_format_id=state_format_id,
                 config=adamw_config or UPDATE_CONFIG,
             )
-            if norm is not None:
-                norms.append(norm)
             if update is not None:
                 updates.append(update)
         return norms, updates
@@ -138,7 +141,10 @@ class TritonTables:
             key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
             if key != self.hparams_key:
                 upload(
-                    [self.rule.hparam_row(*row) for row in hparams],
+                    [
+                        rule.hparam_row(*row) if rule is not None else layout.lr_row(*row)
+                        for rule, row in zip(self.group_rules, hparams)
+                    ],
                     torch.float32,
                     self.device,
                     "changed hyper-parameters",
@@ -156,14 +162,16 @@ class TritonTables:
 
 
 def _launch_groups(plan: StepPlan) -> dict[tuple, list[int]]:
-    """(param dtype, has master, the rule's group option, state format) -> plan indices: one norm and one update
-    launch per group (so a step launches once more per further dtype or state format, never per tensor)."""
+    """(param dtype, has master, the rule's group option, state format, updated) -> plan indices: one norm and one
+    update launch per group (so a step launches once more per further dtype or state format, never per tensor);
+    no update launch for the params of groups without a rule (plan.updated)."""
     launch_groups: dict[tuple, list[int]] = {}
     options = plan.group_options
-    for index, (param, master, group, fmt) in enumerate(
-        zip(plan.local_params, plan.masters, plan.groups, plan.formats)
+    for index, (param, master, group, fmt, updated) in enumerate(
+        zip(plan.local_params, plan.masters, plan.groups, plan.formats, plan.updated)
     ):
-        launch_groups.setdefault((param.dtype, master is not None, options[group], fmt), []).append(index)
+        key = (param.dtype, master is not None, options[group], fmt, updated)
+        launch_groups.setdefault(key, []).append(index)
     return launch_groups
 
 

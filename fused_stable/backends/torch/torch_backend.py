@@ -56,6 +56,8 @@ class TorchLists:
         by_update: dict[tuple, list[int]] = {}
         for index, (group, param, fmt) in enumerate(zip(plan.groups, plan.local_params, plan.formats)):
             by_dtype.setdefault(param.dtype, []).append(index)
+            if not plan.updated[index]:  # a group without a rule: measured and decided for, updated elsewhere
+                continue
             if fmt != FP32:  # bf16 or 8-bit moments: the compiled op or the exact reference (choose_update)
                 # (masters or not, contiguous or not): one non-contiguous param keeps only itself off the compiled op
                 key = (group, param.dtype, (plan.masters[index] is not None, param.is_contiguous()), fmt)
@@ -92,6 +94,7 @@ class TorchLists:
         # whether any door takes the grad divisor
         pairs = zip(self.updates, by_update.values())
         self.uncompiled_steps = [plan.steps[i] for u, indices in pairs if not u.advances_steps for i in indices]
+        self.uncompiled_steps += [step for step, updated in zip(plan.steps, plan.updated) if not updated]
         self.any_reads_grad_divisor = any(u.reads_grad_divisor for u in self.updates)
 
 
