@@ -136,6 +136,8 @@ OPTIONS = {
     "match-rms-adamw": {"adjust_lr_fn": "match_rms_adamw", "lr": 3e-4, "weight_decay": 0.01},
     "original-ns3-momentum0.8": {"adjust_lr_fn": "original", "ns_steps": 3, "momentum": 0.8, "lr": 0.05},
     "no-decay-coefficients": {"weight_decay": 0.0, "ns_coefficients": (3.0, -3.2, 1.2), "eps": 1e-5},
+    # 1 - lr * wd rounded from fp64 (0.91) is not fp32's 1 - 0.09 (0.90999997): the decay's scalar is torch's
+    "large-decay": {"lr": 0.3, "weight_decay": 0.3},
 }
 
 
@@ -149,8 +151,9 @@ def test_muon_side_equals_torch_muon_bit_for_bit_fp32(threads, options):
         _assert_same_as_torch(reference, opt, params, buffers)
 
 
-def test_grad_mul_is_the_clip_before_the_momentum():
-    reference, opt, params, buffers, side = _pair(torch.float32, {"nesterov": False})
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+def test_grad_mul_is_the_clip_before_the_momentum(nesterov):
+    reference, opt, params, buffers, side = _pair(torch.float32, {"nesterov": nesterov})
     for scale in (30.0, 0.01, 30.0):  # clipped, not clipped, clipped
         grads = _grads(params, scale)
         _torch_step(reference, opt, grads, max_norm=1.0)
@@ -311,3 +314,31 @@ def test_muon_param_groups_put_exactly_the_hidden_projections_in_muon(tied):
 def test_muon_param_groups_refuse_an_unknown_keyword():
     with pytest.raises(ValueError, match="unknown Muon keywords \\['momentun'\\]"):
         muon_param_groups(torch.nn.Linear(3, 4), momentun=0.9)
+
+
+class _NamedOddly(torch.nn.Module):
+    """A model without transformers' getters, whose embeddings and head are found by type, name and tying."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(10, 8)  # by type
+        self.pos_embed = torch.nn.Parameter(torch.zeros(4, 8))  # by name, as LLaMA-Factory's "embed"
+        self.hidden = torch.nn.Linear(8, 8)
+        self.lora_A = torch.nn.Linear(8, 2, bias=False)  # a LoRA factor
+        self.lm_head = torch.nn.Linear(8, 10, bias=False)  # by module name
+        self.decoder = torch.nn.Linear(8, 10, bias=False)
+        self.decoder.weight = self.tok.weight  # tied to the embedding: seen once, as tok.weight
+
+
+def test_muon_param_groups_find_embeddings_and_heads_by_type_name_and_tying():
+    model = _NamedOddly()
+    muon_group, adamw_group = muon_param_groups(model)
+    assert muon_group["params"] == [model.hidden.weight]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in adamw_group["params"]) == [
+        "hidden.bias",
+        "lm_head.weight",
+        "lora_A.weight",
+        "pos_embed",
+        "tok.weight",
+    ]
