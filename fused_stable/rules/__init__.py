@@ -17,8 +17,9 @@ per-element math in each language the step runs in, side by side in its folder:
                       rule's own faster doors of the torch backend, if any (backends/torch/updates.py)
   <rule>/cpu.h        (optional) the same two in C++, for a compiled CPU op
 
-`RULES` is the registry, by the name the optimizers take, filled from the folders found here: a new rule is a
-new folder. Importing this package imports neither triton nor the language files (the kernels and backends
+`RULES` is the registry of the update kernel's rules, by the name the optimizers take, filled from the folders
+found here: a new rule is a new folder. muon/ is not one (`ELEMENTWISE = False`): Newton-Schulz needs whole
+matrices, so FusedMuon (fused_stable/muon.py) runs it after the fused step, on the step's decisions. Importing this package imports neither triton nor the language files (the kernels and backends
 import those where they run).
 """
 
@@ -63,8 +64,10 @@ def _discover() -> dict[str, ModuleType]:
     found = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
         if info.ispkg:
-            rule = check_rule(importlib.import_module(f"{__name__}.{info.name}"))
-            found[rule.NAME] = rule
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            if getattr(module, "ELEMENTWISE", True):  # Muon's folder is not the update kernel's (it says so)
+                rule = check_rule(module)
+                found[rule.NAME] = rule
     return found
 
 

@@ -1,0 +1,155 @@
+"""The Muon groups' share of a fused step, on torch tensors: `MuonSide`, built once per plan, stepped with the
+step's decisions as 0-dim device tensors (clip multiplier, skip flag, lr factor), none of them read on the host.
+
+The update is torch.optim.Muon's, op for op, on each batch of same-shape matrices (newton_schulz.ShapeBatches):
+the grads times the clip multiplier (before the momentum, as torch's clip_grad_norm_ then Muon.step), then
+`buf.lerp(g, 1 - momentum)`, the Nesterov direction `g.lerp(buf, momentum)` (or `buf`), the batched
+Newton-Schulz (bf16), `p * (1 - lr * lr_factor * weight_decay)`, then `add(O * lr_factor, alpha=-adjusted_lr)`.
+With fp32 params and buffers this is bit-identical to clip_grad_norm_ + torch.optim.Muon on CPU at
+lr_factor = 1 (and at any power of two, which scales exactly): the scalars are torch's, `1 - lr * wd` in fp64.
+
+Why stacks rather than foreach lists: Newton-Schulz needs the stack anyway, torch has no foreach `where` (the
+skip select), and a stack makes each op one kernel per shape (a Llama has ~5 shapes); the write-backs are one
+`_foreach_copy_` per batch. A skipped step (skip != 0) selects the old params and buffers with `torch.where`,
+so they stay bit-identical whatever the grads hold (inf, NaN).
+
+Dtypes: params and buffers fp32 or bf16 (or fp16), each independently; everything is computed in fp32 and
+rounded once when stored. With bf16 buffers the Nesterov direction reads the stored (rounded) buffer, as torch
+does, so bf16 buffers and the orthogonalised update equal torch's; a bf16 param is rounded once where torch
+rounds twice (after the decay and after the add), so it differs from torch.optim.Muon by at most ~1 bf16 ulp
+per step. No fp32 master copies here (the step's master-weight machinery is rule-free). Hyper-parameters are
+read when the side is built: a changed group (lr, momentum, ...) means building a new side, which costs no
+tensor work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import DEFAULTS, adjusted_lr, check_muon_group
+from .newton_schulz import ShapeBatches, orthogonalize_stack
+
+
+@dataclass(frozen=True)
+class MuonHparams:
+    """One Muon group's hyper-parameters (torch.optim.Muon's keywords), checked, missing ones at torch's defaults."""
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    ns_coefficients: tuple[float, float, float]
+    eps: float
+    ns_steps: int
+    adjust_lr_fn: str | None
+
+    @classmethod
+    def from_group(cls, group: Mapping) -> MuonHparams:
+        values = {key: group.get(key, default) for key, default in DEFAULTS.items()}
+        check_muon_group(values)
+        values["ns_coefficients"] = tuple(float(c) for c in values["ns_coefficients"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Matrices of one shape and one group's hyper-parameters, params and buffers each of one dtype."""
+
+    indices: tuple[int, ...]  # positions in the side's lists (and in the grads a step is given)
+    params: list[Tensor]
+    buffers: list[Tensor]
+    hparams: MuonHparams
+    neg_adjusted_lr: float  # -adjusted_lr(lr, adjust_lr_fn, shape): the add's alpha, as torch passes it
+    rounded_buffers: bool  # buffers stored below fp32: Nesterov reads the stored value, as torch does
+
+
+def _batches(params, buffers, hparams, max_matrices) -> list[_Batch]:
+    keyed: dict[tuple, list[int]] = {}
+    for i, (p, buf, hp) in enumerate(zip(params, buffers, hparams)):
+        keyed.setdefault((hp, p.dtype, buf.dtype, p.device), []).append(i)
+    batches = []
+    for (hp, _, buffer_dtype, _), members in keyed.items():
+        shapes = ShapeBatches([params[i].shape for i in members], max_matrices)
+        for shape, local in shapes.batches:
+            indices = tuple(members[j] for j in local)
+            batches.append(
+                _Batch(
+                    indices=indices,
+                    params=[params[i] for i in indices],
+                    buffers=[buffers[i] for i in indices],
+                    hparams=hp,
+                    neg_adjusted_lr=-adjusted_lr(hp.lr, hp.adjust_lr_fn, shape),
+                    rounded_buffers=buffer_dtype != torch.float32,
+                )
+            )
+    return batches
+
+
+def _check_lists(params, buffers, hparams) -> None:
+    if not len(params) == len(buffers) == len(hparams):
+        raise ValueError(f"MuonSide: {len(params)} params, {len(buffers)} buffers, {len(hparams)} hparams")
+    check_muon_group({"params": params})
+    for i, (p, buf) in enumerate(zip(params, buffers)):
+        if buf.shape != p.shape or buf.device != p.device or not buf.is_floating_point():
+            raise ValueError(
+                f"MuonSide: buffer {i} ({buf.dtype} {tuple(buf.shape)} on {buf.device}) does not match its param "
+                f"({p.dtype} {tuple(p.shape)} on {p.device})"
+            )
+
+
+class MuonSide:
+    """The Muon groups' params and momentum buffers (updated in place by `step`), batched once by group, dtype and
+    shape. `hparams[i]` is param i's group (a mapping with torch.optim.Muon's keywords) or a MuonHparams; batches
+    of more than `max_matrices` matrices of one shape are cut, to bound the stacks' memory."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        buffers: Sequence[Tensor],
+        hparams: Sequence[Mapping | MuonHparams],
+        *,
+        max_matrices: int | None = None,
+    ):
+        _check_lists(params, buffers, hparams)
+        converted: dict[int, MuonHparams] = {}  # the groups are shared by many params: check each once
+        rows = [
+            h if isinstance(h, MuonHparams) else converted.setdefault(id(h), MuonHparams.from_group(h)) for h in hparams
+        ]
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self.batches = _batches(self.params, self.buffers, rows, max_matrices)
+        self._decay_products = {hp: hp.lr * hp.weight_decay for hp in rows}  # torch's `lr * weight_decay`, fp64
+
+    def step(self, grads: Sequence[Tensor], grad_mul: Tensor, skip: Tensor, lr_factor: Tensor) -> None:
+        """One step: `grads[i]` is param i's grad; `grad_mul` the clip multiplier over all groups' norm, `skip`
+        nonzero to leave every param and buffer as it is, `lr_factor` the schedule's factor (0-dim device tensors,
+        never read here)."""
+        if len(grads) != len(self.params) or any(g is None for g in grads):
+            raise ValueError(f"MuonSide.step takes one grad per param ({len(self.params)}), none of them None")
+        skip = skip != 0
+        # torch computes `1 - lr * wd` in fp64 on the host and rounds it once: the same in fp64 on the device
+        lr_factor64 = lr_factor.double()
+        decays = {hp: (1.0 - product * lr_factor64).float() for hp, product in self._decay_products.items()}
+        for batch in self.batches:
+            _step_batch(batch, grads, grad_mul, skip, lr_factor, decays[batch.hparams])
+
+
+def _step_batch(batch: _Batch, grads, grad_mul: Tensor, skip: Tensor, lr_factor: Tensor, decay: Tensor) -> None:
+    hp = batch.hparams
+    g = torch.stack([grads[i] for i in batch.indices]).float() * grad_mul
+    old_buffers = torch.stack(batch.buffers).float()
+    buffers = old_buffers.lerp(g, 1 - hp.momentum)
+    if batch.rounded_buffers:
+        buffers = buffers.to(batch.buffers[0].dtype).float()
+    update = g.lerp(buffers, hp.momentum) if hp.nesterov else buffers
+    del g
+    ortho = orthogonalize_stack(update, hp.ns_coefficients, hp.ns_steps, hp.eps)
+    del update
+    old_params = torch.stack(batch.params).float()
+    params = (old_params * decay).add_(ortho.float().mul_(lr_factor), alpha=batch.neg_adjusted_lr)
+    torch._foreach_copy_(batch.buffers, list(torch.where(skip, old_buffers, buffers).unbind(0)))
+    torch._foreach_copy_(batch.params, list(torch.where(skip, old_params, params).unbind(0)))
