@@ -1,4 +1,4 @@
-"""fused_stable: a fused, sync-free global-norm clip + AdamW (or Lion) step, and training tools built on it."""
+"""fused_stable: a fused, sync-free global-norm clip + AdamW (or Lion, or Muon) step, and training tools built on it."""
 
 import os as _os
 import sys as _sys
@@ -13,7 +13,17 @@ if _os.environ.get("FUSED_STABLE_BACKEND", "").lower() == "interpret" and "trito
 from . import schedules  # noqa: E402
 from .amp import GradScaler  # noqa: E402
 from .clip import clip_grad_norm_  # noqa: E402
+from .muon import FusedMuon  # noqa: E402
 from .optim import FusedAdamW, FusedLion  # noqa: E402
+from .rules.muon.param_groups import muon_param_groups  # noqa: E402
 
-__all__ = ["FusedAdamW", "FusedLion", "GradScaler", "clip_grad_norm_", "schedules"]
+__all__ = [
+    "FusedAdamW",
+    "FusedLion",
+    "FusedMuon",
+    "GradScaler",
+    "clip_grad_norm_",
+    "muon_param_groups",
+    "schedules",
+]
 __version__ = "0.1.0"

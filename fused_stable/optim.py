@@ -395,7 +395,7 @@ class FusedAdamW(FusedOptimizer):
         fused: bool | None = None,
         **step_options: Any,
     ) -> None:
-        defaults = _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
+        defaults = adamw_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
         super().__init__(params, defaults, capturable=capturable, **step_options)
 
 
@@ -446,7 +446,7 @@ def _refuse_a_torch_scheduler(opt: FusedOptimizer) -> None:
         )
 
 
-def _defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable) -> dict[str, Any]:
+def adamw_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable) -> dict[str, Any]:
     """The param-group defaults, checked as torch.optim.AdamW checks them; with torch.optim.AdamW's own keys, so
     that either optimizer loads the other's state_dict."""
     HParams.check(lr, betas, eps, weight_decay)

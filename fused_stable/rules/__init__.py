@@ -19,8 +19,9 @@ per-element math in each language the step runs in, side by side in its folder:
 
 `RULES` is the registry of the update kernel's rules, by the name the optimizers take, filled from the folders
 found here: a new rule is a new folder. muon/ is not one (`ELEMENTWISE = False`): Newton-Schulz needs whole
-matrices, so FusedMuon (fused_stable/muon.py) runs it after the fused step, on the step's decisions. Importing this package imports neither triton nor the language files (the kernels and backends
-import those where they run).
+matrices, so FusedMuon (fused_stable/muon.py) runs it after the fused step, on the step's decisions.
+Importing this package imports neither triton nor the language files (the kernels and backends import those
+where they run).
 """
 
 from __future__ import annotations
