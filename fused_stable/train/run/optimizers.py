@@ -22,7 +22,8 @@ class Rule:
     # the lr when none is given: TrainConfig's lr default (or LLaMA-Factory's) times this
     lr_factor: float
     build: Callable  # (cfg, model, groups, step_options) -> the optimizer, with `param_names` set
-    missing: Callable = lambda cfg: None  # cfg -> why this run cannot have the rule (one line), or None
+    # (cfg, deepspeed) -> why this run (through DeepSpeed or not) cannot have the rule, in one line, or None
+    missing: Callable = lambda cfg, deepspeed: None
 
 
 def _adamw(cfg, model, groups, options):
@@ -44,7 +45,7 @@ def _lion(cfg, model, groups, options):
 _MUON_NAMES = ("FusedMuon", "muon_param_groups")
 
 
-def _muon_missing(cfg) -> str | None:
+def _muon_missing(cfg, deepspeed: bool) -> str | None:
     import fused_stable
 
     absent = [name for name in _MUON_NAMES if not hasattr(fused_stable, name)]
@@ -55,9 +56,7 @@ def _muon_missing(cfg) -> str | None:
         )
     if cfg.loraplus_lr_ratio is not None:
         return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
-    from fused_stable.train.run import deepspeed_run
-
-    if deepspeed_run.wanted(cfg):
+    if deepspeed:
         return "optim muon orthogonalises whole matrices, and DeepSpeed ZeRO steps flat partitions of them"
     return None
 
@@ -81,14 +80,14 @@ RULES: dict[str, Rule] = {
 }
 
 
-def check_available(cfg) -> None:
-    """Before the model loads: the run's rule exists in this fused_stable and fits its keys (UserError)."""
-    why = RULES[cfg.optim].missing(cfg)
+def check_available(cfg, deepspeed: bool) -> None:
+    """Before the model loads: the run's rule exists in this fused_stable and fits its keys and engine (UserError)."""
+    why = RULES[cfg.optim].missing(cfg, deepspeed)
     if why:
         raise UserError(why)
 
 
 def build(cfg, model, groups, options: dict):
-    """The run's optimizer: its rule's class over the run's param groups with the shared step options."""
-    check_available(cfg)
+    """The run's optimizer: its rule's class over the run's param groups with the shared step options (the rule
+    checked by `check_available`)."""
     return RULES[cfg.optim].build(cfg, model, groups, options)

@@ -222,7 +222,8 @@ def setup_run(argv: list[str]) -> RunSetup:
 
     cfg, resume_path, passed_over = _resolve(argv)
     _check_output_folder(cfg, resume_path)
-    optimizers.check_available(cfg)  # --optim muon before FusedMuon exists: one line, before the model loads
+    # --optim muon before FusedMuon exists (or under DeepSpeed): one line, before the model loads
+    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
