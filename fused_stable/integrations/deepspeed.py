@@ -1,5 +1,6 @@
-"""FusedAdamW under DeepSpeed ZeRO 0-3 (and ZeRO-Offload): the clip, the non-finite skip, the spike rules and the
-lr schedule decided once per engine step, from the global norm across ranks, groups and sub-groups.
+"""FusedAdamW (or FusedLion: any elementwise rule) under DeepSpeed ZeRO 0-3 (and ZeRO-Offload): the clip, the
+non-finite skip, the spike rules and the lr schedule decided once per engine step, from the global norm across
+ranks, groups and sub-groups.
 
     from fused_stable.integrations import deepspeed as fs_deepspeed
     engine, optimizer, _, _ = fs_deepspeed.initialize(model=model, optimizer=FusedAdamW(...), config="ds.json")
@@ -43,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import FusedAdamW, engines
+from .. import engines
+from ..optim import FusedOptimizer
 
 __all__ = ["EngineStep", "attach", "initialize", "prepare_config"]
 
@@ -117,13 +119,13 @@ def _offload_device(zero: dict, key: str = "offload_optimizer") -> str | None:
     return None if device == "none" else device
 
 
-def initialize(*, model: torch.nn.Module, optimizer: FusedAdamW, config: dict | str | Path, **kwargs: Any):
+def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dict | str | Path, **kwargs: Any):
     """`deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)`, then
     `attach(engine)`; returns what deepspeed.initialize returns (engine, optimizer, dataloader, lr_scheduler)."""
     import deepspeed
 
-    if not isinstance(optimizer, FusedAdamW):
-        raise TypeError(f"optimizer must be a fused_stable.FusedAdamW, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, FusedOptimizer):
+        raise TypeError(f"optimizer must be a fused_stable.FusedAdamW or FusedLion, got {type(optimizer).__name__}")
     out = deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)
     attach(out[0])
     return out
@@ -143,9 +145,9 @@ class EngineStep:
     def __init__(self, engine) -> None:
         wrapper = engine.optimizer
         fused = getattr(wrapper, "optimizer", wrapper)
-        if not isinstance(fused, FusedAdamW):
+        if not isinstance(fused, FusedOptimizer):
             raise TypeError(
-                f"the engine's optimizer is {type(fused).__name__}, not a FusedAdamW: pass FusedAdamW(...) as "
+                f"the engine's optimizer is {type(fused).__name__}, not a fused one: pass FusedAdamW(...) as "
                 "deepspeed.initialize's optimizer= (the config's `optimizer` section builds DeepSpeed's own)"
             )
         if engine.gradient_clipping() > 0:
@@ -157,8 +159,8 @@ class EngineStep:
             raise ValueError("fp16 under DeepSpeed is not supported by the integration: use bf16 or fp32")
         if fused.rules.schedule is not None and engine.lr_scheduler is not None:
             raise ValueError(
-                "the engine has an lr scheduler and FusedAdamW has lr_schedule=: two schedules; drop one "
-                "(the config's `scheduler` section, or FusedAdamW's lr_schedule)"
+                f"the engine has an lr scheduler and {type(fused).__name__} has lr_schedule=: two schedules; drop "
+                f"one (the config's `scheduler` section, or {type(fused).__name__}'s lr_schedule)"
             )
         self.engine, self.wrapper, self.optimizer = engine, wrapper, fused
         self.stage = int(engine.zero_optimization_stage()) if wrapper is not fused else 0
@@ -181,14 +183,14 @@ class EngineStep:
             self._attach_stage_3(wrapper)
         else:
             raise TypeError(
-                f"DeepSpeed wrapped FusedAdamW in {name}, which the integration does not drive (ZeRO 1-2 use "
-                "DeepSpeedZeroOptimizer, ZeRO-3 DeepSpeedZeroOptimizer_Stage3; bf16 ZeRO-1 with fp32 gradient "
+                f"DeepSpeed wrapped {type(fused).__name__} in {name}, which the integration does not drive (ZeRO "
+                "1-2 use DeepSpeedZeroOptimizer, ZeRO-3 DeepSpeedZeroOptimizer_Stage3; bf16 ZeRO-1 with fp32 gradient "
                 "accumulation uses BF16_Optimizer: leave data_types.grad_accum_dtype unset)"
             )
         devices = {str(flat.device) for flat in self.flats}
         if devices != {str(fused.device)}:
             raise ValueError(
-                f"DeepSpeed keeps the optimizer's partitions on {sorted(devices)}, FusedAdamW's step buffers are on "
+                f"DeepSpeed keeps the optimizer's partitions on {sorted(devices)}, its step buffers are on "
                 f"{fused.device}: ZeRO-Offload of a model on another device is not supported yet (FusedAdamW would "
                 "have to be built on the offload device); offload with a CPU model, or do not offload"
             )

@@ -1,4 +1,4 @@
-"""FusedAdamW inside the Hugging Face Trainer (and TRL's SFTTrainer, which inherits it).
+"""FusedAdamW or FusedLion inside the Hugging Face Trainer (and TRL's SFTTrainer, which inherits it).
 
 One line swaps the optimizer in::
 
@@ -8,7 +8,7 @@ One line swaps the optimizer in::
 
 or, when the trainer itself changes the model before training (``SFTTrainer(peft_config=...)`` adds the
 adapters in its constructor, so an optimizer built beforehand would miss them), a mixin that makes the Trainer
-build FusedAdamW in its own ``create_optimizer``::
+build the fused optimizer in its own ``create_optimizer``::
 
     class FusedSFTTrainer(FusedStableTrainerMixin, SFTTrainer): pass
     trainer = FusedSFTTrainer(model=model, args=args, train_dataset=ds, peft_config=LoraConfig(...))
@@ -39,7 +39,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import TrainerCallback
 
 from .. import schedules
-from ..optim import FusedAdamW
+from ..optim import FusedAdamW, FusedLion, FusedOptimizer
 from . import optim_names
 
 __all__ = [
@@ -82,18 +82,19 @@ class DeviceScheduleLR(LRScheduler):
         self._last_lr = list(self.base_lrs)
 
 
-def find_fused_optimizer(optimizer: Any) -> FusedAdamW | None:
-    """The FusedAdamW inside ``optimizer`` (accelerate's AcceleratedOptimizer wraps it), or None."""
+def find_fused_optimizer(optimizer: Any) -> FusedOptimizer | None:
+    """The fused optimizer (FusedAdamW, FusedLion) inside ``optimizer`` (accelerate's AcceleratedOptimizer wraps it),
+    or None."""
     seen = 0
     while optimizer is not None and seen < 8:
-        if isinstance(optimizer, FusedAdamW):
+        if isinstance(optimizer, FusedOptimizer):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
     return None
 
 
-def _clips(opt: FusedAdamW) -> bool:
+def _clips(opt: FusedOptimizer) -> bool:
     rules = getattr(opt, "rules", None)
     return getattr(rules, "max_grad_norm", None) is not None
 
@@ -159,38 +160,55 @@ def _trainer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[d
     return groups
 
 
+# the rules fused_trainer_optimizers builds: rule name -> (class, its keywords from the TrainingArguments); Lion
+# takes the Trainer's adam betas as transformers gives them to bitsandbytes' Lion (no eps)
+RULE_CLASSES = {
+    "adamw": (
+        FusedAdamW,
+        lambda args: dict(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon),
+    ),
+    "lion": (FusedLion, lambda args: dict(betas=(args.adam_beta1, args.adam_beta2))),
+}
+
+
 def fused_trainer_optimizers(
     model: torch.nn.Module,
     args,
     num_training_steps: int | None = None,
     *,
+    rule: str | None = None,
     state_precision: str | None = None,
     **fused_kwargs: Any,
-) -> tuple[FusedAdamW, DeviceScheduleLR]:
-    """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW configured from ``args``.
+) -> tuple[FusedOptimizer, DeviceScheduleLR]:
+    """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW or FusedLion configured from ``args``.
 
-    ``state_precision`` ("fp32", "bf16" or "8bit") is how the moments are stored (FusedAdamW's option of that
-    name); None (the default) takes it from ``args.optim``, which must name AdamW: ``adamw_torch`` (the
-    Trainer's default), ``adamw_torch_fused`` or ``paged_adamw_32bit`` are fp32, ``adamw_bnb_8bit``,
-    ``adamw_8bit`` or ``paged_adamw_8bit`` 8-bit, with the clip and the skip inside the step and the state not
-    paged (integrations/optim_names.py); another rule (``adafactor``, ``lion_8bit``, ...) is refused, since
-    the optimizer is FusedAdamW whatever ``args.optim`` says. The Trainer's checkpoints save the compact state
-    (``optimizer.pt``) and resume from it exactly.
+    ``rule`` ("adamw" or "lion") chooses the optimizer; None (the default) takes it from ``args.optim``, which must
+    name AdamW or Lion: ``adamw_torch`` (the Trainer's default), ``adamw_torch_fused`` or ``paged_adamw_32bit`` are
+    FusedAdamW, ``lion_32bit`` or ``paged_lion_32bit`` FusedLion, all fp32; ``adamw_bnb_8bit``, ``adamw_8bit``,
+    ``paged_adamw_8bit``, ``lion_8bit`` or ``paged_lion_8bit`` the same with 8-bit state, with the clip and the skip
+    inside the step and the state not paged (integrations/optim_names.py); another name (``adafactor``, ...) is
+    refused, since no fused optimizer runs it. ``state_precision`` ("fp32", "bf16" or "8bit") overrides the state
+    ``args.optim`` names. The Trainer's checkpoints save the compact state (``optimizer.pt``) and resume from it
+    exactly.
 
-    Takes lr, betas, eps, weight decay (with the Trainer's decay / no-decay split), ``max_grad_norm`` (clipping moves
-    into the fused step, and ``args.max_grad_norm`` is set to 0 so the Trainer does not clip again) and
-    ``lr_scheduler_type`` + warm-up (run on the device, so skipped steps do not advance it; the returned scheduler is a
-    ``DeviceScheduleLR``, which changes nothing). ``fused_kwargs`` (e.g. ``clip="zscore"``,
-    ``spike_skip_threshold=6.0``, ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``) override or
-    extend what comes from ``args``. Call it before building the Trainer, with the same args.
+    Takes lr, betas (Lion too, as transformers gives them to bitsandbytes' Lion), eps (AdamW), weight decay (with
+    the Trainer's decay / no-decay split), ``max_grad_norm`` (clipping moves into the fused step, and
+    ``args.max_grad_norm`` is set to 0 so the Trainer does not clip again) and ``lr_scheduler_type`` + warm-up (run
+    on the device, so skipped steps do not advance it; the returned scheduler is a ``DeviceScheduleLR``, which
+    changes nothing). ``fused_kwargs`` (e.g. ``clip="zscore"``, ``spike_skip_threshold=6.0``,
+    ``master_weights=True``, ``lr_schedule=...``, ``max_grad_norm=...``) override or extend what comes from
+    ``args``. Call it before building the Trainer, with the same args.
     """
-    named_precision = optim_names.state_precision_of(args.optim)  # refuses a rule that is not AdamW
+    named = optim_names.lookup(args.optim) if rule is None or state_precision is None else None
+    rule = named.rule if rule is None else rule
+    if rule not in RULE_CLASSES:
+        raise ValueError(f"rule={rule!r}: fused_trainer_optimizers builds {' or '.join(map(repr, RULE_CLASSES))}")
+    cls, rule_kwargs = RULE_CLASSES[rule]
     kwargs: dict[str, Any] = dict(
         lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
+        **rule_kwargs(args),
         weight_decay=args.weight_decay,
-        state_precision=named_precision if state_precision is None else state_precision,
+        state_precision=named.state_precision if state_precision is None else state_precision,
     )
     if "max_grad_norm" not in fused_kwargs:
         mgn = args.max_grad_norm
@@ -198,7 +216,7 @@ def fused_trainer_optimizers(
     if "lr_schedule" not in fused_kwargs:
         kwargs["lr_schedule"] = schedule_from_training_args(args, num_training_steps)
     kwargs.update(fused_kwargs)
-    optimizer = FusedAdamW(_trainer_param_groups(model, kwargs.pop("weight_decay")), **kwargs)
+    optimizer = cls(_trainer_param_groups(model, kwargs.pop("weight_decay")), **kwargs)
     if args.max_grad_norm is not None and args.max_grad_norm > 0:
         # The fused step now owns clipping; a Trainer clip on top would be a second, wasted pass.
         args.max_grad_norm = 0.0
@@ -206,9 +224,10 @@ def fused_trainer_optimizers(
 
 
 class FusedStableCallback(TrainerCallback):
-    """Trainer callback for FusedAdamW: one clip, and the optimizer's statistics in the training logs.
+    """Trainer callback for a fused optimizer (FusedAdamW, FusedLion): one clip, and the optimizer's statistics in
+    the training logs.
 
-    ``on_train_begin`` turns the Trainer's own clipping off when FusedAdamW clips (a no-op after
+    ``on_train_begin`` turns the Trainer's own clipping off when the fused optimizer clips (a no-op after
     ``fused_trainer_optimizers``, which already did). ``on_log`` adds ``grad_norm`` (pre-clip),
     ``skipped_steps``, ``spike_skips`` and ``learning_rate`` (the lr the last fused step used, schedule
     applied) to each training log, in the Trainer's ``state.log_history`` and in ``logs`` for the
@@ -224,12 +243,12 @@ class FusedStableCallback(TrainerCallback):
         opt = find_fused_optimizer(optimizer)
         if opt is None:
             raise TypeError(
-                "FusedStableCallback needs the Trainer's optimizer to be a fused_stable.FusedAdamW, got "
+                "FusedStableCallback needs the Trainer's optimizer to be a fused_stable.FusedAdamW or FusedLion, got "
                 f"{type(optimizer).__name__}: pass optimizers=fused_trainer_optimizers(model, args)"
             )
         self._trainer_clips = bool(args.max_grad_norm is not None and args.max_grad_norm > 0)
         if self._trainer_clips and _clips(opt):
-            logger.info("FusedAdamW clips the gradients itself: setting max_grad_norm=0 for the Trainer")
+            logger.info("%s clips the gradients itself: setting max_grad_norm=0 for the Trainer", type(opt).__name__)
             args.max_grad_norm = 0.0
             self._trainer_clips = False
         return control
@@ -267,9 +286,10 @@ def _prepare_deepspeed_config(trainer) -> None:
     clipping = config.get("gradient_clipping", 0)
     if fused is not None and _clips(fused) and clipping not in (0, 0.0, "auto"):
         if float(clipping) != float(fused.rules.max_grad_norm):
+            name = type(fused).__name__
             raise ValueError(
-                f"the DeepSpeed config clips at gradient_clipping={clipping}, FusedAdamW at max_grad_norm="
-                f"{fused.rules.max_grad_norm}: give one value (the clip is FusedAdamW's, once per engine step)"
+                f"the DeepSpeed config clips at gradient_clipping={clipping}, {name} at max_grad_norm="
+                f"{fused.rules.max_grad_norm}: give one value (the clip is {name}'s, once per engine step)"
             )
         config["gradient_clipping"] = 0.0
     prepared = prepare_config(config)
@@ -278,14 +298,15 @@ def _prepare_deepspeed_config(trainer) -> None:
 
 
 class FusedStableTrainerMixin:
-    """Mix in before a Trainer class to have the Trainer build FusedAdamW itself::
+    """Mix in before a Trainer class to have the Trainer build the fused optimizer itself (FusedAdamW, or FusedLion
+    for a Lion ``args.optim``)::
 
         class FusedSFTTrainer(FusedStableTrainerMixin, SFTTrainer): pass
 
         trainer = FusedSFTTrainer(model=model, args=args, train_dataset=ds, peft_config=LoraConfig(...),
                                   fused_optimizer_kwargs={"clip": "zscore"})
 
-    - ``create_optimizer`` builds FusedAdamW from ``args`` exactly as ``fused_trainer_optimizers`` does (lr,
+    - ``create_optimizer`` builds it from ``args`` exactly as ``fused_trainer_optimizers`` does (lr,
       betas, eps, the Trainer's decay split, ``max_grad_norm`` moved into the fused step, ``lr_scheduler_type`` on
       the device), plus ``fused_optimizer_kwargs``. The Trainer calls it inside ``train()``, once the model is
       final: after ``SFTTrainer(peft_config=...)`` has added the adapters, so FusedAdamW gets exactly the
@@ -303,15 +324,15 @@ class FusedStableTrainerMixin:
       pass under fp16) just to log it; FusedAdamW already has it, and the callback logs it.
 
     ``optimizers=(optimizer, scheduler)`` passed to the Trainer are kept as they are (then only the last point
-    applies); ``args.optim`` names the state precision (see ``fused_trainer_optimizers``);
+    applies); ``args.optim`` names the rule and state precision (see ``fused_trainer_optimizers``);
     ``optimizer_cls_and_kwargs`` is refused (use ``fused_optimizer_kwargs``).
     """
 
     def __init__(self, *args: Any, fused_optimizer_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError(
-                f"{type(self).__name__} builds FusedAdamW itself and cannot take optimizer_cls_and_kwargs: pass "
-                "FusedAdamW options as fused_optimizer_kwargs={...} instead"
+                f"{type(self).__name__} builds the fused optimizer itself and cannot take optimizer_cls_and_kwargs: "
+                "pass its options as fused_optimizer_kwargs={...} (rule='lion' chooses FusedLion) instead"
             )
         self.fused_optimizer_kwargs = dict(fused_optimizer_kwargs or {})
         self._fused_training_steps: int | None = None

@@ -1,6 +1,8 @@
-"""FusedAdamW inside PyTorch Lightning (the ``lightning`` package): one callback and one precision helper.
+"""FusedAdamW or FusedLion inside PyTorch Lightning (the ``lightning`` package): one callback and one precision
+helper.
 
-Return ``FusedAdamW`` from ``configure_optimizers`` as any optimizer, and add the callback::
+Return ``FusedAdamW`` (or ``FusedLion``, any ``fused_stable.optim.FusedOptimizer``) from ``configure_optimizers`` as
+any optimizer, and add the callback::
 
     def configure_optimizers(self):
         return FusedAdamW(self.parameters(), lr=3e-4, weight_decay=0.1, max_grad_norm=1.0,
@@ -43,7 +45,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ..amp import GradScaler
-from ..optim import FusedAdamW
+from ..optim import FusedOptimizer
 from ..state_format import check_precision
 
 __all__ = ["FusedStableCallback", "find_fused_optimizers", "fp16_mixed_precision"]
@@ -52,16 +54,17 @@ __all__ = ["FusedStableCallback", "find_fused_optimizers", "fp16_mixed_precision
 _LOGGED = ("grad_norm", "skipped_steps", "spike_skips", "learning_rate")
 
 
-def find_fused_optimizers(trainer: Trainer) -> list[FusedAdamW]:
-    """The FusedAdamW optimizers among ``trainer.optimizers`` (Lightning keeps the raw optimizers there)."""
+def find_fused_optimizers(trainer: Trainer) -> list[FusedOptimizer]:
+    """The fused optimizers (FusedAdamW, FusedLion) among ``trainer.optimizers`` (Lightning keeps the raw optimizers
+    there)."""
     found = []
     for optimizer in trainer.optimizers:
         # LightningOptimizer and accelerate-style wrappers keep the real one in `.optimizer` / `._optimizer`
         for _ in range(8):
-            if isinstance(optimizer, FusedAdamW) or optimizer is None:
+            if isinstance(optimizer, FusedOptimizer) or optimizer is None:
                 break
             optimizer = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
-        if isinstance(optimizer, FusedAdamW):
+        if isinstance(optimizer, FusedOptimizer):
             found.append(optimizer)
     return found
 
@@ -76,15 +79,16 @@ def fp16_mixed_precision(device: str = "cuda", **scaler_kwargs: Any) -> MixedPre
     return MixedPrecision("16-mixed", device, scaler=GradScaler(device, **scaler_kwargs))
 
 
-def _clips(opt: FusedAdamW) -> bool:
+def _clips(opt: FusedOptimizer) -> bool:
     return getattr(getattr(opt, "rules", None), "max_grad_norm", None) is not None
 
 
 class FusedStableCallback(Callback):
-    """Lightning callback for FusedAdamW: one clip, and the optimizer's statistics in Lightning's logs.
+    """Lightning callback for a fused optimizer (FusedAdamW, FusedLion): one clip, and the optimizer's statistics in
+    Lightning's logs.
 
     When the fit starts it checks the optimizers (``configure_optimizers`` must return at least one
-    FusedAdamW) and the clipping set-up:
+    FusedAdamW or FusedLion) and the clipping set-up:
 
     - ``Trainer(gradient_clip_val=...)`` together with ``FusedAdamW(max_grad_norm=...)``: refused (a
       ``MisconfigurationException`` that says which one to drop), because Lightning's clip runs first and the
@@ -100,13 +104,14 @@ class FusedStableCallback(Callback):
     before clipping, unscaled under fp16), ``skipped_steps`` (non-finite steps skipped so far),
     ``spike_skips`` and ``learning_rate`` (the lr group 0 used in the step, ``lr_schedule`` applied; read from
     the device, not from ``param_groups``). Names get ``prefix`` in front, and ``-1``, ``-2``, ... after them
-    for the second, third, ... FusedAdamW (manual optimization with several optimizers). Between logging
+    for the second, third, ... fused optimizer (manual optimization with several optimizers). Between logging
     steps it reads nothing from the device. Works with automatic and manual optimization, gradient
     accumulation and checkpoint resume (it keeps no state of its own).
 
-    ``state_precision`` ("fp32", "bf16" or "8bit"; None: as the optimizers were built) sets how every
-    FusedAdamW's moments are stored, for all its param groups, when the fit starts; a state already loaded
-    (a resumed fit) is converted at the next step, and checkpoints then hold the compact form.
+    ``state_precision`` ("fp32", "bf16" or "8bit"; None: as the optimizers were built) sets how every fused
+    optimizer's state (AdamW's moments, Lion's momentum) is stored, for all its param groups, when the fit starts;
+    a state already loaded (a resumed fit) is converted at the next step, and checkpoints then hold the compact
+    form.
     """
 
     def __init__(self, prefix: str = "", prog_bar: bool = False, state_precision: str | None = None) -> None:
@@ -121,7 +126,8 @@ class FusedStableCallback(Callback):
         if not fused:
             names = ", ".join(type(o).__name__ for o in trainer.optimizers) or "none"
             raise MisconfigurationException(
-                f"FusedStableCallback needs configure_optimizers() to return a fused_stable.FusedAdamW (got: {names})"
+                "FusedStableCallback needs configure_optimizers() to return a fused_stable.FusedAdamW or FusedLion "
+                f"(got: {names})"
             )
         self._check_clipping(trainer, pl_module, fused)
         if self.state_precision is not None:  # every group's: a state already there is converted at the next step
@@ -131,37 +137,38 @@ class FusedStableCallback(Callback):
                     group["state_precision"] = self.state_precision
         self._seen_global_step = trainer.global_step
 
-    def _check_clipping(self, trainer: Trainer, pl_module: LightningModule, fused: list[FusedAdamW]) -> None:
+    def _check_clipping(self, trainer: Trainer, pl_module: LightningModule, fused: list[FusedOptimizer]) -> None:
+        name = type(fused[0]).__name__  # the messages name the class the fit uses
         clip_val = trainer.gradient_clip_val
         lightning_clips = clip_val is not None and clip_val > 0
         fused_clips = any(_clips(opt) for opt in fused)
         algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm"
         if lightning_clips and fused_clips:
             raise MisconfigurationException(
-                f"Trainer(gradient_clip_val={clip_val}) and FusedAdamW(max_grad_norm=...) would clip twice: "
-                "Lightning clips first, so FusedAdamW's grad_norm, spike statistics and guard would only see "
-                "clipped gradients. Remove gradient_clip_val from the Trainer; FusedAdamW's max_grad_norm does "
+                f"Trainer(gradient_clip_val={clip_val}) and {name}(max_grad_norm=...) would clip twice: "
+                f"Lightning clips first, so {name}'s grad_norm, spike statistics and guard would only see "
+                f"clipped gradients. Remove gradient_clip_val from the Trainer; {name}'s max_grad_norm does "
                 "the global-norm clip inside the fused step"
             )
         if lightning_clips and isinstance(trainer.precision_plugin, MixedPrecision):
             raise MisconfigurationException(
-                f"Trainer(gradient_clip_val={clip_val}) cannot clip for FusedAdamW under precision="
+                f"Trainer(gradient_clip_val={clip_val}) cannot clip for {name} under precision="
                 f"{trainer.precision_plugin.precision!r}: the gradients are still scaled when Lightning would "
                 "clip (Lightning refuses this for every optimizer that unscales inside step()). Remove "
-                "gradient_clip_val and pass FusedAdamW(max_grad_norm=...) instead"
+                f"gradient_clip_val and pass {name}(max_grad_norm=...) instead"
             )
         if lightning_clips:
             rank_zero_warn(
                 f"Trainer(gradient_clip_val={clip_val}, gradient_clip_algorithm={algorithm!r}) clips before "
-                "FusedAdamW's step, so FusedAdamW only sees clipped gradients: FusedStableCallback does not log "
+                f"{name}'s step, so {name} only sees clipped gradients: FusedStableCallback does not log "
                 "grad_norm (it would be the clipped norm) and spike detection sees clipped norms. Prefer "
-                "FusedAdamW(max_grad_norm=...) and no gradient_clip_val: one fused pass instead of two, and the "
+                f"{name}(max_grad_norm=...) and no gradient_clip_val: one fused pass instead of two, and the "
                 "true pre-clip norm in the logs"
             )
         self._log_grad_norm = not lightning_clips
         if fused_clips and is_overridden("configure_gradient_clipping", pl_module):
             rank_zero_warn(
-                f"{type(pl_module).__name__} overrides configure_gradient_clipping while FusedAdamW clips with "
+                f"{type(pl_module).__name__} overrides configure_gradient_clipping while {name} clips with "
                 "max_grad_norm: make sure it does not clip as well, or the fused step sees clipped gradients"
             )
 

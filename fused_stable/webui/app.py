@@ -48,6 +48,12 @@ def _setup_form(page: Page):
         tuner = gr.Radio(list(form.TUNERS), value="LoRA", label="tuner")
         precision = gr.Dropdown(["auto", "bf16", "fp16", "fp32"], value=d("precision"), label="precision")
         guard = gr.Dropdown(["warn", "skip", "stop", "rollback"], value=d("guard"), label="guard policy")
+        optim = gr.Dropdown(
+            list(form.OPTIMIZER_CHOICES["optim"]), value=d("optim"), label="optimizer (lion: the default lr / 3)"
+        )
+        state_precision = gr.Dropdown(
+            list(form.OPTIMIZER_CHOICES["state_precision"]), value=d("state_precision"), label="optimizer state"
+        )
     with gr.Row():
         batch_size = gr.Number(d("batch_size"), label="batch size", precision=0)
         grad_accum = gr.Number(d("grad_accum"), label="grad accumulation", precision=0)
@@ -68,6 +74,8 @@ def _setup_form(page: Page):
         dataset,
         precision,
         guard,
+        optim,
+        state_precision,
         batch_size,
         grad_accum,
         max_steps,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typing
 
-from fused_stable.train.config.keys import FIELDS, TrainConfig
+from fused_stable.train.config.keys import CHOICES, FIELDS, TrainConfig
 
 # tuner label -> the sft keys it sets (others at their defaults)
 TUNERS = {
@@ -21,12 +21,16 @@ TUNERS = {
     "full": {"tuner": "full", "quant_bits": None, "loraplus_lr_ratio": None},
 }
 
+# the choices of the form's optimizer drop-downs, as sft takes them: the update rule and its state precision
+OPTIMIZER_CHOICES = {key: CHOICES[key] for key in ("optim", "state_precision")}
 # the form's fields that are sft keys as they are, in the order the form shows them
 FIELD_KEYS = (
     "model",
     "dataset",
     "precision",
     "guard",
+    "optim",
+    "state_precision",
     "batch_size",
     "grad_accum",
     "max_steps",
@@ -59,7 +63,7 @@ SAFE_DEFAULTS = {
     "weight_decay": (
         0.01,
         "AdamW's decoupled weight decay on matrices only: weights drifting large without a penalty that "
-        "would distort Adam's per-weight step sizes (the optimizer is FusedAdamW, an AdamW)",
+        "would distort Adam's per-weight step sizes (for the default rule, adamw; lion takes 3-10x more)",
     ),
     "lora_r": (
         16,

@@ -9,7 +9,7 @@ import torch
 from integ_models import TokenDataset, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fused_stable import FusedAdamW
+from fused_stable import FusedAdamW, FusedLion
 from fused_stable.integrations.hf import (
     FusedStableCallback,
     FusedStableTrainerMixin,
@@ -254,19 +254,65 @@ def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path):
 
 @pytest.mark.parametrize(
     ("optim", "precision"),
-    [("adamw_torch", "fp32"), ("adamw_torch_fused", "fp32"), ("adamw_bnb_8bit", "8bit"), ("paged_adamw_8bit", "8bit")],
+    [
+        ("adamw_torch", "fp32"),
+        ("adamw_torch_fused", "fp32"),
+        ("adamw_bnb_8bit", "8bit"),
+        ("paged_adamw_8bit", "8bit"),
+        ("lion_32bit", "fp32"),
+        ("paged_lion_8bit", "8bit"),
+    ],
 )
 def test_args_optim_names_the_state_precision(tmp_path, optim, precision):
-    """`args.optim` (issue 35 item 6): an AdamW name is FusedAdamW with the state it names; an explicit
-    state_precision wins over it."""
+    """`args.optim` (issue 35 item 6): an AdamW name is FusedAdamW, a Lion name FusedLion, with the state it names;
+    an explicit state_precision wins over it."""
     opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim))
+    assert type(opt) is (FusedLion if "lion" in optim else FusedAdamW)
     assert {group["state_precision"] for group in opt.param_groups} == {precision}
     opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim), state_precision="bf16")
     assert {group["state_precision"] for group in opt.param_groups} == {"bf16"}
 
 
-def test_an_optim_that_is_not_adamw_is_refused(tmp_path):
-    """FusedAdamW in place of the Adafactor or Lion `args.optim` asks for would be a silent substitution."""
-    for optim in ("adafactor", "lion_8bit"):
-        with pytest.raises(ValueError, match=rf"optim '{optim}' is not AdamW.*supported optim values are: adamw_torch"):
+def test_an_optim_without_a_fused_rule_is_refused(tmp_path):
+    """FusedAdamW in place of the Adafactor or SGD `args.optim` asks for would be a silent substitution."""
+    for optim in ("adafactor", "sgd"):
+        with pytest.raises(ValueError, match=rf"optim '{optim}' has no fused rule.*supported optim values are: adamw"):
             fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim))
+    with pytest.raises(ValueError, match=r"rule='muon': fused_trainer_optimizers builds 'adamw' or 'lion'"):
+        fused_trainer_optimizers(tiny_llama(), make_args(tmp_path), rule="muon")
+
+
+def test_args_optim_lion_8bit_is_fused_lion_with_8bit_state_in_a_real_trainer(tmp_path):
+    """`TrainingArguments(optim="lion_8bit")`: FusedLion (the Trainer's adam betas, as transformers gives them to
+    bitsandbytes' Lion) with 8-bit state, trained by the real Trainer with the callback: Lion's one state (8-bit
+    codes on the matrices), the pre-clip grad norm logged, and the Trainer no longer clipping."""
+    model = tiny_llama(vocab_size=128)  # embedding and head of 4096 elements: quantised (the rest is smaller)
+    args = make_args(tmp_path, optim="lion_8bit", learning_rate=1e-3, adam_beta2=0.99)
+    optimizer, scheduler = fused_trainer_optimizers(model, args)
+    assert type(optimizer) is FusedLion
+    assert {group["state_precision"] for group in optimizer.param_groups} == {"8bit"}
+    assert {(group["initial_lr"], group["betas"]) for group in optimizer.param_groups} == {(1e-3, (0.9, 0.99))}
+    assert {group["weight_decay"] for group in optimizer.param_groups} == {0.1, 0.0}  # the Trainer's decay split
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        optimizers=(optimizer, scheduler),
+        callbacks=[FusedStableCallback()],
+    )
+    norm_passes = count_norm_passes(trainer)
+    before = model.lm_head.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(model.lm_head.weight, before)
+    states = list(optimizer.state_dict()["state"].values())
+    assert len(states) == len(list(model.parameters()))
+    assert all("exp_avg" in st and not any("exp_avg_sq" in key for key in st) for st in states)
+    assert {st["exp_avg"].dtype for st in states} == {torch.int8, torch.float32}
+    logs = train_logs(trainer)
+    assert len(logs) == STEPS and all(log["grad_norm"] > 0 and log["skipped_steps"] == 0 for log in logs)
+    assert set(norm_passes) <= {float("inf")} and args.max_grad_norm == 0.0  # the Trainer measures, never clips
+    # rule= chooses directly, whatever args.optim names; an explicit state_precision wins over the name's
+    opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path), rule="lion", state_precision="bf16")
+    assert type(opt) is FusedLion and {group["state_precision"] for group in opt.param_groups} == {"bf16"}
+    opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim="lion_8bit"), rule="adamw")
+    assert type(opt) is FusedAdamW and {group["state_precision"] for group in opt.param_groups} == {"8bit"}

@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_stable import FusedAdamW, schedules
+from fused_stable import FusedAdamW, FusedLion, schedules
 from fused_stable.integrations.lightning import FusedStableCallback, fp16_mixed_precision
 
 STEPS = 6
@@ -519,3 +519,36 @@ def test_the_callback_sets_the_state_precision_and_checkpoints_keep_it(tmp_path)
     assert {entry["exp_avg"].dtype for entry in saved["state"].values()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="state_precision must be one of"):
         FusedStableCallback(state_precision="int4")
+
+
+def test_fused_lion_with_the_callback_follows_lion_pytorch_and_logs(tmp_path):
+    """FusedLion is a fused optimizer to the callback as FusedAdamW is: a real fit logs its pre-clip grad norm and
+    the scheduled lr, keeps Lion's one state, and follows lion-pytorch's Lion behind Lightning's own clip."""
+    lion_pytorch = pytest.importorskip("lion_pytorch")
+    lion_lr, lion_wd = 3e-4, 0.3
+
+    def fused_lion(model):
+        return FusedLion(
+            model.parameters(), lr=lion_lr, weight_decay=lion_wd, max_grad_norm=CLIP, lr_schedule=schedule()
+        )
+
+    def reference_lion(model):
+        opt = lion_pytorch.Lion(model.parameters(), lr=lion_lr, weight_decay=lion_wd)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, schedule().factor), "interval": "step"}}
+
+    torch.manual_seed(0)
+    module = LlamaModule(fused_lion)
+    trainer, metrics = fit(module, tmp_path / "fused", callbacks=[FusedStableCallback()])
+    torch.manual_seed(0)
+    reference = LlamaModule(reference_lion)
+    fit(reference, tmp_path / "reference", gradient_clip_val=CLIP)
+    (opt,) = [o for o in trainer.optimizers if isinstance(o, FusedLion)]
+    assert all("exp_avg" in opt.state[p] and "exp_avg_sq" not in opt.state[p] for p in module.parameters())
+    assert logged(metrics, "grad_norm") == pytest.approx(module.hook_norms, rel=1e-5)
+    expected = [lion_lr * schedule().factor(n) for n in range(STEPS)]
+    assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    assert logged(metrics, "skipped_steps") == [0] * STEPS
+    assert_same_params(module, reference, *FP32_TOLERANCE)
+    # the refusals name the class the fit uses
+    with pytest.raises(MisconfigurationException, match=r"FusedLion\(max_grad_norm=...\) would clip twice"):
+        fit(LlamaModule(fused_lion), tmp_path / "twice", gradient_clip_val=CLIP, callbacks=[FusedStableCallback()])

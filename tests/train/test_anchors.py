@@ -330,50 +330,122 @@ def test_a_flags_false_undoes_the_files_true_precision(tmp_path, file_keys, flag
 
 
 @pytest.mark.parametrize(
-    ("optim", "precision", "paged"),
+    ("optim", "rule", "precision", "paged"),
     [
-        ("adamw_torch", "fp32", False),
-        ("adamw_torch_fused", "fp32", False),
-        ("paged_adamw_32bit", "fp32", True),
-        ("adamw_bnb_8bit", "8bit", False),
-        ("adamw_8bit", "8bit", False),
-        ("paged_adamw_8bit", "8bit", True),
+        ("adamw_torch", "adamw", "fp32", False),
+        ("adamw_torch_fused", "adamw", "fp32", False),
+        ("adamw_hf", "adamw", "fp32", False),
+        ("paged_adamw_32bit", "adamw", "fp32", True),
+        ("adamw_bnb_8bit", "adamw", "8bit", False),
+        ("adamw_8bit", "adamw", "8bit", False),
+        ("paged_adamw_8bit", "adamw", "8bit", True),
+        ("lion_32bit", "lion", "fp32", False),
+        ("paged_lion_32bit", "lion", "fp32", True),
+        ("lion_8bit", "lion", "8bit", False),
+        ("paged_lion_8bit", "lion", "8bit", True),
     ],
 )
-def test_the_hf_trainers_adamw_optim_names_set_the_state_precision(tmp_path, optim, precision, paged):
-    """`optim:` (issue 35 item 6): an AdamW name is FusedAdamW with the state it names, and the mapping's line
-    says what the state is, and that a paged one is not paged."""
-    cfg, _, lines = resolve("--config", write(tmp_path, f"stage: sft\noptim: {optim}\n"))
-    assert cfg.state_precision == precision
+def test_the_hf_trainers_optim_names_set_the_rule_and_state_precision(tmp_path, optim, rule, precision, paged):
+    """`optim:` (issue 35 item 6): an AdamW or Lion name is our rule with the state it names (two of our keys),
+    and the mapping's line says what the optimizer and state are, and that a paged one is not paged."""
+    cfg, explicit, lines = resolve("--config", write(tmp_path, f"stage: sft\noptim: {optim}\n"))
+    assert (cfg.optim, cfg.state_precision) == (rule, precision)
+    assert {"optim", "state_precision"} <= explicit
     line = next(line for line in lines[0].splitlines() if line.strip().startswith("optim:"))
-    assert f"optim: {optim} -> state_precision: {precision} (FusedAdamW" in line
-    assert ("not paged" in line) == paged
-    assert ("8-bit blockwise state" in line) == (precision == "8bit")
+    title = {"adamw": "FusedAdamW", "lion": "FusedLion"}[rule]
+    assert line.strip() == (
+        f"optim: {optim} -> optim: {rule}, state_precision: {precision} ({title}, "
+        + ("8-bit blockwise state" if precision == "8bit" else "fp32 state")
+        + (", not paged: it stays beside the params)" if paged else ")")
+    )
     # the flag is read the same way (ms-swift's --optim)
     cfg, _, _ = resolve("--optim", optim, "--model", "tiny", "--dataset", "swift/self-cognition")
-    assert cfg.state_precision == precision
+    assert (cfg.optim, cfg.state_precision) == (rule, precision)
 
 
 def test_every_mapped_optim_name_is_the_hf_trainers():
     from transformers.training_args import OptimizerNames
 
-    names = {o.value for o in OptimizerNames}
-    # adamw_hf is transformers' old AdamW, dropped from OptimizerNames; older configs still name it
     from fused_stable.integrations import optim_names
 
-    assert set(optim_names.ADAMW_OPTIMS) - names == {"adamw_hf"}
+    names = {o.value for o in OptimizerNames}
+    # adamw_hf is transformers' old AdamW, dropped from OptimizerNames; older configs still name it
+    assert set(optim_names.OPTIMS) - names == {"adamw_hf"}
+    # every AdamW and Lion name transformers has is mapped, but the 4-bit and the XLA/NPU-only names' kin
+    adamw_or_lion = {n for n in names if n.startswith(("adamw", "paged_adamw", "lion", "paged_lion"))}
+    assert adamw_or_lion - set(optim_names.OPTIMS) == {"adamw_anyprecision", "adamw_torch_4bit"}
+    # transformers' own reading of a name: "lion" in it is bitsandbytes' Lion, "8bit" in it 8-bit state
+    for name, entry in optim_names.OPTIMS.items():
+        assert entry.rule == ("lion" if "lion" in name else "adamw")
+        assert entry.state_precision == ("8bit" if "8bit" in name else "fp32")
+    # our own rule names are none of transformers': `optim: lion` is ours, `optim: lion_8bit` the HF Trainer's
+    assert not names & set(foreign_configs.RULE_NAMES)
 
 
-def test_other_optimizers_and_muon_are_refused_naming_what_is_supported(tmp_path):
-    for text in ("stage: sft\noptim: lion_8bit\n", "stage: sft\noptim: adafactor\n"):
-        with pytest.raises(UserError, match=r"supported optim values: adamw_torch, adamw_torch_fused"):
-            resolve("--config", write(tmp_path, text))
-    with pytest.raises(UserError, match=r"use_muon \(Muon is not available yet"):
-        resolve("--config", write(tmp_path, "stage: sft\nuse_muon: true\n"))
+def test_our_optim_key_chooses_the_rule_and_its_default_lr(tmp_path):
+    cfg, explicit, lines = resolve("--config", write(tmp_path, "optim: lion\n"))
+    assert (cfg.optim, cfg.state_precision, lines) == ("lion", "fp32", [])
+    # no lr given: lion's is a third of the default (a rule of thumb), adamw keeps it
+    assert cfg.lr == pytest.approx(1e-3 / 3, rel=1e-12) and "lr" not in explicit
+    assert resolve("--optim", "adamw")[0].lr == 1e-3
+    assert resolve("--optim", "lion", "--lr", "2e-4")[0].lr == 2e-4, "a given lr is kept"
+    # LLaMA-Factory's default lr (5e-5, AdamW's) divided too, and the mapping says the lr the run has
+    cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\noptim: lion_8bit\n"))
+    assert cfg.lr == pytest.approx(5e-5 / 3, rel=1e-12)
+    assert f"defaults for the keys not given: lr: {cfg.lr}, weight_decay: 0.0" in lines[0]
+    with pytest.raises(UserError, match=r"optim must be one of adamw \| lion \| muon"):
+        resolve_config([], base={"optim": "sgd"})
+
+
+def test_use_muon_is_optim_muon(tmp_path):
+    cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\nuse_muon: true\n"))
+    assert cfg.optim == "muon" and "  use_muon: True -> optim: muon" in lines[0].splitlines()
     cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\nuse_muon: false\n"))
-    assert "use_muon: False -> off, nothing to map" in lines[0]
-    # optim beside our state_precision in one file is one setting asked twice; a flag over the file wins
-    with pytest.raises(UserError, match=r"sets state_precision twice"):
-        resolve("--config", write(tmp_path, "stage: sft\noptim: adamw_8bit\nstate_precision: bf16\n"))
-    cfg, _, _ = resolve("--config", write(tmp_path, "stage: sft\noptim: adamw_8bit\n"), "--state_precision", "fp32")
-    assert cfg.state_precision == "fp32"
+    assert cfg.optim == "adamw" and "  use_muon: False -> off, optim as given" in lines[0].splitlines()
+    # as in LLaMA-Factory, use_muon: true builds Muon whatever AdamW name optim gives; a Lion name contradicts it
+    cfg, _, _ = resolve("--config", write(tmp_path, "stage: sft\noptim: adamw_8bit\nuse_muon: true\n"))
+    assert (cfg.optim, cfg.state_precision) == ("muon", "8bit")
+    with pytest.raises(UserError, match=r"use_muon: True \(contradicts optim: lion_8bit\)$"):
+        resolve("--config", write(tmp_path, "stage: sft\noptim: lion_8bit\nuse_muon: true\n"))
+
+
+def test_other_optimizers_are_refused_naming_what_is_supported(tmp_path):
+    for name in ("adafactor", "sgd", "adamw_torch_4bit"):
+        config = write(tmp_path, f"stage: sft\noptim: {name}\n")
+        with pytest.raises(UserError) as info:
+            resolve("--config", config)
+        assert str(info.value) == (
+            f"{config}: keys fused-stable sft cannot honour: optim: {name} (no fused rule for it; supported optim "
+            "values: adamw | lion | muon, or the HF Trainer's adamw_torch, adamw_torch_fused, adamw_hf, "
+            "adamw_torch_xla, adamw_torch_npu_fused, paged_adamw_32bit, adamw_bnb_8bit, adamw_8bit, "
+            "adamw_torch_8bit, paged_adamw_8bit, lion_32bit, paged_lion_32bit, lion_8bit, paged_lion_8bit)"
+        )
+    with pytest.raises(UserError, match=r"optim: adafactor \(no fused rule"):
+        resolve("--optim", "adafactor")
+
+
+@pytest.mark.parametrize(
+    ("file", "flags", "expected"),
+    [
+        ("optim: lion_8bit\n", ("--state_precision", "fp32"), ("lion", "fp32")),  # a flag wins over the file
+        ("optim: lion_8bit\n", ("--optim", "adamw"), ("adamw", "8bit")),
+        ("optim: adamw_8bit\n", ("--optim", "lion_32bit"), ("lion", "fp32")),  # the flag's optim sets both
+        ("state_precision: bf16\n", ("--optim", "lion_8bit"), ("lion", "8bit")),
+    ],
+)
+def test_a_flag_wins_over_the_files_optim(tmp_path, file, flags, expected):
+    cfg, _, _ = resolve("--config", write(tmp_path, f"stage: sft\n{file}"), *flags)
+    assert (cfg.optim, cfg.state_precision) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "twice"),
+    [
+        ("optim: adamw_8bit\nstate_precision: bf16\n", "state_precision"),
+        ("optim: lion_8bit\nstate_precision: 8bit\n", "state_precision"),  # even with the same value
+        ("use_muon: true\noptim: lion\n", "optim"),
+    ],
+)
+def test_one_of_our_keys_set_twice_in_one_file_is_refused(tmp_path, text, twice):
+    with pytest.raises(UserError, match=rf"sets {twice} twice: by its own name and by another trainer's name"):
+        resolve("--config", write(tmp_path, f"stage: sft\n{text}"))

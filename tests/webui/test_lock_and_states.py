@@ -212,6 +212,22 @@ def test_safe_defaults_and_the_form_give_the_keys_and_command_they_show(tmp_path
         form.run_keys(fields, "LoRA", "", "- a list")
 
 
+def test_the_form_offers_the_update_rule_and_its_state_precision(tmp_path):
+    """The rule (adamw | lion | muon) and the state precision are form fields (issue 35 item 6): as sft takes
+    them, written only when not the default, and in the command line the page shows."""
+    assert form.OPTIMIZER_CHOICES == {"optim": ("adamw", "lion", "muon"), "state_precision": ("fp32", "bf16", "8bit")}
+    assert {"optim", "state_precision"} <= set(form.FIELD_KEYS)
+    fields = {key: form.default(key) for key in form.FIELD_KEYS}
+    assert "optim" not in form.form_keys(fields, "LoRA", "") and "state_precision" not in form.form_keys(
+        fields, "LoRA", ""
+    )
+    fields.update({"model": "tiny", "dataset": "arithmetic", "optim": "lion", "state_precision": "8bit"})
+    keys = form.run_keys(fields, "LoRA", "lion", "")
+    assert (keys["optim"], keys["state_precision"]) == ("lion", "8bit")
+    launch = RunController(Workspace(str(tmp_path))).prepare(yaml.safe_load(yaml.safe_dump(keys, sort_keys=False)))
+    assert "--optim=lion --state_precision=8bit" in launch.command
+
+
 def test_the_dataset_field_takes_several_datasets_each_inside_the_workspace(tmp_path):
     """A comma list in the dataset field (or a YAML list, and eval_dataset in the box): each file resolved in the
     workspace on its own, the built-in tasks and each item's #N kept; one item outside is refused."""

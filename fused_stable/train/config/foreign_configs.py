@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from fused_stable.errors import UserError
 from fused_stable.integrations import optim_names
+from fused_stable.train.run.optimizers import RULES
+
+RULE_NAMES = tuple(RULES)  # our `optim` values
 
 LLAMA_FACTORY = "LLaMA-Factory"
 MS_SWIFT = "ms-swift"
@@ -136,20 +139,30 @@ def _eval_strategy(value):
 
 
 def _optim(value):
-    """The HF Trainer's `optim`: an AdamW name as the state precision it stands for (integrations/optim_names.py);
-    any other rule is refused, naming the supported values."""
+    """The HF Trainer's `optim`: an AdamW or Lion name as our rule and the state precision it stands for
+    (integrations/optim_names.py, two of our keys); any other name is refused, naming the supported values."""
     try:
-        return optim_names.state_precision_of(value)
+        entry = optim_names.lookup(value)
     except ValueError:
-        supported = ", ".join(optim_names.ADAMW_OPTIMS)
-        raise Refused(f"not AdamW, the optimizer here is FusedAdamW; supported optim values: {supported}") from None
+        supported = ", ".join(optim_names.OPTIMS)
+        raise Refused(
+            f"no fused rule for it; supported optim values: {' | '.join(RULE_NAMES)}, or the HF Trainer's {supported}"
+        ) from None
+    return {"optim": entry.rule, "state_precision": entry.state_precision}
+
+
+def their_spelling(name: str, value) -> bool:
+    """Whether a key spelt as ours is another trainer's: `optim` is ours with a rule's name (adamw, lion, muon),
+    the HF Trainer's with any other (adamw_torch, lion_8bit, adafactor...)."""
+    return name == "optim" and str(value).strip().lower() not in RULE_NAMES
 
 
 @dataclass(frozen=True)
 class AnchorKey:
     anchors: tuple[str, ...]  # the trainers that use this name
-    ours: str | None  # the key it sets (None: checked, then nothing to set)
-    convert: Callable = _same  # value -> our value (None: nothing to set); Refused when it cannot be honoured
+    ours: str | None  # the key it sets (None: checked, then nothing to set; "*": convert names the keys)
+    # value -> our value (None: nothing to set; with ours "*" a dict of our keys); Refused when it cannot be honoured
+    convert: Callable = _same
     note: str = ""  # printed in the mapping for a key with no effect here
     explain: Callable | None = None  # value -> what the mapped value means here, printed beside it
 
@@ -190,7 +203,10 @@ KEYS: dict[str, AnchorKey] = {
     "bnb_4bit_use_double_quant": AnchorKey(
         (MS_SWIFT,), None, _must_be(True, "4-bit quantisation here is always NF4 with double quantisation")
     ),
-    "optim": AnchorKey(BOTH, "state_precision", _optim, explain=optim_names.describe),
+    # the rule and its state: two of our keys (optim, state_precision)
+    "optim": AnchorKey(BOTH, "*", _optim, explain=optim_names.describe),
+    # LLaMA-Factory's Muon switch: Muon in place of the AdamW `optim` names (its AdamW part takes the 1-D params)
+    "use_muon": AnchorKey((LLAMA_FACTORY,), "optim", _if_true("muon"), note="off, optim as given"),
     "dataset_dir": AnchorKey((LLAMA_FACTORY,), None, note="where dataset_info.json names the datasets"),
     "template": AnchorKey((LLAMA_FACTORY,), None, note="the model's own chat template formats every example"),
     "cutoff_len": AnchorKey((LLAMA_FACTORY,), "max_length"),
@@ -244,7 +260,6 @@ REFUSED = {
     "additional_target": "extra trained modules are not supported",
     "lora_modules_to_save": "extra trained modules are not supported",
     "modules_to_save": "extra trained modules are not supported",
-    "use_muon": "Muon is not available yet: the optimizer is FusedAdamW (optim: adamw_torch, or an 8-bit one)",
     "lr_scheduler_kwargs": "the schedules take no extra arguments",
     "warmup_ratio_min": "not supported",
     "rope_scaling": "the model's position encoding is used as it is",
@@ -312,6 +327,11 @@ class Mapped:
 PRECISION_KEYS = {"bf16": "bf16", "fp16": "fp16"}
 
 
+# LLaMA-Factory's switches, read after the other keys: each may replace one earlier value of its key, as it does
+# there (use_dora: true turns finetuning_type lora into dora; use_muon: true builds Muon whatever AdamW optim says)
+SWITCHES = {"use_dora": ("tuner", "lora"), "use_muon": ("optim", "adamw")}
+
+
 def translate(raw: dict, where: str) -> Mapped:
     """Anchor keys (name -> value, as written) as ours. Keys that cannot be honoured are one UserError listing
     them all with why; two anchor keys that set the same key of ours differently are refused too."""
@@ -321,8 +341,7 @@ def translate(raw: dict, where: str) -> Mapped:
     values: dict = {}
     sources: dict = {}
     lines: list = [f"{name}: {raw[name]} -> off, nothing to map" for name in off]
-    # finetuning_type before use_dora, so use_dora: true turns tuner lora into dora
-    for name in sorted((n for n in raw if n in KEYS), key=lambda n: n == "use_dora"):
+    for name in sorted((n for n in raw if n in KEYS), key=lambda n: n in SWITCHES):
         key, value = KEYS[name], raw[name]
         try:
             ours = key.convert(value)
@@ -332,15 +351,20 @@ def translate(raw: dict, where: str) -> Mapped:
         if key.ours is None or ours is None:
             lines.append(f"{name}: {value} -> {key.note or 'nothing to set'}")
             continue
-        if key.ours == "tuner" and name == "use_dora" and values.get("tuner") == "full":
+        if name == "use_dora" and values.get("tuner") == "full":
             refused.append("use_dora: true (DoRA needs finetuning_type: lora)")
             continue
-        if key.ours in values and values[key.ours] != ours and name != "use_dora":
-            refused.append(f"{name}: {value} (contradicts {sources[key.ours]})")
+        settings = ours if key.ours == "*" else {key.ours: ours}
+        clash = [
+            k for k, v in settings.items() if k in values and values[k] != v and SWITCHES.get(name) != (k, values[k])
+        ]
+        if clash:
+            refused.append(f"{name}: {value} (contradicts {sources[clash[0]]})")
             continue
-        values[key.ours], sources[key.ours] = ours, f"{name}: {value}"
+        for ours_key, ours_value in settings.items():
+            values[ours_key], sources[ours_key] = ours_value, f"{name}: {value}"
         explained = f" ({key.explain(value)})" if key.explain else ""
-        lines.append(f"{name}: {value} -> {key.ours}: {ours}{explained}")
+        lines.append(f"{name}: {value} -> {', '.join(f'{k}: {v}' for k, v in settings.items())}{explained}")
     if refused:
         raise UserError(f"{where}: keys fused-stable sft cannot honour: {'; '.join(refused)}")
     off = tuple(PRECISION_KEYS[n] for n in raw if n in PRECISION_KEYS and raw[n] is not None and not _true(raw[n]))

@@ -15,6 +15,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from fused_stable.argcheck import HELP_WIDTH, check_range
+from fused_stable.train.run.optimizers import RULES
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,25 @@ class TrainConfig:
     )
     gradient_checkpointing: bool = _key(False, "recompute activations in backward to save memory", "model")
     # optimisation
-    lr: float = _key(1e-3, "peak learning rate", "optim", Range(0, 1, low_open=True))
-    weight_decay: float = _key(0.01, "decoupled weight decay (AdamW)", "optim", Range(0))
+    optim: str = _key(
+        "adamw",
+        "the update rule: adamw (FusedAdamW) | lion (FusedLion, lion-pytorch's Lion) | muon (FusedMuon over "
+        "muon_param_groups, where this fused_stable has it); the HF Trainer's names (adamw_torch, lion_8bit, ...) "
+        "are read too",
+        "optim",
+    )
+    lr: float = _key(
+        1e-3,
+        "peak learning rate; none given: 1e-3 for adamw and muon, 1e-3 / 3 for lion (a rule-of-thumb default from "
+        "the Lion paper's 3-10x smaller lr, not a measured one)",
+        "optim",
+        Range(0, 1, low_open=True),
+    )
+    weight_decay: float = _key(
+        0.01, "decoupled weight decay (lion: the Lion paper takes 3-10x AdamW's)", "optim", Range(0)
+    )
     max_grad_norm: float | None = _key(
-        1.0, "global L2 norm clip, applied inside FusedAdamW's step; none or 0 = no clipping", "optim", Range(0)
+        1.0, "global L2 norm clip, applied inside the fused step; none or 0 = no clipping", "optim", Range(0)
     )
     clip: str = _key(
         "fixed",
@@ -118,8 +134,9 @@ class TrainConfig:
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     state_precision: str = _key(
         "fp32",
-        "fp32 | bf16 | 8bit: how AdamW's moments are stored (8bit: blockwise codes with fp32 scales, tensors under "
-        "4096 elements kept fp32), dequantised and requantised inside the fused step",
+        "fp32 | bf16 | 8bit: how the optimizer's state (AdamW's moments, Lion's momentum) is stored (8bit: "
+        "blockwise codes with fp32 scales, tensors under 4096 elements kept fp32), dequantised and requantised "
+        "inside the fused step",
         "optim",
     )
     precision: str = _key(
@@ -194,7 +211,9 @@ class TrainConfig:
         Range(0, 3),
     )
     offload_optimizer: str = _key(
-        "none", "zero_stage 1-3: none | cpu (ZeRO-Offload: FusedAdamW steps the fp32 master on the CPU)", "deepspeed"
+        "none",
+        "zero_stage 1-3: none | cpu (ZeRO-Offload: the fused optimizer steps the fp32 master on the CPU)",
+        "deepspeed",
     )
     overwrite: bool = _key(False, "replace the run already in output_dir", "run")
     # stability guard (fused_stable.guard): checked at logging steps from device-side counters
@@ -266,6 +285,7 @@ class TrainConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 CHOICES = {
     "tuner": ("lora", "dora", "full"),
+    "optim": tuple(RULES),  # the update rules the trainer builds (train/run/optimizers.py)
     "scheduler": ("cosine", "linear", "constant"),
     "precision": ("auto", "bf16", "fp16", "fp32"),
     "state_precision": ("fp32", "bf16", "8bit"),
@@ -281,8 +301,8 @@ CHOICES = {
 LAUNCH_KEYS = ("resume", "overwrite")
 # keys a checkpoint fixes: the shapes or meaning of its saved weights (model, tuner, quantisation, adapter
 # rank, scale and targets, LoRA+ groups), and the hyper-parameters its optimizer state carries and restores
-# (lr, with any guard rollback cut, and weight_decay: a new value would be silently ignored). A resume that
-# changes one is refused; the checkpoint's saved config is the reference.
+# (the rule whose state it is, lr with any guard rollback cut, and weight_decay: a new value would be silently
+# ignored). A resume that changes one is refused; the checkpoint's saved config is the reference.
 STATE_KEYS = (
     "model",
     "tuner",
@@ -291,6 +311,7 @@ STATE_KEYS = (
     "lora_alpha",
     "target_modules",
     "loraplus_lr_ratio",
+    "optim",
     "lr",
     "weight_decay",
 )
@@ -351,6 +372,7 @@ ALIASES = {
     "bf16": "precision",
     "fp16": "precision",
     "optim_bits": "state_precision",
+    "optimizer": "optim",
     "optimizer_state_precision": "state_precision",
     "use_dora": "tuner",
     "gradient_checkpoint": "gradient_checkpointing",
@@ -369,7 +391,7 @@ def help_text() -> str:
         "usage: fused-stable sft [--config run.yaml] [--key value ...]",
         "",
         *para(
-            "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW, fully offline. "
+            "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW or FusedLion, fully offline. "
             "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task "
             "into runs/sft and evaluates it before and after (eval.json)."
         ),

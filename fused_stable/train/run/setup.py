@@ -217,11 +217,13 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable.train.config.resolve import guard_config
     from fused_stable.train.model.load import load_tokenizer
     from fused_stable.train.model.sources import resolve_model
-    from fused_stable.train.run import deepspeed_run, parallel
+    from fused_stable.train.run import deepspeed_run, optimizers, parallel
     from fused_stable.train.run.runtime import resolve_runtime, set_threads
 
     cfg, resume_path, passed_over = _resolve(argv)
     _check_output_folder(cfg, resume_path)
+    # --optim muon before FusedMuon exists (or under DeepSpeed): one line, before the model loads
+    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
@@ -288,12 +290,13 @@ def _model(cfg, source, tokenizer, runtime):
     return model, param_groups(parallel.unwrap(model), cfg)
 
 
-def _optimizer(cfg, groups, total_steps: int, guard):
-    """FusedAdamW with the run's schedule, bound to the guard. Clipping happens inside the fused step (one norm
-    pass), never in a separate clip_grad_norm_ call; under guard=skip|rollback the same step also skips
-    grad-norm spikes."""
-    from fused_stable import FusedAdamW, schedules
+def _optimizer(cfg, model, groups, total_steps: int, guard):
+    """The run's rule (optimizers.RULES[cfg.optim]: FusedAdamW, FusedLion, FusedMuon) with the run's schedule, bound
+    to the guard. Clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call;
+    under guard=skip|rollback the same step also skips grad-norm spikes."""
+    from fused_stable import schedules
     from fused_stable.train.config.resolve import warmup_steps
+    from fused_stable.train.run import optimizers
 
     warmup = warmup_steps(cfg, total_steps)
     schedule = {
@@ -301,24 +304,21 @@ def _optimizer(cfg, groups, total_steps: int, guard):
         "linear": lambda: schedules.warmup_linear(total_steps, warmup),
         "constant": lambda: schedules.constant(warmup),
     }[cfg.scheduler]()
-    optimizer = FusedAdamW(
-        groups.groups,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
+    options = dict(
         max_grad_norm=cfg.max_grad_norm or None,
         lr_schedule=schedule,
         clip=cfg.clip,
         state_precision=cfg.state_precision,
         **guard.config.optimizer_kwargs(),
     )
-    optimizer.param_names = groups.names
+    optimizer = optimizers.build(cfg, model, groups, options)
     guard.bind(optimizer)
     return optimizer
 
 
 def _trainer(cfg, model, groups, items: list, tokenizer, runtime, guard):
     """The batch order (torchrun: each rank batches its own shard of the rows), the optimizer, the loss scaler
-    under fp16, the DeepSpeed engine when the run has one (FusedAdamW attached to it: one decision per engine
+    under fp16, the DeepSpeed engine when the run has one (the optimizer attached to it: one decision per engine
     step from the global norm), and the Trainer over them."""
     from fused_stable import GradScaler
     from fused_stable.train.config.resolve import eval_steps, run_dict
@@ -331,7 +331,7 @@ def _trainer(cfg, model, groups, items: list, tokenizer, runtime, guard):
         parallel.shard(rows), cfg.batch_size, cfg.seed, tokenizer.pad_token_id, collate_rows
     )
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches.batches_per_epoch / cfg.grad_accum))
-    optimizer = _optimizer(cfg, groups, total_steps, guard)
+    optimizer = _optimizer(cfg, parallel.unwrap(model), groups, total_steps, guard)
     scaler = GradScaler(runtime.device.type) if runtime.precision == "fp16" else None
     engine = deepspeed_run.start(model, optimizer, cfg, runtime) if deepspeed_run.wanted(cfg) else None
     return Trainer(

@@ -181,7 +181,7 @@ def _announce(setup: RunSetup, numel) -> None:
         f"{f' quant_bits={cfg.quant_bits}' if cfg.quant_bits else ''} precision={setup.runtime.precision} "
         f"device={setup.runtime.device} threads={setup.threads} | "
         f"{n_trainable:,} trainable of {n_total:,} params | "
-        f"optimizer state {optimizer_state_text(trainer)} | "
+        f"optim={cfg.optim} ({type(trainer.optimizer).__name__}) optimizer state {optimizer_state_text(trainer)} | "
         f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
         f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
     )

@@ -1,0 +1,93 @@
+"""The update rules `fused-stable sft --optim` can train with: one table (`RULES`) from the rule's name to how its
+optimizer is built from the run's keys, its default lr, and whether this version of fused_stable has it.
+
+Every rule takes the same step options (the clip, the schedule, state_precision, the guard's spike rules), built
+once by setup.py; what differs per rule is the class, its param groups and its lr when none is given. Imports of
+torch and of the optimizers are inside the functions: the config reads this table for `--help` and its checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fused_stable.errors import UserError
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One update rule the trainer builds."""
+
+    title: str  # the optimizer class, as the header and messages name it
+    # the lr when none is given: TrainConfig's lr default (or LLaMA-Factory's) times this
+    lr_factor: float
+    build: Callable  # (cfg, model, groups, step_options) -> the optimizer, with `param_names` set
+    # (cfg, deepspeed) -> why this run (through DeepSpeed or not) cannot have the rule, in one line, or None
+    missing: Callable = lambda cfg, deepspeed: None
+
+
+def _adamw(cfg, model, groups, options):
+    from fused_stable import FusedAdamW
+
+    optimizer = FusedAdamW(groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
+    optimizer.param_names = groups.names
+    return optimizer
+
+
+def _lion(cfg, model, groups, options):
+    from fused_stable import FusedLion
+
+    optimizer = FusedLion(groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
+    optimizer.param_names = groups.names
+    return optimizer
+
+
+_MUON_NAMES = ("FusedMuon", "muon_param_groups")
+
+
+def _muon_missing(cfg, deepspeed: bool) -> str | None:
+    import fused_stable
+
+    absent = [name for name in _MUON_NAMES if not hasattr(fused_stable, name)]
+    if absent:
+        return (
+            f"optim muon needs fused_stable.{' and fused_stable.'.join(absent)}, which this version of fused-stable "
+            "does not have yet: use --optim adamw or lion"
+        )
+    if cfg.loraplus_lr_ratio is not None:
+        return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
+    if deepspeed:
+        return "optim muon orthogonalises whole matrices, and DeepSpeed ZeRO steps flat partitions of them"
+    return None
+
+
+def _muon(cfg, model, groups, options):
+    import fused_stable
+
+    # Muon orthogonalises whole matrices: its own split of the trainable params (use_muon per group)
+    muon_groups = fused_stable.muon_param_groups(model)
+    optimizer = fused_stable.FusedMuon(muon_groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer.param_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return optimizer
+
+
+RULES: dict[str, Rule] = {
+    "adamw": Rule("FusedAdamW", 1.0, _adamw),
+    # the Lion paper (Chen et al. 2023): an lr 3-10x smaller than AdamW's; a rule-of-thumb default, not a sweep
+    "lion": Rule("FusedLion", 1 / 3, _lion),
+    "muon": Rule("FusedMuon", 1.0, _muon, _muon_missing),
+}
+
+
+def check_available(cfg, deepspeed: bool) -> None:
+    """Before the model loads: the run's rule exists in this fused_stable and fits its keys and engine (UserError)."""
+    why = RULES[cfg.optim].missing(cfg, deepspeed)
+    if why:
+        raise UserError(why)
+
+
+def build(cfg, model, groups, options: dict):
+    """The run's optimizer: its rule's class over the run's param groups with the shared step options (the rule
+    checked by `check_available`)."""
+    return RULES[cfg.optim].build(cfg, model, groups, options)
