@@ -1,6 +1,6 @@
 """`fused-stable sft --optim` (issue 35 item 6): the run trains with the rule it names (train/run/optimizers.py),
 says so in its header, keeps that rule's state in its checkpoints and refuses to resume with another; `muon`
-is refused in one line, before the model loads, while fused_stable has no FusedMuon."""
+splits the model (muon_param_groups) and trains the hidden matrices with Muon."""
 
 import os
 
@@ -35,21 +35,30 @@ def test_sft_optim_lion_trains_with_lions_state_and_says_so(sft, tmp_path):
     assert code == 2 and "different optim (checkpoint: lion, now: adamw)" in err
 
 
-def test_optim_muon_is_refused_in_one_line_before_the_model_loads(sft, tmp_path, monkeypatch):
-    for name in optimizers._MUON_NAMES:
-        monkeypatch.delattr(fused_stable, name, raising=False)
-    code, out, err = sft(*RUN, "--optim", "muon", "--output_dir", tmp_path / "muon")
+@pytest.mark.slow  # one short run of the tiny model
+def test_sft_optim_muon_trains_the_hidden_matrices_with_muon(sft, tmp_path):
+    """Full fine-tuning with --optim muon: the hidden 2-D weights keep Muon's momentum_buffer, the rest (embeddings,
+    norms) AdamW's moments, all in one FusedMuon (one norm, one decision); the header names it."""
+    out_dir = tmp_path / "muon"
+    code, out, err = sft(*RUN, "--optim", "muon", "--output_dir", out_dir)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("fused-stable sft: model=tiny"))
+    assert "| optim=muon (FusedMuon)" in header
+    saved = torch.load(out_dir / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    kinds = [g["use_muon"] for g in saved["param_groups"]]
+    assert sorted(kinds) == [False, True]
+    muon_ids = next(g["params"] for g in saved["param_groups"] if g["use_muon"])
+    for param_id, entry in saved["state"].items():
+        expected = {"step", "momentum_buffer"} if param_id in muon_ids else {"step", "exp_avg", "exp_avg_sq"}
+        assert set(entry) == expected, (param_id, sorted(entry))
+
+
+def test_optim_muon_with_loraplus_is_refused_in_one_line_before_the_model_loads(sft, tmp_path):
+    lora = [*TINY, "--tuner", "lora", "--max_steps", "2"]
+    code, out, err = sft(*lora, "--optim", "muon", "--loraplus_lr_ratio", "16", "--output_dir", tmp_path / "muon")
     assert code == 2
-    assert (
-        err.strip()
-        .splitlines()[-1]
-        .endswith(
-            "optim muon needs fused_stable.FusedMuon and fused_stable.muon_param_groups, which this version of "
-            "fused-stable does not have yet: use --optim adamw or lion"
-        )
-    )
+    assert "optim muon builds its own param groups (muon_param_groups)" in err.strip().splitlines()[-1]
     assert not os.path.exists(tmp_path / "muon"), "nothing is written"
-    assert "fused-stable sft: model=" not in out
 
 
 def test_every_rule_of_the_table_is_a_choice_with_its_class():
@@ -59,4 +68,5 @@ def test_every_rule_of_the_table_is_a_choice_with_its_class():
     for name in ("adamw", "lion"):
         cls = getattr(fused_stable, optimizers.RULES[name].title)
         assert cls.RULE.NAME == name
+    assert optimizers.RULES["muon"].title == fused_stable.FusedMuon.__name__
     assert optimizers.RULES["adamw"].lr_factor == 1.0 and optimizers.RULES["lion"].lr_factor == pytest.approx(1 / 3)

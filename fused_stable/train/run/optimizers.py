@@ -1,5 +1,5 @@
 """The update rules `fused-stable sft --optim` can train with: one table (`RULES`) from the rule's name to how its
-optimizer is built from the run's keys, its default lr, and whether this version of fused_stable has it.
+optimizer is built from the run's keys, its default lr, and what a run cannot combine it with.
 
 Every rule takes the same step options (the clip, the schedule, state_precision, the guard's spike rules), built
 once by setup.py; what differs per rule is the class, its param groups and its lr when none is given. Imports of
@@ -42,18 +42,7 @@ def _lion(cfg, model, groups, options):
     return optimizer
 
 
-_MUON_NAMES = ("FusedMuon", "muon_param_groups")
-
-
 def _muon_missing(cfg, deepspeed: bool) -> str | None:
-    import fused_stable
-
-    absent = [name for name in _MUON_NAMES if not hasattr(fused_stable, name)]
-    if absent:
-        return (
-            f"optim muon needs fused_stable.{' and fused_stable.'.join(absent)}, which this version of fused-stable "
-            "does not have yet: use --optim adamw or lion"
-        )
     if cfg.loraplus_lr_ratio is not None:
         return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
     if deepspeed:
@@ -65,8 +54,10 @@ def _muon(cfg, model, groups, options):
     import fused_stable
 
     # Muon orthogonalises whole matrices: its own split of the trainable params (use_muon per group)
-    muon_groups = fused_stable.muon_param_groups(model)
-    optimizer = fused_stable.FusedMuon(muon_groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
+    # (hidden 2-D weights to Muon; embeddings, head, norms, biases and LoRA factors to AdamW, at the same lr and
+    # weight decay, as LLaMA-Factory's use_muon does: a LoRA run has no Muon matrix, and trains as AdamW)
+    muon_groups = fused_stable.muon_param_groups(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = fused_stable.FusedMuon(muon_groups, **options)
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer.param_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     return optimizer
