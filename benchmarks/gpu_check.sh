@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# GPU check of fused_stable: the CUDA tests, the full optimizer benchmark, then the trainer on the GPU
-# (benchmarks/gpu_trainer.py: every recipe, and throughput against the HF Trainer), in under 8 minutes, offline.
+# GPU check of fused_stable: the CUDA tests, the full optimizer benchmark, the update rules against their references
+# (benchmarks/rules_step.py: FusedLion, FusedMuon), then the trainer on the GPU (benchmarks/gpu_trainer.py: every
+# recipe, and throughput against the HF Trainer), in under 8 minutes, offline.
 #
 # Run from anywhere inside a copy of the working tree on a machine with a CUDA GPU, torch and triton already
 # importable, and no network:
 #     OUT=/some/dir bash benchmarks/gpu_check.sh
-# It writes at most 9 files under "$OUT" (never deeper than $OUT/results/<file>):
+# It writes at most 12 files under "$OUT" (never deeper than $OUT/results/<file>):
 #     gpu_check.log            everything this script printed
 #     env.txt                  nvidia-smi, python and library versions
 #     tests.log                the CUDA test run
 #     bench.log                the benchmark's progress and table
+#     rules.log                rules_step.py's rows
 #     trainer.log              gpu_trainer.py's progress and tables
 #     results/<stem>.json      every row, the environment record, the goal checks (optimizer benchmark)
 #     results/<stem>.md        the same as a markdown table (commit both under benchmarks/results/)
 #     results/<trainer stem>.json and .md   the same for the trainer (gpu-trainer-<stamp>)
+#     results/rules-step-<stamp>.json and .md   the rules' rows (lion-pytorch: carry its wheel, or its rows skip)
 # QLoRA needs bitsandbytes, which the device image lacks: carry its wheel (docs/benchmarks.md, "The trainer on a
 # GPU"); without it the QLoRA recipe says so and everything else runs.
 # Exit status: 0 when the tests passed (or none were selected), the benchmark wrote its results and
@@ -29,14 +32,16 @@ OUT="${OUT:-$ROOT/gpu_check_out}"
 PYTHON="${PYTHON:-python}"
 DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 TESTS_K="${GPU_CHECK_TESTS_K:-cuda or gpu or triton}"
-# Time budget (seconds): install ~15, tests <= 100, optimizer benchmark <= 160 (rows stop at its --deadline of
-# 130, then the results are written), trainer <= 180 (its --deadline of 150: recipes up to 40% of it, then the
-# throughput rounds) -> at most 455 s, under 8 minutes with start-up and nvidia-smi.
+# Time budget (seconds): install ~15, tests <= 100, optimizer benchmark <= 140 (rows stop at its --deadline of
+# 110, then the results are written), rules <= 50 (4 rows of 2 s), trainer <= 160 (its --deadline of 130: recipes
+# up to 40% of it, then the throughput rounds) -> at most 465 s, under 8 minutes with start-up and nvidia-smi.
 TESTS_TIMEOUT="${GPU_CHECK_TESTS_TIMEOUT:-100}"
-BENCH_DEADLINE="${GPU_CHECK_BENCH_DEADLINE:-130}"
-BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-160}"
-TRAINER_DEADLINE="${GPU_CHECK_TRAINER_DEADLINE:-150}"
-TRAINER_TIMEOUT="${GPU_CHECK_TRAINER_TIMEOUT:-180}"
+BENCH_DEADLINE="${GPU_CHECK_BENCH_DEADLINE:-110}"
+BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-140}"
+RULES_TIMEOUT="${GPU_CHECK_RULES_TIMEOUT:-50}"
+RULES_ARGS=(--plan gpu --budget 2)
+TRAINER_DEADLINE="${GPU_CHECK_TRAINER_DEADLINE:-130}"
+TRAINER_TIMEOUT="${GPU_CHECK_TRAINER_TIMEOUT:-160}"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 
 mkdir -p "$OUT/results"
@@ -59,6 +64,8 @@ if [ "$DEVICE" = "cpu" ]; then
     BENCH_TIMEOUT="${GPU_CHECK_BENCH_TIMEOUT:-290}"
     TRAINER_ARGS=(--device cpu --size tiny)
     TRAINER_STEM="gpu-trainer-dryrun-cpu-$STAMP"
+    RULES_ARGS=(--plan smoke --budget 0.3)
+    RULES_TIMEOUT="${GPU_CHECK_RULES_TIMEOUT:-300}"
     TRAINER_DEADLINE="${GPU_CHECK_TRAINER_DEADLINE:-1200}"
     TRAINER_TIMEOUT="${GPU_CHECK_TRAINER_TIMEOUT:-1500}"
 else
@@ -142,6 +149,12 @@ else
     echo "FAIL: the benchmark wrote no results (exit $BENCH_RC)"
     BENCH_RC=${BENCH_RC:-1}; [ "$BENCH_RC" -eq 0 ] && BENCH_RC=1
 fi
+
+# --- the update rules against their references (lion-pytorch + clip; torch.optim.Muon + AdamW + clip) ----------
+echo "== rules: benchmarks/rules_step.py ${RULES_ARGS[*]} (time box ${RULES_TIMEOUT}s)"
+timeout -k 10 "$RULES_TIMEOUT" "$PYTHON" benchmarks/rules_step.py "${RULES_ARGS[@]}" --out "$OUT/results" \
+    > "$OUT/rules.log" 2>&1
+echo "rules exit $?"; tail -n 12 "$OUT/rules.log"
 
 # --- the trainer on the device: every recipe, then throughput against the HF Trainer -------------------------
 echo "== trainer: benchmarks/gpu_trainer.py ${TRAINER_ARGS[*]} --deadline $TRAINER_DEADLINE (time box ${TRAINER_TIMEOUT}s)"
