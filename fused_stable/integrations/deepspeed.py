@@ -126,9 +126,21 @@ def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dic
 
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a fused_stable.FusedAdamW or FusedLion, got {type(optimizer).__name__}")
+    _refuse_groups_without_a_rule(optimizer)
     out = deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)
     attach(out[0])
     return out
+
+
+def _refuse_groups_without_a_rule(optimizer: FusedOptimizer) -> None:
+    """FusedMuon's Muon groups orthogonalise whole matrices after the fused step; ZeRO hands the optimizer flat
+    partitions of them: refused before the engine is built (DeepSpeed's flat groups have no use_muon either)."""
+    if any(optimizer.group_rule(group) is None for group in optimizer.param_groups):
+        raise ValueError(
+            f"{type(optimizer).__name__} has groups updated outside the fused step (FusedMuon's Muon groups: "
+            "Newton-Schulz needs whole matrices), and DeepSpeed ZeRO steps flat partitions: use FusedAdamW or "
+            "FusedLion under DeepSpeed"
+        )
 
 
 def attach(engine) -> EngineStep:
@@ -150,6 +162,7 @@ class EngineStep:
                 f"the engine's optimizer is {type(fused).__name__}, not a fused one: pass FusedAdamW(...) as "
                 "deepspeed.initialize's optimizer= (the config's `optimizer` section builds DeepSpeed's own)"
             )
+        _refuse_groups_without_a_rule(fused)
         if engine.gradient_clipping() > 0:
             raise ValueError(
                 "the engine clips (gradient_clipping > 0): pass the config through "

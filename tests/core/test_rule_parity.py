@@ -250,3 +250,50 @@ def test_lion_bf16_momentum_follows_the_grads():
     assert momentum.dtype == torch.bfloat16
     exact = 1 - 0.99**400
     assert abs(float(momentum.float().mean()) - exact) < 0.01, float(momentum.float().mean())
+
+
+@pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
+@pytest.mark.parametrize("row", ROW_PARAMS)
+def test_bf16_params_with_master_weights_follow_the_fp32_run(row: Row, backend: str):
+    """master_weights=True on bf16 params: the fp32 masters are the fp32-param run's params bit for bit (grads and
+    initial values representable in bf16 on both sides, so the arithmetic is the same), the params their rounding."""
+
+    def run(dtype, **options):
+        params = [torch.nn.Parameter(p.to(torch.bfloat16).to(dtype)) for p in _params()]
+        opt = row.fused(params, backend=backend, max_grad_norm=1.0, **row.hparams, **options)
+        for step in range(3):
+            for p, g in zip(params, _grads(step, 30.0)):
+                p.grad = g.to(torch.bfloat16).to(dtype)
+            opt.step()
+        return params, opt
+
+    wide, _ = run(torch.float32)
+    narrow, opt = run(torch.bfloat16, master_weights=True)
+    for index, (a, b) in enumerate(zip(narrow, wide)):
+        if not a.numel():
+            continue
+        master = opt.state[a]["master_param"]
+        assert torch.equal(master, b), f"master of param {index}: {(master - b).abs().max():.3g} off"
+        assert torch.equal(a, b.to(torch.bfloat16)), f"param {index} is not its master rounded"
+
+
+@pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
+@pytest.mark.parametrize("row", ROW_PARAMS)
+def test_a_spike_is_skipped_like_a_non_finite_step(row: Row, backend: str):
+    """spike_skip_threshold (after zscore_warmup steps of similar norms): a grad 100x larger is skipped whole."""
+    params = [torch.nn.Parameter(p.float()) for p in _params()]
+    options = dict(zscore_warmup=4, zscore_threshold=3.0, spike_skip_threshold=6.0)
+    opt = row.fused(params, backend=backend, **row.hparams, **options)
+    for step in range(6):
+        for p, g in zip(params, _grads(step)):
+            p.grad = g.float()
+        opt.step()
+    before = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    for p, g in zip(params, _grads(6, 100.0)):
+        p.grad = g.float()
+    opt.step()
+    assert int(opt.spike_skips) == 1 and int(opt.skipped_steps) == 0
+    for p, b, s in zip(params, before, states):
+        assert torch.equal(p.detach(), b)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in s.items())

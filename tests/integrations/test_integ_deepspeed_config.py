@@ -83,3 +83,14 @@ def test_no_refusal_without_rules_elsewhere_or_when_driven():
     drive(opt, None)  # the integration drives it
     _step_from_module(opt, "deepspeed.runtime.zero.stage_1_and_2")
     assert int(opt.applied_steps) == 1
+
+
+def test_fused_muon_is_refused_before_the_engine_is_built():
+    """FusedMuon's Muon groups need whole matrices, ZeRO steps flat partitions: one line, before deepspeed runs."""
+    from fused_stable import FusedMuon
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    model = torch.nn.Linear(8, 8)
+    opt = FusedMuon([{"params": [model.weight], "use_muon": True}, {"params": [model.bias], "use_muon": False}])
+    with pytest.raises(ValueError, match="Newton-Schulz needs whole matrices"):
+        fs_deepspeed.initialize(model=model, optimizer=opt, config={"train_batch_size": 1})

@@ -2929,4 +2929,13 @@ MUTATIONS: list[Mutation] = [
         "the update pass leaves a group without a rule alone (FusedMuon's Muon groups keep no AdamW state)",
         select="same_clip and torch",
     ),
+    M(
+        "deepspeed-fused-muon-accepted",
+        "fused_stable/integrations/deepspeed.py",
+        "    if any(optimizer.group_rule(group) is None for group in optimizer.param_groups):\n",
+        "    if False:\n",
+        ["tests/integrations/test_integ_deepspeed_config.py"],
+        "FusedMuon under DeepSpeed is refused in one line (ZeRO steps flat partitions, Newton-Schulz whole matrices)",
+        select="fused_muon",
+    ),
 ]
