@@ -10,7 +10,8 @@ Muon groups from the same decisions, read as 0-dim device tensors (the clip mult
 skip, the lr factor): no host read. A skipped step leaves every param and momentum buffer bit-identical.
 
 Not yet: Muon groups under FSDP2 or DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line),
-`state_precision` for the momentum buffers (they keep the param's dtype, as torch's), tensor lrs in Muon groups.
+8-bit momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor lrs in
+Muon groups.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from .rules import muon as muon_rule
 from .rules.muon.torch import MuonSide
 from .sharding import is_dtensor
 
+# a Muon group's state_precision -> its momentum buffers' dtype (None: the param's, as torch.optim.Muon's); bf16
+# rounds to nearest (momentum 0.95 moves a buffer 5% of g - buf a step, over half a bf16 ulp unless g is within 8%)
+MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
 
 class FusedMuon(FusedOptimizer):
     """Muon (torch.optim.Muon's update) for the groups with `use_muon=True`, AdamW for those with `use_muon=False`,
@@ -39,7 +44,9 @@ class FusedMuon(FusedOptimizer):
             groups `lr, betas, eps, weight_decay, amsgrad, maximize` (torch.optim.AdamW's defaults).
         max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
         spike_skip_ratio, lr_schedule, master_weights, state_precision, capturable, backend: as FusedAdamW, for the
-            whole step; master_weights and state_precision apply to the AdamW groups.
+            whole step; master_weights applies to the AdamW groups; state_precision to the AdamW groups' moments and
+            the Muon groups' momentum buffers ("fp32": the param's dtype, as torch's; "bf16"; "8bit" for AdamW
+            only: a Muon group with it is refused, saying so).
     """
 
     RULE = RULES["adamw"]
@@ -77,6 +84,13 @@ class FusedMuon(FusedOptimizer):
         for key, default in muon_rule.DEFAULTS.items():
             group.setdefault(key, default)
         muon_rule.check_muon_group(group)
+        precision = group.get("state_precision", self.defaults.get("state_precision", "fp32"))
+        if precision not in MOMENTUM_DTYPES:
+            raise ValueError(
+                f"a Muon group's momentum buffers are kept in fp32 (the param's dtype, as torch's) or bf16, not "
+                f"{precision!r} (8-bit Muon momentum is not built yet): give the Muon group state_precision='bf16' "
+                "or 'fp32' (the AdamW groups keep theirs)"
+            )
         if any(is_dtensor(p) for p in group["params"]):
             raise ValueError(
                 "FusedMuon's Muon groups do not run under FSDP2 yet: Newton-Schulz needs each whole matrix, a "
@@ -116,10 +130,11 @@ class FusedMuon(FusedOptimizer):
         params = [plan.params[i] for i in members]
         hparams = [{**groups[plan.groups[i]], "lr": base_lrs[plan.groups[i]]} for i in members]
         buffers = []
-        for p in params:
+        for i, p in zip(members, params):
             state = self.state[p]
-            if "momentum_buffer" not in state:  # torch's: zeros like the param (its dtype)
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if "momentum_buffer" not in state:  # torch's: zeros like the param (its dtype); bf16 when asked for
+                dtype = MOMENTUM_DTYPES[groups[plan.groups[i]]["state_precision"]] or p.dtype
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             buffers.append(state["momentum_buffer"])
         side = MuonSide(params, buffers, hparams)
         self._sides = (plan, key, side)
