@@ -1,7 +1,7 @@
-"""The CPU step's compiled ops (cpu_step.cpp, with the rules' elements: rules/adamw/cpu.h): the norm pass in one
-call over every grad, and an AdamW that reads the grads times the step's multiplier without writing them back
-(32 bytes per fp32 parameter, clipped or not; torch's CPU `_fused_adamw_` writes the scaled grads back: 36) and
-advances the `step` counters itself.
+"""The CPU step's compiled ops (cpu_step.cpp, with the rules' elements: rules/adamw/cpu.h, rules/lion/cpu.h): the
+norm pass in one call over every grad, and an AdamW that reads the grads times the step's multiplier without
+writing them back (32 bytes per fp32 parameter, clipped or not; torch's CPU `_fused_adamw_` writes the scaled
+grads back: 36) and advances the `step` counters itself; AdamW with bf16 or 8-bit moments; Lion (24 bytes).
 
 Built on first use with torch's C++ extension builder (`torch.utils.cpp_extension.load`: a C++17 compiler and
 ninja, the `ninja` package's binary when PATH has none; ~10-15 s on 2 cores, cached in torch's extensions folder,
@@ -26,7 +26,7 @@ import torch
 
 ENV = "FUSED_STABLE_CPU_OPS"
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
-# the rules' folder, on the include path: the source includes "adamw/cpu.h" (the rule's element); every rule's
+# the rules' folder, on the include path: the source includes "adamw/cpu.h" (a rule's element); every rule's
 # header is in the build's name, so a change to one rebuilds
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "rules"
 HEADERS = sorted(INCLUDE_DIR.glob("*/*.h"))
@@ -174,3 +174,18 @@ def adamw_lowbit(
     each tensor's stochastic-rounding key for this step ([n] int64, state_format.random_key). The `step`
     counters are the caller's (already advanced); the grads are read, never written."""
     torch.ops.fused_stable.adamw_lowbit(params, grads, *moments, *scales, masters or [], scalars, keys, state_format)
+
+
+def lion(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    *,
+    masters: list[torch.Tensor] | None,
+    scalars: torch.Tensor,
+) -> None:
+    """Lion (rules/lion/cpu.h) on contiguous fp32, bf16 or fp16 params (grads of their dtype) with fp32 `exp_avgs`
+    and, when `masters` are given, fp32 master copies (the master is updated, the param stores its rounding to
+    nearest even): `scalars` are rules/lion/torch.py's `step_scalars` (7 fp32 values in its order, the grad
+    multiplier first), so the result is the exact reference's bit for bit; the grads are read, never written."""
+    torch.ops.fused_stable.lion(params, grads, exp_avgs, masters or [], scalars)

@@ -4,16 +4,18 @@
 //                              scale) and never writes it back, and advances the `step` counters itself; fp32,
 //                              bf16 or fp16 params (with or without fp32 master copies), fp32 moments;
 //   fused_stable::adamw_lowbit the same with bf16 or 8-bit moments (state_format.py), one pass per chunk:
-//                              decode, update, encode, block by block, as the exact reference computes them.
+//                              decode, update, encode, block by block, as the exact reference computes them;
+//   fused_stable::lion         Lion (rules/lion/cpu.h) with fp32 exp_avg, on the same params, reading the grads
+//                              as adamw does, with the exact reference's step scalars (bit for bit its update).
 // Together 4 + 28 = 32 bytes per fp32 parameter, clipped or not (torch's CPU `_fused_adamw_` writes the scaled
 // grads back when given `grad_scale`: 36), and two calls per step instead of five torch ops; 2 + 22 = 24 for bf16
 // params (32 with a master copy), where torch's ops copy the params and grads to fp32 and back.
 //
 // Work is cut into fixed chunks of one tensor each, the same whatever the thread count, so the sums (and so
 // the decisions) do not depend on it; at::parallel_for spreads the chunks over torch's threads.
-// The per-element math and the step's scalars are the rule's (fused_stable/rules/adamw/cpu.h, beside the
+// The per-element math and the step's scalars are the rule's (fused_stable/rules/<rule>/cpu.h, beside the
 // kernels' triton.py): IEEE fp32 with no contraction (built with -ffp-contract=off), in the order of the
-// kernels' update; the scalars computed in fp64 as torch's AdamW computes them, then rounded to fp32.
+// kernels' update; AdamW's scalars computed in fp64 as torch's AdamW computes them, then rounded to fp32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "adamw/cpu.h"  // fused_stable/rules/ is on the include path (cpu_ops.py)
+#include "lion/cpu.h"
 
 namespace {
 
@@ -536,6 +539,90 @@ void adamw_lowbit(at::TensorList params, at::TensorList grads, at::TensorList ex
   });
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// Lion (fused_stable/rules/lion/cpu.h) with fp32 exp_avg: one pass per chunk, the grads read times the step's
+// multiplier (in the scalars) and never written: with the norm pass 4 + 20 = 24 bytes per fp32 parameter
+// (2 + 14 for a bf16 param, 2 + 20 with an fp32 master). The step scalars are the caller's: rules/lion/torch.py's
+// `step_scalars`, the exact reference's function, so the update is the reference's bit for bit (the element's
+// ops in its order, each rounded as torch rounds it). Lion keeps no bias correction: no `step` is read.
+
+// One chunk of one tensor; P and kMaster as in update_piece.
+template <typename P, bool kMaster>
+void lion_piece(P* __restrict param, const P* __restrict grad, float* __restrict master, float* __restrict exp_avg,
+                const fused_stable::lion::StepScalars& s, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    float p = kMaster ? master[i] : static_cast<float>(param[i]);
+    float m = exp_avg[i];
+    fused_stable::lion::lion_element(p, static_cast<float>(grad[i]), m, s);
+    exp_avg[i] = m;
+    if (kMaster) {
+      master[i] = p;
+    }
+    param[i] = static_cast<P>(p);  // fp32, or to nearest even (the kernels' to_storage)
+  }
+}
+
+template <typename P>
+void lion_piece_of(const at::Tensor& param, const at::Tensor& grad, float* master, float* exp_avg,
+                   const fused_stable::lion::StepScalars& s, int64_t begin, int64_t end) {
+  P* p = static_cast<P*>(param.data_ptr());
+  const P* g = static_cast<const P*>(grad.const_data_ptr());
+  if (master != nullptr) {
+    lion_piece<P, true>(p, g, master, exp_avg, s, begin, end);
+  } else {
+    lion_piece<P, false>(p, g, nullptr, exp_avg, s, begin, end);
+  }
+}
+
+// Lion on fp32, bf16 or fp16 params (grads of the same dtype) with fp32 exp_avg and, when `masters` is not
+// empty, fp32 master copies (the master is updated, the param stores its rounding). `scalars`: 7 fp32 values,
+// rules/lion/torch.py's `step_scalars` in its order (grad_mul, decay, lr, beta1, beta2, 1 - beta1, 1 - beta2).
+void lion(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList masters,
+          const at::Tensor& scalars) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  const bool with_masters = !masters.empty();
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n && static_cast<int64_t>(exp_avgs.size()) == n &&
+                  (!with_masters || static_cast<int64_t>(masters.size()) == n),
+              "fused_stable::lion: the lists must have one tensor per param");
+  TORCH_CHECK(scalars.scalar_type() == at::kFloat && scalars.is_contiguous() &&
+                  scalars.numel() == fused_stable::lion::kNumScalars && scalars.device().is_cpu(),
+              "fused_stable::lion: scalars must be 7 contiguous fp32 values (rules/lion/torch.py's step_scalars)");
+  const fused_stable::lion::StepScalars s = fused_stable::lion::scalars_from(scalars.const_data_ptr<float>());
+  const at::ScalarType dtype = n > 0 ? params[0].scalar_type() : at::kFloat;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "fused_stable::lion: unsupported param dtype ", dtype);
+  std::vector<at::Tensor> dense_grads(grads.begin(), grads.end());
+  std::vector<int64_t> sizes(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const at::Tensor& p = params[t];
+    if (!dense_grads[t].is_contiguous()) {
+      dense_grads[t] = dense_grads[t].contiguous();  // rare (a transposed grad): read from a copy
+    }
+    TORCH_CHECK(is_plain(p, p, dtype) && is_plain(dense_grads[t], p, dtype) && is_plain_fp32(exp_avgs[t], p) &&
+                    (!with_masters || is_plain_fp32(masters[t], p)),
+                "fused_stable::lion: params and grads must be contiguous CPU tensors of one dtype and size, "
+                "exp_avg and the master copies contiguous fp32 of that size");
+    sizes[t] = p.numel();
+  }
+  const std::vector<Piece> pieces = cut(sizes, kUpdateChunk);
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  at::parallel_for(0, num_pieces, 1, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const Piece& piece = pieces[num_pieces - 1 - j];  // last chunk first, as adamw
+      const int64_t t = piece.tensor;
+      float* master = with_masters ? masters[t].data_ptr<float>() : nullptr;
+      float* exp_avg = exp_avgs[t].data_ptr<float>();
+      if (dtype == at::kFloat) {
+        lion_piece_of<float>(params[t], dense_grads[t], master, exp_avg, s, piece.begin, piece.end);
+      } else if (dtype == at::kBFloat16) {
+        lion_piece_of<c10::BFloat16>(params[t], dense_grads[t], master, exp_avg, s, piece.begin, piece.end);
+      } else {
+        lion_piece_of<c10::Half>(params[t], dense_grads[t], master, exp_avg, s, piece.begin, piece.end);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fused_stable, m) {
@@ -550,4 +637,7 @@ TORCH_LIBRARY(fused_stable, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_scales, Tensor(f!)[] exp_avg_sq_scales, "
       "Tensor(g!)[] max_exp_avg_sq_scales, Tensor(h!)[] masters, Tensor scalars, Tensor keys, int state_format) -> ()",
       &adamw_lowbit);
+  m.def(
+      "lion(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] masters, Tensor scalars) -> ()",
+      &lion);
 }
