@@ -551,7 +551,7 @@ template <typename P, bool kMaster>
 void lion_piece(P* __restrict param, const P* __restrict grad, float* __restrict master, float* __restrict exp_avg,
                 const fused_stable::lion::StepScalars& s, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    float p = kMaster ? master[i] : static_cast<float>(param[i]);
+    float p = kMaster ? master[i] : static_cast<float>(param[i]);  // a master holds the fp32 value
     float m = exp_avg[i];
     fused_stable::lion::lion_element(p, static_cast<float>(grad[i]), m, s);
     exp_avg[i] = m;
