@@ -486,6 +486,19 @@ LION_CASES = {
         lr_schedule=schedules.warmup_cosine(8, 2),
         weight_decay=0.1,
     ),
+    "bf16-state-clipped": dict(state_precision="bf16", weight_decay=0.1, max_grad_norm=1.0),
+    "8bit-state-bf16-master": dict(
+        state_precision="8bit", dtype=torch.bfloat16, master_weights=True, max_grad_norm=1.0
+    ),
+    "8bit-state-fp16-tensor-lr-zscore": dict(
+        state_precision="8bit",
+        dtype=torch.float16,
+        lr=torch.tensor(3e-3),
+        lr_schedule=schedules.warmup_cosine(8, 2),
+        clip="zscore",
+        zscore_warmup=2,
+        spike_skip_threshold=3.0,
+    ),
 }
 
 
@@ -517,19 +530,19 @@ def lion_reference_only(monkeypatch):
 
 @pytest.mark.parametrize("case", list(LION_CASES), ids=list(LION_CASES))
 def test_lion_update_is_the_exact_reference_bit_for_bit(case, monkeypatch):
-    """Params, fp32 masters and exp_avg bit-identical to the exact reference's after 7 steps: the clip active,
-    weight decay, bf16 / fp16 params with and without masters, an lr schedule (a float and a tensor lr), a z-score
-    spike skip."""
+    """Params, fp32 masters and exp_avg (fp32, bf16 stochastically rounded, 8-bit codes and scales) bit-identical
+    to the exact reference's after 7 steps: the clip active, weight decay, bf16 / fp16 params with and without
+    masters, an lr schedule (a float and a tensor lr), a z-score spike skip."""
     kwargs = LION_CASES[case]
     ours = lion_run(**kwargs)
-    assert lowbit_doors(ours[1]) == ["CompiledLionUpdate"]
+    assert set(lowbit_doors(ours[1])) == {"CompiledLionUpdate"}  # in 8bit: small tensors keep fp32 exp_avg
     if kwargs.get("max_grad_norm") == 1.0:
         assert float(ours[1].grad_norm) > 1.0  # the clip was active
     if "spike_skip_threshold" in kwargs:  # some steps skipped (the spikes), most applied
         assert 1 <= int(ours[1].spike_skips) <= 3
     lion_reference_only(monkeypatch)
     reference = lion_run(**kwargs)
-    assert lowbit_doors(reference[1]) == ["ExactUpdate"]
+    assert set(lowbit_doors(reference[1])) == {"ExactUpdate"}
     assert_bit_identical(ours, reference)
     if kwargs.get("master_weights"):  # the params are their masters' roundings to nearest even
         for p in ours[0]:
@@ -552,21 +565,24 @@ def test_lion_skipped_step_leaves_everything_untouched(monkeypatch):
     assert_bit_identical(ours, lion_run(steps=4, nan_at=2, weight_decay=0.1, max_grad_norm=1.0))
 
 
-def test_lion_update_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+def test_lion_update_does_not_depend_on_the_thread_count(precision):
     threads = torch.get_num_threads()
     try:
         runs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            runs.append(lion_run(steps=3, dtype=torch.bfloat16, master_weights=True, max_grad_norm=1.0))
+            kwargs = dict(dtype=torch.bfloat16, master_weights=True, max_grad_norm=1.0, state_precision=precision)
+            runs.append(lion_run(steps=3, **kwargs))
     finally:
         torch.set_num_threads(threads)
     assert_bit_identical(*runs)
 
 
 def test_lion_door_is_taken_only_where_it_fits(monkeypatch):
-    """A non-contiguous param, bf16 exp_avg, and a build without the compiled ops take the exact reference; the
-    contiguous fp32-state tensors of the same step the compiled op, and the step agrees with the reference."""
+    """A non-contiguous param and a build without the compiled ops take the exact reference; the contiguous
+    tensors of the same step the compiled op (fp32, bf16 or 8-bit exp_avg), and the step agrees with the
+    reference."""
 
     def mixed(**kwargs):
         gen = torch.Generator().manual_seed(4)
@@ -581,12 +597,12 @@ def test_lion_door_is_taken_only_where_it_fits(monkeypatch):
             opt.step()
         return params, opt
 
-    ours = mixed()
-    assert sorted(lowbit_doors(ours[1])) == ["CompiledLionUpdate", "ExactUpdate"]
-    assert lowbit_doors(mixed(state_precision="bf16")[1]) == ["ExactUpdate", "ExactUpdate"]
-    with monkeypatch.context() as patch:
-        lion_reference_only(patch)
-        assert_bit_identical(ours, mixed())
+    for precision in ("fp32", "bf16", "8bit"):
+        ours = mixed(state_precision=precision)
+        assert sorted(lowbit_doors(ours[1])) == ["CompiledLionUpdate", "ExactUpdate"], precision
+        with monkeypatch.context() as patch:
+            lion_reference_only(patch)
+            assert_bit_identical(ours, mixed(state_precision=precision))
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     assert lowbit_doors(mixed()[1]) == ["ExactUpdate", "ExactUpdate"]
 
@@ -619,5 +635,10 @@ def test_lion_op_refuses_wrong_lists():
         cpu_ops.lion([p], [p], [], masters=None, scalars=scalars)
     with pytest.raises(RuntimeError, match="7 contiguous fp32"):
         cpu_ops.lion([p], [p], [p.clone()], masters=None, scalars=torch.zeros(8))
-    with pytest.raises(RuntimeError, match="exp_avg and the master copies contiguous fp32"):
+    with pytest.raises(RuntimeError, match="in the state format's dtype"):
         cpu_ops.lion([p], [p], [p.to(torch.bfloat16)], masters=None, scalars=scalars)
+    codes = torch.zeros(256, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="scales in 8bit only"):
+        cpu_ops.lion([p], [p], [codes], masters=None, scalars=scalars, state_format=2)
+    with pytest.raises(RuntimeError, match="one per block of 128"):
+        cpu_ops.lion([p], [p], [codes], masters=None, scalars=scalars, state_format=2, exp_avg_scales=[torch.zeros(3)])
