@@ -1,7 +1,7 @@
 """The CPU step's compiled ops (fused_stable/backends/torch/cpu_ops.py, cpu_step.cpp): the norm pass against an fp64
 reference, the update against fp64 AdamW with torch's own error as the floor, grads never written, `step`
 advanced only when applied, the same sums whatever the thread count, and the build's fallback (a real failed
-build: no compiler)."""
+build: no compiler); AdamW's bf16 / 8-bit op and Lion's op against the exact reference, bit for bit."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import reference_adamw_fp64, ulp_distance
 
-from fused_stable import FusedAdamW, schedules
+from fused_stable import FusedAdamW, FusedLion, schedules
 from fused_stable.backends.torch import cpu_ops
-from fused_stable.backends.torch.updates import CompiledUpdate, LowbitUpdate
+from fused_stable.backends.torch.updates import CompiledLionUpdate, CompiledUpdate, LowbitUpdate
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the compiled CPU ops could not be built here")
 
@@ -185,7 +185,7 @@ STEP_AND_REPORT = """
     import json
     import warnings
     import torch
-    from fused_stable import FusedAdamW, schedules
+    from fused_stable import FusedAdamW, FusedLion, schedules
     from fused_stable.backends.torch import cpu_ops
     p = torch.nn.Parameter(torch.ones(5))
     p.grad = torch.full((5,), 2.0)
@@ -463,3 +463,182 @@ def test_lowbit_adamw_refuses_wrong_lists():
         cpu_ops.adamw_lowbit([p], [p], lists, scales, masters=None, scalars=scalars, keys=keys, state_format=2)
     with pytest.raises(RuntimeError, match="state format's dtypes"):
         cpu_ops.adamw_lowbit([p], [p], lists, ([], [], []), masters=None, scalars=scalars, keys=keys, state_format=1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Lion (issue 35): the compiled op (cpu_ops.lion, rules/lion/cpu.h, updates.CompiledLionUpdate) against the exact
+# reference (exact_reference.ExactUpdate) on the same run: the same compiled norm pass and decisions, only the
+# update door differs, so every param, master and exp_avg must be bit-identical.
+
+# odd sizes around the 65536-element chunks, a matrix, a 1-element and an empty tensor: many tensors in one call
+LION_SHAPES = [(64, 100), (7,), (9000,), (65537 + 11,), (3 * 65536 + 5,), (1,), (0,), (130, 3)]
+LION_CASES = {
+    "fp32-clipped": dict(weight_decay=0.1, max_grad_norm=1.0),
+    "bf16": dict(dtype=torch.bfloat16, weight_decay=0.05, max_grad_norm=1.0),
+    "bf16-master-zscore-spike": dict(
+        dtype=torch.bfloat16, master_weights=True, clip="zscore", zscore_warmup=2, spike_skip_threshold=3.0
+    ),
+    "fp16": dict(dtype=torch.float16, max_grad_norm=2.0, lr_schedule=schedules.warmup_cosine(8, 2)),
+    "fp16-master-tensor-lr-schedule": dict(
+        dtype=torch.float16,
+        master_weights=True,
+        lr=torch.tensor(3e-3),
+        lr_schedule=schedules.warmup_cosine(8, 2),
+        weight_decay=0.1,
+    ),
+    "bf16-state-clipped": dict(state_precision="bf16", weight_decay=0.1, max_grad_norm=1.0),
+    "8bit-state-bf16-master": dict(
+        state_precision="8bit", dtype=torch.bfloat16, master_weights=True, max_grad_norm=1.0
+    ),
+    "8bit-state-fp16-tensor-lr-zscore": dict(
+        state_precision="8bit",
+        dtype=torch.float16,
+        lr=torch.tensor(3e-3),
+        lr_schedule=schedules.warmup_cosine(8, 2),
+        clip="zscore",
+        zscore_warmup=2,
+        spike_skip_threshold=3.0,
+    ),
+}
+
+
+def lion_run(steps=7, dtype=torch.float32, nan_at=None, **kwargs):
+    """FusedLion on the torch backend over LION_SHAPES, `steps` steps of fresh grads (lowbit_grads' spike at
+    step 5), and a NaN grad at step `nan_at` (a skipped step); the grads are checked unwritten each step."""
+    gen = torch.Generator().manual_seed(12)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in LION_SHAPES]
+    kwargs.setdefault("lr", 1e-3)
+    opt = FusedLion(params, backend="torch", **kwargs)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(3000 + step)
+        scale = 40.0 if step == 5 else 1.0 + step % 3
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * scale).to(dtype)
+        if step == nan_at:
+            params[3].grad[17] = float("nan")
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        for p, g in zip(params, grads):  # not written (a NaN stays a NaN)
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+    return params, opt
+
+
+def lion_reference_only(monkeypatch):
+    """Every Lion update through the exact reference, the rest of the step (compiled norm pass) unchanged."""
+    monkeypatch.setattr(CompiledLionUpdate, "fits", staticmethod(lambda *args: False))
+
+
+@pytest.mark.parametrize("case", list(LION_CASES), ids=list(LION_CASES))
+def test_lion_update_is_the_exact_reference_bit_for_bit(case, monkeypatch):
+    """Params, fp32 masters and exp_avg (fp32, bf16 stochastically rounded, 8-bit codes and scales) bit-identical
+    to the exact reference's after 7 steps: the clip active, weight decay, bf16 / fp16 params with and without
+    masters, an lr schedule (a float and a tensor lr), a z-score spike skip."""
+    kwargs = LION_CASES[case]
+    ours = lion_run(**kwargs)
+    assert set(lowbit_doors(ours[1])) == {"CompiledLionUpdate"}  # in 8bit: small tensors keep fp32 exp_avg
+    if kwargs.get("max_grad_norm") == 1.0:
+        assert float(ours[1].grad_norm) > 1.0  # the clip was active
+    if "spike_skip_threshold" in kwargs:  # some steps skipped (the spikes), most applied
+        assert 1 <= int(ours[1].spike_skips) <= 3
+    lion_reference_only(monkeypatch)
+    reference = lion_run(**kwargs)
+    assert set(lowbit_doors(reference[1])) == {"ExactUpdate"}
+    assert_bit_identical(ours, reference)
+    if kwargs.get("master_weights"):  # the params are their masters' roundings to nearest even
+        for p in ours[0]:
+            assert torch.equal(p.detach(), ours[1].state[p]["master_param"].to(p.dtype))
+
+
+def test_lion_skipped_step_leaves_everything_untouched(monkeypatch):
+    """A NaN grad at step 2: nothing moves on that step, and the run stays the reference's."""
+    params, opt = lion_run(steps=3, weight_decay=0.1, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[2].grad[1] = float("nan")
+    opt.step()
+    assert bool(opt.last_step_skipped)
+    for p, old_p, old_m in zip(params, *before):
+        assert torch.equal(p.detach(), old_p) and torch.equal(opt.state[p]["exp_avg"], old_m)
+    ours = lion_run(steps=4, nan_at=2, weight_decay=0.1, max_grad_norm=1.0)
+    lion_reference_only(monkeypatch)
+    assert_bit_identical(ours, lion_run(steps=4, nan_at=2, weight_decay=0.1, max_grad_norm=1.0))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+def test_lion_update_does_not_depend_on_the_thread_count(precision):
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            kwargs = dict(dtype=torch.bfloat16, master_weights=True, max_grad_norm=1.0, state_precision=precision)
+            runs.append(lion_run(steps=3, **kwargs))
+    finally:
+        torch.set_num_threads(threads)
+    assert_bit_identical(*runs)
+
+
+def test_lion_door_is_taken_only_where_it_fits(monkeypatch):
+    """A non-contiguous param and a build without the compiled ops take the exact reference; the contiguous
+    tensors of the same step the compiled op (fp32, bf16 or 8-bit exp_avg), and the step agrees with the
+    reference."""
+
+    def mixed(**kwargs):
+        gen = torch.Generator().manual_seed(4)
+        params = [
+            torch.nn.Parameter(torch.randn(80, 96, generator=gen).t()),
+            torch.nn.Parameter(torch.randn(5000, generator=gen)),
+        ]
+        opt = FusedLion(params, lr=1e-2, weight_decay=0.1, backend="torch", **kwargs)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return params, opt
+
+    for precision in ("fp32", "bf16", "8bit"):
+        ours = mixed(state_precision=precision)
+        assert sorted(lowbit_doors(ours[1])) == ["CompiledLionUpdate", "ExactUpdate"], precision
+        with monkeypatch.context() as patch:
+            lion_reference_only(patch)
+            assert_bit_identical(ours, mixed(state_precision=precision))
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    assert lowbit_doors(mixed()[1]) == ["ExactUpdate", "ExactUpdate"]
+
+
+def test_lion_door_on_tensor_decisions_is_the_reference():
+    """`on_tensors` (the 0-dim tensor decisions) delegates to the exact reference of the same tensors: the same
+    bits as the compiled `on_host`, and a skip leaves everything untouched."""
+    params, opt = lion_run(steps=2, dtype=torch.bfloat16, master_weights=True)
+    (door,) = opt._plan.backend_cache.updates
+    state = [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
+    grads = [torch.randn(p.shape).to(p.dtype) for p in params]
+    hp = opt.hparam_rows()[0]
+    grad_mul, skip, lr_factor = (torch.tensor(x) for x in (0.5, 1.0, 0.8))
+    after = [p.detach() for p in params] + [t for p in params for t in opt.state[p].values()]
+    with torch.no_grad():
+        door.on_tensors(grads, hp, grad_mul, skip, lr_factor, grad_mul.reciprocal())
+        assert all(torch.equal(a, b) for a, b in zip(after, state))
+        door.on_tensors(grads, hp, grad_mul, torch.tensor(0.0), lr_factor, grad_mul.reciprocal())
+        by_tensors = [t.clone() for t in after]
+        assert not all(torch.equal(a, b) for a, b in zip(by_tensors, state))  # applied
+        for t, old in zip(after, state):
+            t.copy_(old)
+        door.on_host(grads, hp, grad_mul.numpy(), lr_factor.numpy(), None)
+    assert all(torch.equal(a, b) for a, b in zip(after, by_tensors))
+
+
+def test_lion_op_refuses_wrong_lists():
+    p, scalars = torch.zeros(256), torch.zeros(7)
+    with pytest.raises(RuntimeError, match="one tensor per param"):
+        cpu_ops.lion([p], [p], [], masters=None, scalars=scalars)
+    with pytest.raises(RuntimeError, match="7 contiguous fp32"):
+        cpu_ops.lion([p], [p], [p.clone()], masters=None, scalars=torch.zeros(8))
+    with pytest.raises(RuntimeError, match="in the state format's dtype"):
+        cpu_ops.lion([p], [p], [p.to(torch.bfloat16)], masters=None, scalars=scalars)
+    codes = torch.zeros(256, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="scales in 8bit only"):
+        cpu_ops.lion([p], [p], [codes], masters=None, scalars=scalars, state_format=2)
+    with pytest.raises(RuntimeError, match="one per block of 128"):
+        cpu_ops.lion([p], [p], [codes], masters=None, scalars=scalars, state_format=2, exp_avg_scales=[torch.zeros(3)])

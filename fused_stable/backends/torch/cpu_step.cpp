@@ -4,16 +4,19 @@
 //                              scale) and never writes it back, and advances the `step` counters itself; fp32,
 //                              bf16 or fp16 params (with or without fp32 master copies), fp32 moments;
 //   fused_stable::adamw_lowbit the same with bf16 or 8-bit moments (state_format.py), one pass per chunk:
-//                              decode, update, encode, block by block, as the exact reference computes them.
+//                              decode, update, encode, block by block, as the exact reference computes them;
+//   fused_stable::lion         Lion (rules/lion/cpu.h) with fp32, bf16 or 8-bit exp_avg, on the same params,
+//                              reading the grads as adamw does, with the exact reference's step scalars (bit for
+//                              bit its update).
 // Together 4 + 28 = 32 bytes per fp32 parameter, clipped or not (torch's CPU `_fused_adamw_` writes the scaled
 // grads back when given `grad_scale`: 36), and two calls per step instead of five torch ops; 2 + 22 = 24 for bf16
 // params (32 with a master copy), where torch's ops copy the params and grads to fp32 and back.
 //
 // Work is cut into fixed chunks of one tensor each, the same whatever the thread count, so the sums (and so
 // the decisions) do not depend on it; at::parallel_for spreads the chunks over torch's threads.
-// The per-element math and the step's scalars are the rule's (fused_stable/rules/adamw/cpu.h, beside the
+// The per-element math and the step's scalars are the rule's (fused_stable/rules/<rule>/cpu.h, beside the
 // kernels' triton.py): IEEE fp32 with no contraction (built with -ffp-contract=off), in the order of the
-// kernels' update; the scalars computed in fp64 as torch's AdamW computes them, then rounded to fp32.
+// kernels' update; AdamW's scalars computed in fp64 as torch's AdamW computes them, then rounded to fp32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "adamw/cpu.h"  // fused_stable/rules/ is on the include path (cpu_ops.py)
+#include "lion/cpu.h"
 
 namespace {
 
@@ -536,6 +540,163 @@ void adamw_lowbit(at::TensorList params, at::TensorList grads, at::TensorList ex
   });
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// Lion (fused_stable/rules/lion/cpu.h) with fp32, bf16 or 8-bit exp_avg: one pass per chunk, the grads read times
+// the step's multiplier (in the scalars) and never written: with the norm pass 4 + 20 = 24 bytes per fp32
+// parameter (2 + 14 for a bf16 param, 2 + 20 with an fp32 master; 4 bytes fewer with bf16 exp_avg, 6 with 8-bit).
+// The step scalars are the caller's: rules/lion/torch.py's `step_scalars`, the exact reference's function, so the
+// update is the reference's bit for bit (the element's ops in its order, each rounded as torch rounds it; bf16
+// exp_avg rounded stochastically with the reference's random bits, 8-bit exp_avg with the signed codec, block by
+// block as adamw_lowbit). Lion keeps no bias correction: no `step` is read (the bf16 keys carry it).
+
+// One tensor's pointers for Lion: exp_avg's fp32 or bf16 values or 8-bit codes, their per-block scales in 8-bit,
+// the master only with master weights.
+struct LionTensor {
+  void* param;
+  const void* grad;
+  float* master;
+  void* exp_avg;
+  float* exp_avg_scale;
+  uint32_t key;  // state_format.random_key of this tensor and step (bf16 exp_avg's stochastic rounding)
+};
+
+// One chunk of one tensor (whole blocks but the tensor's last); P and kMaster as in update_piece. fp32 exp_avg is
+// updated in place element by element; bf16 and 8-bit are decoded, updated and encoded per block.
+template <int kFormat, typename P, bool kMaster>
+void lion_piece(const LionTensor& t, const fused_stable::lion::StepScalars& s, int64_t begin, int64_t end) {
+  P* __restrict param = static_cast<P*>(t.param);
+  const P* __restrict grad = static_cast<const P*>(t.grad);
+  float* __restrict master = t.master;
+  if (kFormat == 0) {
+    float* __restrict exp_avg = static_cast<float*>(t.exp_avg);
+    for (int64_t i = begin; i < end; ++i) {
+      float p = kMaster ? master[i] : static_cast<float>(param[i]);  // a master holds the fp32 value
+      fused_stable::lion::lion_element(p, static_cast<float>(grad[i]), exp_avg[i], s);
+      if (kMaster) {
+        master[i] = p;
+      }
+      param[i] = static_cast<P>(p);  // fp32, or to nearest even (the kernels' to_storage)
+    }
+    return;
+  }
+  float m[kQuantBlock];
+  for (int64_t first = begin; first < end; first += kQuantBlock) {
+    const int64_t n = std::min(kQuantBlock, end - first);
+    if (kFormat == kFormatQ8) {
+      decode_signed(static_cast<const int8_t*>(t.exp_avg) + first, t.exp_avg_scale[first / kQuantBlock], m, n);
+    } else {
+      const auto* m16 = static_cast<const c10::BFloat16*>(t.exp_avg) + first;
+      for (int64_t k = 0; k < n; ++k) {
+        m[k] = static_cast<float>(m16[k]);
+      }
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t i = first + k;
+      float p = kMaster ? master[i] : static_cast<float>(param[i]);  // (as above)
+      fused_stable::lion::lion_element(p, static_cast<float>(grad[i]), m[k], s);
+      if (kMaster) {
+        master[i] = p;
+      }
+      param[i] = static_cast<P>(p);
+    }
+    if (kFormat == kFormatQ8) {
+      t.exp_avg_scale[first / kQuantBlock] = encode_signed(m, static_cast<int8_t*>(t.exp_avg) + first, n);
+    } else {
+      auto* m16 = static_cast<c10::BFloat16*>(t.exp_avg) + first;
+      for (int64_t k = 0; k < n; ++k) {  // Lion's STOCHASTIC_BF16: exp_avg
+        m16[k] = round_stochastic_bf16(m[k], mix32(static_cast<uint32_t>(first + k) ^ t.key));
+      }
+    }
+  }
+}
+
+template <int kFormat>
+void lion_chunk(const LionTensor& t, at::ScalarType dtype, const fused_stable::lion::StepScalars& s, int64_t begin,
+                int64_t end) {
+  const bool master = t.master != nullptr;
+  switch (dtype) {
+    case at::kFloat:
+      return master ? lion_piece<kFormat, float, true>(t, s, begin, end)
+                    : lion_piece<kFormat, float, false>(t, s, begin, end);
+    case at::kBFloat16:
+      return master ? lion_piece<kFormat, c10::BFloat16, true>(t, s, begin, end)
+                    : lion_piece<kFormat, c10::BFloat16, false>(t, s, begin, end);
+    default:
+      return master ? lion_piece<kFormat, c10::Half, true>(t, s, begin, end)
+                    : lion_piece<kFormat, c10::Half, false>(t, s, begin, end);
+  }
+}
+
+// Checks one param's tensors and returns its pointers (a non-contiguous grad read from a copy in `grad`).
+LionTensor lion_tensor(const at::Tensor& p, at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor* scale,
+                       const at::Tensor* master, int64_t state_format, int64_t key) {
+  if (!grad.is_contiguous()) {
+    grad = grad.contiguous();  // rare (a transposed grad): read from a copy
+  }
+  const at::ScalarType m_dtype = state_format == kFormatQ8 ? at::kChar
+                                 : state_format == kFormatBF16 ? at::kBFloat16
+                                                               : at::kFloat;
+  TORCH_CHECK(is_plain(p, p, p.scalar_type()) && is_plain(grad, p, p.scalar_type()) && is_plain(exp_avg, p, m_dtype) &&
+                  (master == nullptr || is_plain_fp32(*master, p)),
+              "fused_stable::lion: params and grads must be contiguous CPU tensors of one dtype and size, exp_avg "
+              "contiguous of that size in the state format's dtype, the master copies fp32");
+  TORCH_CHECK(scale == nullptr || is_scales_of(*scale, p),
+              "fused_stable::lion: 8-bit scales must be contiguous fp32, one per block of 128 elements");
+  return {p.data_ptr(), grad.const_data_ptr(),        master ? master->data_ptr<float>() : nullptr,
+          exp_avg.data_ptr(), scale ? scale->data_ptr<float>() : nullptr, static_cast<uint32_t>(key)};
+}
+
+// Lion on fp32, bf16 or fp16 params (grads of the same dtype) with exp_avg in `state_format` (0 fp32, 1 bf16, 2
+// 8-bit: state_format.py; `exp_avg_scales` its per-block scales in 8-bit, else empty) and, when `masters` is not
+// empty, fp32 master copies (the master is updated, the param stores its rounding). `scalars`: 7 fp32 values,
+// rules/lion/torch.py's `step_scalars` in its order (grad_mul, decay, lr, beta1, beta2, 1 - beta1, 1 - beta2);
+// `keys`: [n] int64, state_format.random_key per tensor (read in bf16 only).
+void lion(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_scales,
+          at::TensorList masters, const at::Tensor& scalars, const at::Tensor& keys, int64_t state_format) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  const bool with_masters = !masters.empty();
+  const bool q8 = state_format == kFormatQ8;
+  TORCH_CHECK(state_format >= 0 && state_format <= kFormatQ8, "fused_stable::lion: state_format must be 0, 1 or 2");
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n && static_cast<int64_t>(exp_avgs.size()) == n &&
+                  (!with_masters || static_cast<int64_t>(masters.size()) == n) &&
+                  static_cast<int64_t>(exp_avg_scales.size()) == (q8 ? n : 0),
+              "fused_stable::lion: the lists must have one tensor per param (scales in 8bit only)");
+  TORCH_CHECK(scalars.scalar_type() == at::kFloat && scalars.is_contiguous() &&
+                  scalars.numel() == fused_stable::lion::kNumScalars && scalars.device().is_cpu(),
+              "fused_stable::lion: scalars must be 7 contiguous fp32 values (rules/lion/torch.py's step_scalars)");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.numel() == n,
+              "fused_stable::lion: keys must be int64, one per param");
+  const fused_stable::lion::StepScalars s = fused_stable::lion::scalars_from(scalars.const_data_ptr<float>());
+  const at::ScalarType dtype = n > 0 ? params[0].scalar_type() : at::kFloat;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "fused_stable::lion: unsupported param dtype ", dtype);
+  std::vector<at::Tensor> dense_grads(grads.begin(), grads.end());
+  std::vector<LionTensor> tensors(n);
+  std::vector<int64_t> sizes(n);
+  const int64_t* key_values = keys.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(params[t].scalar_type() == dtype, "fused_stable::lion: the params must share one dtype");
+    tensors[t] = lion_tensor(params[t], dense_grads[t], exp_avgs[t], q8 ? &exp_avg_scales[t] : nullptr,
+                             with_masters ? &masters[t] : nullptr, state_format, key_values[t]);
+    sizes[t] = params[t].numel();
+  }
+  const std::vector<Piece> pieces = cut(sizes, kUpdateChunk);  // whole 8-bit blocks: a multiple of 128
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  at::parallel_for(0, num_pieces, 1, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const Piece& piece = pieces[num_pieces - 1 - j];  // last chunk first, as adamw
+      const LionTensor& t = tensors[piece.tensor];
+      if (q8) {
+        lion_chunk<kFormatQ8>(t, dtype, s, piece.begin, piece.end);
+      } else if (state_format == kFormatBF16) {
+        lion_chunk<kFormatBF16>(t, dtype, s, piece.begin, piece.end);
+      } else {
+        lion_chunk<0>(t, dtype, s, piece.begin, piece.end);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fused_stable, m) {
@@ -550,4 +711,8 @@ TORCH_LIBRARY(fused_stable, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] exp_avg_scales, Tensor(f!)[] exp_avg_sq_scales, "
       "Tensor(g!)[] max_exp_avg_sq_scales, Tensor(h!)[] masters, Tensor scalars, Tensor keys, int state_format) -> ()",
       &adamw_lowbit);
+  m.def(
+      "lion(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_scales, "
+      "Tensor(d!)[] masters, Tensor scalars, Tensor keys, int state_format) -> ()",
+      &lion);
 }

@@ -155,10 +155,11 @@ class ExactUpdate:
     def _step_scalars(self, hp, grad_mul, lr_factor):
         """The rule's `step_scalars`, per tensor, as [blocks, 1] columns (each block's own `step`)."""
         steps = torch.stack(self.steps)[self.block_tensor][:, None]
-        return self.language.step_scalars(self._row(hp), steps, grad_mul, lr_factor)
+        return self.language.step_scalars(self.hparam_row(hp), steps, grad_mul, lr_factor)
 
-    def _row(self, hp) -> torch.Tensor:
-        """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays)."""
+    def hparam_row(self, hp) -> torch.Tensor:
+        """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays); the
+        compiled Lion door computes its step scalars from it too (updates.CompiledLionUpdate)."""
         key = (id(hp.lr) if isinstance(hp.lr, torch.Tensor) else hp.lr, *hp[1:])
         if self.row_cache is None or self.row_cache[0] != key:
             row = torch.tensor(self.rule.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)

@@ -7,6 +7,8 @@ when the plan's lists are built (torch_backend.TorchLists):
                   (with or without fp32 masters) and fp32 moments on the CPU;
   LowbitUpdate    the compiled CPU op for bf16 and 8-bit state (cpu_ops.adamw_lowbit): contiguous CPU tensors,
                   the exact reference's arithmetic in one pass per chunk;
+  CompiledLionUpdate  Lion's (rules/lion/torch.py lists it): the compiled CPU op (cpu_ops.lion) on contiguous CPU
+                  tensors with fp32, bf16 or 8-bit exp_avg, the exact reference's update bit for bit;
   ExactUpdate     the exact tensor reference for bf16 and 8-bit state (exact_reference.py): any layout, any
                   device, and the CPU without the compiled ops.
 
@@ -26,10 +28,11 @@ import torch
 from ... import state_format
 from ...layout import HParams
 from ...plan import StepPlan
-from ...rules import adamw
+from ...rules import adamw, lion
 from ...rules.adamw.torch import step_scalars
-from ...state_format import FP32, Q8
+from ...state_format import BF16, FP32, Q8
 from . import cpu_ops
+from .exact_reference import ExactUpdate
 
 _COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -287,6 +290,62 @@ def _fits_in_place(plan: StepPlan, group: int, all_indices: list[int], with_scal
             return False
         tensors += [plan.masters[i] for i in all_indices]
     return all(t.is_contiguous() for t in tensors)
+
+
+class CompiledLionUpdate:
+    """One call of the compiled CPU op for Lion (cpu_ops.lion, rules/lion/cpu.h) on contiguous CPU tensors with
+    fp32, bf16 or 8-bit exp_avg: the exact reference's update in one pass per chunk (24 bytes per fp32 param with
+    fp32 exp_avg and the norm pass, where the reference gathers everything into padded flat copies), reading the
+    grads times `grad_mul` without writing them. Its step scalars and stochastic-rounding keys are the reference's
+    own (rules/lion/torch.py's `step_scalars` on the reference's fp32 row, state_format.random_key), so params,
+    masters, exp_avg, codes and scales are the reference's bit for bit. Listed in rules/lion/torch.py's DOORS.
+    Taken on host decisions; `on_tensors` (the 0-dim tensor decisions, never taken on a plan with compiled
+    doors) is the exact reference's, built for the same tensors."""
+
+    advances_steps = False  # the backend advances the counters first, as for the reference (bf16 keys read them)
+    reads_grad_divisor = False
+
+    __slots__ = ("group", "indices", "format", "params", "masters", "exp_avgs", "scales", "steps", "positions", "exact")
+
+    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt, relayout):
+        self.group, self.indices, self.format = group, indices, fmt
+        self.params = [plan.local_params[i] for i in all_indices]
+        masters = [plan.masters[i] for i in all_indices]
+        self.masters = masters if masters[0] is not None else None
+        self.exp_avgs = [plan.states[i][0] for i in all_indices]
+        self.scales = [plan.scales[i][0] for i in all_indices] if fmt == Q8 else None
+        self.steps = [plan.steps[i] for i in all_indices]
+        self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
+        # the reference for the same tensors: the 0-dim tensor decisions' update, and the row and step_scalars
+        # this door computes its scalars with (one definition of them)
+        self.exact = ExactUpdate(plan, group, indices, all_indices, fmt)
+
+    @staticmethod
+    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout, compiled: bool) -> bool:
+        """Whether the op is built and can update these Lion tensors in place: `_fits_in_place` (`relayout` is
+        not read: the op reads a non-contiguous grad from a copy, and every other tensor must be contiguous)."""
+        if not compiled or plan.rule.NAME != lion.NAME:
+            return False
+        return _fits_in_place(plan, group, all_indices, fmt == Q8)
+
+    def on_host(self, grads, hp, grad_mul, lr_factor, grad_divisor) -> None:
+        decisions = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, lr_factor)]
+        scalars = self.exact.language.step_scalars(self.exact.hparam_row(hp), None, *decisions)
+        # bf16 exp_avg's stochastic rounding: the reference's keys (each tensor's position and advanced step)
+        keys = state_format.random_key(self.positions, torch.stack(self.steps)) if self.format == BF16 else None
+        cpu_ops.lion(
+            self.params,
+            grads,
+            self.exp_avgs,
+            masters=self.masters,
+            scalars=torch.stack(scalars),
+            state_format=self.format,
+            exp_avg_scales=self.scales,
+            keys=keys,
+        )
+
+    def on_tensors(self, grads, hp, grad_mul, skip, lr_factor, grad_divisor) -> None:
+        self.exact.on_tensors(grads, hp, grad_mul, skip, lr_factor, grad_divisor)
 
 
 # the rules' own doors, tried in order before the exact reference (torch_backend.choose_update)
