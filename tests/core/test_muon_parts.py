@@ -28,6 +28,16 @@ ONE = torch.tensor(1.0)
 ZERO = torch.tensor(0.0)
 
 
+@pytest.fixture(autouse=True, params=["host", "device"])
+def decisions(request, monkeypatch):
+    """Every MuonSide test on both paths: the CPU's host decisions (skipped steps return, applied ones update in
+    place) and the device path (compute, then torch.where on the skip), which CUDA takes."""
+    from fused_stable.rules.muon import torch as muon_torch
+
+    monkeypatch.setattr(muon_torch, "DECIDE_ON_HOST", request.param == "host")
+    return request.param
+
+
 @pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
 def threads(request):
     before = torch.get_num_threads()

@@ -3019,4 +3019,22 @@ MUTATIONS: list[Mutation] = [
         "FusedMuon under DeepSpeed is refused in one line (ZeRO steps flat partitions, Newton-Schulz whole matrices)",
         select="fused_muon",
     ),
+    M(
+        "muon-in-place-decay-dropped",
+        "fused_stable/rules/muon/torch.py",
+        "    torch._foreach_mul_(batch.params, decay)\n",
+        "",
+        ["tests/core/test_muon_parts.py"],
+        "an applied Muon step on host decisions decays the params as torch (p *= 1 - lr * weight_decay)",
+        select="bit_for_bit_fp32 and host",
+    ),
+    M(
+        "muon-host-skip-ignored",
+        "fused_stable/rules/muon/torch.py",
+        "        if on_host and bool(skip):",
+        "        if False:",
+        ["tests/core/test_muon_parts.py"],
+        "a skipped step on host decisions leaves the Muon params and buffers bit-identical",
+        select="skipped_step and host",
+    ),
 ]
