@@ -385,13 +385,13 @@ def test_every_mapped_optim_name_is_the_hf_trainers():
 def test_our_optim_key_chooses_the_rule_and_its_default_lr(tmp_path):
     cfg, explicit, lines = resolve("--config", write(tmp_path, "optim: lion\n"))
     assert (cfg.optim, cfg.state_precision, lines) == ("lion", "fp32", [])
-    # no lr given: lion's is a third of the default (a rule of thumb), adamw keeps it
-    assert cfg.lr == pytest.approx(1e-3 / 3, rel=1e-12) and "lr" not in explicit
+    # no lr given: every rule's default is the same (measured: docs/trainer.md, "The update rule")
+    assert cfg.lr == 1e-3 and "lr" not in explicit
     assert resolve("--optim", "adamw")[0].lr == 1e-3
     assert resolve("--optim", "lion", "--lr", "2e-4")[0].lr == 2e-4, "a given lr is kept"
-    # LLaMA-Factory's default lr (5e-5, AdamW's) divided too, and the mapping says the lr the run has
+    # LLaMA-Factory's default lr (5e-5) for its Lion too, and the mapping says the lr the run has
     cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\noptim: lion_8bit\n"))
-    assert cfg.lr == pytest.approx(5e-5 / 3, rel=1e-12)
+    assert cfg.lr == 5e-5
     assert f"defaults for the keys not given: lr: {cfg.lr}, weight_decay: 0.0" in lines[0]
     with pytest.raises(UserError, match=r"optim must be one of adamw \| lion \| muon"):
         resolve_config([], base={"optim": "sgd"})

@@ -69,4 +69,3 @@ def test_every_rule_of_the_table_is_a_choice_with_its_class():
         cls = getattr(fused_stable, optimizers.RULES[name].title)
         assert cls.RULE.NAME == name
     assert optimizers.RULES["muon"].title == fused_stable.FusedMuon.__name__
-    assert optimizers.RULES["adamw"].lr_factor == 1.0 and optimizers.RULES["lion"].lr_factor == pytest.approx(1 / 3)

@@ -104,8 +104,7 @@ class TrainConfig:
     )
     lr: float = _key(
         1e-3,
-        "peak learning rate; none given: 1e-3 for adamw and muon, 1e-3 / 3 for lion (a rule-of-thumb default from "
-        "the Lion paper's 3-10x smaller lr, not a measured one)",
+        "peak learning rate (the same default for every rule: a sweep found 1e-3 best for lion too, docs/trainer.md)",
         "optim",
         Range(0, 1, low_open=True),
     )

@@ -23,7 +23,6 @@ from fused_stable.errors import UserError
 from fused_stable.train.config import foreign_configs
 from fused_stable.train.config.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
 from fused_stable.train.data import mixing
-from fused_stable.train.run.optimizers import RULES
 
 
 def same_state_value(name: str, saved, now) -> bool:
@@ -241,11 +240,6 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
                 value = _anchor_value(anchor, name, value, where, lines)
             values[name] = _coerce(name, value, label or f"--{name}")
             explicit.add(name)
-    if base is None and "lr" not in explicit:
-        # each rule's own default lr (train/run/optimizers.py: lion's is a third of AdamW's)
-        values["lr"] = (
-            values.get("lr", FIELDS["lr"].default) * RULES[values.get("optim", FIELDS["optim"].default)].lr_factor
-        )
     if anchor == foreign_configs.LLAMA_FACTORY and "lora_alpha" not in explicit and "lora_r" in values:
         values["lora_alpha"] = 2 * values["lora_r"]  # LLaMA-Factory: lora_alpha defaults to 2 x lora_rank
     if anchor == foreign_configs.LLAMA_FACTORY:
@@ -260,9 +254,7 @@ def resolve_config(argv: list[str], base: dict | None = None, log=None) -> tuple
     validate(cfg)
     if lines and log is not None:
         defaults = ", ".join(
-            f"{k}: {getattr(cfg, k)}"  # as the run has it (lion's lr: a third of it)
-            for k in foreign_configs.ANCHOR_DEFAULTS.get(anchor, {})
-            if k not in explicit
+            f"{k}: {getattr(cfg, k)}" for k in foreign_configs.ANCHOR_DEFAULTS.get(anchor, {}) if k not in explicit
         )
         log(
             f"{anchor or 'anchor'} keys read as fused-stable sft's:\n  "
