@@ -106,8 +106,11 @@ class SavedState:
                 moments[param_id] = taken
             plain_state[param_id] = kept
         precisions = [group["state_precision"] for group in self.param_groups]
+        before = [dict(group) for group in self.param_groups]
         super().load_state_dict({**state_dict, "state": plain_state})
-        for group, precision in zip(self.param_groups, precisions):
+        for group, precision, own in zip(self.param_groups, precisions, before):
+            for key, value in own.items():  # a key the saved group lacks (torch.optim.Muon's: use_muon) keeps ours
+                group.setdefault(key, value)
             rule = self.group_rule(group)
             if rule is not None:
                 rule.normalize_group(group)  # e.g. torch may save tensor betas: the tables hold floats

@@ -236,3 +236,42 @@ def test_bf16_momentum_buffers_with_state_precision_bf16():
     p = torch.nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="8-bit Muon momentum is not built yet"):
         FusedMuon([{"params": [p], "use_muon": True}], state_precision="8bit")
+
+
+def test_state_dicts_load_from_and_into_torch_optim_muon(tmp_path):
+    """A FusedMuon of Muon groups only and torch.optim.Muon over the same matrices read each other's state dicts
+    (momentum_buffer under torch's key; torch keeps no `step`, counted from the load): after a load both step on
+    bit for bit, in both directions."""
+    n = len(MUON_SHAPES)
+
+    def pair():
+        ours = [torch.nn.Parameter(p.clone()) for p in _params()[:n]]
+        theirs = [torch.nn.Parameter(p.clone()) for p in _params()[:n]]
+        fused = FusedMuon([{"params": ours, "use_muon": True, "lr": 0.02}], backend="torch")
+        return ours, fused, theirs, torch.optim.Muon(theirs, lr=0.02)
+
+    def step(params, opt, index):
+        for p, g in zip(params, _grads(index)[:n]):
+            p.grad = g.clone()
+        opt.step()
+
+    ours, fused, theirs, reference = pair()
+    for index in range(2):
+        step(theirs, reference, index)
+    torch.save(reference.state_dict(), tmp_path / "torch.pt")
+    fused.load_state_dict(torch.load(tmp_path / "torch.pt", weights_only=True))
+    for p, q in zip(ours, theirs):
+        p.data.copy_(q.data)
+    step(ours, fused, 2)
+    step(theirs, reference, 2)
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs)), "torch's state loaded into FusedMuon"
+    assert fused.param_groups[0]["use_muon"] is True
+
+    other, _, back, reference_back = pair()
+    torch.save(fused.state_dict(), tmp_path / "fused.pt")
+    reference_back.load_state_dict(torch.load(tmp_path / "fused.pt", weights_only=True))
+    for p, q in zip(back, ours):
+        p.data.copy_(q.data)
+    step(back, reference_back, 3)
+    step(ours, fused, 3)
+    assert all(torch.equal(p, q) for p, q in zip(ours, back)), "FusedMuon's state loaded into torch.optim.Muon"

@@ -3037,4 +3037,13 @@ MUTATIONS: list[Mutation] = [
         "a skipped step on host decisions leaves the Muon params and buffers bit-identical",
         select="skipped_step and host",
     ),
+    M(
+        "load-drops-our-group-keys",
+        "fused_stable/state_dict.py",
+        "                group.setdefault(key, value)\n",
+        "                pass\n",
+        ["tests/core/test_fused_muon.py"],
+        "torch.optim.Muon's state dict (no use_muon in its groups) loads into FusedMuon, whose groups keep their kind",
+        select="torch_optim_muon",
+    ),
 ]
