@@ -3040,8 +3040,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "load-drops-our-group-keys",
         "fused_stable/state_dict.py",
-        "                group.setdefault(key, value)\n",
-        "                pass\n",
+        "            for key, value in own.items():  # a key the saved group lacks (torch.optim.Muon's: use_muon) keeps ours\n                group.setdefault(key, value)\n",
+        "            for key, value in own.items():  # a key the saved group lacks (torch.optim.Muon's: use_muon) keeps ours\n                pass\n",
         ["tests/core/test_fused_muon.py"],
         "torch.optim.Muon's state dict (no use_muon in its groups) loads into FusedMuon, whose groups keep their kind",
         select="torch_optim_muon",
