@@ -122,11 +122,11 @@ def _offload_device(zero: dict, key: str = "offload_optimizer") -> str | None:
 def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dict | str | Path, **kwargs: Any):
     """`deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)`, then
     `attach(engine)`; returns what deepspeed.initialize returns (engine, optimizer, dataloader, lr_scheduler)."""
-    import deepspeed
-
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a fused_stable.FusedAdamW or FusedLion, got {type(optimizer).__name__}")
-    _refuse_groups_without_a_rule(optimizer)
+    _refuse_groups_without_a_rule(optimizer)  # before deepspeed is imported: nothing runs for a refused optimizer
+    import deepspeed
+
     out = deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)
     attach(out[0])
     return out
