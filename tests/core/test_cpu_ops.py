@@ -539,7 +539,7 @@ def test_lion_update_is_the_exact_reference_bit_for_bit(case, monkeypatch):
     if kwargs.get("max_grad_norm") == 1.0:
         assert float(ours[1].grad_norm) > 1.0  # the clip was active
     if "spike_skip_threshold" in kwargs:  # some steps skipped (the spikes), most applied
-        assert 1 <= int(ours[1].spike_skips) <= 3
+        assert int(ours[1].spike_skips) in (1, 2, 3)
     lion_reference_only(monkeypatch)
     reference = lion_run(**kwargs)
     assert set(lowbit_doors(reference[1])) == {"ExactUpdate"}
