@@ -8,7 +8,7 @@ MLP of `--params` parameters. Three contenders per stage, interleaved step by st
     and clip off (ZeRO 1-2 by config; ZeRO-3 by the integration), one fused step;
   - torch+ds-clip: torch.optim.AdamW(fused=True) with DeepSpeed's gradient_clipping=1.0 (its fp64 norm, its host
     check, its mul_ pass): DeepSpeed's usual way;
-  - fusedadamw+ds-clip: FusedAdamW without rules as a plain client optimizer, DeepSpeed clipping.
+  - fusedadamw+ds-clip: FusedAdamW without its clip as a plain client optimizer, DeepSpeed clipping.
 Prints the median engine.step() time (ms) of each, rank 0, with `uptime` before and after. Forward and backward
 are not timed (the same for all).
 """

@@ -82,7 +82,7 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
     tables = triton_backend.TritonTables(
         plan,
         opt.step_buffers,
-        opt.rules,
+        opt.policy,
         opt.device,
         sumsq_config=sumsq_config,
         adamw_config=adamw_config,

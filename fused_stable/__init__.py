@@ -13,17 +13,9 @@ if _os.environ.get("FUSED_STABLE_BACKEND", "").lower() == "interpret" and "trito
 from . import schedules  # noqa: E402
 from .amp import GradScaler  # noqa: E402
 from .clip import clip_grad_norm_  # noqa: E402
-from .muon import FusedMuon  # noqa: E402
-from .optim import FusedAdamW, FusedLion  # noqa: E402
+from .optimizers import *  # noqa: E402, F403  (OPTIMIZERS and one class per rule: the registry's __all__)
+from .optimizers import __all__ as _optimizers
 from .rules.muon.param_groups import muon_param_groups  # noqa: E402
 
-__all__ = [
-    "FusedAdamW",
-    "FusedLion",
-    "FusedMuon",
-    "GradScaler",
-    "clip_grad_norm_",
-    "muon_param_groups",
-    "schedules",
-]
+__all__ = [*_optimizers, "GradScaler", "clip_grad_norm_", "muon_param_groups", "schedules"]
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ formats: the param set, `amsgrad`, `state_precision`) is fixed by the trace; dyn
 `param_groups` and the state's keys, so a change to any of them retraces before the graph runs again (and the
 op refuses to run a plan whose groups no longer match, should a change slip past the guards). The values a
 scheduler or a loop writes between steps (every group's lr, betas, eps, weight_decay, maximize, and the
-optimizer's `rules`) are read from the optimizer each time the op runs, as an eager step reads them: a trace
+optimizer's `policy`) are read from the optimizer each time the op runs, as an eager step reads them: a trace
 never freezes them. Dynamo still specialises on a float the first time it changes (one retrace per changed
 key, then the key is a graph input and later changes cost nothing: docs/optimizer.md has the counts).
 """
@@ -147,7 +147,7 @@ def fused_step(
     _check_groups_unchanged(opt, step.template)
     plan, buffers = _plan_for(step, tensors, grads)
     hparams = _current_hparams(opt, step, lrs)
-    ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, opt.rules, hparams, grad_scale, found_inf, None)
+    ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, opt.policy, hparams, grad_scale, found_inf, None)
     opt.last_tables = plan.backend_cache  # per_tensor_grad_norms() reads the latest step's tables
 
 

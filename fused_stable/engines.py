@@ -5,13 +5,13 @@ DeepSpeed's ZeRO 1-3 hand the client optimizer one flat fp32 partition per param
 sub-group) and call step() once per group, with `param_groups` swapped to that group. Each call then sees one
 rank's partition of one group: a clip or a spike rule would act on that partition's norm, an inf on one rank
 would skip there and be applied on the others, and the counters and the lr schedule would advance once per call.
-FusedAdamW with any of those rules (max_grad_norm, clip="zscore", spike_skip_threshold, lr_schedule) therefore
+FusedAdamW with any of those settings (max_grad_norm, clip="zscore", spike_skip_threshold, lr_schedule) therefore
 refuses to step under DeepSpeed's ZeRO wrappers, unless fused_stable.integrations.deepspeed drives it: the
 integration owns the engine's step (one global norm across ranks, groups and sub-groups, one decision per engine
 step) and marks the optimizer with `DRIVEN_BY_ENGINE`.
 
 The check runs when a step plan is built (the first step, and every call under ZeRO with several groups, since
-each call swaps the groups), never on the per-step fast path. Without those rules FusedAdamW is an AdamW, and
+each call swaps the groups), never on the per-step fast path. Without those settings FusedAdamW is an AdamW, and
 DeepSpeed's own clip and overflow check are right under ZeRO (measured: issue 27), so it is left alone.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from .layout import CLIP_ZSCORE, StepRules
+from .layout import CLIP_ZSCORE, StepPolicy
 from .sharding import norm_reducer
 
 # set by `drive` on the optimizer an integration drives: the reducer of its sum of squares across ranks
@@ -44,16 +44,16 @@ def norm_reducer_of(optimizer):
     return optimizer.__dict__.get(DRIVEN_BY_ENGINE) or norm_reducer(optimizer.param_groups)
 
 
-def rules_in_use(rules: StepRules) -> list[str]:
-    """The rules of `rules` that need the whole model's norm or one call per engine step."""
+def rules_in_use(policy: StepPolicy) -> list[str]:
+    """The settings of `policy` that need the whole model's norm or one call per engine step."""
     used = []
-    if rules.max_grad_norm is not None:
-        used.append(f"max_grad_norm={rules.max_grad_norm}")
-    if rules.clip_mode == CLIP_ZSCORE:
+    if policy.max_grad_norm is not None:
+        used.append(f"max_grad_norm={policy.max_grad_norm}")
+    if policy.clip_mode == CLIP_ZSCORE:
         used.append('clip="zscore"')
-    if rules.spike_skip_threshold is not None:
-        used.append(f"spike_skip_threshold={rules.spike_skip_threshold}")
-    if rules.schedule is not None:
+    if policy.spike_skip_threshold is not None:
+        used.append(f"spike_skip_threshold={policy.spike_skip_threshold}")
+    if policy.schedule is not None:
         used.append("lr_schedule")
     return used
 
@@ -76,7 +76,7 @@ def refuse_partition_steps(optimizer) -> None:
     partition (see the module doc); called before a step plan is built, so nothing has changed."""
     if DRIVEN_BY_ENGINE in optimizer.__dict__:
         return
-    used = rules_in_use(optimizer.rules)
+    used = rules_in_use(optimizer.policy)
     if not used:
         return
     caller = zero_wrapper_caller()

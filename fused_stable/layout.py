@@ -1,8 +1,9 @@
 """What one fused step decides and takes, and where each per-step scalar lives in the optimizer's device buffers.
 
 The decision kernel (kernels/decide.py), the update kernel (kernels/update.py), the torch backend
-(backends/torch/torch_backend.py) and the optimizer's read-outs (readouts.py) all use the names below, so the layout,
-the rules (`StepRules`, which checks itself) and the hyper-parameters (`HParams`) are written exactly once.
+(backends/torch/torch_backend.py) and the optimizer's read-outs (readouts.py) all use the names below, so the layout and
+the step's policy (`StepPolicy`: clip, skip, statistics, schedule, which checks itself) are written exactly once
+(each update rule's hyper-parameters are its declaration's: fused_stable/rules).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-# learning-rate schedule kinds: defined beside the schedules (fused_stable.schedules), which StepRules checks
+# learning-rate schedule kinds: defined beside the schedules (fused_stable.schedules), which StepPolicy checks
 from .schedules import SCHEDULE_CONSTANT as SCHEDULE_CONSTANT
 from .schedules import SCHEDULE_COSINE as SCHEDULE_COSINE
 from .schedules import SCHEDULE_LINEAR as SCHEDULE_LINEAR
@@ -54,13 +55,13 @@ I_MAX_ZSCORE_STEP = 7  # applied-step index at that z-score
 I_WORST_STEP = 8  # the worst step's index among all steps taken (applied or skipped, from 0), -1 when reset
 I_SIZE = 9
 
-# hyper-parameter table, one float32 row per param group: the step's slots here, the rule's between them
-# (fused_stable/rules/adamw: slots 1 to 9, and `hparam_row`, the row itself)
+# hyper-parameter table, one float32 row per param group: the step's slots here, then the rule's from FIRST_RULE_SLOT
+# (each rule's declaration names its slots: fused_stable/rules; rules.H_SIZE is the table's width, from every rule)
 H_LR = 0  # the group's lr (the base lr with a schedule), which the schedule's factor multiplies
 # written by the step, not read by it: with an lr schedule, the lr the next step will use (base lr x the schedule's
 # factor), which param_groups[g]["lr"] shows as a 0-dim view
-H_SHOWN_LR = 10
-H_SIZE = 11
+H_SHOWN_LR = 1
+FIRST_RULE_SLOT = 2
 
 # clip modes, and their names as FusedAdamW(clip=...) takes them
 CLIP_FIXED = 0
@@ -74,7 +75,7 @@ CLIP_EPS = 1e-6
 
 
 @dataclass(frozen=True)
-class StepRules:
+class StepPolicy:
     """The per-optimizer settings of the device-side decisions (clip, skip, statistics, schedule).
 
     Checks itself: a bad setting raises the error FusedAdamW's constructor documents, before anything is built.
@@ -134,50 +135,12 @@ class StepRules:
             object.__setattr__(self, name, value)
 
 
+# the name pickles made before 2026-12-06 give StepPolicy (it was StepRules, a name that said "rules" of the update)
+StepRules = StepPolicy
+
+
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
-
-
-class HParams(NamedTuple):
-    """One param group's hyper-parameters as a fused step takes them, one per group (FusedAdamW.hparam_rows)."""
-
-    lr: float | torch.Tensor  # with an lr schedule, the group's base lr (`initial_lr`); a tensor is read on the device
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    maximize: bool
-
-    @staticmethod
-    def check(lr, betas, eps, weight_decay) -> None:
-        """The checks (and error messages) of torch.optim.AdamW, for the constructor and every added group."""
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError("Tensor lr must be 1-element")
-            lr_value = float(lr.detach().reshape(()).cpu())
-        else:
-            lr_value = float(lr)
-        if not lr_value >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
-        if len(betas) != 2:
-            raise ValueError(f"betas must be a pair, got {betas}")
-        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-            raise ValueError("betas must be either both floats or both Tensors")  # torch's words
-        for index, beta in enumerate(betas):
-            if isinstance(beta, torch.Tensor) and beta.numel() != 1:
-                raise ValueError(f"Tensor betas[{index}] must be 1-element")
-        for index, beta in enumerate(HParams.float_betas(betas)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {index}: {beta} (must be in [0, 1))")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
-
-    @staticmethod
-    def float_betas(betas) -> tuple[float, float]:
-        """Tensor betas (torch accepts 1-element ones) as floats: the step's tables hold floats."""
-        return tuple(float(b.detach().reshape(())) if isinstance(b, torch.Tensor) else b for b in betas)
 
 
 class LrOnly(NamedTuple):
@@ -187,9 +150,9 @@ class LrOnly(NamedTuple):
     lr: float | torch.Tensor
 
 
-def lr_row(lr) -> list[float]:
-    """LrOnly's row of the hyper-parameter table (a tensor lr is copied in on the device)."""
-    row = [0.0] * H_SIZE
+def lr_row(lr, size: int = FIRST_RULE_SLOT) -> list[float]:
+    """LrOnly's row of the hyper-parameter table, `size` wide (a tensor lr is copied in on the device)."""
+    row = [0.0] * size
     row[H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)
     return row
 
@@ -217,7 +180,7 @@ class StepBuffers:
 
     fstate: torch.Tensor  # fp32 [F_SIZE]
     istate: torch.Tensor  # int64 [I_SIZE]
-    hparams: torch.Tensor  # fp32 [num_groups, H_SIZE]
+    hparams: torch.Tensor  # fp32 [num_groups, rules.H_SIZE]
     worst_sumsq: torch.Tensor  # fp32 [every param of every group]: per-tensor sums of squares of the worst step
 
 

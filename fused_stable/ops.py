@@ -23,7 +23,7 @@ import torch
 
 from .backends import Backend, GlobalSumsq, triton_backend  # no triton until a kernel is launched
 from .backends.torch import torch_backend
-from .layout import HParams, StepBuffers, StepRules
+from .layout import StepBuffers, StepPolicy
 from .plan import StepPlan
 
 # backend name -> the module that runs it ("interpret" is the Triton backend on kernels Triton interprets)
@@ -82,15 +82,15 @@ def fused_step(
     plan: StepPlan,
     grads: list[torch.Tensor],
     buffers: StepBuffers,
-    rules: StepRules,
-    hparams: list[HParams],
+    policy: StepPolicy,
+    hparams: list[tuple],
     *,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     global_sumsq: GlobalSumsq | None = None,
 ) -> None:
     """One fused step on the named backend: `Backend.fused_step` (fused_stable/backends) says what it takes."""
-    BACKENDS[backend].fused_step(plan, grads, buffers, rules, hparams, grad_scale, found_inf, global_sumsq)
+    BACKENDS[backend].fused_step(plan, grads, buffers, policy, hparams, grad_scale, found_inf, global_sumsq)
 
 
 def total_norm_and_scale_(

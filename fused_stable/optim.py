@@ -1,9 +1,9 @@
-"""FusedAdamW, FusedLion: global-norm clipping, inf/NaN skipping and the update in one fused, sync-free step.
+"""FusedOptimizer: global-norm clipping, inf/NaN skipping and a rule's update in one fused, sync-free step.
 
 The optimizer owns param groups, per-param state and a few device scalars. A step goes
 optimizer -> plan (plan.py: the params, states and grads flattened once, rebuilt only when they change)
 -> backend (ops.fused_step: Triton kernels on CUDA, torch's multi-tensor ops on CPU) -> kernels. What it
-decides and reads back lives beside it: the rules and buffer slots in layout.py, the read-outs in readouts.py,
+decides and reads back lives beside it: the step policy and buffer slots in layout.py, the read-outs in readouts.py,
 the state dict and pickling in state_dict.py, sharded params in sharding.py. Semantics
 equal `torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` followed by `torch.optim.AdamW.step()`, except
 that a step whose gradients are not finite is skipped whole, and that nothing in step() reads the device.
@@ -21,11 +21,12 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from . import compiled, engines, layout, ops, state_format
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
-from .layout import HParams, StepBuffers, StepRules, check_not_differentiable
+from .layout import StepBuffers, StepPolicy, check_not_differentiable
+from .matrix_step import MatrixSteps, hyperparameter_key, matrix_module
 from .param_state import ParamStates, Version
 from .plan import StepPlan, build_plan
 from .readouts import ReadOuts
-from .rules import RULES
+from .rules import H_SIZE
 from .schedules import Schedule
 from .sharding import local, validate_params
 from .shown_lrs import ShownLrs
@@ -36,10 +37,10 @@ _is_compiling = torch.compiler.is_compiling
 
 
 class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
-    """The fused step around one update rule (`RULE`, a fused_stable/rules package): param groups, state, the
+    """The fused step around one update rule (`RULE`, a fused_stable/rules declaration): param groups, state, the
     device buffers, the plan, the read-outs and the state dict. A subclass names its rule and takes its rule's
     keywords with torch's defaults (FusedAdamW, FusedLion); `step_options` are the step-wide ones every rule
-    shares (max_grad_norm, clip, the spike rules, lr_schedule, master_weights, state_precision, capturable,
+    shares (max_grad_norm, clip, the spike policy, lr_schedule, master_weights, state_precision, capturable,
     backend), documented on FusedAdamW."""
 
     RULE: Any = None  # the subclass's rule
@@ -65,7 +66,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         backend: str | None = None,
     ) -> None:
         defaults["state_precision"] = state_format.check_precision(state_precision)
-        rules = StepRules(  # checks itself, before anything is built
+        policy = StepPolicy(  # checks itself, before anything is built
             max_grad_norm=max_grad_norm,
             clip=clip,
             zscore_alpha=zscore_alpha,
@@ -78,7 +79,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         self._version = Version()  # bumped by whatever invalidates a cached plan (see plan.py)
         super().__init__(params, defaults)
         self.state = ParamStates(self._version, self.state)
-        self.rules, self.master_weights, self.capturable = rules, bool(master_weights), bool(capturable)
+        self.policy, self.master_weights, self.capturable = policy, bool(master_weights), bool(capturable)
         self._check_params(self.param_groups)
         self.device = self._params_device()
         self.backend = ops.resolve_backend(backend, self.device)
@@ -165,6 +166,11 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
     def _init_group(self, tensors: list, grads: list, lrs: list) -> int:
         """Trace time only: dynamo runs a method of this name eagerly and makes the tensors it appends graph
         inputs (compiled.prepare says what goes into each list)."""
+        if any(not self.group_rule(group).elementwise for group in self.param_groups):
+            raise RuntimeError(
+                f"{type(self).__name__}'s step does not run inside torch.compile yet (its groups of a matrix rule "
+                "are updated after the fused op): call opt.step() outside the compiled function"
+            )
         return compiled.prepare(self, tensors, grads, lrs)
 
     def _fused_step(self) -> None:
@@ -182,13 +188,25 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
             plan,
             grads,
             self.step_buffers,
-            self.rules,
+            self.policy,
             self.hparam_rows(),
             grad_scale=attrs.get("grad_scale"),
             found_inf=attrs.get("found_inf"),
             global_sumsq=self.norm_reducer,
         )
         self.last_tables = plan.backend_cache
+        if not all(plan.updated):  # groups of a matrix rule: stepped from the same decisions (matrix_step.py)
+            self._matrix_steps(plan).step(self._fstate)
+
+    def _matrix_steps(self, plan: StepPlan) -> MatrixSteps:
+        """The plan's matrix-rule updates for the groups' current hyper-parameters, built anew when either changed."""
+        rules = [self.group_rule(group) for group in self.param_groups]
+        base_lrs = self.base_lrs()
+        key = hyperparameter_key(self.param_groups, rules, base_lrs)
+        cached = self.__dict__.get("_matrix")  # (absent after unpickling: built again)
+        if cached is None or cached.plan is not plan or cached.key != key:
+            cached = self._matrix = MatrixSteps(plan, key, self.param_groups, rules, self.state, base_lrs)
+        return cached
 
     # ------------------------------------------------------------------------------------------
     # the package-internal surface: what compiled.py, engines.py, the integrations and the benchmark use of the
@@ -202,14 +220,19 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         self._version.bump()
 
     def group_rule(self, group: dict):
-        """The rule that updates a group's params in the fused step: RULE; None for a group whose params the step
-        only measures and decides for, updated by the subclass after it (FusedMuon's Muon groups)."""
+        """The rule (a rules/ declaration) that updates a group's params: RULE. An elementwise rule's groups are
+        updated in the fused step's update pass; a matrix rule's (`elementwise` False: FusedMuon's Muon groups) are
+        only measured and decided for there, then updated from the same decisions (matrix_step.py)."""
         return self.RULE
 
     def check_group(self, group: dict) -> None:
         """A group's hyper-parameters, checked by its rule before the group is added (nothing changes on an
-        error)."""
-        self.RULE.check_group(group, self.defaults)
+        error); a matrix rule also checks the params and the state precision it can hold."""
+        rule = self.group_rule(group)
+        rule.check_group(group, self.defaults)
+        if not rule.elementwise:
+            precision = group.get("state_precision", self.defaults.get("state_precision", "fp32"))
+            matrix_module(rule).check_group(group, precision)
 
     def hparam_rows(self) -> list:
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
@@ -219,7 +242,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         a rule (`group_rule`)."""
         groups = self.param_groups
         rules = [self.group_rule(g) for g in groups]
-        if self.rules.schedule is None:
+        if self.policy.schedule is None:
             values = [(g["lr"], *(r.group_hparams(g) if r else ())) for g, r in zip(groups, rules)]
         else:
             if "step" in self.__dict__:  # step() wrapped from outside, as torch's LR schedulers do
@@ -250,7 +273,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
             self.param_groups,
             self.state,
             self._version,
-            group_rules=[self.group_rule(group) for group in self.param_groups],
+            group_rules=[kernel_rule(self.group_rule(group)) for group in self.param_groups],
             dense_layouts=ops.needs_dense_layouts(self.backend),
             master_weights=self.master_weights,
             device=self.device,
@@ -258,7 +281,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         return self._plan, grads
 
     def _new_step_buffers(self) -> StepBuffers:
-        hparams = torch.zeros(len(self.param_groups), layout.H_SIZE, dtype=torch.float32, device=self.device)
+        hparams = torch.zeros(len(self.param_groups), H_SIZE, dtype=torch.float32, device=self.device)
         return StepBuffers(self._fstate, self._istate, hparams, self._worst_sumsq)
 
     def _renew_slots(self) -> None:
@@ -340,95 +363,10 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         return local(self.param_groups[0]["params"][0]).device
 
 
-class FusedAdamW(FusedOptimizer):
-    """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
-
-    Args:
-        params: parameters, (name, parameter) pairs or param-group dicts, as for torch.optim.AdamW.
-        lr, betas, eps, weight_decay, amsgrad, maximize: as torch.optim.AdamW (decoupled weight decay), per param
-            group as there. `lr` may be a 1-element tensor; tensor `betas` are read once, when their group is
-            added. amsgrad=True keeps torch's `max_exp_avg_sq` state (fp32, like the moments).
-        foreach, fused: accepted for torch.optim.AdamW's call sites and kept in the param groups; they have no
-            effect (the step is always the fused one). As in torch, they cannot both be True.
-        differentiable: only False: the fused step is not differentiable (True is refused with an error, from
-            the constructor, a param group or a loaded state dict).
-        max_grad_norm: clip the global L2 norm over all groups to this value; None disables fixed clipping.
-        lr_schedule: a `fused_stable.schedules` schedule, evaluated on the device from the count of applied
-            updates, multiplying every group's lr (skipped steps do not advance it).
-        master_weights: keep an fp32 copy of bf16/fp16 params in the state and update it (the param gets
-            the rounded result), so small updates are not lost to rounding.
-        state_precision: how the moments (exp_avg, exp_avg_sq, amsgrad's max_exp_avg_sq) are stored, also per
-            param group: "fp32" (torch's state), "bf16", or "8bit" (blockwise codes with one fp32 scale per
-            block; tensors of fewer than 4096 elements stay fp32). The update dequantises, updates and
-            requantises in the same pass; state_dict() keeps the compact form, torch_state_dict() gives fp32
-            moments under torch's keys (fused_stable/state_format.py, docs/optimizer.md).
-        capturable: a whole step can be captured in a CUDA graph and replayed (docs/optimizer.md, "CUDA graphs"): every
-            per-step value stays on the device (always true here); change lr through a tensor lr or
-            `lr_schedule` so a replay sees the change. Anything that would upload host data while capturing
-            (the first step, new grad storage, a changed float hyper-parameter) raises a clear error instead.
-        clip: "fixed" (max_grad_norm only) or "zscore" (also clip spikes to mean + zscore_threshold * std of the
-            running norm statistics, ZClip-style, after `zscore_warmup` finite steps).
-        zscore_alpha, zscore_threshold, zscore_warmup: the running statistics (kept in every mode, for
-            spike detection).
-        spike_skip_threshold: skip steps whose norm's z-score exceeds this (counted in `spike_skips`).
-        spike_skip_ratio: ...and only those whose norm is also at least this many times the running mean (0, the
-            default: the z-score alone). Small-batch fine-tuning has normal steps at z ~ 10 but only a few times
-            the mean norm; with a ratio of 5 a threshold near 6 skips real spikes and none of those.
-        backend: None / "auto", "triton", "interpret" or "torch" (default: $FUSED_STABLE_BACKEND, else by device).
-    """
-
-    RULE = RULES["adamw"]
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        *,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        **step_options: Any,
-    ) -> None:
-        defaults = adamw_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable)
-        super().__init__(params, defaults, capturable=capturable, **step_options)
-
-
-class FusedLion(FusedOptimizer):
-    """Lion (lion-pytorch's update, names, defaults and `exp_avg` state) with the global grad-norm clip, the
-    non-finite check and the update fused on the device: `p *= 1 - lr * weight_decay; p -= lr * sign(beta1 * m +
-    (1 - beta1) * g); m = beta2 * m + (1 - beta2) * g`, with g the clipped (and unscaled) grad.
-
-    Args:
-        params: parameters, (name, parameter) pairs or param-group dicts.
-        lr, betas, weight_decay: as lion_pytorch.Lion, per param group as there (lr >= 0 may be a 1-element
-            tensor; betas in [0, 1]). Lion's update has the magnitude lr in every element: its lr is usually 3-10x
-            smaller than AdamW's, its weight decay 3-10x larger (the Lion paper).
-        max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
-        spike_skip_ratio, lr_schedule, master_weights, state_precision, capturable, backend: as FusedAdamW (the
-            step-wide options every rule shares); state_precision stores `exp_avg` in fp32, bf16 (stochastic
-            rounding) or 8-bit (signed blockwise codes).
-    """
-
-    RULE = RULES["lion"]
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float | torch.Tensor = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        *,
-        max_grad_norm: float | None = None,
-        **step_options: Any,
-    ) -> None:
-        defaults = self.RULE.defaults(lr, betas, weight_decay)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, **step_options)
+def kernel_rule(rule):
+    """The rule the update pass runs for a group: its own when elementwise; None for a matrix rule's group (its
+    params are measured and decided for, and updated from the decisions afterwards)."""
+    return rule if rule is not None and rule.elementwise else None
 
 
 def _refuse_a_torch_scheduler(opt: FusedOptimizer) -> None:
@@ -446,23 +384,12 @@ def _refuse_a_torch_scheduler(opt: FusedOptimizer) -> None:
         )
 
 
-def adamw_defaults(lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused, differentiable) -> dict[str, Any]:
-    """The param-group defaults, checked as torch.optim.AdamW checks them; with torch.optim.AdamW's own keys, so
-    that either optimizer loads the other's state_dict."""
-    HParams.check(lr, betas, eps, weight_decay)
-    check_not_differentiable(differentiable, "FusedAdamW(differentiable=True)")
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
-    return dict(
-        lr=lr,
-        betas=HParams.float_betas(betas),
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=bool(amsgrad),
-        maximize=bool(maximize),
-        foreach=foreach,
-        capturable=False,
-        differentiable=False,
-        fused=fused,
-        decoupled_weight_decay=True,
-    )
+def __getattr__(name: str):
+    """Pickles made before the optimizer classes moved to fused_stable/optimizers.py name them here (the package's
+    import has loaded that module: nothing is imported here)."""
+    import sys
+
+    registry = sys.modules.get(__package__ + ".optimizers")
+    if registry is not None and name in ("FusedAdamW", "FusedLion"):
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,7 +112,7 @@ class StepPlan:
     members: list[int] | None  # flat positions of the params taking part; None: all of them
     params: list[torch.Tensor]  # the optimizer's param objects taking part (DTensors under FSDP2)
     local_params: list[torch.Tensor]  # what the kernels update (a DTensor's local shard)
-    rule: Any  # the update rule (a fused_stable/rules package): its state names, codecs and option
+    rule: Any  # the update rule (a fused_stable/rules declaration): its state names, codecs and option
     # each group's rule: `rule`, or None for a group the update pass leaves alone (its params take part in the norm
     # and the decisions only, and keep no rule state: FusedMuon's Muon groups, updated after the fused step)
     group_rules: list
@@ -168,7 +168,7 @@ class StepPlan:
             if len(now) != size or not all(map(_is, now, built)):
                 return f"group {index}'s params"
             if group_option(rule, group) != option or group["state_precision"] != precision:
-                return f"group {index}'s {getattr(rule, 'OPTION', None) or 'option'} or state_precision"
+                return f"group {index}'s {getattr(rule, 'option', None) or 'option'} or state_precision"
         return None
 
     def current_grads(self, param_groups: list[dict]) -> list[torch.Tensor] | None:
@@ -183,7 +183,7 @@ class StepPlan:
             if (
                 group["params"] is not params
                 or len(params) != size
-                or (rule is not None and rule.OPTION is not None and group[rule.OPTION] != option)
+                or (rule is not None and rule.option is not None and group[rule.option] != option)
                 or group["state_precision"] != precision
             ):
                 return None
@@ -273,7 +273,7 @@ class StepPlan:
 
 def group_option(rule, group: dict) -> bool:
     """A group's value of the rule's option (AdamW's `amsgrad`); False for a rule without one (or no rule)."""
-    return bool(group[rule.OPTION]) if rule is not None and rule.OPTION is not None else False
+    return rule.group_option(group) if rule is not None else False
 
 
 def build_plan(
@@ -365,14 +365,15 @@ def _ready_states(params, formats, names, state, master_weights: list[bool], dev
         if fmt == Q8 and is_dtensor(p):
             sharded_state.check_q8_layout(p)
     states = []
-    first = rule.STATE_NAMES[0] if rule is not None else None
+    first = rule.states[0].name if rule is not None else None
     for p, fmt, keys, master in zip(params, formats, names, master_weights):
         param_state = state[p]
         if not param_state:
             init_state(p, param_state, keys, master, device, fmt)
         elif "step" not in param_state and all(key in param_state for key in keys):
             # loaded from an optimizer that keeps no `step` (lion-pytorch, torch.optim.Muon): counted from here
-            param_state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+            loaded = float(rule.loaded_step) if rule is not None else 0.0
+            param_state["step"] = torch.full((), loaded, dtype=torch.float32, device=device)
         if keys and first in param_state and state_format.format_of(param_state, first) != fmt:  # precision changed
             sharded_state.convert(param_state, fmt, p)
         check_state(local(p), param_state, keys, fmt, rule)
@@ -432,9 +433,10 @@ def check_state(param: torch.Tensor, state: dict, keys: tuple[str, ...], fmt: in
         missing += [key + SCALE_SUFFIX for key in keys if key + SCALE_SUFFIX not in state]
     if missing:
         why = saved = ""
-        if rule is not None and rule.OPTION is not None and rule.OPTIONAL_STATE in keys:
-            why, saved = f", and its group has {rule.OPTION}=True", f" saved with {rule.OPTION}=True"
-        name = rule.TITLE if rule is not None else "optimizer"
+        optional = [state.name for state in rule.states if state.option] if rule is not None else []
+        if optional and optional[0] in keys:
+            why, saved = f", and its group has {rule.option}=True", f" saved with {rule.option}=True"
+        name = rule.title if rule is not None else "optimizer"
         raise ValueError(
             f"a parameter's optimizer state lacks {missing} (it has {sorted(state)}{why}): load a complete {name} "
             f"state{saved}, or clear that parameter's state (opt.state[p].clear()) to start it afresh"

@@ -1,6 +1,6 @@
 """The lr that monitors read under an lr schedule: `param_groups[g]["lr"]` as a device view of the scheduled lr,
 the groups' base lrs, and setting them. A mixin of FusedOptimizer (optim.py), whose settings and buffers it uses:
-`rules`, `step_buffers`, `param_groups`, `device`, `_istate` and `_shown_lrs`.
+`policy`, `step_buffers`, `param_groups`, `device`, `_istate` and `_shown_lrs`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class ShownLrs:
         `group["lr"]` read, with no host read in step(). A value assigned to `group["lr"]` (anything but that view)
         becomes the group's new base lr; so does one loaded with a state dict. Without a schedule the groups are left as
         they are."""
-        if self.rules.schedule is None:
+        if self.policy.schedule is None:
             self._shown_lrs = []
             return
         previous = self._shown_lrs
@@ -38,7 +38,7 @@ class ShownLrs:
         """Every group's configured lr: under `lr_schedule` the base lr the schedule scales (`group["lr"]` shows the
         scheduled one), otherwise `group["lr"]`. What a caller that rescales the lr reads (the guard's rollback),
         instead of knowing where each case keeps it; a value assigned to `group["lr"]` since the last step counts."""
-        if self.rules.schedule is None:
+        if self.policy.schedule is None:
             return [group["lr"] for group in self.param_groups]
         shown = self._shown_lrs
         return [
@@ -54,7 +54,7 @@ class ShownLrs:
             raise ValueError(f"set_base_lrs: {len(lrs)} lrs for {count} param groups: give one lr per group")
         for group, lr in zip(self.param_groups, lrs):
             group["lr"] = lr
-        if self.rules.schedule is not None:
+        if self.policy.schedule is not None:
             self._show_lrs()  # the assigned values become the base lrs; the groups show the scheduled lr again
 
     def _refresh_shown_lrs(self) -> None:
@@ -62,6 +62,6 @@ class ShownLrs:
         check_not_capturing(self.device, "a changed lr (group['lr'] was assigned)")
         bases = [group["initial_lr"] for group in self.param_groups]
         base = torch.stack([torch.as_tensor(b, dtype=torch.float32, device=self.device).reshape(()) for b in bases])
-        factor = self.rules.schedule.factor_tensor(self._istate[layout.I_APPLIED_STEPS])
+        factor = self.policy.schedule.factor_tensor(self._istate[layout.I_APPLIED_STEPS])
         with torch.no_grad():
             torch.mul(base, factor, out=self.step_buffers.hparams[:, layout.H_SHOWN_LR])

@@ -1,7 +1,7 @@
 """FusedAdamW's state dict and pickling: torch.optim.AdamW's layout, fp32 moments kept fp32, the device counters
 under one extra key, and a `__setstate__` that fills what older pickles lack.
 
-A mixin of FusedAdamW (optim.py), whose settings, buffers and helpers it uses: `rules`, `master_weights`,
+A mixin of FusedAdamW (optim.py), whose settings, buffers and helpers it uses: `policy`, `master_weights`,
 `device`, `backend`, `_fstate`, `_istate`, `_worst_sumsq`, `_version`, `_show_lrs()`, `_new_worst_sumsq()`,
 `_new_step_buffers()`, `_params_device()` and `reset_max_zscore()` / `_reset_worst_step()` (readouts.py).
 """
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from . import engines, layout, ops, sharded_state, state_format
-from .layout import StepRules, check_not_differentiable
+from .layout import StepPolicy, check_not_differentiable
+from .matrix_step import matrix_module
 from .param_state import ParamStates, Version
-from .plan import group_option
 from .sharding import is_dtensor, local
 
 
@@ -36,7 +36,7 @@ class SavedState:
         state = super().state_dict()
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
-        if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
+        if self.policy.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
             for saved, group in zip(state["param_groups"], self.param_groups):
                 saved["lr"] = group["initial_lr"]
         return state
@@ -59,13 +59,32 @@ class SavedState:
             group.pop("state_precision", None)
         return state
 
+    def state_fp32(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The state `name` the optimizer keeps for `param` (e.g. "exp_avg", "exp_avg_sq", "momentum_buffer") as a
+        new fp32 tensor shaped like the param, whatever its precision (fp32, bf16, or 8-bit codes decoded with
+        their block scales): one door to the stored state for users, tests and benchmarks. Under FSDP2 it is the
+        local shard's. KeyError, naming what the param keeps, when it keeps no such state (yet)."""
+        state = self.state.get(param) or {}
+        if name not in state:
+            raise KeyError(
+                f"{type(self).__name__} keeps no state {name!r} for this param (it keeps {sorted(state)}; a param's "
+                "state is made at its first step)"
+            )
+        stored = {key: local(state[key]) for key in (name, name + state_format.SCALE_SUFFIX) if key in state}
+        return state_format.to_fp32(stored, name).clone()
+
     def state_bytes(self) -> int:
-        """Bytes the optimizer's per-param state takes (or will take, before the first step): moments in each
-        group's state_precision with their scales, `step`, and master weights; from the param groups."""
+        """Bytes the optimizer's per-param state takes (or will take, before the first step): each rule's states in
+        its group's state_precision (8-bit scales included; a matrix rule's as its matrix.py says), `step`, and
+        master weights; from the param groups, and equal to what opt.state holds once every param has stepped."""
         total = 0
         for group in self.param_groups:
             rule = self.group_rule(group)
-            states = len(rule.state_names(group_option(rule, group))) if rule is not None else 0
+            if not rule.elementwise:
+                interface = matrix_module(rule)
+                total += sum(interface.state_bytes(p, group) + 4 for p in group["params"])
+                continue
+            states = len(rule.state_names(rule.group_option(group)))
             for p in group["params"]:
                 numel = local(p).numel()
                 total += state_format.planned_bytes(numel, group["state_precision"], states, p.numel()) + 4
@@ -152,7 +171,7 @@ class SavedState:
     def _show_loaded_lrs(self) -> None:
         """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
         schedulers also save, else `lr`) shown at the loaded count of applied updates."""
-        if self.rules.schedule is None:
+        if self.policy.schedule is None:
             return
         for group in self.param_groups:
             group["lr"] = group.get("initial_lr", group["lr"])
@@ -172,7 +191,7 @@ class SavedState:
     # pickling / copy.deepcopy: torch's Optimizer keeps only defaults, state and param_groups; keep our
     # settings and device counters too, and rebuild the caches (they hold addresses) on the way back
     _PICKLED = (
-        "rules",
+        "policy",
         "master_weights",
         "capturable",
         "device",
@@ -194,12 +213,15 @@ class SavedState:
         super().__setstate__(state)
         self.state = ParamStates(self._version, self.state)
         for group in self.param_groups:
-            for key, value in self.RULE.PICKLE_DEFAULTS.items():
+            rule = self.group_rule(group)
+            for key, value in rule.pickle_defaults.items() if rule is not None else ():
                 group.setdefault(key, value)
             group.setdefault("state_precision", "fp32")
         self.defaults.setdefault("state_precision", "fp32")
-        if not hasattr(self, "rules"):  # pickled by an older version or by a plain Optimizer
-            self.rules, self.master_weights, self.capturable = StepRules(), False, False
+        if isinstance(self.__dict__.get("rules"), StepPolicy):  # pickled before the step's policy had this name
+            self.policy = self.__dict__.pop("rules")
+        if not hasattr(self, "policy"):  # pickled by an older version or by a plain Optimizer
+            self.policy, self.master_weights, self.capturable = StepPolicy(), False, False
         if not hasattr(self, "device"):
             self.device = self._params_device()
             self.backend = ops.resolve_backend(None, self.device)

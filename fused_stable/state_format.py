@@ -31,6 +31,11 @@ from __future__ import annotations
 
 import torch
 
+from .rules import CODECS  # every rule's state names -> codec kind
+from .rules import codec_of as codec_of
+from .rules.declaration import SIGNED as SIGNED
+from .rules.declaration import UNSIGNED as UNSIGNED
+
 STATE_PRECISIONS = ("fp32", "bf16", "8bit")
 # a tensor's format, as the update kernel's STATE_FORMAT constexpr takes it
 FP32, BF16, Q8 = 0, 1, 2
@@ -43,25 +48,16 @@ MIN_QUANTISED_NUMEL = 4096  # smaller tensors keep fp32 moments in "8bit" groups
 EXP_AVG_LEVELS = 127.0  # int8 codes -127..127
 EXP_AVG_SQ_LEVELS = 255.0  # uint8 codes 0..255
 
-# A state's 8-bit codec kind, declared by its rule (rules/<rule>: CODECS): SIGNED for a value of either sign (AdamW's
-# exp_avg, Lion's), UNSIGNED for a value >= 0 (a second moment)
-SIGNED, UNSIGNED = 0, 1
+# A state's 8-bit codec kind, declared by its rule (rules/declaration.py: SIGNED for a value of either sign, a
+# momentum; UNSIGNED for a value >= 0, a second moment); the registry knows which state has which
+
 SCALE_SUFFIX = "_scale"
 CODE_DTYPES = {SIGNED: torch.int8, UNSIGNED: torch.uint8}  # the 8-bit codes of each codec kind
 _STORAGE = {FP32: torch.float32, BF16: torch.bfloat16}
 
 
-def codec_of(key: str) -> int:
-    """The codec kind of the state named `key`, as the rule that keeps it declares (fused_stable/rules)."""
-    from .rules import codec_of
-
-    return codec_of(key)
-
-
 def state_keys() -> tuple[str, ...]:
     """Every state name some rule keeps (the tensors the formats store), and their scales' keys."""
-    from .rules import CODECS
-
     return tuple(CODECS)
 
 

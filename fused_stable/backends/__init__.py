@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from ..layout import HParams, StepBuffers, StepRules
+    from ..layout import StepBuffers, StepPolicy
     from ..plan import StepPlan
 
 # maps the local per-tensor sums of squares (and the params they belong to) to the global one: sharded params
@@ -33,8 +33,8 @@ class Backend(Protocol):
         plan: StepPlan,
         grads: list[torch.Tensor],
         buffers: StepBuffers,
-        rules: StepRules,
-        hparams: list[HParams],
+        policy: StepPolicy,
+        hparams: list[tuple],
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
         global_sumsq: GlobalSumsq | None,

@@ -22,8 +22,9 @@ import torch
 
 from .. import layout
 from ..kernels.tables import CHUNK_SIZE, build_chunk_map, check_not_capturing, upload, upload_int64
-from ..layout import StepBuffers, StepRules
+from ..layout import StepBuffers, StepPolicy
 from ..plan import StepPlan, check_grads
+from ..rules import H_SIZE
 
 DENSE_LAYOUTS = True  # the kernels walk memory linearly (fused_stable.backends.Backend)
 
@@ -44,7 +45,7 @@ class TritonTables:
         self,
         plan: StepPlan,
         buffers: StepBuffers,
-        rules: StepRules,
+        policy: StepPolicy,
         device: torch.device,
         *,
         sumsq_config=None,
@@ -55,7 +56,7 @@ class TritonTables:
         same tables with the alternatives it times."""
         from ..kernels.decide import prepare_decide
 
-        self.buffers, self.rules, self.device = buffers, rules, device
+        self.buffers, self.policy, self.device = buffers, policy, device
         self.rule = plan.rule
         self.group_rules = plan.group_rules
         launch_groups = _launch_groups(plan)
@@ -82,7 +83,7 @@ class TritonTables:
             tensor_positions=self.positions,
             step_addrs=upload_int64([plan.steps[i].data_ptr() for i in self.kernel_order], device),
             buffers=buffers,
-            rules=rules,
+            policy=policy,
         )
         self.hparams_rows: list | None = None  # the rows last checked, as handed over (compared by identity)
         self.hparams_key: tuple | None = None
@@ -136,13 +137,13 @@ class TritonTables:
     def refresh_hparams(self, hparams: list) -> None:
         """Uploads changed float hyper-parameters; copies tensor lrs device-to-device every step (no sync).
         The optimizer hands the same list while its values stay: then one identity check is all. Rows are read
-        by position, in the rule's HParams order (benchmarks/gpu_probe.py passes plain tuples)."""
+        by position, in the rule's HParams order (rules/declaration.py; benchmarks/gpu_probe.py passes plain tuples)."""
         if hparams is not self.hparams_rows:
             key = tuple(row if not isinstance(row[0], torch.Tensor) else (id(row[0]), *row[1:]) for row in hparams)
             if key != self.hparams_key:
                 upload(
                     [
-                        rule.hparam_row(*row) if rule is not None else layout.lr_row(*row)
+                        rule.hparam_row(*row, size=H_SIZE) if rule is not None else layout.lr_row(*row, size=H_SIZE)
                         for rule, row in zip(self.group_rules, hparams)
                     ],
                     torch.float32,
@@ -219,7 +220,7 @@ def fused_step(
     plan: StepPlan,
     grads: list[torch.Tensor],
     buffers: StepBuffers,
-    rules: StepRules,
+    policy: StepPolicy,
     hparams: list,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
@@ -229,8 +230,8 @@ def fused_step(
     (`fused_stable.backends.Backend.fused_step`)."""
     device = buffers.fstate.device
     tables: TritonTables | None = plan.backend_cache
-    if tables is None or tables.buffers is not buffers or tables.rules is not rules:
-        tables = plan.backend_cache = TritonTables(plan, buffers, rules, device)
+    if tables is None or tables.buffers is not buffers or tables.policy is not policy:
+        tables = plan.backend_cache = TritonTables(plan, buffers, policy, device)
     if tables.grads_version != plan.grads_version:
         tables.refresh_grads(plan)
     tables.refresh_hparams(hparams)

@@ -1,5 +1,5 @@
 """FusedAdamW (or FusedLion: any elementwise rule) under DeepSpeed ZeRO 0-3 (and ZeRO-Offload): the clip, the
-non-finite skip, the spike rules and the lr schedule decided once per engine step, from the global norm across
+non-finite skip, the spike policy and the lr schedule decided once per engine step, from the global norm across
 ranks, groups and sub-groups.
 
     from fused_stable.integrations import deepspeed as fs_deepspeed
@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from .. import engines
 from ..optim import FusedOptimizer
+from ..optimizers import OPTIMIZERS
 
 __all__ = ["EngineStep", "attach", "initialize", "prepare_config"]
 
@@ -123,7 +124,8 @@ def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dic
     """`deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)`, then
     `attach(engine)`; returns what deepspeed.initialize returns (engine, optimizer, dataloader, lr_scheduler)."""
     if not isinstance(optimizer, FusedOptimizer):
-        raise TypeError(f"optimizer must be a fused_stable.FusedAdamW or FusedLion, got {type(optimizer).__name__}")
+        names = " or ".join(entry.title for entry in OPTIMIZERS.values() if not entry.own_param_groups)
+        raise TypeError(f"optimizer must be a fused_stable {names}, got {type(optimizer).__name__}")
     _refuse_groups_without_a_rule(optimizer)  # before deepspeed is imported: nothing runs for a refused optimizer
     import deepspeed
 
@@ -135,11 +137,11 @@ def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dic
 def _refuse_groups_without_a_rule(optimizer: FusedOptimizer) -> None:
     """FusedMuon's Muon groups orthogonalise whole matrices after the fused step; ZeRO hands the optimizer flat
     partitions of them: refused before the engine is built (DeepSpeed's flat groups have no use_muon either)."""
-    if any(optimizer.group_rule(group) is None for group in optimizer.param_groups):
+    if any(not optimizer.group_rule(group).elementwise for group in optimizer.param_groups):
         raise ValueError(
             f"{type(optimizer).__name__} has groups updated outside the fused step (FusedMuon's Muon groups: "
-            "Newton-Schulz needs whole matrices), and DeepSpeed ZeRO steps flat partitions: use FusedAdamW or "
-            "FusedLion under DeepSpeed"
+            "Newton-Schulz needs whole matrices), and DeepSpeed ZeRO steps flat partitions: use "
+            f"{' or '.join(entry.title for entry in OPTIMIZERS.values() if not entry.own_param_groups)} under DeepSpeed"
         )
 
 
@@ -170,7 +172,7 @@ class EngineStep:
             )
         if engine.fp16_enabled():
             raise ValueError("fp16 under DeepSpeed is not supported by the integration: use bf16 or fp32")
-        if fused.rules.schedule is not None and engine.lr_scheduler is not None:
+        if fused.policy.schedule is not None and engine.lr_scheduler is not None:
             raise ValueError(
                 f"the engine has an lr scheduler and {type(fused).__name__} has lr_schedule=: two schedules; drop "
                 f"one (the config's `scheduler` section, or {type(fused).__name__}'s lr_schedule)"

@@ -39,7 +39,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from transformers import TrainerCallback
 
 from .. import schedules
-from ..optim import FusedAdamW, FusedLion, FusedOptimizer
+from ..optim import FusedOptimizer
+from ..optimizers import OPTIMIZERS
 from . import optim_names
 
 __all__ = [
@@ -95,8 +96,8 @@ def find_fused_optimizer(optimizer: Any) -> FusedOptimizer | None:
 
 
 def _clips(opt: FusedOptimizer) -> bool:
-    rules = getattr(opt, "rules", None)
-    return getattr(rules, "max_grad_norm", None) is not None
+    policy = getattr(opt, "policy", None)
+    return getattr(policy, "max_grad_norm", None) is not None
 
 
 def schedule_from_training_args(args, num_training_steps: int | None = None) -> schedules.Schedule:
@@ -160,15 +161,10 @@ def _trainer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[d
     return groups
 
 
-# the rules fused_trainer_optimizers builds: rule name -> (class, its keywords from the TrainingArguments); Lion
-# takes the Trainer's adam betas as transformers gives them to bitsandbytes' Lion (no eps)
-RULE_CLASSES = {
-    "adamw": (
-        FusedAdamW,
-        lambda args: dict(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon),
-    ),
-    "lion": (FusedLion, lambda args: dict(betas=(args.adam_beta1, args.adam_beta2))),
-}
+def _trainer_rules() -> dict:
+    """The rules fused_trainer_optimizers builds: fused_stable.OPTIMIZERS' entries over the Trainer's param groups
+    (FusedMuon splits a model into its own groups: not here yet)."""
+    return {name: entry for name, entry in OPTIMIZERS.items() if not entry.own_param_groups}
 
 
 def fused_trainer_optimizers(
@@ -201,12 +197,13 @@ def fused_trainer_optimizers(
     """
     named = optim_names.lookup(args.optim) if rule is None or state_precision is None else None
     rule = named.rule if rule is None else rule
-    if rule not in RULE_CLASSES:
-        raise ValueError(f"rule={rule!r}: fused_trainer_optimizers builds {' or '.join(map(repr, RULE_CLASSES))}")
-    cls, rule_kwargs = RULE_CLASSES[rule]
+    rules = _trainer_rules()
+    if rule not in rules:
+        raise ValueError(f"rule={rule!r}: fused_trainer_optimizers builds {' or '.join(map(repr, rules))}")
+    cls = rules[rule].cls
     kwargs: dict[str, Any] = dict(
         lr=args.learning_rate,
-        **rule_kwargs(args),
+        **rules[rule].trainer_keywords(args),
         weight_decay=args.weight_decay,
         state_precision=named.state_precision if state_precision is None else state_precision,
     )
@@ -285,11 +282,11 @@ def _prepare_deepspeed_config(trainer) -> None:
     fused = find_fused_optimizer(trainer.optimizer)
     clipping = config.get("gradient_clipping", 0)
     if fused is not None and _clips(fused) and clipping not in (0, 0.0, "auto"):
-        if float(clipping) != float(fused.rules.max_grad_norm):
+        if float(clipping) != float(fused.policy.max_grad_norm):
             name = type(fused).__name__
             raise ValueError(
                 f"the DeepSpeed config clips at gradient_clipping={clipping}, {name} at max_grad_norm="
-                f"{fused.rules.max_grad_norm}: give one value (the clip is {name}'s, once per engine step)"
+                f"{fused.policy.max_grad_norm}: give one value (the clip is {name}'s, once per engine step)"
             )
         config["gradient_clipping"] = 0.0
     prepared = prepare_config(config)

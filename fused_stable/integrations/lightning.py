@@ -80,7 +80,7 @@ def fp16_mixed_precision(device: str = "cuda", **scaler_kwargs: Any) -> MixedPre
 
 
 def _clips(opt: FusedOptimizer) -> bool:
-    return getattr(getattr(opt, "rules", None), "max_grad_norm", None) is not None
+    return getattr(getattr(opt, "policy", None), "max_grad_norm", None) is not None
 
 
 class FusedStableCallback(Callback):

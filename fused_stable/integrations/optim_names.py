@@ -11,32 +11,33 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..optimizers import OPTIMIZERS
+
 
 class OptimName(NamedTuple):
-    rule: str  # fused_stable.rules' NAME: "adamw" (FusedAdamW) or "lion" (FusedLion)
+    rule: str  # the rule's name in fused_stable.OPTIMIZERS: "adamw" (FusedAdamW), "lion" (FusedLion), ...
     state_precision: str  # the optimizer's state_precision
     words: str  # what the state is, in words (the trainer's mapping line)
 
 
 _NOT_PAGED = "not paged: it stays beside the params"
+_STATE_WORDS = {"fp32": "fp32 state", "bf16": "bf16 state", "8bit": "8-bit blockwise state"}
+
+
+def _table() -> dict[str, OptimName]:
+    """Every name of fused_stable.OPTIMIZERS' entries -> its rule, state precision and words."""
+    table = {}
+    for entry in OPTIMIZERS.values():
+        for name, precision in entry.optim_names.items():
+            words = f"{entry.title}, {_STATE_WORDS[precision]}" + (
+                f", {_NOT_PAGED}" if name.startswith("paged_") else ""
+            )
+            table[name] = OptimName(entry.name, precision, words)
+    return table
+
+
 # the one table: name -> rule, state precision and words
-OPTIMS = {
-    "adamw_torch": OptimName("adamw", "fp32", "FusedAdamW, fp32 state"),
-    "adamw_torch_fused": OptimName("adamw", "fp32", "FusedAdamW, fp32 state"),
-    "adamw_hf": OptimName("adamw", "fp32", "FusedAdamW, fp32 state"),
-    # torch's AdamW on other devices: the same rule
-    "adamw_torch_xla": OptimName("adamw", "fp32", "FusedAdamW, fp32 state"),
-    "adamw_torch_npu_fused": OptimName("adamw", "fp32", "FusedAdamW, fp32 state"),
-    "paged_adamw_32bit": OptimName("adamw", "fp32", f"FusedAdamW, fp32 state, {_NOT_PAGED}"),
-    "adamw_bnb_8bit": OptimName("adamw", "8bit", "FusedAdamW, 8-bit blockwise state"),
-    "adamw_8bit": OptimName("adamw", "8bit", "FusedAdamW, 8-bit blockwise state"),
-    "adamw_torch_8bit": OptimName("adamw", "8bit", "FusedAdamW, 8-bit blockwise state"),
-    "paged_adamw_8bit": OptimName("adamw", "8bit", f"FusedAdamW, 8-bit blockwise state, {_NOT_PAGED}"),
-    "lion_32bit": OptimName("lion", "fp32", "FusedLion, fp32 state"),
-    "paged_lion_32bit": OptimName("lion", "fp32", f"FusedLion, fp32 state, {_NOT_PAGED}"),
-    "lion_8bit": OptimName("lion", "8bit", "FusedLion, 8-bit blockwise state"),
-    "paged_lion_8bit": OptimName("lion", "8bit", f"FusedLion, 8-bit blockwise state, {_NOT_PAGED}"),
-}
+OPTIMS = _table()
 
 
 def _entry(optim) -> OptimName | None:
@@ -49,7 +50,7 @@ def lookup(optim) -> OptimName:
     entry = _entry(optim)
     if entry is None:
         raise ValueError(
-            f"optim {getattr(optim, 'value', optim)!r} has no fused rule here (AdamW and Lion); the supported optim "
+            f"optim {getattr(optim, 'value', optim)!r} has no fused rule here; the supported optim "
             f"values are: {', '.join(OPTIMS)}"
         )
     return entry

@@ -11,6 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import layout
+from ..rules import H_SIZE as H_SIZE
+
+# every kernel's `LAYOUT` constexpr: layout.py's constants and the hyper-parameter table's width (sized from the
+# rules' declarations, rules.H_SIZE), so a slot or a width that changes recompiles the kernels (decide.py says why)
+KERNEL_LAYOUT = f"{layout.KERNEL_LAYOUT};H_SIZE={H_SIZE}"
+
 # the storage dtypes the kernels take, as Triton names them
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

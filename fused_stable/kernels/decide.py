@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import layout
-from .common import as_pointer
+from .common import H_SIZE, KERNEL_LAYOUT, as_pointer
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
 
 DECIDE_CONFIG = LaunchConfig(block=1024, num_warps=4, fp_fusion=False)  # block: chunks / tensors per loop step
@@ -213,7 +213,7 @@ def lr_schedule(
     SCHEDULE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     I_APPLIED_STEPS: tl.constexpr = layout.I_APPLIED_STEPS,
-    H_SIZE: tl.constexpr = layout.H_SIZE,
+    H_SIZE: tl.constexpr = H_SIZE,
     H_LR: tl.constexpr = layout.H_LR,
     H_SHOWN_LR: tl.constexpr = layout.H_SHOWN_LR,
     SCHEDULE_NONE: tl.constexpr = layout.SCHEDULE_NONE,
@@ -387,7 +387,7 @@ def _decide_kernel(
     CLIP_MODE: tl.constexpr,
     SCHEDULE: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (see the module doc)
+    LAYOUT: tl.constexpr = KERNEL_LAYOUT,  # the cache key's share of layout.py (see the module doc)
 ):
     sumsq = per_tensor_sums(
         partials, chunk_owner, num_chunks, tensor_num_chunks, num_tensors, per_tensor_sumsq, BLOCK_T
@@ -420,13 +420,13 @@ def prepare_decide(
     tensor_positions: torch.Tensor,
     step_addrs: torch.Tensor,
     buffers: layout.StepBuffers,
-    rules: layout.StepRules,
+    policy: layout.StepPolicy,
 ) -> tuple[PreparedLaunch, ArgTemplate]:
     """The one-program launch that turns the norm pass's partial sums into this step's decisions (module doc).
 
     The loss scale, GradScaler's found-inf flag and an externally reduced sum of squares are filled in per
     call (`run_decide`)."""
-    schedule = rules.schedule
+    schedule = policy.schedule
     args = ArgTemplate(
         _decide_kernel,
         partials=partials,
@@ -445,19 +445,19 @@ def prepare_decide(
         scale_ptr=buffers.fstate,  # any fp32 device tensor: its pointer is never read while the flag is off
         found_inf_ptr=buffers.fstate,
         external_sumsq_ptr=buffers.fstate,
-        max_grad_norm=float(rules.max_grad_norm or 0.0),
-        zscore_alpha=float(rules.zscore_alpha),
-        zscore_threshold=float(rules.zscore_threshold),
-        zscore_warmup=int(rules.zscore_warmup),
-        spike_skip_threshold=float(rules.spike_skip_threshold or 0.0),
-        spike_skip_ratio=float(rules.spike_skip_ratio),
+        max_grad_norm=float(policy.max_grad_norm or 0.0),
+        zscore_alpha=float(policy.zscore_alpha),
+        zscore_threshold=float(policy.zscore_threshold),
+        zscore_warmup=int(policy.zscore_warmup),
+        spike_skip_threshold=float(policy.spike_skip_threshold or 0.0),
+        spike_skip_ratio=float(policy.spike_skip_ratio),
         schedule_total=float(schedule.total_steps if schedule else 0),
         schedule_warmup=float(schedule.warmup_steps if schedule else 0),
         schedule_min_ratio=float(schedule.min_lr_ratio if schedule else 0.0),
         HAS_SCALE=False,
         HAS_FOUND_INF=False,
         HAS_EXTERNAL_SUMSQ=False,
-        CLIP_MODE=rules.clip_mode,
+        CLIP_MODE=policy.clip_mode,
         SCHEDULE=schedule.kind if schedule else layout.SCHEDULE_NONE,
         BLOCK_T=BLOCK_TENSORS,
     )

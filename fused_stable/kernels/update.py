@@ -29,7 +29,16 @@ import triton
 import triton.language as tl
 
 from .. import layout, state_format
-from .common import TRITON_DTYPES, aligned_block, as_pointer, is_aligned, load_address, to_storage
+from .common import (
+    H_SIZE,
+    KERNEL_LAYOUT,
+    TRITON_DTYPES,
+    aligned_block,
+    as_pointer,
+    is_aligned,
+    load_address,
+    to_storage,
+)
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
 from .state_codes import load_moment, mix32, moment_pointer, store_moment
 from .tables import ChunkMap
@@ -47,7 +56,7 @@ MAX_STATES = 3
 # column 0 but for 8-bit state
 COL_PARAM, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP = range(5)
 COL_POSITION = 5  # the param's index in the optimizer's flat order: keys bf16 stochastic rounding
-COL_STATE = 6  # MAX_STATES consecutive columns: the rule's states, in its order (rules/<rule>: STATE_NAMES)
+COL_STATE = 6  # MAX_STATES consecutive columns: the rule's states, in its order (its declaration: `state_names`)
 COL_SCALE = COL_STATE + MAX_STATES  # MAX_STATES consecutive columns: their 8-bit scales
 TABLE_COLUMNS = COL_SCALE + MAX_STATES
 
@@ -56,7 +65,7 @@ TABLE_COLUMNS = COL_SCALE + MAX_STATES
 # functions (a constexpr tuple cannot be unpacked there):
 #   0 step_scalars, 1 element (rules/<rule>/triton.py), 2 the group option (AdamW's amsgrad), 3 the number of states,
 #   4 each slot's codec is signed (a tuple of MAX_STATES bools), 5 each slot rounds stochastically in bf16 (the same),
-#   6 the rule's ROW_LAYOUT and 7 its jit functions' source hash: Triton's cache key holds a constexpr function by its
+#   6 the rule's row_layout and 7 its jit functions' source hash: Triton's cache key holds a constexpr function by its
 #   name only, so these make a changed rule recompile instead of reading a stale cached binary
 
 
@@ -162,9 +171,13 @@ def _update_block(
         p = tl.load(master, mask=mask, other=other)
     else:
         p = tl.load(param, mask=mask, other=other).to(tl.float32)
-    s0, s1, s2 = _load_states(states, scale_rows, mask, row_mask, RULE, STATE_FORMAT, FMT_Q8)
+    if RULE[3] > 0:
+        s0, s1, s2 = _load_states(states, scale_rows, mask, row_mask, RULE, STATE_FORMAT, FMT_Q8)
+    else:  # a rule keeping no state for this group (SGD without momentum): the slots stand in, never stored
+        s0, s1, s2 = p, p, p
     p, s0, s1, s2 = RULE[1](p, g, s0, s1, s2, scalars, RULE[2])
-    _store_states(states, scale_rows, (s0, s1, s2), mask, row_mask, random, RULE, STATE_FORMAT, FMT_BF16, FMT_Q8)
+    if RULE[3] > 0:
+        _store_states(states, scale_rows, (s0, s1, s2), mask, row_mask, random, RULE, STATE_FORMAT, FMT_BF16, FMT_Q8)
     if HAS_MASTER:
         tl.store(master, p, mask=mask)
     tl.store(param, to_storage(p, PARAM_DTYPE), mask=mask)
@@ -356,11 +369,11 @@ def _update_kernel(
     COL_STATE: tl.constexpr = COL_STATE,
     COL_SCALE: tl.constexpr = COL_SCALE,
     F_SKIP: tl.constexpr = layout.F_SKIP,
-    H_SIZE: tl.constexpr = layout.H_SIZE,
+    H_SIZE: tl.constexpr = H_SIZE,
     FMT_BF16: tl.constexpr = state_format.BF16,
     FMT_Q8: tl.constexpr = state_format.Q8,
     QUANT_BLOCK: tl.constexpr = state_format.QUANT_BLOCK,
-    LAYOUT: tl.constexpr = layout.KERNEL_LAYOUT,  # the cache key's share of layout.py (kernels/decide.py says why)
+    LAYOUT: tl.constexpr = KERNEL_LAYOUT,  # the cache key's share of layout.py (kernels/decide.py says why)
 ):
     if tl.load(fstate + F_SKIP) == 0.0:  # a skipped step returns before any load: every state stays bit-identical
         pid = tl.program_id(0).to(tl.int64)
@@ -411,18 +424,20 @@ def _update_kernel(
 
 def rule_constexpr(rule, option: bool) -> tuple:
     """The update kernel's `RULE` argument for a rule (a rules/<rule> package, with a `triton.py` beside it) and a
-    group option (`rule.OPTION`'s value, e.g. AdamW's amsgrad): see the layout comment above `_load_states`."""
+    group option (`rule.option`'s value, e.g. AdamW's amsgrad): see the layout comment above `_load_states`."""
     from importlib import import_module
 
-    jit = import_module(rule.__name__ + ".triton")
+    jit = import_module(rule.package + ".triton")
     names = rule.state_names(option)
-    if not 1 <= len(names) <= MAX_STATES:
-        raise ValueError(f"rule {rule.NAME!r} keeps {len(names)} states; the update kernel has {MAX_STATES} slots")
-    padded = list(names) + [names[0]] * (MAX_STATES - len(names))
-    signed = tuple(rule.CODECS[name] == state_format.SIGNED for name in padded)
-    stochastic = tuple(name in rule.STOCHASTIC_BF16 for name in padded)
+    if len(names) > MAX_STATES:
+        raise ValueError(f"rule {rule.name!r} keeps {len(names)} states; the update kernel has {MAX_STATES} slots")
+    # unused slots take slot 0's settings (a rule keeping no state: signed, nearest); they are never read
+    signed = [rule.codecs[name] == state_format.SIGNED for name in names] or [True]
+    stochastic = [name in rule.stochastic_bf16 for name in names] or [False]
+    signed = tuple(signed + signed[:1] * (MAX_STATES - len(signed)))
+    stochastic = tuple(stochastic + stochastic[:1] * (MAX_STATES - len(stochastic)))
     source = _source_key(jit.step_scalars) + _source_key(jit.element)
-    return (jit.step_scalars, jit.element, bool(option), len(names), signed, stochastic, rule.ROW_LAYOUT, source)
+    return (jit.step_scalars, jit.element, bool(option), len(names), signed, stochastic, rule.row_layout, source)
 
 
 def _source_key(fn) -> str:

@@ -1,86 +1,60 @@
 """The update rules: what makes each optimizer's update its own, one folder per rule, around one rule-free step.
 
 The step's machinery (norm pass, decision kernel, skip, clip, schedule, chunking, master weights, state codecs)
-knows no rule; a rule brings its hyper-parameter row, its state names (and torch's state-dict keys), and its
-per-element math in each language the step runs in, side by side in its folder:
+knows no rule. A rule is a folder:
 
-  <rule>/__init__.py  what the machinery reads (checked by `check_rule` below):
-      NAME, TITLE (as messages spell it), STATE_NAMES (the states every param keeps, in the order the element
-      takes them), OPTION and OPTIONAL_STATE (a group key whose True adds one more state, e.g. AdamW's amsgrad;
-      None for none),
-      `state_names(option)`, CODECS (each state's 8-bit codec kind, state_format.SIGNED / UNSIGNED),
-      STOCHASTIC_BF16 (the states a bf16 store rounds stochastically), TORCH_STATE_KEYS, ROW_LAYOUT,
-      HParams (a group's hyper-parameters, lr first), `group_hparams(group)` and `hparam_row(*hparams)`,
-      `check_group(group, defaults)` and `normalize_group(group)` (for each added group), PICKLE_DEFAULTS.
+  <rule>/__init__.py  the algorithm as math (its docstring), then ONE declaration, `RULE = Rule(...)`
+                      (declaration.py): its name, its states (codec, bf16 rounding, torch's key, shape, the option
+                      that adds one) and its hyper-parameters (default, check); the row slots, defaults, checks
+                      and torch's keys the machinery reads are derived from it
   <rule>/triton.py    `step_scalars` and `element`, which the update kernel takes as arguments (kernels/update.py)
-  <rule>/torch.py     the same two on fp32 tensors, for the torch backend's exact reference; and DOORS, the
-                      rule's own faster doors of the torch backend, if any (backends/torch/updates.py)
-  <rule>/cpu.h        (optional) the same two in C++, for a compiled CPU op
+  <rule>/torch.py     the same two on fp32 tensors, for the torch backend's exact reference
+  <rule>/cpu.h        (optional) the same two in C++, for the compiled CPU op
+  <rule>/matrix.py    (a matrix rule only, instead of the three above) its states and update over whole params
 
-`RULES` is the registry of the update kernel's rules, by the name the optimizers take, filled from the folders
-found here: a new rule is a new folder. muon/ is not one (`ELEMENTWISE = False`): Newton-Schulz needs whole
-matrices, so FusedMuon (fused_stable/muon.py) runs it after the fused step, on the step's decisions.
-Importing this package imports neither triton nor the language files (the kernels and backends import those
-where they run).
+`RULES` is the registry of rules by the name the optimizers take, filled from the folders found here: a new rule
+is a new folder. A matrix rule (`elementwise=False`: Muon's Newton-Schulz, Adafactor's factored moments need the
+whole param) has `matrix.py` instead of the element files: the fused step calls it with its decisions
+(fused_stable/matrix_step.py). `H_SIZE` sizes the hyper-parameter table from every rule's row. Importing this
+package imports neither triton nor the language files (the kernels and backends import those where they run).
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from types import ModuleType
 
-_REQUIRED = (
-    "NAME",
-    "TITLE",
-    "STATE_NAMES",
-    "OPTION",
-    "OPTIONAL_STATE",
-    "CODECS",
-    "STOCHASTIC_BF16",
-    "TORCH_STATE_KEYS",
-    "ROW_LAYOUT",
-    "HParams",
-    "state_names",
-    "group_hparams",
-    "hparam_row",
-    "check_group",
-    "normalize_group",
-    "PICKLE_DEFAULTS",
-)
+from ..layout import FIRST_RULE_SLOT
+from .declaration import Rule
 
 
-def check_rule(rule: ModuleType) -> ModuleType:
-    """A rule package that declares everything the step reads, with a codec for each of its states."""
-    missing = [name for name in _REQUIRED if not hasattr(rule, name)]
-    if missing:
-        raise TypeError(f"update rule {rule.__name__} lacks {missing} (fused_stable/rules/__init__.py lists them)")
-    every_state = rule.state_names(True) if rule.OPTION else rule.state_names(False)
-    if set(every_state) - set(rule.CODECS):
-        raise TypeError(f"update rule {rule.NAME!r}: no codec for {sorted(set(every_state) - set(rule.CODECS))}")
-    return rule
-
-
-def _discover() -> dict[str, ModuleType]:
+def _discover() -> dict[str, Rule]:
     found = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
-        if info.ispkg:
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            if getattr(module, "ELEMENTWISE", True):  # Muon's folder is not the update kernel's (it says so)
-                rule = check_rule(module)
-                found[rule.NAME] = rule
+        if not info.ispkg:
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        rule = getattr(module, "RULE", None)
+        if not isinstance(rule, Rule) or rule.package != module.__name__:
+            raise TypeError(f"{module.__name__}.RULE must be a rules.declaration.Rule with package=__name__")
+        found[rule.name] = rule
     return found
 
 
-RULES: dict[str, ModuleType] = _discover()
+RULES: dict[str, Rule] = _discover()
+ELEMENTWISE = {name: rule for name, rule in RULES.items() if rule.elementwise}  # the update kernel's rules
+
+# the hyper-parameter table's width: the step's slots, then the widest rule's (layout.FIRST_RULE_SLOT)
+H_SIZE = max([FIRST_RULE_SLOT, *(rule.row_end for rule in RULES.values())])
 
 
 def _codecs() -> dict[str, int]:
-    """Every rule's state names -> codec kind; a name two rules share must be stored the same way (a state dict
-    saved by one loads into the other)."""
+    """Every elementwise rule's state names -> codec kind (the states state_format.py stores in each format; a
+    matrix rule keeps its own); a name two rules share must be stored the same way (a state dict saved by one loads
+    into the other)."""
     codecs: dict[str, int] = {}
-    for rule in RULES.values():
-        for name, codec in rule.CODECS.items():
+    for rule in ELEMENTWISE.values():
+        for name, codec in rule.codecs.items():
             if codecs.setdefault(name, codec) != codec:
                 raise TypeError(f"state {name!r} has two codecs across the update rules")
     return codecs
@@ -90,7 +64,7 @@ CODECS = _codecs()
 
 
 def codec_of(name: str) -> int:
-    """The 8-bit codec kind of a state of that name (state_format.SIGNED or UNSIGNED)."""
+    """The 8-bit codec kind of a state of that name (declaration.SIGNED or UNSIGNED)."""
     try:
         return CODECS[name]
     except KeyError:

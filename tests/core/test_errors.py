@@ -41,22 +41,22 @@ def test_bad_hyperparameters_raise_value_error(kwargs, match):
 
 
 def test_step_rules_check_themselves_and_keep_the_kernels_types():
-    """The rule checks live in StepRules (FusedAdamW's constructor only builds one): the same errors without an
+    """The rule checks live in StepPolicy (FusedAdamW's constructor only builds one): the same errors without an
     optimizer, the clip mode taken by name, numbers kept as the types the kernels' arguments take."""
     from fused_stable import layout
 
     with pytest.raises(ValueError, match="zscore_alpha must be in"):
-        layout.StepRules(zscore_alpha=1.5)
+        layout.StepPolicy(zscore_alpha=1.5)
     with pytest.raises(ValueError, match="clip must be one of"):
-        layout.StepRules(clip="adaptive")
+        layout.StepPolicy(clip="adaptive")
     with pytest.raises(TypeError, match="fused_stable.schedules"):
-        layout.StepRules(schedule="cosine")
+        layout.StepPolicy(schedule="cosine")
     with pytest.raises(ValueError, match="clip_mode must be one of"):
-        layout.StepRules(clip_mode=2)
-    rules = layout.StepRules(max_grad_norm=1, clip="zscore", zscore_warmup=3.0, spike_skip_threshold=4)
-    assert rules.clip_mode == layout.CLIP_ZSCORE and rules == FusedAdamW([param()], **ZSCORE_OPTIONS).rules
-    assert type(rules.max_grad_norm) is float and type(rules.zscore_warmup) is int
-    assert type(rules.spike_skip_threshold) is float and layout.StepRules().clip_mode == layout.CLIP_FIXED
+        layout.StepPolicy(clip_mode=2)
+    policy = layout.StepPolicy(max_grad_norm=1, clip="zscore", zscore_warmup=3.0, spike_skip_threshold=4)
+    assert policy.clip_mode == layout.CLIP_ZSCORE and policy == FusedAdamW([param()], **ZSCORE_OPTIONS).policy
+    assert type(policy.max_grad_norm) is float and type(policy.zscore_warmup) is int
+    assert type(policy.spike_skip_threshold) is float and layout.StepPolicy().clip_mode == layout.CLIP_FIXED
 
 
 ZSCORE_OPTIONS = dict(max_grad_norm=1.0, clip="zscore", zscore_warmup=3, spike_skip_threshold=4.0)

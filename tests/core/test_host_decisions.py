@@ -80,7 +80,7 @@ def _decision_runs(seed: int, backends: tuple[str, ...], steps: int):
 @pytest.mark.skipif(not interpret_available(), reason="TRITON_INTERPRET=1 was not set before triton import")
 @pytest.mark.parametrize("seed", range(10))
 def test_host_decisions_equal_the_decision_kernel_bit_for_bit(seed):
-    """Random rules, sums of squares (0, tiny, huge, inf, NaN, spikes), loss scales and found_inf flags: every
+    """Random policy, sums of squares (0, tiny, huge, inf, NaN, spikes), loss scales and found_inf flags: every
     counter and statistic of the CPU step's host decisions is the decision kernel's (Triton's interpreter), bit
     for bit, step after step."""
     for step, [(host_f, host_i), (kernel_f, kernel_i)] in _decision_runs(seed, ("torch", "interpret"), 16):

@@ -58,7 +58,7 @@ def test_defaults_and_state_name_are_torchs():
     signature = inspect.signature(torch.optim.Muon.__init__).parameters
     assert {key: signature[key].default for key in muon.DEFAULTS} == muon.DEFAULTS
     source = inspect.getsource(torch.optim._muon)
-    assert 'state["momentum_buffer"]' in source and muon.STATE_NAMES == ("momentum_buffer",)
+    assert 'state["momentum_buffer"]' in source and muon.RULE.state_names() == ("momentum_buffer",)
 
 
 def test_importing_the_rule_imports_no_triton():

@@ -265,7 +265,9 @@ def test_the_checks_see_what_they_claim():
     assert "fused_stable.rules" in GRAPH["fused_stable.optim"]
 
 
-# the step's machinery: it may read the rules registry, never import a rule by name (a new rule is new files only)
+# the step's machinery: it may read the rules registry and the declaration's types, never import a rule by name (a
+# new rule is new files only)
+DECLARATION = "fused_stable.rules.declaration"
 RULE_FREE = (
     "fused_stable.plan",
     "fused_stable.state_format",
@@ -280,7 +282,10 @@ RULE_FREE = (
 
 
 def test_the_step_machinery_names_no_rule():
-    named = {name: sorted(t for t in GRAPH[name] if t.startswith("fused_stable.rules.")) for name in RULE_FREE}
+    named = {
+        name: sorted(t for t in GRAPH[name] if t.startswith("fused_stable.rules.") and t != DECLARATION)
+        for name in RULE_FREE
+    }
     assert {name: targets for name, targets in named.items() if targets} == {}
 
 
@@ -341,14 +346,14 @@ def test_hparams_reach_the_backends_by_name():
     import torch
 
     from fused_stable import FusedAdamW, schedules
-    from fused_stable.layout import HParams
 
-    assert HParams._fields == ("lr", "beta1", "beta2", "eps", "weight_decay", "maximize")
+    HParams = FusedAdamW.RULE.HParams  # noqa: N806 (a class, derived from AdamW's declaration)
+    assert HParams._fields == ("lr", "betas", "eps", "weight_decay", "maximize")
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     groups = [{"params": params[:1], "betas": (0.8, 0.9), "eps": 1e-6}, {"params": params[1:], "maximize": True}]
     opt = FusedAdamW(groups, lr=0.5, weight_decay=0.25, lr_schedule=schedules.constant(3), backend="torch")
     first, second = opt.hparam_rows()
-    assert first == HParams(lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.25, maximize=False)
+    assert first == HParams(lr=0.5, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.25, maximize=False)
     assert second.maximize is True and second.lr == 0.5  # with a schedule: the base lr, not the shown tensor
 
 
@@ -367,35 +372,40 @@ def test_the_core_imports_without_triton():
 
 def test_every_layout_constant_the_kernels_read_is_in_their_cache_key():
     """The kernels' jit helpers take the buffer slots as constexpr defaults, which Triton's cache key does not
-    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value), and the update kernel's `RULE`
-    carries the rule's ROW_LAYOUT (its slots of the hyper-parameter row) and its jit functions' source hash, so a
-    slot that moves, or a rule's math that changes, recompiles instead of reading a stale cached binary. Checked:
-    every `layout.X` default in a kernel module and every `<rule>.X` default in a rule's Triton file is in its
-    string, and the kernels that read slots take them."""
+    hold: each kernel takes `LAYOUT` (every layout.py constant, by name and value, and the table's width
+    rules.H_SIZE), and the update kernel's `RULE` carries the rule's row_layout (its slots of the hyper-parameter
+    row, from its declaration) and its jit functions' source hash, so a slot that moves, or a rule's math that
+    changes, recompiles instead of reading a stale cached binary. Checked: every `layout.X` default in a kernel
+    module is in its string, every default of a rule's Triton file is a `layout.X` or a `SLOT.H_NAME` (RULE.slots) of a
+    declared slot (in row_layout), and the kernels that read slots take them."""
     from fused_stable import layout
     from fused_stable.kernels import decide, update
-    from fused_stable.rules import RULES
+    from fused_stable.rules import ELEMENTWISE, H_SIZE
 
-    layout_names = dict(item.split("=") for item in layout.KERNEL_LAYOUT.split(";"))
+    layout_names = dict(item.split("=") for item in update.KERNEL_LAYOUT.split(";"))
+    assert layout_names["H_SIZE"] == str(H_SIZE)
     for module in ("fused_stable.kernels.decide", "fused_stable.kernels.update"):
         for owner, name in _attribute_defaults(module):
             if owner == "layout" and name != "KERNEL_LAYOUT":
                 assert layout_names.get(name) == repr(getattr(layout, name)), name
-    for rule in RULES.values():
-        row_names = dict(item.split("=") for item in rule.ROW_LAYOUT.split(";"))
-        defaults = _attribute_defaults(rule.__name__ + ".triton")
-        assert rule.NAME in {owner for owner, _ in defaults}, f"{rule.NAME}'s triton.py reads no slot by its name"
+    for rule in ELEMENTWISE.values():
+        row_names = dict(item.split("=") for item in rule.row_layout.split(";"))
+        module = rule.package + ".triton"
+        defaults = _attribute_defaults(module)
+        slots = [name for owner, name in defaults if owner == "SLOT"]
+        assert slots, f"{rule.name}'s triton.py reads no slot by its name"
+        for name in slots:
+            assert name.startswith("H_") and row_names.get(name[2:].lower()) == str(getattr(rule.slots, name)), name
         for owner, name in defaults:
-            source, names = (rule, row_names) if owner == rule.NAME else (layout, layout_names)
-            assert names.get(name) == repr(getattr(source, name)), name
-        jit = importlib.import_module(rule.__name__ + ".triton")
-        for option in (False, True) if rule.OPTION else (False,):
+            assert owner == "SLOT" or (owner == "layout" and layout_names.get(name) == repr(getattr(layout, name)))
+        jit = importlib.import_module(module)
+        for option in (False, True) if rule.option else (False,):
             constant = update.rule_constexpr(rule, option)
-            assert constant[6] == rule.ROW_LAYOUT
+            assert constant[6] == rule.row_layout
             assert constant[7] == update._source_key(jit.step_scalars) + update._source_key(jit.element)
             assert constant[7] or os.environ.get("TRITON_INTERPRET") == "1"  # compiled kernels: a real hash
     for kernel in (decide._decide_kernel, update._update_kernel):
-        assert inspect.signature(kernel.fn).parameters["LAYOUT"].default == layout.KERNEL_LAYOUT
+        assert inspect.signature(kernel.fn).parameters["LAYOUT"].default == update.KERNEL_LAYOUT
 
 
 def _attribute_defaults(module: str) -> list[tuple[str, str]]:

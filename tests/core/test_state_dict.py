@@ -158,7 +158,7 @@ def test_deepcopy_of_the_optimizer_keeps_settings_and_counters(backend):
     params[0].grad = torch.full(SHAPES[0], float("inf"))
     opt.step()
     twin_params, twin = copy.deepcopy((params, opt))  # together, so the twin's state keys are its own params
-    assert twin.rules == opt.rules and twin.backend == opt.backend
+    assert twin.policy == opt.policy and twin.backend == opt.backend
     assert torch.equal(twin._istate, opt._istate) and twin.skipped_steps.item() == 1
     train(opt, params, range(2, 4), None)
     train(twin, twin_params, range(2, 4), None)

@@ -14,7 +14,7 @@ from fused_stable import FusedAdamW
 
 
 class ZScoreReference:
-    """The documented rules, written plainly: warm-up mean/variance over the first `warmup` finite norms, then
+    """The documented policy, written plainly: warm-up mean/variance over the first `warmup` finite norms, then
     EMA; a norm whose z-score exceeds `threshold` is a spike, clipped (zscore mode) to mean + threshold * std
     and folded into the statistics at that value; spikes above `skip_threshold` whose norm is also at least
     `skip_ratio` x the running mean skip the step."""

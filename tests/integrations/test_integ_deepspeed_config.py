@@ -1,5 +1,5 @@
 """fused_stable.integrations.deepspeed without processes: what prepare_config sets and refuses, and the refusal of
-FusedAdamW's own rules when DeepSpeed's ZeRO wrapper code steps it (fused_stable/engines.py)."""
+FusedAdamW's own policy when DeepSpeed's ZeRO wrapper code steps it (fused_stable/engines.py)."""
 
 from __future__ import annotations
 
@@ -52,23 +52,23 @@ def _step_from_module(opt, module_name: str):
     return namespace["call"]()
 
 
-def _optimizer(**rules):
+def _optimizer(**policy):
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.full((4,), 0.5)
-    return FusedAdamW([p], lr=0.1, **rules), p
+    return FusedAdamW([p], lr=0.1, **policy), p
 
 
 @pytest.mark.parametrize(
-    "rules",
+    "policy",
     [{"max_grad_norm": 1.0}, {"clip": "zscore"}, {"spike_skip_threshold": 6.0}, {"lr_schedule": schedules.constant()}],
     ids=["max_grad_norm", "zscore", "spike_skip", "lr_schedule"],
 )
-def test_rules_refuse_under_zero_wrapper_code(rules):
-    opt, p = _optimizer(**rules)
+def test_rules_refuse_under_zero_wrapper_code(policy):
+    opt, p = _optimizer(**policy)
     before = p.detach().clone()
     with pytest.raises(RuntimeError, match="fused_stable.integrations.deepspeed") as info:
         _step_from_module(opt, "deepspeed.runtime.zero.stage_1_and_2")
-    assert rules_in_use(opt.rules)[0].split("=")[0] in str(info.value)
+    assert rules_in_use(opt.policy)[0].split("=")[0] in str(info.value)
     assert torch.equal(p, before) and int(opt.applied_steps) == 0  # refused before anything changed
 
 

@@ -184,7 +184,7 @@ def test_fused_trainer_optimizers_moves_clipping_into_the_step(tmp_path, trainer
     plain Trainer does not clip a second time."""
     args = make_args(tmp_path, max_grad_norm=trainer_max_grad_norm)
     opt, _ = fused_trainer_optimizers(tiny_llama(), args)
-    assert opt.rules.max_grad_norm == fused_max_grad_norm
+    assert opt.policy.max_grad_norm == fused_max_grad_norm
     assert args.max_grad_norm == 0.0
 
 

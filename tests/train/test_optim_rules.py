@@ -67,5 +67,5 @@ def test_every_rule_of_the_table_is_a_choice_with_its_class():
     assert CHOICES["optim"] == ("adamw", "lion", "muon")
     for name in ("adamw", "lion"):
         cls = getattr(fused_stable, optimizers.RULES[name].title)
-        assert cls.RULE.NAME == name
+        assert cls.RULE.name == name
     assert optimizers.RULES["muon"].title == fused_stable.FusedMuon.__name__

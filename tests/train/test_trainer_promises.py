@@ -397,7 +397,7 @@ def test_every_guard_key_reaches_the_guard(tmp_path):
         c.max_rollbacks,
         c.eval_rise,
     ) == ("rollback", 7.5, 3.5, 30.0, 8.0, 2.5, 4, 0.25, 0.125, 2, 1.7)
-    assert setup.trainer.optimizer.rules.spike_skip_threshold == 30.0
+    assert setup.trainer.optimizer.policy.spike_skip_threshold == 30.0
 
 
 # ------------------------------------------------------------------------------------------- loop timing

@@ -71,7 +71,7 @@ class ExactUpdate:
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):
         self.group, self.indices, self.format = group, indices, fmt
         self.rule, self.option = plan.rule, plan.group_options[group]
-        self.language = import_module(plan.rule.__name__ + ".torch")  # the rule's step_scalars and element
+        self.language = import_module(plan.rule.package + ".torch")  # the rule's step_scalars and element
         self.params = [plan.local_params[i] for i in all_indices]
         self.masters = [plan.masters[i] for i in all_indices]
         self.has_master = self.masters[0] is not None  # the same for all: the torch backend groups by it
@@ -84,7 +84,8 @@ class ExactUpdate:
         )
         self.steps = [plan.steps[i] for i in all_indices]
         device = self.params[0].device
-        self.flat = _Flat(self.moments[self.keys[0]], device)
+        # the blocks follow the first state's memory order (the params' for a rule keeping no state for this group)
+        self.flat = _Flat(self.moments[self.keys[0]] if self.keys else self.params, device)
         # each block's tensor: the per-tensor scalars (bias corrections of each param's own `step`) per block
         counts = torch.tensor(self.flat.blocks, device=device)
         self.block_tensor = torch.repeat_interleave(torch.arange(len(self.params), device=device), counts)
@@ -101,7 +102,8 @@ class ExactUpdate:
         g = flat.gather(grads, torch.float32)
         moments = [self._read(key) for key in self.keys]
         scalars = self._step_scalars(hp, grad_mul, lr_factor)
-        slots = moments + moments[:1] * (3 - len(moments))  # the kernel's three slots: unused ones stand in
+        slots = (moments or [p])[:1] * 3  # the kernel's three slots: unused ones stand in (left alone by the element)
+        slots[: len(moments)] = moments
         new_p, *new_moments = self.language.element(p, g, *slots, scalars, self.option)
         keep = skip != 0  # a skipped step stores what it read: bit-identical
         if self.has_master:  # the masters get the fp32 result, the params its rounding (the kernel's to_storage)
@@ -126,7 +128,7 @@ class ExactUpdate:
             return self.flat.gather(self.moments[key], torch.float32)
         codes = self.flat.gather(self.moments[key], torch.int16)  # int8 and uint8 codes fit, padding codes 0
         scale = torch.cat(self.scales[key])
-        return state_format.DECODERS[self.rule.CODECS[key]](codes, scale)
+        return state_format.DECODERS[self.rule.codecs[key]](codes, scale)
 
     def _write(self, key: str, value: torch.Tensor, keep: torch.Tensor) -> None:
         if self.format == FP32:
@@ -135,11 +137,11 @@ class ExactUpdate:
             return
         if self.format == BF16:
             old = self.flat.gather(self.moments[key], torch.bfloat16)
-            stochastic = key in self.rule.STOCHASTIC_BF16
+            stochastic = key in self.rule.stochastic_bf16
             rounded = self._round_stochastic(value) if stochastic else value.to(torch.bfloat16)
             self.flat.scatter(torch.where(keep, old, rounded), self.moments[key])
             return
-        codes, scale = state_format.ENCODERS[self.rule.CODECS[key]](value)
+        codes, scale = state_format.ENCODERS[self.rule.codecs[key]](value)
         old_codes = self.flat.gather(self.moments[key], codes.dtype)
         old_scale = torch.cat(self.scales[key])
         self.flat.scatter(torch.where(keep, old_codes, codes), self.moments[key])

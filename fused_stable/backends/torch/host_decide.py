@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ... import layout
-from ...layout import StepRules
+from ...layout import StepPolicy
 
 F32 = np.float32
 INF = F32("inf")
@@ -43,17 +43,17 @@ def clamp_max(x, high: float):
     return x if x <= high else F32(high)
 
 
-def decide(sumsq, fstate: np.ndarray, istate: np.ndarray, rules: StepRules, lr0: float, grad_scale, found_inf):
+def decide(sumsq, fstate: np.ndarray, istate: np.ndarray, policy: StepPolicy, lr0: float, grad_scale, found_inf):
     """torch_decide.decide on host scalars: `sumsq`, `grad_scale` and `found_inf` are numpy fp32 scalars (the last
     two None when not given), `fstate` / `istate` numpy arrays on the buffers' memory, updated in place. Returns
     (grad multiplier, skip flag as fp32, lr factor, whether this step is the window's new worst)."""
     f, i = fstate.copy(), istate.copy()  # every section reads the state as it was before this step
     norm, nonfinite = global_norm(sumsq, found_inf)
     finite = not nonfinite
-    ready, zscore, is_spike, spike_ceiling = zscore_statistics(fstate, istate, f, i, norm, finite, rules)
-    skip, spike_skip = skip_decision(norm, nonfinite, zscore, is_spike, f[layout.F_NORM_MEAN], rules)
-    grad_mul = clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, rules)
-    applied_before, lr_factor = lr_schedule(i, rules)
+    ready, zscore, is_spike, spike_ceiling = zscore_statistics(fstate, istate, f, i, norm, finite, policy)
+    skip, spike_skip = skip_decision(norm, nonfinite, zscore, is_spike, f[layout.F_NORM_MEAN], policy)
+    grad_mul = clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, policy)
+    applied_before, lr_factor = lr_schedule(i, policy)
     count_step(fstate, istate, i, applied_before, skip, nonfinite, spike_skip, is_spike, norm, grad_mul, lr_factor, lr0)
     fstate[layout.F_LAST_ZSCORE] = zscore
     worse = worst_step_window(fstate, istate, f, i, norm, nonfinite, finite, zscore, ready, applied_before)
@@ -67,19 +67,19 @@ def global_norm(sumsq, found_inf):
     return norm, nonfinite
 
 
-def zscore_statistics(fstate, istate, f, i, norm, finite: bool, rules: StepRules):
+def zscore_statistics(fstate, istate, f, i, norm, finite: bool, policy: StepPolicy):
     """The norm's z-score against the running statistics and the spike test; then the statistics absorb a finite
     norm, a spike only up to its ceiling (plain mean and variance during the warm-up, an EMA after it)."""
     mean, var, count = f[layout.F_NORM_MEAN], f[layout.F_NORM_VAR], i[layout.I_STATS_COUNT]
     std = sqrt(clamp_min(var, 0.0))
-    ready = bool(count >= rules.zscore_warmup)
+    ready = bool(count >= policy.zscore_warmup)
     zscore = (norm - mean) / (std + layout.ZSCORE_STD_EPS) if ready and finite else F32(0.0)
-    is_spike = ready and finite and bool(zscore > rules.zscore_threshold)
-    spike_ceiling = mean + rules.zscore_threshold * std
+    is_spike = ready and finite and bool(zscore > policy.zscore_threshold)
+    spike_ceiling = mean + policy.zscore_threshold * std
     if finite:
         value = spike_ceiling if is_spike else norm
         new_count = count + 1
-        if count < rules.zscore_warmup:
+        if count < policy.zscore_warmup:
             warm_sum = f[layout.F_WARMUP_SUM] + value
             warm_sumsq = f[layout.F_WARMUP_SUMSQ] + value * value
             warm_mean = warm_sum / F32(new_count)
@@ -88,7 +88,7 @@ def zscore_statistics(fstate, istate, f, i, norm, finite: bool, rules: StepRules
             fstate[layout.F_NORM_MEAN] = warm_mean
             fstate[layout.F_NORM_VAR] = clamp_min(warm_sumsq / F32(new_count) - warm_mean * warm_mean, 0.0)
         else:
-            alpha = rules.zscore_alpha
+            alpha = policy.zscore_alpha
             ema_mean = alpha * mean + (1.0 - alpha) * value
             fstate[layout.F_NORM_MEAN] = ema_mean
             fstate[layout.F_NORM_VAR] = alpha * var + (1.0 - alpha) * (value - ema_mean) * (value - ema_mean)
@@ -96,32 +96,32 @@ def zscore_statistics(fstate, istate, f, i, norm, finite: bool, rules: StepRules
     return ready, zscore, is_spike, spike_ceiling
 
 
-def skip_decision(norm, nonfinite: bool, zscore, is_spike: bool, mean, rules: StepRules):
+def skip_decision(norm, nonfinite: bool, zscore, is_spike: bool, mean, policy: StepPolicy):
     """Whether the step is skipped (non-finite grads, or a spike skip), and whether it is a spike skip."""
     spike_skip = bool(
-        rules.spike_skip_threshold
+        policy.spike_skip_threshold
         and is_spike
-        and zscore > rules.spike_skip_threshold
-        and norm >= rules.spike_skip_ratio * mean
+        and zscore > policy.spike_skip_threshold
+        and norm >= policy.spike_skip_ratio * mean
     )
     return nonfinite or spike_skip, spike_skip
 
 
-def clip_coefficient(norm, is_spike: bool, spike_ceiling, grad_scale, rules: StepRules):
+def clip_coefficient(norm, is_spike: bool, spike_ceiling, grad_scale, policy: StepPolicy):
     """The factor every grad is multiplied by: min(1, ceiling / (norm + eps)) over the loss scale."""
-    ceiling = F32(rules.max_grad_norm or float("inf"))
-    if rules.clip_mode == layout.CLIP_ZSCORE and is_spike and (spike_ceiling < ceiling or ceiling != ceiling):
+    ceiling = F32(policy.max_grad_norm or float("inf"))
+    if policy.clip_mode == layout.CLIP_ZSCORE and is_spike and (spike_ceiling < ceiling or ceiling != ceiling):
         ceiling = spike_ceiling
     coef = clamp_max(ceiling / (norm + layout.CLIP_EPS), 1.0)
     return coef * (F32(1.0) / grad_scale) if grad_scale is not None else coef
 
 
-def lr_schedule(i, rules: StepRules):
+def lr_schedule(i, policy: StepPolicy):
     """The count of updates applied before this one, and the schedule's factor at it."""
     applied_before = i[layout.I_APPLIED_STEPS]
-    if rules.schedule is None:
+    if policy.schedule is None:
         return applied_before, F32(1.0)
-    return applied_before, host_schedule_factor(rules.schedule, applied_before)
+    return applied_before, host_schedule_factor(policy.schedule, applied_before)
 
 
 def host_schedule_factor(schedule, applied_before: np.int64) -> np.float32:

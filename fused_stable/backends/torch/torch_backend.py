@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ...kernels.tables import upload_int64
-from ...layout import StepBuffers, StepRules
+from ...layout import StepBuffers, StepPolicy
 from ...plan import StepPlan, is_dense
 from ...state_format import FP32
 from . import cpu_ops, host_decide
@@ -114,7 +114,7 @@ def fused_step(
     plan: StepPlan,
     grads: list[torch.Tensor],
     buffers: StepBuffers,
-    rules: StepRules,
+    policy: StepPolicy,
     hparams: list,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
@@ -143,18 +143,18 @@ def fused_step(
         fstate, istate, sumsq, grad_scale, found_inf = host_scalars(lists, buffers, sumsq, grad_scale, found_inf)
         with np.errstate(all="ignore"):  # inf and NaN are values here, as on the device: no numpy warnings
             grad_mul, skip, lr_factor, worse = host_decide.decide(
-                sumsq, fstate, istate, rules, hparams[0].lr, grad_scale, found_inf
+                sumsq, fstate, istate, policy, hparams[0].lr, grad_scale, found_inf
             )
     else:
         grad_mul, skip, lr_factor, worse = decide(
-            sumsq, buffers.fstate, buffers.istate, rules, hparams[0].lr, grad_scale, found_inf
+            sumsq, buffers.fstate, buffers.istate, policy, hparams[0].lr, grad_scale, found_inf
         )
     keep_worst(buffers.worst_sumsq, per_tensor_sumsq, worse, None if lists.all_positions else lists.positions)
 
     if lists.meta:  # no values to update (the state exists now, as after torch's step); the ops below read scalars
         return
-    if rules.schedule is not None:
-        show_next_lrs(lists, buffers, hparams, rules.schedule)
+    if policy.schedule is not None:
+        show_next_lrs(lists, buffers, hparams, policy.schedule)
     if host:
         run_updates_host(lists, grads, hparams, grad_mul, skip, lr_factor)
     elif lists.compiled:  # CPU tensors, tensor decisions: the compiled update all the same (one update code)

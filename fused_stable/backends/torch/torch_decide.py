@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ... import layout
-from ...layout import HParams, StepBuffers, StepRules
+from ...layout import StepBuffers, StepPolicy
 
 # torch_backend.TorchLists (not imported: torch_backend imports this module)
 TorchLists = Any
@@ -54,7 +54,7 @@ def decide(
     sumsq,
     fstate: torch.Tensor,
     istate: torch.Tensor,
-    rules: StepRules,
+    policy: StepPolicy,
     lr0: float | torch.Tensor,
     grad_scale=None,
     found_inf=None,
@@ -65,10 +65,10 @@ def decide(
     f, i = fstate.unbind(), istate.unbind()
     new_f, new_i = list(f), list(i)
     norm, nonfinite, finite = global_norm(sumsq, found_inf)
-    mean, ready, zscore, is_spike, spike_ceiling = zscore_statistics(new_f, new_i, f, i, norm, finite, rules)
-    skip, spike_skip = skip_decision(norm, nonfinite, zscore, is_spike, mean, rules)
-    grad_mul = clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, rules)
-    applied_before, lr_factor = lr_schedule(i, norm, rules)
+    mean, ready, zscore, is_spike, spike_ceiling = zscore_statistics(new_f, new_i, f, i, norm, finite, policy)
+    skip, spike_skip = skip_decision(norm, nonfinite, zscore, is_spike, mean, policy)
+    grad_mul = clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, policy)
+    applied_before, lr_factor = lr_schedule(i, norm, policy)
     count_step(
         new_f,
         new_i,
@@ -101,24 +101,24 @@ def global_norm(sumsq, found_inf):
     return norm, nonfinite, ~nonfinite
 
 
-def zscore_statistics(new_f, new_i, f, i, norm, finite, rules: StepRules):
+def zscore_statistics(new_f, new_i, f, i, norm, finite, policy: StepPolicy):
     """The norm's z-score against the running statistics and the spike test; then the statistics absorb finite
     norms, a spike only up to its ceiling (plain mean and variance during the warm-up, an EMA after it)."""
     mean, var, count = f[layout.F_NORM_MEAN], f[layout.F_NORM_VAR], i[layout.I_STATS_COUNT]
     std = clamp_min(var, 0.0).sqrt()
-    ready = count >= rules.zscore_warmup
+    ready = count >= policy.zscore_warmup
     zscore = where(ready & finite, (norm - mean) / (std + layout.ZSCORE_STD_EPS), 0.0)
-    is_spike = ready & finite & (zscore > rules.zscore_threshold)
-    spike_ceiling = mean + rules.zscore_threshold * std
+    is_spike = ready & finite & (zscore > policy.zscore_threshold)
+    spike_ceiling = mean + policy.zscore_threshold * std
 
     value = where(is_spike, spike_ceiling, norm)
-    in_warmup = count < rules.zscore_warmup
+    in_warmup = count < policy.zscore_warmup
     warm_sum = f[layout.F_WARMUP_SUM] + value
     warm_sumsq = f[layout.F_WARMUP_SUMSQ] + value * value
     new_count = count + 1
     warm_mean = warm_sum / new_count.float()
     warm_var = clamp_min(warm_sumsq / new_count.float() - warm_mean * warm_mean, 0.0)
-    alpha = rules.zscore_alpha
+    alpha = policy.zscore_alpha
     ema_mean = alpha * mean + (1.0 - alpha) * value
     ema_var = alpha * var + (1.0 - alpha) * (value - ema_mean) * (value - ema_mean)
     new_f[layout.F_WARMUP_SUM] = where(finite & in_warmup, warm_sum, f[layout.F_WARMUP_SUM])
@@ -129,34 +129,34 @@ def zscore_statistics(new_f, new_i, f, i, norm, finite, rules: StepRules):
     return mean, ready, zscore, is_spike, spike_ceiling
 
 
-def skip_decision(norm, nonfinite, zscore, is_spike, mean, rules: StepRules):
+def skip_decision(norm, nonfinite, zscore, is_spike, mean, policy: StepPolicy):
     """Whether the step is skipped (non-finite grads, or a spike skip), and whether it is a spike skip."""
-    if rules.spike_skip_threshold:
-        spike_skip = is_spike & (zscore > rules.spike_skip_threshold) & (norm >= rules.spike_skip_ratio * mean)
+    if policy.spike_skip_threshold:
+        spike_skip = is_spike & (zscore > policy.spike_skip_threshold) & (norm >= policy.spike_skip_ratio * mean)
     else:
         spike_skip = torch.zeros_like(is_spike)
     return nonfinite | spike_skip, spike_skip
 
 
-def clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, rules: StepRules):
+def clip_coefficient(norm, is_spike, spike_ceiling, grad_scale, policy: StepPolicy):
     """The factor every grad is multiplied by: min(1, ceiling / (norm + eps)) over the loss scale."""
-    ceiling = torch.full_like(norm, rules.max_grad_norm or float("inf"))
-    if rules.clip_mode == layout.CLIP_ZSCORE:
+    ceiling = torch.full_like(norm, policy.max_grad_norm or float("inf"))
+    if policy.clip_mode == layout.CLIP_ZSCORE:
         ceiling = where(is_spike, torch.minimum(ceiling, spike_ceiling), ceiling)
     coef = clamp_max(ceiling / (norm + layout.CLIP_EPS), 1.0)
     return coef * grad_scale.reciprocal() if grad_scale is not None else coef
 
 
-def lr_schedule(i, norm, rules: StepRules):
+def lr_schedule(i, norm, policy: StepPolicy):
     """The count of updates applied before this one, and the schedule's factor at it (the next step's shown lrs:
     `show_next_lrs`, once the step's decisions are made)."""
     applied_before = i[layout.I_APPLIED_STEPS]
-    if rules.schedule is None:
+    if policy.schedule is None:
         return applied_before, torch.full_like(norm, 1.0)
-    return applied_before, rules.schedule.factor_tensor(applied_before)
+    return applied_before, policy.schedule.factor_tensor(applied_before)
 
 
-def show_next_lrs(lists: TorchLists, buffers: StepBuffers, hparams: list[HParams], schedule) -> None:
+def show_next_lrs(lists: TorchLists, buffers: StepBuffers, hparams: list[tuple], schedule) -> None:
     """Every group's lr for the next step (base lr x the schedule's factor at the count of updates applied so far)
     into hparams[:, H_SHOWN_LR], which param_groups[g]["lr"] shows; the decision kernel's `lr_schedule` does this
     on the Triton path. Float lrs are kept in a device tensor until they change; tensor lrs are read on the device."""

@@ -26,13 +26,14 @@ import numpy as np
 import torch
 
 from ... import state_format
-from ...layout import HParams
 from ...plan import StepPlan
-from ...rules import adamw, lion
+from ...rules import RULES
 from ...rules.adamw.torch import step_scalars
 from ...state_format import BF16, FP32, Q8
 from . import cpu_ops
 from .exact_reference import ExactUpdate
+
+adamw, lion = RULES["adamw"], RULES["lion"]
 
 _COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,7 +49,7 @@ class Update(Protocol):
     def on_host(
         self,
         grads: list[torch.Tensor],
-        hp: HParams,
+        hp: tuple,
         grad_mul: np.float32,
         lr_factor: np.float32,
         grad_divisor: torch.Tensor | None,
@@ -58,7 +59,7 @@ class Update(Protocol):
     def on_tensors(
         self,
         grads: list[torch.Tensor],
-        hp: HParams,
+        hp: tuple,
         grad_mul: torch.Tensor,
         skip: torch.Tensor,
         lr_factor: torch.Tensor,
@@ -124,15 +125,15 @@ class NativeUpdate:
             self.copy_out = (params, copies)
             self.params = copies
 
-    def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+    def on_host(self, grads, hp: tuple, grad_mul, lr_factor, grad_divisor) -> None:
         """`grad_divisor` is None when the grads are not scaled (`_fused_adamw_` then only reads them)."""
         self._call(grads, float(lr_factor * hp.lr), hp, grad_divisor, None)
 
-    def on_tensors(self, grads, hp: HParams, grad_mul, skip, lr_factor, grad_divisor) -> None:
+    def on_tensors(self, grads, hp: tuple, grad_mul, skip, lr_factor, grad_divisor) -> None:
         """It divides the grads by `grad_divisor` and leaves everything untouched when `skip` (found_inf) is 1."""
         self._call(grads, lr_factor * hp.lr, hp, grad_divisor, skip)
 
-    def _call(self, grads: list[torch.Tensor], lr, hp: HParams, grad_divisor, found_inf) -> None:
+    def _call(self, grads: list[torch.Tensor], lr, hp: tuple, grad_divisor, found_inf) -> None:
         """One `_fused_adamw_` call, on the working copies when there are (see the class doc)."""
         if self.grads32 is not None:
             if self.copy_in is not None:
@@ -147,8 +148,8 @@ class NativeUpdate:
             self.max_exp_avg_sqs,
             self.steps,
             lr=lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
+            beta1=hp.betas[0],
+            beta2=hp.betas[1],
             weight_decay=hp.weight_decay,
             eps=hp.eps,
             amsgrad=self.amsgrad,
@@ -183,7 +184,7 @@ class CompiledUpdate:
         """Whether the op is built and can update these tensors in place (fp32 moments): see `_fits_in_place`."""
         return compiled and fmt == FP32 and not relayout and _fits_in_place(plan, group, all_indices, False)
 
-    def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+    def on_host(self, grads, hp: tuple, grad_mul, lr_factor, grad_divisor) -> None:
         cpu_ops.adamw(
             self.params,
             grads,
@@ -193,8 +194,8 @@ class CompiledUpdate:
             self.steps,
             masters=self.masters,
             lr=float(lr_factor * hp.lr),
-            beta1=hp.beta1,
-            beta2=hp.beta2,
+            beta1=hp.betas[0],
+            beta2=hp.betas[1],
             weight_decay=hp.weight_decay,
             eps=hp.eps,
             maximize=hp.maximize,
@@ -236,7 +237,7 @@ class LowbitUpdate:
         contiguous too): see `_fits_in_place`."""
         return compiled and fmt != FP32 and _fits_in_place(plan, group, all_indices, fmt == Q8)
 
-    def on_host(self, grads, hp: HParams, grad_mul, lr_factor, grad_divisor) -> None:
+    def on_host(self, grads, hp: tuple, grad_mul, lr_factor, grad_divisor) -> None:
         steps = torch.stack(self.steps)
         decisions = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, lr_factor)]
         scalars = step_scalars(self._row(hp), steps[:, None], *decisions)
@@ -252,7 +253,7 @@ class LowbitUpdate:
             state_format=self.format,
         )
 
-    def _row(self, hp: HParams) -> torch.Tensor:
+    def _row(self, hp: tuple) -> torch.Tensor:
         """The group's hyper-parameter row in fp32, as the kernels' table (and the reference) holds it; the host
         decisions give the lr as a float."""
         key = (float(hp.lr), *hp[1:])
@@ -324,7 +325,7 @@ class CompiledLionUpdate:
     def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout, compiled: bool) -> bool:
         """Whether the op is built and can update these Lion tensors in place: `_fits_in_place` (`relayout` is
         not read: the op reads a non-contiguous grad from a copy, and every other tensor must be contiguous)."""
-        if not compiled or plan.rule.NAME != lion.NAME:
+        if not compiled or plan.rule.name != lion.name:
             return False
         return _fits_in_place(plan, group, all_indices, fmt == Q8)
 
@@ -349,11 +350,11 @@ class CompiledLionUpdate:
 
 
 # the rules' own doors, tried in order before the exact reference (torch_backend.choose_update)
-_RULE_DOORS = {adamw.NAME: (CompiledUpdate, LowbitUpdate, NativeUpdate)}
+_RULE_DOORS = {adamw.name: (CompiledUpdate, LowbitUpdate, NativeUpdate)}
 
 
 def doors_of(rule) -> tuple:
     """The doors a rule offers besides the exact reference: AdamW's above, and those a rule's torch.py lists in
     DOORS (a new rule needs no edit here)."""
-    language = import_module(rule.__name__ + ".torch")
-    return _RULE_DOORS.get(rule.NAME, ()) + tuple(getattr(language, "DOORS", ()))
+    language = import_module(rule.package + ".torch")
+    return _RULE_DOORS.get(rule.name, ()) + tuple(getattr(language, "DOORS", ()))

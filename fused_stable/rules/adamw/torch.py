@@ -12,7 +12,9 @@ import torch
 
 from ...layout import H_LR
 from ...state_format import sqrt_rn
-from .. import adamw
+from . import RULE
+
+SLOT = RULE.slots  # the rule's slots of the hyper-parameter row: SLOT.H_<NAME>
 
 
 def expm1(x: torch.Tensor) -> torch.Tensor:
@@ -29,18 +31,18 @@ def step_scalars(row: torch.Tensor, steps: torch.Tensor, grad_mul, lr_factor) ->
     (already advanced; a column, one per row of the values the element sees) and the decisions' grad
     multiplier and lr factor (0-dim fp32 tensors). The kernel reads the last two from the decision buffer."""
     lr = row[H_LR] * lr_factor
-    decay = 1.0 - lr * row[adamw.H_WEIGHT_DECAY]
-    signed_grad_mul = grad_mul * row[adamw.H_GRAD_SIGN]
-    bias_correction1 = -expm1(steps * row[adamw.H_LOG_BETA1])
-    bias_correction2_sqrt = sqrt_rn(-expm1(steps * row[adamw.H_LOG_BETA2]))
+    decay = 1.0 - lr * row[SLOT.H_WEIGHT_DECAY]
+    signed_grad_mul = grad_mul * row[SLOT.H_GRAD_SIGN]
+    bias_correction1 = -expm1(steps * row[SLOT.H_LOG_BETA1])
+    bias_correction2_sqrt = sqrt_rn(-expm1(steps * row[SLOT.H_LOG_BETA2]))
     step_size = lr / bias_correction1
     return (
         signed_grad_mul,
         decay,
-        row[adamw.H_BETA2],
-        row[adamw.H_ONE_MINUS_BETA1],
-        row[adamw.H_ONE_MINUS_BETA2],
-        row[adamw.H_EPS],
+        row[SLOT.H_BETA2],
+        row[SLOT.H_ONE_MINUS_BETA1],
+        row[SLOT.H_ONE_MINUS_BETA2],
+        row[SLOT.H_EPS],
         step_size,
         bias_correction2_sqrt,
     )

@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 
 from ... import layout
-from .. import adamw
+from . import RULE
+
+SLOT = RULE.slots  # the rule's slots of the hyper-parameter row: SLOT.H_<NAME>
 
 
 @triton.jit
@@ -31,14 +33,14 @@ def step_scalars(
     F_GRAD_MUL: tl.constexpr = layout.F_GRAD_MUL,
     F_LR_FACTOR: tl.constexpr = layout.F_LR_FACTOR,
     H_LR: tl.constexpr = layout.H_LR,
-    H_BETA2: tl.constexpr = adamw.H_BETA2,
-    H_EPS: tl.constexpr = adamw.H_EPS,
-    H_WEIGHT_DECAY: tl.constexpr = adamw.H_WEIGHT_DECAY,
-    H_ONE_MINUS_BETA1: tl.constexpr = adamw.H_ONE_MINUS_BETA1,
-    H_ONE_MINUS_BETA2: tl.constexpr = adamw.H_ONE_MINUS_BETA2,
-    H_LOG_BETA1: tl.constexpr = adamw.H_LOG_BETA1,
-    H_LOG_BETA2: tl.constexpr = adamw.H_LOG_BETA2,
-    H_GRAD_SIGN: tl.constexpr = adamw.H_GRAD_SIGN,
+    H_BETA2: tl.constexpr = SLOT.H_BETA2,
+    H_EPS: tl.constexpr = SLOT.H_EPS,
+    H_WEIGHT_DECAY: tl.constexpr = SLOT.H_WEIGHT_DECAY,
+    H_ONE_MINUS_BETA1: tl.constexpr = SLOT.H_ONE_MINUS_BETA1,
+    H_ONE_MINUS_BETA2: tl.constexpr = SLOT.H_ONE_MINUS_BETA2,
+    H_LOG_BETA1: tl.constexpr = SLOT.H_LOG_BETA1,
+    H_LOG_BETA2: tl.constexpr = SLOT.H_LOG_BETA2,
+    H_GRAD_SIGN: tl.constexpr = SLOT.H_GRAD_SIGN,
 ):
     """This tensor's scalars for the update, from its group's row `hp` of the hyper-parameter table, the decision
     kernel's grad multiplier and lr factor, and its `step` counter (already advanced for this step)."""

@@ -9,7 +9,9 @@ import torch
 
 from ...backends.torch.updates import CompiledLionUpdate
 from ...layout import H_LR
-from .. import lion
+from . import RULE
+
+SLOT = RULE.slots  # the rule's slots of the hyper-parameter row: SLOT.H_<NAME>
 
 DOORS = (CompiledLionUpdate,)  # tried before the exact reference (backends/torch/updates.py, `doors_of`)
 
@@ -18,15 +20,15 @@ def step_scalars(row: torch.Tensor, steps: torch.Tensor, grad_mul, lr_factor) ->
     """triton.py's `step_scalars`, from the group's fp32 hyper-parameter `row` and the decisions' grad multiplier
     and lr factor (0-dim fp32 tensors); `steps` is not read (no bias correction)."""
     lr = row[H_LR] * lr_factor
-    decay = 1.0 - lr * row[lion.H_WEIGHT_DECAY]
+    decay = 1.0 - lr * row[SLOT.H_WEIGHT_DECAY]
     return (
         grad_mul,
         decay,
         lr,
-        row[lion.H_BETA1],
-        row[lion.H_BETA2],
-        row[lion.H_ONE_MINUS_BETA1],
-        row[lion.H_ONE_MINUS_BETA2],
+        row[SLOT.H_BETA1],
+        row[SLOT.H_BETA2],
+        row[SLOT.H_ONE_MINUS_BETA1],
+        row[SLOT.H_ONE_MINUS_BETA2],
     )
 
 

@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 
 from ... import layout
-from .. import lion
+from . import RULE
+
+SLOT = RULE.slots  # the rule's slots of the hyper-parameter row: SLOT.H_<NAME>
 
 
 @triton.jit
@@ -21,11 +23,11 @@ def step_scalars(
     F_GRAD_MUL: tl.constexpr = layout.F_GRAD_MUL,
     F_LR_FACTOR: tl.constexpr = layout.F_LR_FACTOR,
     H_LR: tl.constexpr = layout.H_LR,
-    H_BETA1: tl.constexpr = lion.H_BETA1,
-    H_BETA2: tl.constexpr = lion.H_BETA2,
-    H_WEIGHT_DECAY: tl.constexpr = lion.H_WEIGHT_DECAY,
-    H_ONE_MINUS_BETA1: tl.constexpr = lion.H_ONE_MINUS_BETA1,
-    H_ONE_MINUS_BETA2: tl.constexpr = lion.H_ONE_MINUS_BETA2,
+    H_BETA1: tl.constexpr = SLOT.H_BETA1,
+    H_BETA2: tl.constexpr = SLOT.H_BETA2,
+    H_WEIGHT_DECAY: tl.constexpr = SLOT.H_WEIGHT_DECAY,
+    H_ONE_MINUS_BETA1: tl.constexpr = SLOT.H_ONE_MINUS_BETA1,
+    H_ONE_MINUS_BETA2: tl.constexpr = SLOT.H_ONE_MINUS_BETA2,
 ):
     """This tensor's scalars for the update, from its group's row `hp` and the decision kernel's grad multiplier
     and lr factor (Lion has no bias correction: `step` is not read)."""

@@ -1,20 +1,29 @@
-"""Muon, the rule: torch.optim.Muon's defaults and state name, its lr adjustment, and the check of a Muon group.
+r"""Muon (Keller Jordan's "MomentUm Orthogonalized by Newton-Schulz"), as torch.optim.Muon (torch 2.13) computes it,
+for 2-D matrices, one whole matrix at a time (a matrix rule: Newton-Schulz needs the whole param).
 
-A Muon group (`use_muon=True`) holds 2-D matrices only. Its update is torch.optim.Muon's (torch 2.13): momentum
-`buf.lerp_(g, 1 - momentum)`, the Nesterov direction `g.lerp(buf, momentum)` (or `buf`), Newton-Schulz
-orthogonalisation in bf16, decoupled weight decay `p *= 1 - lr * weight_decay`, then `p -= adjusted_lr * O`.
-The pieces beside this file:
+With g the grad times the step's multiplier (the clip coefficient and the loss scale), B the momentum buffer:
 
+    B = B + (1 - momentum) * (g - B)                       (momentum_buffer: buf.lerp_(g, 1 - momentum))
+    U = g + momentum * (B - g)   with nesterov, else B     (g.lerp(B, momentum))
+    O = NewtonSchulz(U)                                    (ns_steps quintic iterations in bf16, on U / ||U||_F,
+                                                            transposed when rows > cols; coefficients a, b, c)
+    p = p * (1 - lr * weight_decay)                        (decoupled weight decay)
+    p = p - adjusted_lr * O                                (adjust_lr_fn: None / "original": lr * sqrt(max(1,
+                                                            rows / cols)); "match_rms_adamw": lr * 0.2 * sqrt(max(
+                                                            rows, cols)), so the update's RMS matches AdamW's)
+
+Names, defaults and the state key are torch.optim.Muon's (a test reads its signature). The pieces beside this file:
+
+  matrix.py         the matrix rule's interface the fused step calls: states, the update, state bytes, checks
   newton_schulz.py  `orthogonalize` and `ShapeBatches`: the Newton-Schulz iteration batched over matrices of one shape
-  torch.py          `MuonSide`: the Muon groups' share of a fused step on torch tensors, decisions as device tensors
+  torch.py          `MuonSide`: the Muon groups' update on torch tensors, the step's decisions as device tensors
   param_groups.py   `muon_param_groups`: a model split into a Muon group and an AdamW group
 
 A conv weight (4-D) is refused rather than flattened: torch.optim.Muon refuses it too (the parity oracle), and
 the flattening (out, in*kh*kw) is a modelling choice whose lr adjustment differs between recipes (Keller Jordan
 flattens then adjusts by the flat shape; Moonlight adjusts by shape[:2]). Flatten it yourself or give it to AdamW.
 
-Importing this package imports neither triton nor torch.optim (the defaults are written here; a test reads
-torch's signature and checks they agree).
+Importing this package imports neither triton nor torch.
 """
 
 from __future__ import annotations
@@ -22,13 +31,7 @@ from __future__ import annotations
 import math
 import numbers
 
-NAME = "muon"
-# not a rule of the update kernel (RULES): Newton-Schulz needs whole matrices, so FusedMuon runs MuonSide after the
-# fused step, on its decisions (fused_stable/muon.py)
-ELEMENTWISE = False
-
-STATE_NAMES = ("momentum_buffer",)  # torch.optim.Muon's state key, one buffer per matrix, the param's shape
-TORCH_STATE_KEYS = STATE_NAMES
+from ..declaration import SIGNED, HParam, Rule, State
 
 # torch.optim.Muon's defaults (torch 2.13; Keller Jordan's constants)
 LR = 1e-3
@@ -39,16 +42,6 @@ NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 EPS = 1e-7
 NS_STEPS = 5
 ADJUST_LR_FN = None
-DEFAULTS = {
-    "lr": LR,
-    "weight_decay": WEIGHT_DECAY,
-    "momentum": MOMENTUM,
-    "nesterov": NESTEROV,
-    "ns_coefficients": NS_COEFFICIENTS,
-    "eps": EPS,
-    "ns_steps": NS_STEPS,
-    "adjust_lr_fn": ADJUST_LR_FN,
-}
 ADJUST_LR_FNS = ("original", "match_rms_adamw")  # and None, which is "original"
 MAX_NS_STEPS = 99  # torch refuses 100 or more "for computational efficiency"
 
@@ -98,21 +91,58 @@ def _check_params(params) -> None:
 def check_muon_group(group: dict) -> None:
     """Refuse a Muon group's bad keywords with a ValueError, as torch.optim.Muon's constructor does (and a little
     more: ns_steps and ns_coefficients here, not at the first step). A missing key takes torch's default."""
-    for key in ("lr", "weight_decay", "momentum", "eps"):
-        _check_number(group, key)
-    if not isinstance(group.get("nesterov", NESTEROV), bool):
-        raise ValueError(f"Muon group: nesterov must be True or False, not {group['nesterov']!r}")
-    ns_steps = group.get("ns_steps", NS_STEPS)
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 < ns_steps <= MAX_NS_STEPS:
-        raise ValueError(f"Muon group: ns_steps must be an int from 1 to {MAX_NS_STEPS}, got {ns_steps!r}")
-    coefficients = group.get("ns_coefficients", NS_COEFFICIENTS)
-    if (
-        not isinstance(coefficients, (tuple, list))
-        or len(coefficients) != 3
-        or not all(isinstance(c, numbers.Real) and math.isfinite(c) for c in coefficients)
-    ):
-        raise ValueError(f"Muon group: ns_coefficients must be 3 finite numbers (a, b, c), got {coefficients!r}")
-    adjust_lr_fn = group.get("adjust_lr_fn", ADJUST_LR_FN)
-    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"Muon group: adjust_lr_fn must be None, 'original' or 'match_rms_adamw': {adjust_lr_fn!r}")
+    RULE.check_group(group, DEFAULTS)
     _check_params(group.get("params", []))
+
+
+def _number(key: str) -> object:
+    return lambda value: _check_number({key: value}, key)
+
+
+def _nesterov(value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"Muon group: nesterov must be True or False, not {value!r}")
+
+
+def _ns_steps(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_NS_STEPS:
+        raise ValueError(f"Muon group: ns_steps must be an int from 1 to {MAX_NS_STEPS}, got {value!r}")
+
+
+def _ns_coefficients(value) -> None:
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 3
+        or not all(isinstance(c, numbers.Real) and math.isfinite(c) for c in value)
+    ):
+        raise ValueError(f"Muon group: ns_coefficients must be 3 finite numbers (a, b, c), got {value!r}")
+
+
+def _adjust_lr_fn(value) -> None:
+    if value is not None and value not in ADJUST_LR_FNS:
+        raise ValueError(f"Muon group: adjust_lr_fn must be None, 'original' or 'match_rms_adamw': {value!r}")
+
+
+RULE = Rule(
+    name="muon",
+    title="Muon",
+    package=__name__,
+    # torch.optim.Muon's state key, one buffer per matrix, the param's shape (8-bit: not built; matrix.py refuses it)
+    states=(State("momentum_buffer", SIGNED),),
+    hparams=(
+        HParam("lr", LR, check=_number("lr")),
+        HParam("weight_decay", WEIGHT_DECAY, check=_number("weight_decay")),
+        HParam("momentum", MOMENTUM, check=_number("momentum")),
+        HParam("nesterov", NESTEROV, check=_nesterov),
+        HParam("ns_coefficients", NS_COEFFICIENTS, check=_ns_coefficients),
+        HParam("eps", EPS, check=_number("eps")),
+        HParam("ns_steps", NS_STEPS, check=_ns_steps),
+        HParam("adjust_lr_fn", ADJUST_LR_FN, check=_adjust_lr_fn),
+    ),
+    row=(),  # no slot of the kernels' row: its update runs outside them (matrix.py), from the step's decisions
+    row_inputs=(),
+    fill_row=lambda: (),
+    torch_keeps_step=False,
+    elementwise=False,
+)
+DEFAULTS = {h.name: h.default for h in RULE.hparams}  # a Muon group's keys at torch.optim.Muon's defaults

@@ -2,8 +2,8 @@
 optimizer is built from the run's keys, and what a run cannot combine it with.
 
 Every rule takes the same step options (the clip, the schedule, state_precision, the guard's spike rules), built
-once by setup.py; what differs per rule is the class and its param groups. Imports of
-torch and of the optimizers are inside the functions: the config reads this table for `--help` and its checks.
+once by setup.py; what differs per rule is the class (fused_stable.OPTIMIZERS) and, for a rule with its own param
+groups (Muon), how the model is split.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fused_stable.errors import UserError
+from fused_stable.optimizers import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -24,20 +25,15 @@ class Rule:
     missing: Callable = lambda cfg, deepspeed: None
 
 
-def _adamw(cfg, model, groups, options):
-    from fused_stable import FusedAdamW
+def _build_over_groups(cls) -> Callable:
+    """An elementwise rule's optimizer over the trainer's param groups (decay / no-decay, LoRA+)."""
 
-    optimizer = FusedAdamW(groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
-    optimizer.param_names = groups.names
-    return optimizer
+    def build(cfg, model, groups, options):
+        optimizer = cls(groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
+        optimizer.param_names = groups.names
+        return optimizer
 
-
-def _lion(cfg, model, groups, options):
-    from fused_stable import FusedLion
-
-    optimizer = FusedLion(groups.groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
-    optimizer.param_names = groups.names
-    return optimizer
+    return build
 
 
 def _muon_missing(cfg, deepspeed: bool) -> str | None:
@@ -61,12 +57,14 @@ def _muon(cfg, model, groups, options):
     return optimizer
 
 
+# every optimizer of fused_stable.OPTIMIZERS, at the run's lr (the same default for every rule: the sweep on the
+# default task, docs/trainer.md "The update rule", found 1e-3 best for Lion too, where the Lion paper's 3-10x
+# smaller lr did not teach the identity in 27 steps); a rule that splits the model into its own groups brings its
+# own builder
+_OWN_GROUPS = {"muon": Rule("FusedMuon", _muon, _muon_missing)}
 RULES: dict[str, Rule] = {
-    "adamw": Rule("FusedAdamW", _adamw),
-    # the same default lr as AdamW's: the sweep on the default task (docs/trainer.md, "The update rule") found
-    # 1e-3 best for Lion too (the Lion paper's 3-10x smaller lr did not teach the identity in 27 steps)
-    "lion": Rule("FusedLion", _lion),
-    "muon": Rule("FusedMuon", _muon, _muon_missing),
+    name: _OWN_GROUPS[name] if entry.own_param_groups else Rule(entry.title, _build_over_groups(entry.cls))
+    for name, entry in OPTIMIZERS.items()
 }
 
 

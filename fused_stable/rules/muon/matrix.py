@@ -1,0 +1,60 @@
+"""Muon as a matrix rule: what the fused step (fused_stable/matrix_step.py) calls for a group whose rule needs whole
+params. The interface every matrix rule's matrix.py offers:
+
+  check_group(group, precision)  refuse what the rule cannot step (ValueError, one line), before the group is added
+  init_state(p, group)           the param's rule states, created at its first step (`step` is the machinery's)
+  state_bytes(p, group)          the bytes those states take (or will take), as opt.state holds them
+  build(params, states, groups)  the update of those params: `.step(grads, grad_mul, skip, lr_factor)`, the step's
+                                 decisions as 0-dim device tensors (the clip multiplier before the momentum, the
+                                 skip flag, the schedule's factor), none of them read on the host but on the CPU
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...sharding import is_dtensor
+from . import DEFAULTS, check_muon_group
+from .torch import MuonSide
+
+# a Muon group's state_precision -> its momentum buffers' dtype (None: the param's, as torch.optim.Muon's); bf16
+# rounds to nearest (momentum 0.95 moves a buffer 5% of g - buf a step, over half a bf16 ulp unless g is within 8%)
+MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def check_group(group: dict, precision: str) -> None:
+    """torch.optim.Muon's checks (missing keys set to its defaults, in place), the momentum's precision, and the
+    params a Muon group can hold here."""
+    for key, default in DEFAULTS.items():
+        group.setdefault(key, default)
+    check_muon_group(group)
+    if precision not in MOMENTUM_DTYPES:
+        raise ValueError(
+            f"a Muon group's momentum buffers are kept in fp32 (the param's dtype, as torch's) or bf16, not "
+            f"{precision!r} (8-bit Muon momentum is not built yet): give the Muon group state_precision='bf16' "
+            "or 'fp32' (the AdamW groups keep theirs)"
+        )
+    if any(is_dtensor(p) for p in group["params"]):
+        raise ValueError(
+            "FusedMuon's Muon groups do not run under FSDP2 yet: Newton-Schulz needs each whole matrix, a "
+            "DTensor param holds a shard; put these params in an AdamW group (use_muon=False) or use FusedAdamW"
+        )
+
+
+def _buffer_dtype(p: torch.Tensor, group: dict) -> torch.dtype:
+    return MOMENTUM_DTYPES[group["state_precision"]] or p.dtype
+
+
+def init_state(p: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
+    """torch's zero momentum buffer, shaped like the param (its dtype, or bf16 when the group asks for it)."""
+    return {"momentum_buffer": torch.zeros_like(p, dtype=_buffer_dtype(p, group), memory_format=torch.preserve_format)}
+
+
+def state_bytes(p: torch.Tensor, group: dict) -> int:
+    return p.numel() * _buffer_dtype(p, group).itemsize
+
+
+def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide:
+    """The update of `params` (a group's each, `groups[i]` with its base lr: the schedule's factor comes from the
+    decisions), batched once by group, dtype and shape."""
+    return MuonSide(params, [state["momentum_buffer"] for state in states], groups)
