@@ -21,7 +21,7 @@ from .optim import FusedOptimizer
 from .rules import RULES
 
 # what `fused_stable` exports from here: the registry and every optimizer class it lists
-__all__ = ["OPTIMIZERS", "FusedAdamW", "FusedLion", "FusedMuon"]
+__all__ = ["OPTIMIZERS", "FusedAdamW", "FusedLion", "FusedMuon", "FusedSGD"]
 
 
 class FusedAdamW(FusedOptimizer):
@@ -127,6 +127,57 @@ class FusedLion(FusedOptimizer):
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, **step_options)
 
 
+class FusedSGD(FusedOptimizer):
+    """SGD with momentum (torch.optim.SGD's update, names, defaults and `momentum_buffer` state) with the global
+    grad-norm clip, the non-finite check and the update fused on the device: `g += weight_decay * p; B = g` on the
+    buffer's first update, `B = momentum * B + (1 - dampening) * g` after it, `g = g + momentum * B` (nesterov) or
+    `B`; `p -= lr * g`, with g the clipped (and unscaled) grad.
+
+    Args:
+        params: parameters, (name, parameter) pairs or param-group dicts, as for torch.optim.SGD.
+        lr, momentum, dampening, weight_decay, nesterov, maximize: as torch.optim.SGD (weight decay added to the
+            grad, not decoupled), per param group as there. momentum 0 (the default) keeps no buffer, as torch.
+        foreach, fused, differentiable: accepted for torch.optim.SGD's call sites; no effect (differentiable=True
+            is refused).
+        max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
+        spike_skip_ratio, lr_schedule, master_weights, state_precision, capturable, backend: as FusedAdamW (the
+            step-wide options every rule shares); state_precision stores `momentum_buffer` in fp32, bf16 (to
+            nearest) or 8-bit (signed blockwise codes).
+    """
+
+    RULE = RULES["sgd"]
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        **step_options: Any,
+    ) -> None:
+        check_not_differentiable(differentiable, "FusedSGD(differentiable=True)")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
+        defaults = self.RULE.defaults(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+        )
+        super().__init__(params, defaults, **step_options)
+
+
 @dataclass(frozen=True)
 class OptimizerEntry:
     """One optimizer of the registry."""
@@ -172,4 +223,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         _adam_betas,
     ),
     "muon": OptimizerEntry("muon", FusedMuon, own_param_groups=True),
+    # the Trainer's `sgd` is torch.optim.SGD at its defaults (momentum 0): the same here
+    "sgd": OptimizerEntry("sgd", FusedSGD, {"sgd": "fp32"}),
 }

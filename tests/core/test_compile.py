@@ -15,7 +15,7 @@ import torch._dynamo
 from helpers import HAS_CUDA, backend_param
 
 import fused_stable
-from fused_stable import FusedAdamW, FusedLion, compiled, schedules
+from fused_stable import FusedAdamW, FusedLion, FusedSGD, compiled, schedules
 
 STEPS = 20
 # dynamo before torch 2.13 cannot trace an attribute write on an optimizer (GradScaler's protocol sets
@@ -120,15 +120,23 @@ def test_compiled_fullgraph_step_equals_eager(backend, steps, op_calls):
     torch.testing.assert_close(opt_b.per_tensor_grad_norms(), opt_a.per_tensor_grad_norms(), rtol=0, atol=0)
 
 
+RULES_AFTER_ADAMW = {
+    "lion": (FusedLion, dict(lr=2e-3, weight_decay=0.5), {"step", "exp_avg"}),
+    "sgd": (FusedSGD, dict(lr=2e-2, momentum=0.9, nesterov=True, weight_decay=0.5), {"step", "momentum_buffer"}),
+}
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compiled_lion_step_equals_eager(precision, op_calls):
-    """Every rule takes the same route: FusedLion's step compiles to the one op and computes what eager does."""
+@pytest.mark.parametrize("rule", list(RULES_AFTER_ADAMW))
+def test_compiled_step_of_every_rule_equals_eager(rule, precision, op_calls):
+    """Every rule takes the same route: its step compiles to the one op and computes what eager does."""
+    optimizer, hparams, state_keys = RULES_AFTER_ADAMW[rule]
     opt_a, opt_b, params_a, params_b = run_side_by_side(
-        "torch", optimizer=FusedLion, state_precision=precision, lr=2e-3, weight_decay=0.5
+        "torch", optimizer=optimizer, state_precision=precision, **hparams
     )
     assert len(op_calls) == STEPS
     assert_same_state(opt_a, opt_b, params_a, params_b)
-    assert set(opt_b.state[params_b[0]]) == {"step", "exp_avg"}
+    assert set(opt_b.state[params_b[0]]) == state_keys
     assert int(opt_b.skipped_steps) == len(INF_STEPS)
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from lion_pytorch import Lion
 
-from fused_stable import FusedAdamW, FusedLion, schedules
+from fused_stable import FusedAdamW, FusedLion, FusedSGD, schedules
 from tests.helpers import WITH_TENSOR_DECISIONS
 
 
@@ -52,6 +52,13 @@ ROWS = [
         FusedLion,
         dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
         ("exp_avg",),
+    ),
+    Row(
+        "sgd",
+        lambda params, **hp: torch.optim.SGD(params, foreach=False, **hp),
+        FusedSGD,
+        dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1),
+        ("momentum_buffer",),
     ),
 ]
 ROW_PARAMS = [pytest.param(row, id=row.name) for row in ROWS]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from integ_dist import spawn
 
-from fused_stable import FusedAdamW, FusedLion
+from fused_stable import FusedAdamW, FusedLion, FusedSGD
 
 SHAPES = [(64, 96), (64,), (256, 64), (256,), (8, 256), (8,)]
 STEPS, SAVE_AT = 4, 2
@@ -31,13 +31,17 @@ OPTIMIZERS = {
     "lion": lambda params, precision: FusedLion(
         params, lr=1e-3, weight_decay=0.1, state_precision=precision, backend="torch"
     ),
+    "sgd": lambda params, precision: FusedSGD(
+        params, lr=1e-2, momentum=0.9, weight_decay=0.1, state_precision=precision, backend="torch"
+    ),
 }
 CASES = [f"{rule}-{precision}" for rule in OPTIMIZERS for precision in PRECISIONS]
 # bf16's stochastic rounding (AdamW's exp_avg_sq, Lion's exp_avg) hashes the element's index in the local shard
 # (state_format.py): on another mesh other bits round it, so bf16 is compared within what that costs (measured on
 # this test: AdamW's params 1.2e-4 apart after 4 steps of lr 1e-2 against one process, 3.3e-5 after a resume;
 # allowed 4x; Lion's: `_assert_few_sign_flips`), not bit for bit
-BIT_EXACT = {case for case in CASES if not case.endswith("bf16")}
+# (SGD's bf16 momentum rounds to nearest: bit for bit on any mesh)
+BIT_EXACT = {case for case in CASES if not case.endswith("bf16") or case.startswith("sgd")}
 BF16_PARAM_ATOL = 5e-4
 
 
@@ -102,7 +106,8 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, mode: str) -> dict:
         out[case] = {
             "params": [p.full_tensor().detach().clone() for p in params],
             "state": full_state(opt, params),
-            "formats": {i: str(opt.state[p]["exp_avg"].dtype) for i, p in enumerate(params)},
+            # the first state of the rule's (exp_avg, SGD's momentum_buffer)
+            "formats": {i: str(opt.state[p][opt.RULE.states[0].name].dtype) for i, p in enumerate(params)},
         }
     if mode == "save":
         out["fully_shard"] = _fully_shard_mlp_steps()

@@ -9,7 +9,7 @@ import torch
 from integ_models import TokenDataset, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fused_stable import FusedAdamW, FusedLion
+from fused_stable import FusedAdamW, FusedLion, FusedSGD
 from fused_stable.integrations.hf import (
     FusedStableCallback,
     FusedStableTrainerMixin,
@@ -274,11 +274,11 @@ def test_args_optim_names_the_state_precision(tmp_path, optim, precision):
 
 
 def test_an_optim_without_a_fused_rule_is_refused(tmp_path):
-    """FusedAdamW in place of the Adafactor or SGD `args.optim` asks for would be a silent substitution."""
-    for optim in ("adafactor", "sgd"):
+    """FusedAdamW in place of the RMSprop `args.optim` asks for would be a silent substitution."""
+    for optim in ("rmsprop",):
         with pytest.raises(ValueError, match=rf"optim '{optim}' has no fused rule.*supported optim values are: adamw"):
             fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim))
-    with pytest.raises(ValueError, match=r"rule='muon': fused_trainer_optimizers builds 'adamw' or 'lion'"):
+    with pytest.raises(ValueError, match=r"rule='muon': fused_trainer_optimizers builds 'adamw' or 'lion' or 'sgd'"):
         fused_trainer_optimizers(tiny_llama(), make_args(tmp_path), rule="muon")
 
 
@@ -316,3 +316,36 @@ def test_args_optim_lion_8bit_is_fused_lion_with_8bit_state_in_a_real_trainer(tm
     assert type(opt) is FusedLion and {group["state_precision"] for group in opt.param_groups} == {"bf16"}
     opt, _ = fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim="lion_8bit"), rule="adamw")
     assert type(opt) is FusedAdamW and {group["state_precision"] for group in opt.param_groups} == {"8bit"}
+
+
+def test_args_optim_sgd_is_fused_sgd_on_the_stock_trainers_trajectory(tmp_path):
+    """`TrainingArguments(optim="sgd")`: the stock Trainer runs torch.optim.SGD (momentum 0, its clip); the fused
+    Trainer FusedSGD with the clip inside the step: the same losses, grad norms and params (fp32 ulps apart: the
+    clip coefficient's sum runs in another order)."""
+    torch.manual_seed(0)
+    base_model = tiny_llama()
+    base_args = make_args(tmp_path / "base", optim="sgd", learning_rate=0.05)
+    stock = Trainer(model=base_model, args=base_args, train_dataset=TokenDataset())
+    stock.train()
+    assert type(stock.optimizer.optimizer) is torch.optim.SGD
+    torch.manual_seed(0)
+    model = tiny_llama()
+    args = make_args(tmp_path / "fused", optim="sgd", learning_rate=0.05)
+    optimizer, scheduler = fused_trainer_optimizers(model, args)
+    assert type(optimizer) is FusedSGD and {g["state_precision"] for g in optimizer.param_groups} == {"fp32"}
+    fused = Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        optimizers=(optimizer, scheduler),
+        callbacks=[FusedStableCallback()],
+    )
+    fused.train()
+    base_logs, logs = train_logs(stock), train_logs(fused)
+    assert len(logs) == len(base_logs) == STEPS and max(h["grad_norm"] for h in base_logs) > 1.0  # the clip bites
+    for mine, ref in zip(logs, base_logs):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert all(set(optimizer.state[p]) == {"step"} for p in model.parameters())  # momentum 0: no buffer

@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_stable import FusedAdamW, FusedLion, schedules
+from fused_stable import FusedAdamW, FusedLion, FusedSGD, schedules
 from fused_stable.integrations.lightning import FusedStableCallback, fp16_mixed_precision
 
 STEPS = 6
@@ -552,3 +552,30 @@ def test_fused_lion_with_the_callback_follows_lion_pytorch_and_logs(tmp_path):
     # the refusals name the class the fit uses
     with pytest.raises(MisconfigurationException, match=r"FusedLion\(max_grad_norm=...\) would clip twice"):
         fit(LlamaModule(fused_lion), tmp_path / "twice", gradient_clip_val=CLIP, callbacks=[FusedStableCallback()])
+
+
+def test_fused_sgd_with_the_callback_follows_torch_sgd_and_logs(tmp_path):
+    """FusedSGD (momentum, Nesterov) is a fused optimizer to the callback as FusedAdamW is: a real fit logs its
+    pre-clip grad norm and the scheduled lr, keeps SGD's one buffer, and follows torch.optim.SGD behind Lightning's
+    own clip."""
+    sgd = dict(lr=3e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+    def fused_sgd(model):
+        return FusedSGD(model.parameters(), **sgd, max_grad_norm=CLIP, lr_schedule=schedule())
+
+    def reference_sgd(model):
+        opt = torch.optim.SGD(model.parameters(), **sgd)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, schedule().factor), "interval": "step"}}
+
+    torch.manual_seed(0)
+    module = LlamaModule(fused_sgd)
+    trainer, metrics = fit(module, tmp_path / "fused", callbacks=[FusedStableCallback()])
+    torch.manual_seed(0)
+    reference = LlamaModule(reference_sgd)
+    fit(reference, tmp_path / "reference", gradient_clip_val=CLIP)
+    (opt,) = [o for o in trainer.optimizers if isinstance(o, FusedSGD)]
+    assert all(set(opt.state[p]) == {"step", "momentum_buffer"} for p in module.parameters())
+    assert logged(metrics, "grad_norm") == pytest.approx(module.hook_norms, rel=1e-5)
+    expected = [sgd["lr"] * schedule().factor(n) for n in range(STEPS)]
+    assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    assert_same_params(module, reference, *FP32_TOLERANCE)

@@ -26,6 +26,78 @@ M = Mutation
 TRAIN = "fused_stable/train/"
 
 MUTATIONS: list[Mutation] = [
+    # ------------------------------------------------------------------ FusedSGD (rules/sgd)
+    M(
+        "sgd-kernel-first-buffer-update-dampened",
+        "fused_stable/rules/sgd/triton.py",
+        "        buf = tl.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)\n",
+        "        buf = buf * momentum + one_minus_dampening * g\n",
+        ["tests/core/test_rule_parity.py"],
+        "the buffer's first update is the grad itself, as torch.optim.SGD clones it (dampening applies after)",
+        select="matches_the_reference and sgd and interpret",
+    ),
+    M(
+        "sgd-reference-first-buffer-update-dampened",
+        "fused_stable/rules/sgd/torch.py",
+        "        buf = torch.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)\n",
+        "        buf = buf * momentum + one_minus_dampening * g\n",
+        ["tests/core/test_rule_parity.py"],
+        "the buffer's first update is the grad itself, on the torch backend too",
+        select="matches_the_reference and sgd and torch",
+    ),
+    M(
+        "sgd-loaded-buffer-treated-as-fresh",
+        "fused_stable/rules/sgd/__init__.py",
+        "    loaded_step=1,\n",
+        "    loaded_step=0,\n",
+        ["tests/core/test_rule_parity.py"],
+        "torch.optim.SGD's state dict (a written buffer, no step) continues its momentum, not restarts it",
+        select="torch_state_dict and sgd",
+    ),
+    M(
+        "sgd-reference-nesterov-ignored",
+        "fused_stable/rules/sgd/torch.py",
+        "        g = torch.where(nesterov != 0.0, g + momentum * buf, buf)\n",
+        "        g = buf\n",
+        ["tests/core/test_torch_optim_db_rules.py"],
+        "nesterov=True steps along g + momentum * buf (torch's optim_db nesterov input)",
+        select="torch_backend and nesterov",
+    ),
+    M(
+        "sgd-kernel-weight-decay-sign",
+        "fused_stable/rules/sgd/triton.py",
+        "    g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)",
+        "    g = tl.where(weight_decay != 0.0, g - weight_decay * p, g)",
+        ["tests/core/test_torch_optim_db_rules.py"],
+        "SGD's weight decay is torch's L2 term added to the grad",
+        select="interpreted",
+    ),
+    M(
+        "sgd-nesterov-check-dropped",
+        "fused_stable/rules/sgd/__init__.py",
+        '    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):\n',
+        "    if False:\n",
+        ["tests/core/test_torch_optim_db_rules.py"],
+        "Nesterov without momentum, or with dampening, is refused in torch's words",
+        select="nesterov_needs",
+    ),
+    M(
+        "kernel-loads-the-states-of-a-stateless-group",
+        "fused_stable/kernels/update.py",
+        "    if RULE[3] > 0:\n        s0, s1, s2 = _load_states(",
+        "    if True:\n        s0, s1, s2 = _load_states(",
+        ["tests/core/test_torch_optim_db_rules.py"],
+        "a group whose rule keeps no state (SGD without momentum) reads no state memory in the kernel",
+        select="interpreted",
+    ),
+    M(
+        "state-bytes-forget-the-matrix-rules-states",
+        "fused_stable/state_dict.py",
+        '                total += sum(interface.state_bytes(p, group) + 4 for p in group["params"])\n',
+        '                total += sum(4 for p in group["params"])\n',
+        ["tests/core/test_state_bytes.py"],
+        "state_bytes() counts a matrix rule's states (FusedMuon's momentum buffers), as opt.state holds them",
+    ),
     # ------------------------------------------------------------------ update rules (tests/core/test_rule_parity.py)
     M(
         "lion-kernel-sign-flipped",

@@ -376,10 +376,12 @@ def test_every_mapped_optim_name_is_the_hf_trainers():
     assert adamw_or_lion - set(optim_names.OPTIMS) == {"adamw_anyprecision", "adamw_torch_4bit"}
     # transformers' own reading of a name: "lion" in it is bitsandbytes' Lion, "8bit" in it 8-bit state
     for name, entry in optim_names.OPTIMS.items():
-        assert entry.rule == ("lion" if "lion" in name else "adamw")
+        assert entry.rule == ("lion" if "lion" in name else "sgd" if name == "sgd" else "adamw")
         assert entry.state_precision == ("8bit" if "8bit" in name else "fp32")
-    # our own rule names are none of transformers': `optim: lion` is ours, `optim: lion_8bit` the HF Trainer's
-    assert not names & set(foreign_configs.RULE_NAMES)
+    # our own rule names are transformers' only where they mean the same rule (`sgd`: torch.optim.SGD either way);
+    # `optim: lion` is ours, `optim: lion_8bit` the HF Trainer's
+    shared = names & set(foreign_configs.RULE_NAMES)
+    assert shared == {"sgd"} and all(optim_names.OPTIMS[name].rule == name for name in shared)
 
 
 def test_our_optim_key_chooses_the_rule_and_its_default_lr(tmp_path):
@@ -393,8 +395,8 @@ def test_our_optim_key_chooses_the_rule_and_its_default_lr(tmp_path):
     cfg, _, lines = resolve("--config", write(tmp_path, "stage: sft\noptim: lion_8bit\n"))
     assert cfg.lr == 5e-5
     assert f"defaults for the keys not given: lr: {cfg.lr}, weight_decay: 0.0" in lines[0]
-    with pytest.raises(UserError, match=r"optim must be one of adamw \| lion \| muon"):
-        resolve_config([], base={"optim": "sgd"})
+    with pytest.raises(UserError, match=r"optim must be one of adamw \| lion \| muon \| sgd"):
+        resolve_config([], base={"optim": "rmsprop"})
 
 
 def test_use_muon_is_optim_muon(tmp_path):
@@ -410,18 +412,20 @@ def test_use_muon_is_optim_muon(tmp_path):
 
 
 def test_other_optimizers_are_refused_naming_what_is_supported(tmp_path):
-    for name in ("adafactor", "sgd", "adamw_torch_4bit"):
+    from fused_stable.integrations.optim_names import OPTIMS
+    from fused_stable.train.config.keys import CHOICES
+
+    for name in ("rmsprop", "adamw_torch_4bit"):
         config = write(tmp_path, f"stage: sft\noptim: {name}\n")
         with pytest.raises(UserError) as info:
             resolve("--config", config)
         assert str(info.value) == (
             f"{config}: keys fused-stable sft cannot honour: optim: {name} (no fused rule for it; supported optim "
-            "values: adamw | lion | muon, or the HF Trainer's adamw_torch, adamw_torch_fused, adamw_hf, "
-            "adamw_torch_xla, adamw_torch_npu_fused, paged_adamw_32bit, adamw_bnb_8bit, adamw_8bit, "
-            "adamw_torch_8bit, paged_adamw_8bit, lion_32bit, paged_lion_32bit, lion_8bit, paged_lion_8bit)"
+            f"values: {' | '.join(CHOICES['optim'])}, or the HF Trainer's {', '.join(OPTIMS)})"
         )
-    with pytest.raises(UserError, match=r"optim: adafactor \(no fused rule"):
-        resolve("--optim", "adafactor")
+    assert "adamw | lion | muon | sgd" in " | ".join(CHOICES["optim"]) and "paged_lion_8bit, sgd" in ", ".join(OPTIMS)
+    with pytest.raises(UserError, match=r"optim: rmsprop \(no fused rule"):
+        resolve("--optim", "rmsprop")
 
 
 @pytest.mark.parametrize(

@@ -64,8 +64,10 @@ def test_optim_muon_with_loraplus_is_refused_in_one_line_before_the_model_loads(
 def test_every_rule_of_the_table_is_a_choice_with_its_class():
     from fused_stable.train.config.keys import CHOICES
 
-    assert CHOICES["optim"] == ("adamw", "lion", "muon")
-    for name in ("adamw", "lion"):
-        cls = getattr(fused_stable, optimizers.RULES[name].title)
-        assert cls.RULE.name == name
+    assert CHOICES["optim"] == tuple(fused_stable.OPTIMIZERS)  # every optimizer of the one registry
+    assert {"adamw", "lion", "muon", "sgd"} <= set(CHOICES["optim"])
+    for name, entry in fused_stable.OPTIMIZERS.items():
+        assert getattr(fused_stable, optimizers.RULES[name].title) is entry.cls
+        if not entry.own_param_groups:
+            assert entry.cls.RULE.name == name
     assert optimizers.RULES["muon"].title == fused_stable.FusedMuon.__name__

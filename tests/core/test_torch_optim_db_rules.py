@@ -1,0 +1,135 @@
+"""PyTorch's own test inputs (`optim_db` in torch.testing._internal.common_optimizers) for the rules after AdamW,
+each against torch's own optimizer (+ torch.nn.utils.clip_grad_norm_): FusedSGD against torch.optim.SGD.
+
+Every kwargs set torch lists for the rule is run for 10 seeded steps next to torch's for-loop optimizer: on the
+`torch` backend with and without a clip; on the `interpret` backend (the Triton kernels) all sets at once, one
+param group each, with and without a clip. fp32 params and every state tensor within 1e-6 relative (to the
+tensor's largest value): the fused step's arithmetic is the same ops in the same order, and the clip coefficient
+differs from clip_grad_norm_'s by an fp32 ulp or two (another summation order). torch's error inputs must fail the
+same way (type and message), except where said below why not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close, interpret_available
+
+from fused_stable import FusedSGD
+
+pytest.importorskip("expecttest")
+from torch.testing._internal import common_optimizers  # noqa: E402
+
+STEPS = 10
+SHAPES = [(5,), (3, 7), (1,), (33,)]
+OPTIMIZER_LEVEL = {"capturable", "foreach", "fused", "differentiable"}
+RULES = {"sgd": (torch.optim.SGD, FusedSGD)}
+
+
+def _inputs(reference) -> list:
+    info = next(i for i in common_optimizers.optim_db if i.optim_cls is reference)
+    inputs: dict[str, object] = {}
+    for device in ("cpu", "cuda"):
+        for optimizer_input in info.optim_inputs_func(device=device, dtype=torch.float32):
+            inputs.setdefault(optimizer_input.desc, optimizer_input)
+    return list(inputs.values())
+
+
+CASES = [
+    pytest.param(name, i, id=f"{name}-{i.desc.replace(' ', '-')}") for name in RULES for i in _inputs(RULES[name][0])
+]
+
+
+def _copy(kwargs: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _run(name: str, groups: list[tuple[list[torch.Tensor], dict]], common: dict, backend: str, max_norm):
+    reference, fused = RULES[name]
+    ours_groups = [{"params": [torch.nn.Parameter(t.clone()) for t in ts], **_copy(kw)} for ts, kw in groups]
+    theirs_groups = [{"params": [torch.nn.Parameter(t.clone()) for t in ts], **_copy(kw)} for ts, kw in groups]
+    ours = fused(ours_groups, backend=backend, max_grad_norm=max_norm, **_copy(common))
+    theirs = reference(theirs_groups, **{**_copy(common), "foreach": False})
+    params_ours = [p for g in ours.param_groups for p in g["params"]]
+    params_theirs = [p for g in theirs.param_groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        for a, b in zip(params_ours, params_theirs):
+            g = torch.randn(a.shape, generator=gen) * 3
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params_theirs, max_norm)
+        theirs.step()
+    if max_norm is not None:
+        assert ours.grad_norm.item() > 2 * max_norm  # the clip was active
+    for index, (a, b) in enumerate(zip(params_ours, params_theirs)):
+        assert_close(a, b, 1e-6, 1e-6 * b.detach().abs().max().item(), f"param {index}")
+        state_theirs = theirs.state[b]
+        assert set(state_theirs) <= set(ours.state[a]), f"state keys {sorted(ours.state[a])} vs {sorted(state_theirs)}"
+        for key, value in state_theirs.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                assert_close(ours.state[a][key], value, 1e-6, 1e-6 * value.abs().max().item(), f"{key} {index}")
+
+
+def _tensors(seed: int, shapes=SHAPES) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("name, optimizer_input", CASES)
+def test_torch_backend_matches_torchs_optimizer(name, optimizer_input, max_norm):
+    _run(name, [(_tensors(0), {})], optimizer_input.kwargs, "torch", max_norm)
+
+
+@pytest.mark.skipif(not interpret_available(), reason="needs TRITON_INTERPRET=1 before triton import")
+@pytest.mark.parametrize("max_norm", [None, 1.0], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("name", list(RULES))
+def test_interpreted_kernels_match_on_every_input_at_once(name, max_norm):
+    """One param group per optim_db kwargs set (the interpreter is slow: one optimizer covers them all)."""
+    groups = []
+    for index, optimizer_input in enumerate(_inputs(RULES[name][0])):
+        per_group = {k: v for k, v in optimizer_input.kwargs.items() if k not in OPTIMIZER_LEVEL}
+        groups.append((_tensors(index, SHAPES[:2]), per_group))
+    _run(name, groups, {}, "interpret", max_norm)
+
+
+def _error_inputs(reference) -> list:
+    info = next(i for i in common_optimizers.optim_db if i.optim_cls is reference)
+    return info.optim_error_inputs_func(device="cpu", dtype=torch.float32)
+
+
+ERROR_CASES = [
+    pytest.param(name, e, id=f"{name}-{e.optimizer_error_input.desc[:50]}")
+    for name in RULES
+    for e in _error_inputs(RULES[name][0])
+]
+
+
+@pytest.mark.parametrize("name, error_input", ERROR_CASES)
+def test_torch_error_inputs_fail_the_same_way(name, error_input):
+    """torch's error inputs: the same exception type and message; where torch only warns (a parameter twice in one
+    group, which it would then update twice) the fused optimizer refuses it."""
+    optimizer_input = error_input.optimizer_error_input
+    params = optimizer_input.params if optimizer_input.params is not None else [torch.nn.Parameter(torch.randn(3))]
+    if error_input.error_type is UserWarning:
+        with pytest.raises(ValueError, match="appears twice"):
+            RULES[name][1](params, **optimizer_input.kwargs)
+        return
+    with pytest.raises(error_input.error_type, match=error_input.error_regex):
+        RULES[name][1](params, **optimizer_input.kwargs)
+
+
+def test_sgd_nesterov_needs_momentum_and_no_dampening_as_torch():
+    """torch.optim.SGD's one check between keys, with its words, for the constructor and an added group."""
+    params = [torch.nn.Parameter(torch.randn(3))]
+    for kwargs in (dict(nesterov=True), dict(nesterov=True, momentum=0.9, dampening=0.1)):
+        with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+            torch.optim.SGD(params, **kwargs)
+        with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+            FusedSGD(params, **kwargs)
+    opt = FusedSGD(params, momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "dampening": 0.5})
+    assert len(opt.param_groups) == 1
