@@ -133,3 +133,41 @@ def test_sgd_nesterov_needs_momentum_and_no_dampening_as_torch():
     with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero dampening"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "dampening": 0.5})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "interpret",
+            marks=pytest.mark.skipif(not interpret_available(), reason="needs TRITON_INTERPRET=1 before triton import"),
+        ),
+    ],
+)
+def test_a_torch_sgd_state_dict_continues_its_momentum(backend):
+    """torch.optim.SGD keeps no `step`: its saved buffers have been written, so FusedSGD loading them goes on with
+    `momentum * B + (1 - dampening) * g`, not the first update's `B = g` (dampening makes the two differ)."""
+    kwargs = dict(lr=0.1, momentum=0.9, dampening=0.5)
+    theirs = [torch.nn.Parameter(t) for t in _tensors(3)]
+    reference = torch.optim.SGD(theirs, foreach=False, **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(p.shape, generator=gen) for p in theirs] for _ in range(4)]
+    for step in range(2):
+        for p, g in zip(theirs, grads[step]):
+            p.grad = g.clone()
+        reference.step()
+    saved = reference.state_dict()
+    assert all("step" not in entry for entry in saved["state"].values())
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    fused = FusedSGD(ours, backend=backend, **kwargs)
+    fused.load_state_dict(saved)
+    for step in (2, 3):
+        for params, opt in ((theirs, reference), (ours, fused)):
+            for p, g in zip(params, grads[step]):
+                p.grad = g.clone()
+            opt.step()
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        assert_close(a, b, 1e-6, 1e-6 * b.detach().abs().max().item(), f"param {index}")
+        buffer = reference.state[b]["momentum_buffer"]
+        assert_close(fused.state[a]["momentum_buffer"], buffer, 1e-6, 1e-6 * buffer.abs().max().item(), "buffer")

@@ -50,9 +50,9 @@ MUTATIONS: list[Mutation] = [
         "fused_stable/rules/sgd/__init__.py",
         "    loaded_step=1,\n",
         "    loaded_step=0,\n",
-        ["tests/core/test_rule_parity.py"],
+        ["tests/core/test_torch_optim_db_rules.py"],
         "torch.optim.SGD's state dict (a written buffer, no step) continues its momentum, not restarts it",
-        select="torch_state_dict and sgd",
+        select="continues_its_momentum",
     ),
     M(
         "sgd-reference-nesterov-ignored",
