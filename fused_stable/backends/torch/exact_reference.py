@@ -65,7 +65,6 @@ class ExactUpdate:
     """The update door of the tensors of one (group, dtype, format), for any rule and state format (see the module
     doc); it takes the decisions as 0-dim tensors, on either kind of step (torch_backend.py, `Update`)."""
 
-    advances_steps = False  # the backend advances the `step` counters first
     reads_grad_divisor = False
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):
@@ -158,8 +157,7 @@ class ExactUpdate:
         return self.language.step_scalars(self.hparam_row(hp), steps, grad_mul, lr_factor)
 
     def hparam_row(self, hp) -> torch.Tensor:
-        """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays); the
-        compiled Lion door computes its step scalars from it too (updates.CompiledLionUpdate)."""
+        """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays)."""
         key = (id(hp.lr) if isinstance(hp.lr, torch.Tensor) else hp.lr, *hp[1:])
         if self.row_cache is None or self.row_cache[0] != key:
             row = torch.tensor(self.rule.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)
