@@ -132,6 +132,39 @@ def fp32_adamw_step(params, grads, states, steps, hparams, *, grad_mul, amsgrad)
        amsgrad, 0b001, 0)  # fmt: skip
 
 
+def test_fp32_adamw_state_takes_torch_adamws_fp64_scalars(monkeypatch):
+    """FusedAdamW's fp32 state on the compiled op is the op with torch.optim.AdamW's fp64 scalars
+    (FP32_STATE_SCALARS, `fp32_adamw_step`) bit for bit, params at different steps included (a param without a
+    grad at the first step); with the kernels' fp32 scalars (`step_scalars`, the exact reference's) the same run
+    ends elsewhere in the last bits, so the choice is seen."""
+    hparams = (1e-2, 0.9, 0.999, 1e-8, 0.1, False)
+    gen = torch.Generator().manual_seed(8)
+    init = [torch.randn(n, generator=gen) for n in (70001, 300, 4097)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in init] for _ in range(6)]
+
+    def fused_run():
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1, lr_schedule=None, backend="torch")
+        for step, step_grads in enumerate(grads):
+            for k, (p, g) in enumerate(zip(params, step_grads)):
+                p.grad = None if step == 0 and k == 1 else g.clone()
+            opt.step()
+        assert set(update_kinds(opt)) == {"CompiledUpdate"}
+        return [p.detach() for p in params]
+
+    ours = [t.clone() for t in init]
+    states = [[torch.zeros_like(t) for t in init] for _ in range(2)]
+    steps = [torch.zeros(()) for _ in init]
+    for step, step_grads in enumerate(grads):
+        k = [0, 2] if step == 0 else [0, 1, 2]
+        pick = lambda tensors: [tensors[i] for i in k]  # noqa: E731
+        fp32_adamw_step(pick(ours), pick(step_grads), [pick(s) for s in states], pick(steps), hparams, grad_mul=1.0,
+                        amsgrad=False)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(fused_run(), ours))
+    monkeypatch.setattr(adamw_torch, "FP32_STATE_SCALARS", None)
+    assert not all(torch.equal(a, b) for a, b in zip(fused_run(), ours))
+
+
 def test_the_update_op_refuses_wrong_lists():
     """One line per mistake, whatever the rule: list lengths (states slot by slot, scales in 8-bit only), the
     rule's number of scalars, the state format's dtypes, 8-bit scales per block, an option the rule lacks, the
