@@ -32,6 +32,7 @@ from ... import state_format
 from ...plan import StepPlan
 from ...state_format import BF16, FP32, Q8, SIGNED
 from . import cpu_ops
+from .host_decide import read_steps
 
 _COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -226,8 +227,8 @@ class CompiledUpdate:
         self.row: tuple = (None, None)  # (hyper-parameters, their fp32 row)
 
     def on_host(self, grads, hp: tuple, grad_mul, lr_factor, grad_divisor) -> None:
-        steps = torch.stack(self.steps)  # advanced for this step by the backend
-        scalars = self._scalars(hp, grad_mul, lr_factor, steps.numpy())
+        steps, values = read_steps(self.steps)  # advanced for this step by the backend
+        scalars = self._scalars(hp, grad_mul, lr_factor, values)
         # bf16 stochastic rounding: the reference's keys (each tensor's position and advanced step)
         keys = state_format.random_key(self.positions, steps) if self.stochastic_slots else self.no_keys
         self.op(
