@@ -454,8 +454,9 @@ MUTATIONS: list[Mutation] = [
     M(
         "torch-host-steps-advance-on-skip",
         "fused_stable/backends/torch/torch_backend.py",
-        "    if skip:\n        return\n    torch._foreach_add_(lists.steps, 1.0)\n",
-        "    torch._foreach_add_(lists.steps, 1.0)\n    if skip:\n        return\n",
+        "    if skip:\n        return\n    if lists.uncompiled_steps:",
+        "    if lists.uncompiled_steps:\n        torch._foreach_add_(lists.uncompiled_steps, 1.0)\n"
+        "    if skip:\n        return\n    if False:",
         ["tests/core/test_skip_and_sync.py"],
         "a skipped step leaves the per-param `step` bit-identical (the CPU step's host decisions, torch's ops)",
         select="torch-ops and nonfinite",
@@ -489,12 +490,12 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "cpu-ops-steps-not-advanced",
-        "fused_stable/backends/torch/torch_backend.py",
-        "    torch._foreach_add_(lists.steps, 1.0)\n",
-        "    pass\n",
-        ["tests/core/test_cpu_ops.py", "tests/core/test_optim_parity.py"],
-        "every applied step advances each param's `step` before its bias corrections, with or without the compiled ops",
-        select="steps_advance or fp64_scalars or torch-ops",
+        "fused_stable/backends/torch/cpu_step.cpp",
+        "    *step += 1.0f;\n",
+        "",
+        ["tests/core/test_cpu_ops.py"],
+        "the compiled update advances each param's `step` before its bias corrections (cpu_ops.advance_steps)",
+        select="steps_advance or fp64_scalars",
     ),
     M(
         "cpu-ops-norm-drops-a-tail",
@@ -522,6 +523,15 @@ MUTATIONS: list[Mutation] = [
         ["tests/core/test_cpu_ops.py"],
         "contiguous CPU tensors take the rule's compiled update, which reads the grads and never writes them (32 B/param)",
         select="never_writes or each_group_takes",
+    ),
+    M(
+        "cpu-ops-uncompiled-steps-not-advanced",
+        "fused_stable/backends/torch/torch_backend.py",
+        "        torch._foreach_add_(lists.uncompiled_steps, 1.0)\n",
+        "        pass\n",
+        ["tests/core/test_optim_parity.py"],
+        "the `step` counters advance on every applied step without the compiled ops (torch's ops)",
+        select="torch-ops",
     ),
     M(
         "cpu-ops-loss-scale-left-in-the-norm",
@@ -2466,8 +2476,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "lion-cpu-bf16-keys-of-the-last-step",
         "fused_stable/backends/torch/updates.py",
-        "        keys = state_format.random_key(self.positions, steps) if self.stochastic_slots else self.no_keys\n",
-        "        keys = state_format.random_key(self.positions, steps - 1) if self.stochastic_slots else self.no_keys\n",
+        "        keys = state_format.random_key(self.positions, self.step_values) if self.stochastic_slots else self.no_keys\n",
+        "        keys = state_format.random_key(self.positions, self.step_values - 1) if self.stochastic_slots else self.no_keys\n",
         ["tests/core/test_cpu_ops.py"],
         "the compiled update's stochastic-rounding keys are the reference's (each tensor's advanced step)",
         select="update_is_the_exact_reference and bf16-state",

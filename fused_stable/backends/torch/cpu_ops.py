@@ -158,6 +158,12 @@ def sum_squares(grads: list[torch.Tensor], out: torch.Tensor) -> float:
     return torch.ops.fused_stable.sum_squares(grads, out)
 
 
+def advance_steps(steps: list[torch.Tensor], values: torch.Tensor) -> None:
+    """Each `step` counter (0-dim fp32) + 1, as torch's AdamW does first, and its new value into `values` (fp32,
+    one per counter): one call, where `torch._foreach_add_` costs ~1.7 us per 0-dim tensor on the CPU."""
+    torch.ops.fused_stable.advance_steps(steps, values)
+
+
 def update_op(rule: ModuleType):
     """The compiled update op of a rule package (rules/<rule>/), or None for a rule without a cpu.h. Call it only
     where `available()`: the op exists once the library is loaded.

@@ -65,6 +65,7 @@ class ExactUpdate:
     """The update door of the tensors of one (group, dtype, format), for any rule and state format (see the module
     doc); it takes the decisions as 0-dim tensors, on either kind of step (torch_backend.py, `Update`)."""
 
+    advances_steps = False  # the backend advances the `step` counters first
     reads_grad_divisor = False
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int):

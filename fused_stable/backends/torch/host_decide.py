@@ -29,11 +29,10 @@ INF = F32("inf")
 HOST_READERS = ("host_scalars", "compiled_sums", "read_decisions", "host_schedule_factor", "read_steps")
 
 
-def read_steps(steps: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
-    """The `step` counters of one compiled update (CPU tensors, already advanced) stacked, and their values on the
-    host: the update computes its scalars once per distinct value (updates.CompiledUpdate)."""
-    stacked = torch.stack(steps)
-    return stacked, stacked.numpy()
+def read_steps(values: torch.Tensor) -> np.ndarray:
+    """The advanced `step` counters of one compiled update (a CPU tensor cpu_ops.advance_steps wrote) on the host:
+    the update computes its scalars once per distinct value (updates.CompiledUpdate)."""
+    return values.numpy()
 
 
 def sqrt(x):

@@ -90,7 +90,11 @@ class TorchLists:
             choose_update(plan, group, None if ids == everything else ids, ids, relayout, fmt, self.compiled)
             for (group, _, relayout, fmt), ids in by_update.items()
         ]
-        # whether any update takes the grad divisor (the host path fills it only then)
+        # what the host path does besides the updates: the `step` counters they do not advance themselves (all
+        # but the compiled update's), and whether any update takes the grad divisor
+        pairs = zip(self.updates, by_update.values())
+        self.uncompiled_steps = [plan.steps[i] for u, indices in pairs if not u.advances_steps for i in indices]
+        self.uncompiled_steps += [step for step, updated in zip(plan.steps, plan.updated) if not updated]
         self.any_reads_grad_divisor = any(u.reads_grad_divisor for u in self.updates)
 
 
@@ -232,14 +236,15 @@ def run_updates_host(
     lr_factor: np.float32,
 ) -> None:
     """`run_updates` with the decisions as host scalars (`Update.on_host`): a skipped step runs nothing (what
-    `found_inf` = 1 leaves: every tensor untouched, the `step` counters too); an applied one advances every
-    `step` counter first (the updates read them advanced). The compiled update (cpu_ops.update_op) reads the
-    grads times `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip,
+    `found_inf` = 1 leaves: every tensor untouched, the `step` counters too). The compiled update
+    (cpu_ops.update_op) advances its own `step` counters (cpu_ops.advance_steps) and reads the grads times
+    `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip,
     or a loss scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4 bytes per
     param more than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
     if skip:
         return
-    torch._foreach_add_(lists.steps, 1.0)
+    if lists.uncompiled_steps:  # the compiled update advances its own
+        torch._foreach_add_(lists.uncompiled_steps, 1.0)
     grad_divisor = None
     if grad_mul != 1.0 and lists.any_reads_grad_divisor:
         grad_divisor = lists.grad_divisor
