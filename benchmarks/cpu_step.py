@@ -4,8 +4,8 @@ Contenders, all doing the same math (global-norm clip at 1.0 + AdamW, lr 1e-3, w
   - fused_stable: `FusedAdamW(max_grad_norm=1.0).step()` (the torch backend: host decisions and the compiled CPU
     ops of fused_stable/backends/torch/cpu_ops.py, one norm call and one update call that reads the grads times the
     clip coefficient without writing them);
-  - fused_stable_bf16, fused_stable_8bit: the same with `state_precision="bf16"` / `"8bit"` (the compiled update for
-    low-precision state, cpu_ops.adamw_lowbit; fp32 params, so against torch_fused's fp32 state: issue 36 item 2);
+  - fused_stable_bf16, fused_stable_8bit: the same with `state_precision="bf16"` / `"8bit"` (the compiled update
+    with low-precision state; fp32 params, so against torch_fused's fp32 state: issue 36 item 2);
   - fused_stable_torch_ops: the same as fused_stable with torch's ops instead of the compiled ones (`_foreach_norm`,
     `_fused_adamw_`: what a machine without a C++ compiler runs);
   - torch_fused: `clip_grad_norm_(foreach=True)` + `AdamW(fused=True)` (fused_stable.bench's baseline);

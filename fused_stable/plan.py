@@ -315,7 +315,9 @@ def build_plan(
     formats = [state_format.format_for(group_precisions[group], p.numel()) for p, group in zip(params, member_groups)]
     updated = [group_rules[group] is not None for group in member_groups]
     names = [rule.state_names(group_options[group]) if up else () for group, up in zip(member_groups, updated)]
-    states = _ready_states(params, formats, names, state, [master_weights and up for up in updated], device, rule)
+    states = _ready_states(
+        params, formats, names, state, [master_weights and up for up in updated], device, rule, updated
+    )
     plan = StepPlan(
         version=version.value,  # after the states created above bumped it
         group_params=group_params,
@@ -358,7 +360,7 @@ def _scale(state: dict, key: str) -> torch.Tensor | None:
     return local(state[key]) if key in state else None
 
 
-def _ready_states(params, formats, names, state, master_weights: list[bool], device, rule) -> list[dict]:
+def _ready_states(params, formats, names, state, master_weights: list[bool], device, rule, updated) -> list[dict]:
     """Each param's state, created where missing and converted where its group's state_precision changed, then
     checked; a format a sharded param cannot hold is refused before any state is created or converted."""
     for p, fmt in zip(params, formats):
@@ -366,7 +368,7 @@ def _ready_states(params, formats, names, state, master_weights: list[bool], dev
             sharded_state.check_q8_layout(p)
     states = []
     first = rule.states[0].name if rule is not None else None
-    for p, fmt, keys, master in zip(params, formats, names, master_weights):
+    for p, fmt, keys, master, up in zip(params, formats, names, master_weights, updated):
         param_state = state[p]
         if not param_state:
             init_state(p, param_state, keys, master, device, fmt)
@@ -376,7 +378,8 @@ def _ready_states(params, formats, names, state, master_weights: list[bool], dev
             param_state["step"] = torch.full((), loaded, dtype=torch.float32, device=device)
         if keys and first in param_state and state_format.format_of(param_state, first) != fmt:  # precision changed
             sharded_state.convert(param_state, fmt, p)
-        check_state(local(p), param_state, keys, fmt, rule)
+        # a matrix rule's param (not updated here) keeps its rule's states in its rule's dtypes (matrix_step.py)
+        check_state(local(p), param_state, keys, fmt, rule if up else None, formats_checked=up)
         states.append(param_state)
     return states
 
@@ -424,9 +427,12 @@ def check_grads(params: list[torch.Tensor], grads: list[torch.Tensor], dense_lay
             )
 
 
-def check_state(param: torch.Tensor, state: dict, keys: tuple[str, ...], fmt: int = FP32, rule=None) -> None:
+def check_state(
+    param: torch.Tensor, state: dict, keys: tuple[str, ...], fmt: int = FP32, rule=None, formats_checked: bool = True
+) -> None:
     """The state a plan will point the kernels at must cover the parameter (a replaced or resized one may not), in
-    the format `fmt` its group asks for: `keys`, the rule's states for the group (rule.state_names)."""
+    the format `fmt` its group asks for: `keys`, the rule's states for the group (rule.state_names); with
+    `formats_checked` False (a matrix rule's param) only its `step` and master copy."""
     required = ("step", *keys)
     missing = [key for key in required if key not in state]
     if fmt == Q8:
@@ -442,9 +448,10 @@ def check_state(param: torch.Tensor, state: dict, keys: tuple[str, ...], fmt: in
             f"state{saved}, or clear that parameter's state (opt.state[p].clear()) to start it afresh"
         )
     # every state a rule keeps, where present (a stale one of another setting too): it is loaded and saved
-    expected = {key: (state_format.moment_dtype(key, fmt), param.numel()) for key in state_format.state_keys()}
+    keys_checked = state_format.state_keys() if formats_checked else ()
+    expected = {key: (state_format.moment_dtype(key, fmt), param.numel()) for key in keys_checked}
     expected["master_param"] = (torch.float32, param.numel())
-    if fmt == Q8:
+    if fmt == Q8 and formats_checked:
         blocks = state_format.num_blocks(param.numel())
         expected.update({key: (torch.float32, blocks) for key in state_format.scale_keys()})
     for key, (dtype, numel) in expected.items():

@@ -164,9 +164,26 @@ class SavedState:
             self.reset_max_zscore()
             steps = [float(s["step"]) for s in self.state.values() if "step" in s]
             self._istate[layout.I_APPLIED_STEPS] = int(max(steps, default=0.0))
+        self._keep_matrix_state_dtypes()
         self._plan = None
         self._version.bump()
         self._show_loaded_lrs()
+
+    def _keep_matrix_state_dtypes(self) -> None:
+        """A matrix rule's loaded states in the dtypes its matrix.py keeps them in (FusedMuon's momentum buffers: the
+        param's dtype, or bf16 in a bf16 group), whatever the loader made of them (torch's casts to the param's
+        dtype; a state name an elementwise rule shares is converted to the group's format): a resumed run holds
+        what an uninterrupted one does."""
+        for group in self.param_groups:
+            rule = self.group_rule(group)
+            if rule.elementwise:
+                continue
+            interface = matrix_module(rule)
+            for p in group["params"]:
+                state = self.state.get(p)
+                for key, fresh in interface.init_state(p, group).items() if state else ():
+                    if key in state and state[key].dtype != fresh.dtype:
+                        state[key] = state[key].to(fresh.dtype)
 
     def _show_loaded_lrs(self) -> None:
         """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR

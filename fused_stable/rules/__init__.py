@@ -8,8 +8,10 @@ knows no rule. A rule is a folder:
                       that adds one) and its hyper-parameters (default, check); the row slots, defaults, checks
                       and torch's keys the machinery reads are derived from it
   <rule>/triton.py    `step_scalars` and `element`, which the update kernel takes as arguments (kernels/update.py)
-  <rule>/torch.py     the same two on fp32 tensors, for the torch backend's exact reference
-  <rule>/cpu.h        (optional) the same two in C++, for the compiled CPU op
+  <rule>/torch.py     the same two on fp32 tensors, for the torch backend's exact reference (and, as plain data,
+                      TORCH_FUSED / FP32_STATE_SCALARS where torch's own kernel or other scalars apply: AdamW)
+  <rule>/cpu.h        (optional) `Rule`: its Scalars and element in C++, the template argument of the one compiled
+                      CPU update (backends/torch/cpu_update.h): the fast CPU path in every state format
   <rule>/matrix.py    (a matrix rule only, instead of the three above) its states and update over whole params
 
 `RULES` is the registry of rules by the name the optimizers take, filled from the folders found here: a new rule

@@ -1,7 +1,9 @@
-"""The CPU step's compiled ops (fused_stable/backends/torch/cpu_ops.py, cpu_step.cpp): the norm pass against an fp64
-reference, the update against fp64 AdamW with torch's own error as the floor, grads never written, `step`
-advanced only when applied, the same sums whatever the thread count, and the build's fallback (a real failed
-build: no compiler); AdamW's bf16 / 8-bit op and Lion's op against the exact reference, bit for bit."""
+"""The CPU step's compiled ops (fused_stable/backends/torch/cpu_ops.py, cpu_step.cpp, cpu_update.h): the norm pass
+against an fp64 reference, the AdamW update against fp64 AdamW with torch's own error as the floor, grads never
+written, `step` advanced only when applied, the same sums whatever the thread count, and the build's fallback (a
+real failed build: no compiler); the one compiled update (updates.CompiledUpdate) against the exact reference, bit
+for bit, for AdamW and Lion in fp32, bf16 and 8-bit state; which update each group takes; and a rule's header
+alone giving its op (a test-only rule built in a temporary folder)."""
 
 from __future__ import annotations
 
@@ -12,15 +14,19 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from helpers import reference_adamw_fp64, ulp_distance
 
-from fused_stable import FusedAdamW, FusedLion, schedules
+from fused_stable import FusedAdamW, FusedLion, rules, schedules, state_format
 from fused_stable.backends.torch import cpu_ops
-from fused_stable.backends.torch.updates import CompiledLionUpdate, CompiledUpdate, LowbitUpdate
+from fused_stable.backends.torch.updates import CompiledUpdate, NativeUpdate
+from fused_stable.rules.adamw import torch as adamw_torch
+from fused_stable.state_format import BF16, FP32, Q8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the compiled CPU ops could not be built here")
+ADAMW, LION = rules.RULES["adamw"], rules.RULES["lion"]
 
 # odd sizes around the 65536-element chunks of the norm and the update, an empty and a 1-element one
 SIZES = [0, 1, 7, 16383, 65535, 65537 + 11, 3 * 65536 + 5]
@@ -102,16 +108,12 @@ def test_adamw_matches_fp64_adamw_as_closely_as_torch(amsgrad, maximize):
     torch_fp32, _ = reference_steps(params, grads, 3, maximize=maximize, dtype=torch.float32, **hp)
 
     ours = [p.clone() for p in params]
-    exp_avgs = [torch.zeros_like(p) for p in params]
-    exp_avg_sqs = [torch.zeros_like(p) for p in params]
-    max_sqs = [torch.zeros_like(p) for p in params] if amsgrad else []
+    states = [[torch.zeros_like(p) for p in params] for _ in range(3 if amsgrad else 2)]
     steps = [torch.zeros(()) for _ in params]
     for step in range(3):
         before = [g.clone() for g in grads[step]]
-        cpu_ops.adamw(
-            ours, grads[step], exp_avgs, exp_avg_sqs, max_sqs, steps, lr=hp["lr"], beta1=0.9, beta2=0.99,
-            weight_decay=0.1, eps=1e-8, maximize=maximize, grad_mul=0.37,
-        )  # fmt: skip
+        hparams = ADAMW.HParams(hp["lr"], (0.9, 0.99), 1e-8, 0.1, maximize)
+        fp32_adamw_step(ours, grads[step], states, steps, hparams, grad_mul=0.37, amsgrad=amsgrad)
         assert all(torch.equal(g, b) for g, b in zip(grads[step], before)), "the grads were written"
     assert all(s.item() == 3.0 for s in steps)
     floor = max((t.double() - e).abs().max().item() for t, e in zip(torch_fp32, exact) if e.numel())
@@ -119,18 +121,75 @@ def test_adamw_matches_fp64_adamw_as_closely_as_torch(amsgrad, maximize):
     assert worst <= 2 * floor + 1e-9, (worst, floor)
 
 
-def test_adamw_refuses_lists_of_other_lengths_and_dtypes():
-    p = torch.zeros(4)
-    with pytest.raises(RuntimeError, match="one tensor per param"):
-        cpu_ops.adamw(
-            [p], [], [p.clone()], [p.clone()], [], [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,
-            weight_decay=0.0, eps=1e-8, maximize=False, grad_mul=1.0,
-        )  # fmt: skip
-    with pytest.raises(RuntimeError, match="contiguous fp32"):
-        cpu_ops.adamw(
-            [p], [p.double()], [p.clone()], [p.clone()], [], [torch.zeros(())], lr=1e-3, beta1=0.9, beta2=0.999,
-            weight_decay=0.0, eps=1e-8, maximize=False, grad_mul=1.0,
-        )  # fmt: skip
+def fp32_adamw_step(params, grads, states, steps, hparams, *, grad_mul, amsgrad):
+    """One step of AdamW's compiled op on fp32 state as CompiledUpdate takes it: the `step` counters advanced first
+    (the backend's part), then per tensor torch.optim.AdamW's fp64 scalars (rules/adamw/torch.py)."""
+    torch._foreach_add_(steps, 1.0)
+    rows = [adamw_torch.float64_step_scalars(hparams, float(s), np.float32(grad_mul), np.float32(1.0)) for s in steps]
+    keys = torch.zeros(len(params), dtype=torch.int64)
+    op = cpu_ops.update_op(ADAMW)
+    op(params, grads, [t for slot in states for t in slot], [], [], torch.from_numpy(np.stack(rows)), keys, FP32,
+       amsgrad, 0b001, 0)  # fmt: skip
+
+
+def test_fp32_adamw_state_takes_torch_adamws_fp64_scalars(monkeypatch):
+    """FusedAdamW's fp32 state on the compiled op is the op with torch.optim.AdamW's fp64 scalars
+    (FP32_STATE_SCALARS, `fp32_adamw_step`) bit for bit, params at different steps included (a param without a
+    grad at the first step); with the kernels' fp32 scalars (`step_scalars`, the exact reference's) the same run
+    ends elsewhere in the last bits, so the choice is seen."""
+    hparams = ADAMW.HParams(1e-2, (0.9, 0.999), 1e-8, 0.1, False)
+    gen = torch.Generator().manual_seed(8)
+    init = [torch.randn(n, generator=gen) for n in (70001, 300, 4097)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in init] for _ in range(6)]
+
+    def fused_run():
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1, lr_schedule=None, backend="torch")
+        for step, step_grads in enumerate(grads):
+            for k, (p, g) in enumerate(zip(params, step_grads)):
+                p.grad = None if step == 0 and k == 1 else g.clone()
+            opt.step()
+        assert set(update_kinds(opt)) == {"CompiledUpdate"}
+        return [p.detach() for p in params]
+
+    ours = [t.clone() for t in init]
+    states = [[torch.zeros_like(t) for t in init] for _ in range(2)]
+    steps = [torch.zeros(()) for _ in init]
+    for step, step_grads in enumerate(grads):
+        k = [0, 2] if step == 0 else [0, 1, 2]
+        pick = lambda tensors: [tensors[i] for i in k]  # noqa: E731
+        fp32_adamw_step(pick(ours), pick(step_grads), [pick(s) for s in states], pick(steps), hparams, grad_mul=1.0,
+                        amsgrad=False)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(fused_run(), ours))
+    monkeypatch.setattr(adamw_torch, "FP32_STATE_SCALARS", None)
+    assert not all(torch.equal(a, b) for a, b in zip(fused_run(), ours))
+
+
+def test_the_update_op_refuses_wrong_lists():
+    """One line per mistake, whatever the rule: list lengths (states slot by slot, scales in 8-bit only), the
+    rule's number of scalars, the state format's dtypes, 8-bit scales per block, an option the rule lacks, the
+    param dtypes the op compiles."""
+    p, codes = torch.zeros(256), torch.zeros(256, dtype=torch.int8)
+    row, keys = torch.zeros(1, 7), torch.zeros(1, dtype=torch.int64)
+    lion, adamw = cpu_ops.update_op(LION), cpu_ops.update_op(ADAMW)
+
+    def call(op, states, scales=(), fmt=FP32, scalars=row, option=False, params=(p,), grads=(p,)):
+        op(list(params), list(grads), list(states), list(scales), [], scalars, keys, fmt, option, 0b001, 0b001)
+
+    for match, args in [
+        ("one tensor per param", dict(states=[])),
+        (r"scalars must be contiguous fp32 \[params or 1, 7\]", dict(states=[p.clone()], scalars=torch.zeros(1, 8))),
+        ("in the state format's dtypes", dict(states=[p.to(torch.bfloat16)])),
+        ("scales in 8bit only", dict(states=[codes], fmt=Q8)),
+        ("one per block of 128", dict(states=[codes], scales=[torch.zeros(3)], fmt=Q8)),
+        ("takes no option", dict(states=[p.clone()], option=True)),
+        ("unsupported param dtype", dict(states=[p.double()], params=[p.double()], grads=[p.double()])),
+        ("of one dtype and size", dict(states=[p.clone()], grads=[p.double()])),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            call(lion, **args)
+    with pytest.raises(RuntimeError, match=r"one tensor per param \(3 states"):  # amsgrad: max_exp_avg_sq too
+        call(adamw, [p.clone(), p.clone()], scalars=torch.zeros(1, 8), option=True)
 
 
 def clipped_optimizer(seed=5):
@@ -244,25 +303,37 @@ def test_the_build_finds_the_ninja_package_off_the_path(tmp_path):
     assert "available True" in done.stdout and "warnings []" in done.stdout, done.stdout
 
 
-def test_the_build_name_covers_the_rules_headers(tmp_path, monkeypatch):
-    """The source includes the rule's element (rules/adamw/cpu.h): a change to a header must rebuild, so the
-    build's name hashes every rule's header as it hashes the source."""
-    assert cpu_ops.INCLUDE_DIR / "adamw" / "cpu.h" in cpu_ops.HEADERS
-    header = tmp_path / "cpu.h"
-    header.write_text(cpu_ops.HEADERS[0].read_text())
-    monkeypatch.setattr(cpu_ops, "HEADERS", [header])
-    same = cpu_ops.build_fingerprint()
+def test_the_build_name_covers_every_header_and_rule(tmp_path, monkeypatch):
+    """The library holds the template (backends/torch/*.h) and every rule's header, one generated unit per rule: a
+    change to a header, and a new rule, must rebuild, so the build's name hashes them as it hashes the source."""
+    assert {"adamw", "lion"} <= set(cpu_ops.rule_headers())
+    assert cpu_ops.rule_headers()["adamw"] == cpu_ops.RULES_DIR / "adamw" / "cpu.h"
+    rules_dir = tmp_path / "rules"
+    (rules_dir / "adamw").mkdir(parents=True)
+    header = rules_dir / "adamw" / "cpu.h"
+    header.write_text(cpu_ops.rule_headers()["adamw"].read_text())
+    names = [cpu_ops.build_fingerprint(rules_dir)]
     header.write_text(header.read_text() + "\n// one more line\n")
-    assert cpu_ops.build_fingerprint() != same
+    names.append(cpu_ops.build_fingerprint(rules_dir))
+    (rules_dir / "sgd").mkdir()
+    (rules_dir / "sgd" / "cpu.h").write_text(header.read_text())
+    names.append(cpu_ops.build_fingerprint(rules_dir))
+    template = tmp_path / "cpu_update.h"
+    template.write_text((cpu_ops.BACKEND_DIR / "cpu_update.h").read_text())
+    monkeypatch.setattr(cpu_ops, "TEMPLATE_HEADERS", [template])
+    names.append(cpu_ops.build_fingerprint(rules_dir))
+    template.write_text(template.read_text() + "\n// one more line\n")
+    names.append(cpu_ops.build_fingerprint(rules_dir))
+    assert len(set(names)) == len(names), names
 
 
 def test_the_package_ships_the_source_and_the_rules_headers():
-    """An installed package builds the ops from its own files: pyproject's package-data carries the .cpp and
-    every rule's header (a wheel built from it holds fused_stable/rules/adamw/cpu.h)."""
+    """An installed package builds the ops from its own files: pyproject's package-data carries the .cpp, the
+    update template's headers and every rule's header (a wheel built from it holds fused_stable/rules/adamw/cpu.h)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
         package_data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
-    assert package_data["fused_stable.backends.torch"] == ["*.cpp"]
+    assert package_data["fused_stable.backends.torch"] == ["*.cpp", "*.h"]
     assert package_data["fused_stable.rules"] == ["*/*.h"]
 
 
@@ -311,12 +382,15 @@ def test_low_precision_params_take_the_compiled_update_within_torch_ops_floor(dt
 
 
 # ------------------------------------------------------------------------------------------------------------
-# bf16 and 8-bit state (issue 36 item 1): the compiled op (cpu_ops.adamw_lowbit, updates.LowbitUpdate) against
-# the exact reference (exact_reference.ExactUpdate) on the same run: the same compiled norm pass and host
-# decisions, only the update door differs, so every code, scale, moment and param must be bit-identical.
+# The one compiled update (updates.CompiledUpdate, cpu_update.h over rules/<rule>/cpu.h) against the exact reference
+# (exact_reference.ExactUpdate) on the same run: the same compiled norm pass and host decisions, only the update
+# differs, so every param, master, moment, code and scale must be bit-identical. AdamW with fp32 state takes
+# torch.optim.AdamW's fp64 scalars (rules/adamw/torch.py's FP32_STATE_SCALARS), not the reference's: these runs
+# give it the reference's (`step_scalars`), so its loop and element are checked bit for bit here and its scalars
+# against fp64 AdamW above (and, since the one op, against the former op's bits by benchmarks/fingerprint.py).
 
 # a matrix, a tail block, tensors spanning 2 and 4 of the 65536-element chunks, one under the 8-bit small-tensor
-# rule (fp32 moments in "8bit": the fp32 op), and a transposed grad (read from a copy)
+# rule (fp32 moments in "8bit"), and a transposed grad (read from a copy; fp32 AdamW state takes `_fused_adamw_`)
 LOWBIT_SHAPES = [(64, 100), (9000,), (70001,), (3 * 65536 + 5,), (130,), (300, 257)]
 LOWBIT_CASES = {
     "clipped": dict(weight_decay=0.1, max_grad_norm=1.0),
@@ -351,13 +425,20 @@ def lowbit_run(precision, steps=7, dtype=torch.float32, **kwargs):
     return params, opt
 
 
-def lowbit_doors(opt):
-    return [type(door).__name__ for door in opt._plan.backend_cache.updates]
+def update_kinds(opt) -> list[str]:
+    """The implementation updating each param, in param order."""
+    kinds = [""] * len(opt._plan.local_params)
+    for update in opt._plan.backend_cache.updates:
+        for i in update.indices if update.indices is not None else range(len(kinds)):
+            kinds[i] = type(update).__name__
+    return kinds
 
 
-def assert_bit_identical(run, reference):
+def assert_bit_identical(run, reference, only=None):
     (params, opt), (ref_params, ref_opt) = run, reference
-    for p, q in zip(params, ref_params):
+    for index, (p, q) in enumerate(zip(params, ref_params)):
+        if only is not None and index not in only:
+            continue
         assert torch.equal(p.detach(), q.detach())
         state, ref_state = opt.state[p], ref_opt.state[q]
         assert sorted(state) == sorted(ref_state)
@@ -366,31 +447,43 @@ def assert_bit_identical(run, reference):
 
 
 def exact_reference_only(monkeypatch):
-    """Every bf16 / 8-bit update through the exact reference, the rest of the step unchanged."""
-    monkeypatch.setattr(LowbitUpdate, "fits", staticmethod(lambda *args: False))
+    """Every update through the exact reference (no compiled op, no `_fused_adamw_`), the rest of the step
+    (compiled norm pass, host decisions) unchanged."""
+    monkeypatch.setattr(CompiledUpdate, "fits", staticmethod(lambda *args: False))
+    monkeypatch.setattr(NativeUpdate, "fits", staticmethod(lambda *args: False))
+
+
+def compiled_or_exact(monkeypatch):
+    """fp32 AdamW state on the compiled op with the exact reference's scalars, and on the reference where the op
+    does not fit (not `_fused_adamw_`): every update is then the reference's arithmetic."""
+    monkeypatch.setattr(adamw_torch, "FP32_STATE_SCALARS", None)
+    monkeypatch.setattr(NativeUpdate, "fits", staticmethod(lambda *args: False))
 
 
 @pytest.mark.parametrize("case", list(LOWBIT_CASES), ids=list(LOWBIT_CASES))
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
-def test_lowbit_update_is_the_exact_reference_bit_for_bit(precision, case, monkeypatch):
-    """Codes, scales, bf16 moments (stochastic rounding included), masters and params all bit-identical to the
-    exact reference's after 7 steps, with the clip active (the coefficient applied once), amsgrad, maximize,
-    weight decay, master weights, a tensor lr with a schedule, and a z-score spike skip."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+def test_adamw_update_is_the_exact_reference_bit_for_bit(precision, case, monkeypatch):
+    """Params, masters, fp32 and bf16 moments (stochastic rounding included), 8-bit codes and scales all
+    bit-identical to the exact reference's after 7 steps, with the clip active (the coefficient applied once),
+    amsgrad, maximize, weight decay, master weights, a tensor lr with a schedule, and a z-score spike skip."""
     kwargs = LOWBIT_CASES[case]
+    compiled_or_exact(monkeypatch)
     ours = lowbit_run(precision, **kwargs)
-    assert "LowbitUpdate" in lowbit_doors(ours[1]) and "ExactUpdate" not in lowbit_doors(ours[1])
+    kinds = update_kinds(ours[1])
+    transposed = "ExactUpdate" if precision == "fp32" else "CompiledUpdate"  # (the grad laid out unlike its param)
+    assert kinds == ["CompiledUpdate"] * 5 + [transposed], kinds
     if kwargs.get("max_grad_norm") == 1.0:
         assert float(ours[1].grad_norm) > 1.0  # the clip was active
     if "spike_skip_threshold" in kwargs:
         assert int(ours[1].spike_skips) == 1  # the spike was skipped: state and scales untouched by it
     exact_reference_only(monkeypatch)
     reference = lowbit_run(precision, **kwargs)
-    assert "LowbitUpdate" not in lowbit_doors(reference[1])
+    assert set(update_kinds(reference[1])) == {"ExactUpdate"}
     assert_bit_identical(ours, reference)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
-def test_lowbit_update_does_not_depend_on_the_thread_count(precision):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+def test_adamw_update_does_not_depend_on_the_thread_count(precision):
     threads = torch.get_num_threads()
     try:
         runs = []
@@ -423,52 +516,124 @@ def test_lowbit_skipped_step_leaves_codes_and_scales_untouched(precision, tensor
     assert not bool(opt.last_step_skipped) and float(opt.state[params[0]]["step"]) == 3.0
 
 
-def test_lowbit_doors_fall_back_to_the_exact_reference(monkeypatch):
-    """A non-contiguous param's bf16 / 8-bit state takes the exact reference (which walks any layout), the rest
-    the compiled op, in one step that agrees with the reference everywhere; without the compiled ops every
-    bf16 / 8-bit update is the reference's (`FUSED_STABLE_CPU_OPS=0`: test_the_switch_skips_the_build)."""
+@pytest.mark.parametrize("scalars", ["fp64-scalars", "reference-scalars"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tensors_of_one_group_at_different_steps(precision, scalars, monkeypatch):
+    """A param without a grad at the first step is one step behind the others of its group: the compiled update
+    computes each distinct step's scalars once and gives each tensor its own, the same bits as with each param in
+    a group of its own (one step count per call), for the fp64 scalars of fp32 state and the reference's."""
+    if scalars == "reference-scalars":
+        monkeypatch.setattr(adamw_torch, "FP32_STATE_SCALARS", None)
 
-    def mixed(precision):
+    def run(split):
+        gen = torch.Generator().manual_seed(21)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (5000, 300, 7000)]
+        groups = [{"params": [p]} for p in params] if split else [{"params": params}]
+        opt = FusedAdamW(groups, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, state_precision=precision)
+        for step in range(4):
+            for k, p in enumerate(params):
+                p.grad = None if step == 0 and k == 1 else torch.randn(p.shape, generator=gen)
+            opt.step()
+        assert set(update_kinds(opt)) == {"CompiledUpdate"}
+        return params, opt
+
+    ours = run(split=False)
+    assert [float(ours[1].state[p]["step"]) for p in ours[0]] == [4.0, 3.0, 4.0]
+    assert_bit_identical(ours, run(split=True))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("optimizer", [FusedAdamW, FusedLion], ids=["adamw", "lion"])
+def test_each_group_takes_the_compiled_update_where_it_fits(optimizer, precision, monkeypatch):
+    """A non-contiguous param takes `_fused_adamw_` (AdamW's fp32 state) or the exact reference; a contiguous one
+    the compiled op; a grad laid out unlike its param (a group of its own) keeps AdamW's fp32 state on
+    `_fused_adamw_` (the same bits as before the one op) and is read from a copy by the op otherwise; without the
+    compiled ops `_fused_adamw_` or the reference (`FUSED_STABLE_CPU_OPS=0`: test_the_switch_skips_the_build).
+    The compiled op's and the reference's params agree bit for bit (with the reference's scalars)."""
+
+    def mixed():
         gen = torch.Generator().manual_seed(3)
-        params = [
-            torch.nn.Parameter(torch.randn(80, 96, generator=gen).t()),
-            torch.nn.Parameter(torch.randn(5000, generator=gen)),
-        ]
-        opt = FusedAdamW(params, lr=1e-2, state_precision=precision, backend="torch")
+        shapes = [(96, 80), (5000,), (64, 80)]
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        params[0] = torch.nn.Parameter(params[0].detach().t())  # not contiguous
+        groups = [{"params": params[:2]}, {"params": params[2:]}]
+        opt = optimizer(groups, lr=1e-2, weight_decay=0.1, state_precision=precision, backend="torch")
         for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
+            for k, p in enumerate(params):
+                g = torch.randn(p.shape[::-1], generator=gen)
+                p.grad = g.t() if k == 2 else g.t().contiguous().view(p.shape) if k == 0 else g.view(p.shape)
             opt.step()
         return params, opt
 
-    for precision in ("bf16", "8bit"):
-        ours = mixed(precision)
-        assert sorted(lowbit_doors(ours[1])) == ["ExactUpdate", "LowbitUpdate"]
-        with monkeypatch.context() as patch:
-            exact_reference_only(patch)
-            assert_bit_identical(ours, mixed(precision))
-        with monkeypatch.context() as patch:
-            patch.setattr(cpu_ops, "available", lambda: False)
-            assert lowbit_doors(mixed(precision)[1]) == ["ExactUpdate", "ExactUpdate"]
+    monkeypatch.setattr(adamw_torch, "FP32_STATE_SCALARS", None)
+    adamw_fp32 = optimizer is FusedAdamW and precision == "fp32"
+    other = "NativeUpdate" if adamw_fp32 else "ExactUpdate"
+    ours = mixed()
+    assert update_kinds(ours[1]) == [other, "CompiledUpdate", "NativeUpdate" if adamw_fp32 else "CompiledUpdate"]
+    with monkeypatch.context() as patch:
+        exact_reference_only(patch)
+        compiled = [k for k, kind in enumerate(update_kinds(ours[1])) if kind == "CompiledUpdate"]
+        assert_bit_identical(ours, mixed(), only=compiled)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    assert update_kinds(mixed()[1]) == ["NativeUpdate" if adamw_fp32 else "ExactUpdate"] * 3
 
 
-def test_lowbit_adamw_refuses_wrong_lists():
-    p, codes = torch.zeros(256), torch.zeros(256, dtype=torch.int8)
-    scalars, keys = torch.zeros(1, 8), torch.zeros(1, dtype=torch.int64)
-    lists = ([codes], [codes.to(torch.uint8)], [])
-    with pytest.raises(RuntimeError, match="scales in 8bit only"):
-        cpu_ops.adamw_lowbit([p], [p], lists, ([], [], []), masters=None, scalars=scalars, keys=keys, state_format=2)
-    with pytest.raises(RuntimeError, match="one per block of 128"):
-        scales = ([torch.zeros(3)], [torch.zeros(2)], [])
-        cpu_ops.adamw_lowbit([p], [p], lists, scales, masters=None, scalars=scalars, keys=keys, state_format=2)
-    with pytest.raises(RuntimeError, match="state format's dtypes"):
-        cpu_ops.adamw_lowbit([p], [p], lists, ([], [], []), masters=None, scalars=scalars, keys=keys, state_format=1)
+def test_every_rule_with_a_header_has_its_op():
+    """One op per rules/*/cpu.h, named after its folder, and none for a rule without one (Muon's folder)."""
+    with_header = set(cpu_ops.rule_headers())
+    assert {"adamw", "lion"} <= with_header
+    registered = {s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("fused_stable::update_")}
+    assert registered == {f"fused_stable::update_{rule}" for rule in with_header}
+    for rule in rules.RULES.values():
+        assert (cpu_ops.update_op(rule) is not None) == (rule.package.rpartition(".")[2] in with_header)
+    assert cpu_ops.update_op(rules.RULES["muon"]) is None
+
+
+# a rule's hyper-parameters that reach every branch of its element (the rest at the declaration's defaults)
+RULE_OPTIONS = {"sgd": dict(momentum=0.9, dampening=0.2)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("rule", sorted(set(cpu_ops.rule_headers()) - {"adamw"}))
+def test_every_rules_header_gives_the_exact_references_update(rule, precision, monkeypatch):
+    """A rule's cpu.h alone gives its compiled CPU update: params and every state equal the exact reference's bit
+    for bit (no clip: the norm passes of the two paths sum in other orders), on a tensor large enough for 8-bit
+    codes, an odd one and a transposed grad. (AdamW, which also has torch's `_fused_adamw_` and torch's fp64
+    scalars for fp32 state, has its own tests above.)"""
+    import fused_stable
+
+    def run(compiled: bool):
+        monkeypatch.setattr(cpu_ops, "available", real_available if compiled else (lambda: False))
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((96, 80), (37,), (9, 13))]
+        opt = fused_stable.OPTIMIZERS[rule].cls(
+            params, lr=1e-2, state_precision=precision, backend="torch", **RULE_OPTIONS.get(rule, {})
+        )
+        for _ in range(4):
+            grads = [torch.randn(p.shape, generator=gen) for p in params]
+            grads[2] = grads[2].t().contiguous().t()
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        kinds = {type(u).__name__ for u in opt._plan.backend_cache.updates}
+        return params, opt, kinds
+
+    real_available = cpu_ops.available
+    ours, opt, kinds = run(True)
+    assert kinds == {"CompiledUpdate"}, kinds
+    theirs, reference, kinds = run(False)
+    assert kinds == {"ExactUpdate"}, kinds
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        assert opt.state[p].keys() == reference.state[q].keys()
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, reference.state[q][key]), key
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Lion (issue 35): the compiled op (cpu_ops.lion, rules/lion/cpu.h, updates.CompiledLionUpdate) against the exact
-# reference (exact_reference.ExactUpdate) on the same run: the same compiled norm pass and decisions, only the
-# update door differs, so every param, master and exp_avg must be bit-identical.
+# Lion (issue 35): the compiled update (rules/lion/cpu.h over cpu_update.h) against the exact reference
+# (exact_reference.ExactUpdate) on the same run: the same compiled norm pass and decisions, only the update
+# differs, so every param, master and exp_avg must be bit-identical.
 
 # odd sizes around the 65536-element chunks, a matrix, a 1-element and an empty tensor: many tensors in one call
 LION_SHAPES = [(64, 100), (7,), (9000,), (65537 + 11,), (3 * 65536 + 5,), (1,), (0,), (130, 3)]
@@ -523,11 +688,6 @@ def lion_run(steps=7, dtype=torch.float32, nan_at=None, **kwargs):
     return params, opt
 
 
-def lion_reference_only(monkeypatch):
-    """Every Lion update through the exact reference, the rest of the step (compiled norm pass) unchanged."""
-    monkeypatch.setattr(CompiledLionUpdate, "fits", staticmethod(lambda *args: False))
-
-
 @pytest.mark.parametrize("case", list(LION_CASES), ids=list(LION_CASES))
 def test_lion_update_is_the_exact_reference_bit_for_bit(case, monkeypatch):
     """Params, fp32 masters and exp_avg (fp32, bf16 stochastically rounded, 8-bit codes and scales) bit-identical
@@ -535,14 +695,14 @@ def test_lion_update_is_the_exact_reference_bit_for_bit(case, monkeypatch):
     masters, an lr schedule (a float and a tensor lr), a z-score spike skip."""
     kwargs = LION_CASES[case]
     ours = lion_run(**kwargs)
-    assert set(lowbit_doors(ours[1])) == {"CompiledLionUpdate"}  # in 8bit: small tensors keep fp32 exp_avg
+    assert set(update_kinds(ours[1])) == {"CompiledUpdate"}  # in 8bit: small tensors keep fp32 exp_avg
     if kwargs.get("max_grad_norm") == 1.0:
         assert float(ours[1].grad_norm) > 1.0  # the clip was active
     if "spike_skip_threshold" in kwargs:  # some steps skipped (the spikes), most applied
         assert int(ours[1].spike_skips) in (1, 2, 3)
-    lion_reference_only(monkeypatch)
+    exact_reference_only(monkeypatch)
     reference = lion_run(**kwargs)
-    assert set(lowbit_doors(reference[1])) == {"ExactUpdate"}
+    assert set(update_kinds(reference[1])) == {"ExactUpdate"}
     assert_bit_identical(ours, reference)
     if kwargs.get("master_weights"):  # the params are their masters' roundings to nearest even
         for p in ours[0]:
@@ -561,7 +721,7 @@ def test_lion_skipped_step_leaves_everything_untouched(monkeypatch):
     for p, old_p, old_m in zip(params, *before):
         assert torch.equal(p.detach(), old_p) and torch.equal(opt.state[p]["exp_avg"], old_m)
     ours = lion_run(steps=4, nan_at=2, weight_decay=0.1, max_grad_norm=1.0)
-    lion_reference_only(monkeypatch)
+    exact_reference_only(monkeypatch)
     assert_bit_identical(ours, lion_run(steps=4, nan_at=2, weight_decay=0.1, max_grad_norm=1.0))
 
 
@@ -579,66 +739,136 @@ def test_lion_update_does_not_depend_on_the_thread_count(precision):
     assert_bit_identical(*runs)
 
 
-def test_lion_door_is_taken_only_where_it_fits(monkeypatch):
-    """A non-contiguous param and a build without the compiled ops take the exact reference; the contiguous
-    tensors of the same step the compiled op (fp32, bf16 or 8-bit exp_avg), and the step agrees with the
-    reference."""
+# ------------------------------------------------------------------------------------------------------------
+# A new rule's fast CPU path is its header alone: a test-only rule (heavy-ball momentum, and an option that keeps
+# the largest |momentum| as a second state) in a temporary rules folder, built by cpu_ops (no other file of it
+# exists), against the same arithmetic in torch, bit for bit, in each state format.
 
-    def mixed(**kwargs):
-        gen = torch.Generator().manual_seed(4)
-        params = [
-            torch.nn.Parameter(torch.randn(80, 96, generator=gen).t()),
-            torch.nn.Parameter(torch.randn(5000, generator=gen)),
-        ]
-        opt = FusedLion(params, lr=1e-2, weight_decay=0.1, backend="torch", **kwargs)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-        return params, opt
+TINY_RULE = """
+#pragma once
+#include <algorithm>
+#include <cmath>
+namespace fused_stable {
+namespace tiny {
+struct Rule {
+  static constexpr int kNumScalars = 3;
+  static constexpr bool kHasOption = true;
+  static constexpr int num_states(bool keep_peak) { return keep_peak ? 2 : 1; }
+  struct Scalars {
+    float grad_mul, lr, beta;
+    explicit Scalars(const float* row) : grad_mul(row[0]), lr(row[1]), beta(row[2]) {}
+  };
+  template <bool kKeepPeak>
+  __attribute__((always_inline)) static inline void element(float& p, float g, float& m, float& peak, float&,
+                                                             const Scalars& s) {
+    g = g * s.grad_mul;
+    m = m * s.beta + g;
+    if (kKeepPeak) {
+      peak = std::max(peak, std::fabs(m));
+    }
+    p = p - s.lr * m;
+  }
+};
+}  // namespace tiny
+}  // namespace fused_stable
+"""
 
-    for precision in ("fp32", "bf16", "8bit"):
-        ours = mixed(state_precision=precision)
-        assert sorted(lowbit_doors(ours[1])) == ["CompiledLionUpdate", "ExactUpdate"], precision
-        with monkeypatch.context() as patch:
-            lion_reference_only(patch)
-            assert_bit_identical(ours, mixed(state_precision=precision))
-    monkeypatch.setattr(cpu_ops, "available", lambda: False)
-    assert lowbit_doors(mixed()[1]) == ["ExactUpdate", "ExactUpdate"]
+TINY_RULE_RUN = """
+    import sys
+    from pathlib import Path
+    import torch
+    from fused_stable.backends.torch import cpu_ops
+    print("built", cpu_ops.build_and_load(Path(sys.argv[1])))
+    calls = torch.load(sys.argv[2])
+    for call in calls:
+        torch.ops.fused_stable.update_tiny(*call)
+    torch.save(calls, sys.argv[3])
+"""
+
+TINY_SIZES = (300, 65536 + 200)  # a partial block, and two chunks
+TINY_ROW = torch.tensor([[0.75, 0.01, 0.9]])  # grad_mul, lr, beta
+SIGNED_MOMENTUM = 0b01  # 8-bit: the momentum signed, the peak unsigned; bf16: the momentum stochastic
 
 
-def test_lion_door_on_tensor_decisions_is_the_reference():
-    """`on_tensors` (the 0-dim tensor decisions) delegates to the exact reference of the same tensors: the same
-    bits as the compiled `on_host`, and a skip leaves everything untouched."""
-    params, opt = lion_run(steps=2, dtype=torch.bfloat16, master_weights=True)
-    (door,) = opt._plan.backend_cache.updates
-    state = [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
-    grads = [torch.randn(p.shape).to(p.dtype) for p in params]
-    hp = opt.hparam_rows()[0]
-    grad_mul, skip, lr_factor = (torch.tensor(x) for x in (0.5, 1.0, 0.8))
-    after = [p.detach() for p in params] + [t for p in params for t in opt.state[p].values()]
-    with torch.no_grad():
-        door.on_tensors(grads, hp, grad_mul, skip, lr_factor, grad_mul.reciprocal())
-        assert all(torch.equal(a, b) for a, b in zip(after, state))
-        door.on_tensors(grads, hp, grad_mul, torch.tensor(0.0), lr_factor, grad_mul.reciprocal())
-        by_tensors = [t.clone() for t in after]
-        assert not all(torch.equal(a, b) for a, b in zip(by_tensors, state))  # applied
-        for t, old in zip(after, state):
-            t.copy_(old)
-        door.on_host(grads, hp, grad_mul.numpy(), lr_factor.numpy(), None)
-    assert all(torch.equal(a, b) for a, b in zip(after, by_tensors))
+def tiny_call(fmt: int, keep_peak: bool, seed: int) -> list:
+    """One op call's arguments: two fp32 params (the second with fp32 state fits any format's codes), states in
+    `fmt` from seeded values, slot by slot."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=gen) for n in TINY_SIZES]
+    grads = [torch.randn(n, generator=gen) for n in TINY_SIZES]
+    values = [[torch.randn(n, generator=gen) for n in TINY_SIZES]]
+    if keep_peak:
+        values.append([v.abs() * 2 for v in values[0]])
+    states, scales = [], []
+    for slot, slot_values in enumerate(values):
+        for v in slot_values:
+            if fmt == Q8:
+                codes, scale = state_format.ENCODERS[slot](tiny_blocks(v))  # slot 0 SIGNED (0), slot 1 UNSIGNED (1)
+                states.append(codes.view(-1)[: v.numel()].clone())
+                scales.append(scale)
+            else:
+                states.append(v.to(torch.bfloat16) if fmt == BF16 else v)
+    keys = torch.tensor([12345, 678], dtype=torch.int64)
+    return [params, grads, states, scales, [], TINY_ROW, keys, fmt, keep_peak, SIGNED_MOMENTUM, SIGNED_MOMENTUM]
 
 
-def test_lion_op_refuses_wrong_lists():
-    p, scalars = torch.zeros(256), torch.zeros(7)
-    with pytest.raises(RuntimeError, match="one tensor per param"):
-        cpu_ops.lion([p], [p], [], masters=None, scalars=scalars)
-    with pytest.raises(RuntimeError, match="7 contiguous fp32"):
-        cpu_ops.lion([p], [p], [p.clone()], masters=None, scalars=torch.zeros(8))
-    with pytest.raises(RuntimeError, match="in the state format's dtype"):
-        cpu_ops.lion([p], [p], [p.to(torch.bfloat16)], masters=None, scalars=scalars)
-    codes = torch.zeros(256, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="scales in 8bit only"):
-        cpu_ops.lion([p], [p], [codes], masters=None, scalars=scalars, state_format=2)
-    with pytest.raises(RuntimeError, match="one per block of 128"):
-        cpu_ops.lion([p], [p], [codes], masters=None, scalars=scalars, state_format=2, exp_avg_scales=[torch.zeros(3)])
+def tiny_blocks(v: torch.Tensor) -> torch.Tensor:
+    padded = torch.zeros(state_format.num_blocks(v.numel()) * state_format.QUANT_BLOCK)
+    padded[: v.numel()] = v
+    return padded.view(-1, state_format.QUANT_BLOCK)
+
+
+def tiny_expected(call: list) -> list:
+    """The same update in torch's fp32 ops (each op rounded as the element's), the states decoded and stored as
+    cpu_update.h does: bf16 momentum stochastically rounded with the reference's bits, 8-bit by block."""
+    params, grads, states, scales, _, row, keys, fmt, keep_peak = call[:9]
+    grad_mul, lr, beta = row[0]
+    n, num_states = len(params), 2 if keep_peak else 1
+    new_params, new_states, new_scales = [], [[] for _ in range(num_states)], [[] for _ in range(num_states)]
+    for t, (p, g) in enumerate(zip(params, grads)):
+        slots = [states[slot * n + t] for slot in range(num_states)]
+        if fmt == Q8:
+            decoded = [
+                state_format.DECODERS[k](tiny_blocks(s), scales[k * n + t]).view(-1)[: s.numel()]
+                for k, s in enumerate(slots)
+            ]
+        else:
+            decoded = [s.float() for s in slots]
+        m = decoded[0] * beta + g * grad_mul
+        new_params.append(p - lr * m)
+        for k, value in enumerate([m, torch.maximum(decoded[1], m.abs())] if keep_peak else [m]):
+            if fmt == Q8:
+                codes, scale = state_format.ENCODERS[k](tiny_blocks(value))
+                new_states[k].append(codes.view(-1)[: value.numel()])
+                new_scales[k].append(scale)
+            elif fmt == BF16 and k == 0:  # SIGNED_MOMENTUM: slot 0 rounds stochastically
+                bits = state_format.random_bits(keys[t], torch.arange(value.numel()))
+                new_states[k].append(state_format.round_stochastic_bf16(value, bits))
+            else:
+                new_states[k].append(value.to(torch.bfloat16) if fmt == BF16 else value)
+    return new_params, sum(new_states, []), sum(new_scales, [])  # slot by slot, as the op's lists
+
+
+def test_a_rule_header_alone_gives_its_op(tmp_path):
+    """rules/tiny/cpu.h and nothing else: cpu_ops generates, builds and registers `fused_stable::update_tiny`
+    (a fresh extensions folder, in a child process: this one holds the project's library), and the op is the
+    rule's arithmetic bit for bit with and without its option, in fp32, bf16 and 8-bit state."""
+    (tmp_path / "rules" / "tiny").mkdir(parents=True)
+    (tmp_path / "rules" / "tiny" / "cpu.h").write_text(TINY_RULE)
+    cases = [(FP32, False), (FP32, True), (BF16, True), (Q8, True), (Q8, False)]
+    calls = [tiny_call(fmt, keep_peak, seed) for seed, (fmt, keep_peak) in enumerate(cases)]
+    torch.save(calls, tmp_path / "calls.pt")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TINY_RULE_RUN), str(tmp_path / "rules"), str(tmp_path / "calls.pt"),
+         str(tmp_path / "after.pt")],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = torch.load(tmp_path / "after.pt")
+    for (fmt, keep_peak), before, ours in zip(cases, calls, after):
+        params, states, scales = tiny_expected(before)
+        assert all(torch.equal(a, b) for a, b in zip(ours[0], params)), (fmt, keep_peak, "params")
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ours[2], states)), (fmt, keep_peak)
+        assert all(torch.equal(a, b) for a, b in zip(ours[3], scales)), (fmt, keep_peak, "scales")
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], before[1])), "the grads were written"

@@ -11,6 +11,8 @@ difference is measured against a floor: torch's Muon run with that coefficient m
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from helpers import WITH_TENSOR_DECISIONS
@@ -275,3 +277,40 @@ def test_state_dicts_load_from_and_into_torch_optim_muon(tmp_path):
     step(back, reference_back, 3)
     step(ours, fused, 3)
     assert all(torch.equal(p, q) for p, q in zip(ours, back)), "FusedMuon's state loaded into torch.optim.Muon"
+
+
+@pytest.mark.parametrize(
+    "dtype, precision, buffer_dtype",
+    [(torch.float32, "bf16", torch.bfloat16), (torch.bfloat16, "fp32", torch.bfloat16)],
+    ids=["bf16-momentum", "bf16-params"],
+)
+def test_a_resumed_run_keeps_the_momentum_dtype_and_the_trajectory(dtype, precision, buffer_dtype):
+    """The momentum buffers' dtype is the Muon rule's (bf16 in a bf16 group; the param's dtype otherwise, as
+    torch's): a state dict round trip (torch.save / torch.load) keeps it, so the resumed run is the uninterrupted
+    one bit for bit. (torch's loader would cast a bf16 buffer of an fp32 param to fp32.)"""
+
+    def make(params):
+        return FusedMuon(_groups(params), max_grad_norm=MAX_NORM, state_precision=precision, backend="torch")
+
+    def run(params, opt, steps):
+        for step in steps:
+            for p, g in zip(params, _grads(step)):
+                p.grad = g.to(dtype)
+            opt.step()
+
+    init = [t.to(dtype) for t in _params()]
+    whole = [torch.nn.Parameter(t.clone()) for t in init]
+    run(whole, make(whole), range(4))
+    first = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = make(first)
+    run(first, opt, range(2))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = make(first)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    muon = [p for g in resumed.param_groups if g["use_muon"] for p in g["params"]]
+    assert muon and all(resumed.state[p]["momentum_buffer"].dtype == buffer_dtype for p in muon)
+    run(first, resumed, range(2, 4))
+    for index, (a, b) in enumerate(zip(first, whole)):
+        assert torch.equal(a, b), f"param {index}"

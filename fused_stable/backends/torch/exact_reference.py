@@ -160,8 +160,7 @@ class ExactUpdate:
         return self.language.step_scalars(self.hparam_row(hp), steps, grad_mul, lr_factor)
 
     def hparam_row(self, hp) -> torch.Tensor:
-        """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays); the
-        compiled Lion door computes its step scalars from it too (updates.CompiledLionUpdate)."""
+        """The group's hyper-parameter row in fp32, as the kernels' table holds it (cached while it stays)."""
         key = (id(hp.lr) if isinstance(hp.lr, torch.Tensor) else hp.lr, *hp[1:])
         if self.row_cache is None or self.row_cache[0] != key:
             row = torch.tensor(self.rule.hparam_row(*hp), dtype=torch.float32, device=self.params[0].device)

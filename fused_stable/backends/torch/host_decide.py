@@ -23,9 +23,16 @@ F32 = np.float32
 INF = F32("inf")
 
 # The functions that read CPU tensors on the host (the only ones in the torch backend: torch_backend's
-# `host_scalars`, `compiled_sums` and `read_decisions`, and the schedule's factor below): tests/helpers.py's
-# host-read guard, which stands in for a GPU's syncs, does not count their reads (on a CPU there is no queue)
-HOST_READERS = ("host_scalars", "compiled_sums", "read_decisions", "host_schedule_factor")
+# `host_scalars`, `compiled_sums` and `read_decisions`, the schedule's factor and the compiled update's step
+# counters below): tests/helpers.py's host-read guard, which stands in for a GPU's syncs, does not count their
+# reads (on a CPU there is no queue)
+HOST_READERS = ("host_scalars", "compiled_sums", "read_decisions", "host_schedule_factor", "read_steps")
+
+
+def read_steps(values: torch.Tensor) -> np.ndarray:
+    """The advanced `step` counters of one compiled update (a CPU tensor cpu_ops.advance_steps wrote) on the host:
+    the update computes its scalars once per distinct value (updates.CompiledUpdate)."""
+    return values.numpy()
 
 
 def sqrt(x):

@@ -11,9 +11,9 @@ scale / clip coefficient) and `found_inf` (= skip) for `_fused_adamw_`: no host 
 torch backend", says where the CPU step's time goes.
 
 `TorchLists` is this backend's side of a StepPlan, built once per plan: the per-dtype lists of the norm, the
-index tensors that put per-tensor norms back in parameter order, and one update door per (group, dtype, layout
-class, state format), chosen then (updates.py: torch's `_fused_adamw_`, the compiled CPU op, or the exact
-tensor reference for bf16 and 8-bit state).
+index tensors that put per-tensor norms back in parameter order, and one update per (group, dtype, layout
+class, state format), chosen then (updates.py: the rule's compiled CPU op, torch's `_fused_adamw_` for AdamW, or
+the exact tensor reference).
 
 torch's CPU `_fused_adamw_` walks every tensor of a call as flat memory in the param's order, so it is wrong
 for a param that is not dense, or whose grad or state tensors are laid out differently (a transposed grad):
@@ -34,7 +34,7 @@ from . import cpu_ops, host_decide
 from .exact_reference import ExactUpdate
 from .host_decide import HOST_READERS as HOST_READERS
 from .torch_decide import advance_steps, decide, keep_worst, per_tensor_sums, show_next_lrs
-from .updates import Update, doors_of
+from .updates import Update, implementations
 
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
@@ -58,7 +58,7 @@ class TorchLists:
             by_dtype.setdefault(param.dtype, []).append(index)
             if not plan.updated[index]:  # a group without a rule: measured and decided for, updated elsewhere
                 continue
-            if fmt != FP32:  # bf16 or 8-bit moments: the compiled op or the exact reference (choose_update)
+            if fmt != FP32:  # bf16 or 8-bit state: the compiled op or the exact reference (choose_update)
                 # (masters or not, contiguous or not): one non-contiguous param keeps only itself off the compiled op
                 key = (group, param.dtype, (plan.masters[index] is not None, param.is_contiguous()), fmt)
                 by_update.setdefault(key, []).append(index)
@@ -81,17 +81,17 @@ class TorchLists:
         self.cpu = device.type == "cpu"  # the decisions may run on host scalars (`on_host`)
         self.grad_divisor = torch.ones((), dtype=torch.float32, device=device)  # the host path's grad_scale
         self.host_views: tuple | None = None  # (fstate, istate, numpy arrays on them): host_scalars
-        # the compiled CPU ops (backends/torch/cpu_ops.py), where built: the norm pass, and the updates of fp32 state
+        # the compiled CPU ops (backends/torch/cpu_ops.py), where built: the norm pass, and the rules' updates
         self.compiled = self.cpu and cpu_ops.available()
         self.sumsq_out = torch.empty(len(plan.local_params), dtype=torch.float32) if self.compiled else None
-        # one door per update, chosen here once (updates.py); for bf16 / 8-bit state the key's third item is
-        # (whether the params have masters, whether they are contiguous), not a layout class
+        # one implementation per update, chosen here once (updates.py); for bf16 / 8-bit state the key's third
+        # item is (whether the params have masters, whether they are contiguous), not a layout class
         self.updates: list[Update] = [
             choose_update(plan, group, None if ids == everything else ids, ids, relayout, fmt, self.compiled)
             for (group, _, relayout, fmt), ids in by_update.items()
         ]
-        # what the host path does besides the doors: the `step` counters they do not advance themselves, and
-        # whether any door takes the grad divisor
+        # what the host path does besides the updates: the `step` counters they do not advance themselves (all
+        # but the compiled update's), and whether any update takes the grad divisor
         pairs = zip(self.updates, by_update.values())
         self.uncompiled_steps = [plan.steps[i] for u, indices in pairs if not u.advances_steps for i in indices]
         self.uncompiled_steps += [step for step, updated in zip(plan.steps, plan.updated) if not updated]
@@ -101,12 +101,13 @@ class TorchLists:
 def choose_update(
     plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], relayout: bool, fmt: int, compiled
 ) -> Update:
-    """The door of one (group, dtype, layout class, state format): the first of the rule's own doors that fits
-    (updates.doors_of; AdamW: the compiled ops on contiguous CPU tensors where they are built, `_fused_adamw_`
-    for fp32 state otherwise), else the exact reference, which runs any rule in any state format."""
-    for door in doors_of(plan.rule):
-        if door.fits(plan, group, all_indices, fmt, relayout, compiled):
-            return door(plan, group, indices, all_indices, fmt, relayout)
+    """The update of one (group, dtype, layout class, state format): the first of the rule's implementations that
+    fits (updates.implementations: the rule's compiled CPU op on contiguous CPU tensors where the ops are built;
+    AdamW's `_fused_adamw_` for fp32 state otherwise), else the exact reference, which runs any rule in any state
+    format."""
+    for implementation in implementations(plan.rule):
+        if implementation.fits(plan, group, all_indices, fmt, relayout, compiled):
+            return implementation(plan, group, indices, all_indices, fmt, relayout)
     return ExactUpdate(plan, group, indices, all_indices, fmt)
 
 
@@ -217,7 +218,7 @@ def run_updates(
     skip: torch.Tensor,
     lr_factor: torch.Tensor,
 ) -> None:
-    """The rule's update with the 0-dim tensor decisions, one door call per update (`Update.on_tensors`): a skipped step
+    """The rule's update with the 0-dim tensor decisions, one call per update (`Update.on_tensors`): a skipped step
     leaves everything untouched (`found_inf` = 1 for `_fused_adamw_`, the exact reference's own skip)."""
     grad_divisor = grad_mul.reciprocal()
     for update in lists.updates:
@@ -235,8 +236,9 @@ def run_updates_host(
     lr_factor: np.float32,
 ) -> None:
     """`run_updates` with the decisions as host scalars (`Update.on_host`): a skipped step runs nothing (what
-    `found_inf` = 1 leaves: every tensor untouched, the `step` counters too). The compiled update (cpu_ops.adamw)
-    reads the grads times `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip,
+    `found_inf` = 1 leaves: every tensor untouched, the `step` counters too). The compiled update
+    (cpu_ops.update_op) advances its own `step` counters (cpu_ops.advance_steps) and reads the grads times
+    `grad_mul`; `_fused_adamw_` gets `grad_scale` only when the grads are scaled (a clip,
     or a loss scale): given one, torch's CPU kernel writes the scaled grads back into the grads, 4 bytes per
     param more than the 32 of an update that only reads them; a factor of exactly 1 changes nothing."""
     if skip:

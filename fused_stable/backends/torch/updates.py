@@ -1,25 +1,29 @@
-"""The torch backend's update doors: one `Update` per (param group, dtype, layout class) of a plan, chosen once
-when the plan's lists are built (torch_backend.TorchLists):
+"""The torch backend's update implementations: one `Update` per (param group, dtype, layout class, state format)
+of a plan, chosen once when the plan's lists are built (torch_backend.TorchLists, `choose_update`), the first of a
+rule's `implementations` that fits, else the exact reference:
 
-  NativeUpdate    torch's `_fused_adamw_`, on the params or on fp32 working copies (low-precision params, or
-                  tensors `_fused_adamw_` cannot walk as flat memory);
-  CompiledUpdate  the compiled CPU op (cpu_ops.adamw, rules/adamw/cpu.h): contiguous fp32, bf16 or fp16 params
-                  (with or without fp32 masters) and fp32 moments on the CPU;
-  LowbitUpdate    the compiled CPU op for bf16 and 8-bit state (cpu_ops.adamw_lowbit): contiguous CPU tensors,
-                  the exact reference's arithmetic in one pass per chunk;
-  CompiledLionUpdate  Lion's (rules/lion/torch.py lists it): the compiled CPU op (cpu_ops.lion) on contiguous CPU
-                  tensors with fp32, bf16 or 8-bit exp_avg, the exact reference's update bit for bit;
-  ExactUpdate     the exact tensor reference for bf16 and 8-bit state (exact_reference.py): any layout, any
-                  device, and the CPU without the compiled ops.
+  CompiledUpdate  the rule's compiled CPU op (cpu_ops.update_op: backends/torch/cpu_update.h over the rule's
+                  rules/<rule>/cpu.h), for every rule with a cpu.h: contiguous fp32, bf16 or fp16 params (with or
+                  without fp32 masters) and fp32, bf16 or 8-bit state on the CPU, the grads read times the step's
+                  multiplier and never written; its step scalars computed on the host by the rule's torch.py;
+  NativeUpdate    torch's `_fused_adamw_`, for a rule whose torch.py declares TORCH_FUSED = "adamw" (AdamW): fp32
+                  state that the compiled op does not take (no compiled ops, a layout it does not walk), on the
+                  params or on fp32 working copies;
+  ExactUpdate     the exact tensor reference (exact_reference.py): any rule, format, layout and device.
 
-A step calls each door once: `on_host` with the CPU step's host decisions (never on a skipped step), or
-`on_tensors` with the 0-dim tensor decisions (meta and CUDA tensors, and CPU tensors without the compiled
-ops; a plan with compiled doors reads the tensor decisions and takes `on_host`, torch_backend.fused_step).
+On an applied step the compiled update advances its tensors' `step` counters itself (cpu_ops.advance_steps: one
+compiled call, which also gives their values to its scalars; `torch._foreach_add_` costs ~1.7 us per 0-dim
+counter on the CPU, 0.75 ms for a 448-tensor LoRA step); the backend advances the others first (torch_backend.py).
+A step calls each update once: `on_host` with the CPU step's host decisions (never on a skipped step), or
+`on_tensors` with the 0-dim tensor decisions (meta and CUDA tensors, and CPU tensors without the compiled ops; a
+plan with compiled updates reads the tensor decisions and takes `on_host`, torch_backend.fused_step).
 """
 
 from __future__ import annotations
 
+import functools
 from importlib import import_module
+from types import ModuleType
 from typing import Protocol
 
 import numpy as np
@@ -27,23 +31,20 @@ import torch
 
 from ... import state_format
 from ...plan import StepPlan
-from ...rules import RULES
-from ...rules.adamw.torch import step_scalars
-from ...state_format import BF16, FP32, Q8
+from ...state_format import BF16, FP32, Q8, SIGNED
 from . import cpu_ops
-from .exact_reference import ExactUpdate
-
-adamw, lion = RULES["adamw"], RULES["lion"]
+from .host_decide import read_steps
 
 _COMPILED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Update(Protocol):
-    """What torch_backend.py calls on a door (see the module doc)."""
+    """What torch_backend.py calls on an update (see the module doc); `hp` is the group's hyper-parameters as the
+    optimizer gives them (lr first)."""
 
-    group: int  # the param group, whose hyper-parameters the door takes
-    indices: list[int] | None  # the door's tensors in plan order; None: all of them, in order
-    advances_steps: bool  # whether it advances its tensors' `step` counters itself (else the backend does)
+    group: int  # the param group, whose hyper-parameters the update takes
+    indices: list[int] | None  # the update's tensors in plan order; None: all of them, in order
+    advances_steps: bool  # whether it advances its tensors' `step` counters itself (else the backend does, first)
     reads_grad_divisor: bool  # whether it takes the grads' divisor (1 / grad_mul) as a tensor
 
     def on_host(
@@ -55,7 +56,7 @@ class Update(Protocol):
         grad_divisor: torch.Tensor | None,
     ) -> None: ...
 
-    # NativeUpdate and ExactUpdate only: a plan with compiled doors never takes the tensor decisions' update
+    # NativeUpdate and ExactUpdate only: a plan with compiled updates never takes the tensor decisions' update
     def on_tensors(
         self,
         grads: list[torch.Tensor],
@@ -65,6 +66,21 @@ class Update(Protocol):
         lr_factor: torch.Tensor,
         grad_divisor: torch.Tensor,
     ) -> None: ...
+
+
+@functools.cache
+def language_of(rule) -> ModuleType:
+    """The rule's torch.py: its `step_scalars` and element, and what it declares for this backend."""
+    return import_module(rule.package + ".torch")
+
+
+def implementations(rule) -> tuple:
+    """The updates a rule offers before the exact reference, in the order tried: the compiled CPU op (every rule
+    with a cpu.h: `CompiledUpdate.fits` asks), then torch's `_fused_adamw_` where the rule's torch.py declares
+    TORCH_FUSED = "adamw". A new rule needs no edit here."""
+    if getattr(language_of(rule), "TORCH_FUSED", None) == "adamw":
+        return (CompiledUpdate, NativeUpdate)
+    return (CompiledUpdate,)
 
 
 class NativeUpdate:
@@ -90,7 +106,8 @@ class NativeUpdate:
 
     @staticmethod
     def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout: bool, compiled: bool) -> bool:
-        """fp32 moments, any layout (working copies where needed)."""
+        """fp32 moments, any layout (working copies where needed); offered only for a rule whose torch.py
+        declares TORCH_FUSED = "adamw" (`implementations`)."""
         return fmt == FP32
 
     def __init__(self, plan: StepPlan, group, indices: list[int] | None, all_indices: list[int], fmt, relayout: bool):
@@ -162,121 +179,116 @@ class NativeUpdate:
 
 
 class CompiledUpdate:
-    """One call of the compiled CPU op (cpu_ops.adamw) on contiguous CPU params and fp32 moments: it reads
-    the grads times `grad_mul` without writing them back, and advances the `step` counters itself. Taken only
-    on host decisions (see the module doc)."""
+    """One call of the rule's compiled CPU op (cpu_ops.update_op) on contiguous CPU tensors, any state format:
+    states in place, in the rule's order; bf16 to nearest or stochastically and 8-bit with each state's codec, as
+    the rule declares (`codecs`, `stochastic_bf16`). Its scalars are the rule's torch.py `step_scalars` on the
+    group's fp32 row (the exact reference's function, so bf16 / 8-bit codes, scales and params are the reference's
+    bit for bit, and so is Lion in every format), or for fp32 state the function the rule declares as
+    FP32_STATE_SCALARS (AdamW: torch.optim.AdamW's fp64 scalars, `float64_step_scalars`); computed once per distinct
+    `step` value of the call (a group's tensors usually share one), not per tensor. It advances its tensors' `step`
+    counters itself, first, as torch's AdamW does. Taken only on host decisions (see the module doc)."""
 
     advances_steps = True
     reads_grad_divisor = False
 
-    __slots__ = ("group", "indices", "params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+    __slots__ = (
+        "group", "indices", "format", "option", "op", "params", "masters", "states", "scales", "signed_slots",
+        "stochastic_slots", "steps", "step_values", "positions", "no_keys", "step_scalars", "fp32_state_scalars",
+        "hparam_row", "row",
+    )  # fmt: skip
+
+    @staticmethod
+    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout, compiled: bool) -> bool:
+        """Whether the ops are built, the rule has one, and it can update these tensors in place
+        (`_fits_in_place`; a non-contiguous grad is read from a copy). fp32 state whose grads are laid out unlike
+        their params (`relayout`) stays with torch's `_fused_adamw_` where the rule offers it, as before the
+        compiled op took every rule: the same bits (the op reading the grad from a copy would move fewer)."""
+        if not compiled or cpu_ops.update_op(plan.rule) is None:
+            return False
+        if fmt == FP32 and relayout and NativeUpdate in implementations(plan.rule):
+            return False
+        return _fits_in_place(plan, group, all_indices, fmt == Q8)
 
     def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt, relayout):
-        self.group, self.indices = group, indices
-        self.params = [plan.local_params[i] for i in all_indices]
-        masters = [plan.masters[i] for i in all_indices]
-        self.masters = masters if masters[0] is not None else None
-        self.steps = [plan.steps[i] for i in all_indices]
-        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = _moments(plan, all_indices, plan.group_options[group])
-
-    @staticmethod
-    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout: bool, compiled: bool) -> bool:
-        """Whether the op is built and can update these tensors in place (fp32 moments): see `_fits_in_place`."""
-        return compiled and fmt == FP32 and not relayout and _fits_in_place(plan, group, all_indices, False)
-
-    def on_host(self, grads, hp: tuple, grad_mul, lr_factor, grad_divisor) -> None:
-        cpu_ops.adamw(
-            self.params,
-            grads,
-            self.exp_avgs,
-            self.exp_avg_sqs,
-            self.max_exp_avg_sqs,
-            self.steps,
-            masters=self.masters,
-            lr=float(lr_factor * hp.lr),
-            beta1=hp.betas[0],
-            beta2=hp.betas[1],
-            weight_decay=hp.weight_decay,
-            eps=hp.eps,
-            maximize=hp.maximize,
-            grad_mul=float(grad_mul),
-        )
-
-
-class LowbitUpdate:
-    """One call of the compiled CPU op for bf16 or 8-bit moments (cpu_ops.adamw_lowbit) on contiguous CPU
-    tensors: the exact reference's update (exact_reference.ExactUpdate, the fallback and the tests' oracle) in
-    one pass per chunk. Its per-tensor step scalars and stochastic-rounding keys come from the reference's own
-    functions (rules/adamw/torch.py's `step_scalars`, state_format.random_key), one value per tensor, so the
-    codes, scales, moments and params are the reference's bit for bit. Taken only on host decisions; the
-    backend advances the `step` counters first, as for the reference."""
-
-    advances_steps = False
-    reads_grad_divisor = False
-
-    __slots__ = ("group", "indices", "format", "params", "masters", "moments", "scales", "steps", "positions", "rows")
-
-    def __init__(
-        self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt: int, relayout
-    ):
+        rule, language = plan.rule, language_of(plan.rule)
         self.group, self.indices, self.format = group, indices, fmt
+        self.option = bool(plan.group_options[group])
+        self.op = cpu_ops.update_op(rule)
         self.params = [plan.local_params[i] for i in all_indices]
         masters = [plan.masters[i] for i in all_indices]
-        self.masters = masters if masters[0] is not None else None
-        amsgrad = plan.group_options[group]
-        self.moments = _moments(plan, all_indices, amsgrad)
-        q8 = fmt == Q8
-        self.scales = _moments(plan, all_indices, amsgrad, plan.scales) if q8 else ([], [], [])
+        self.masters = masters if masters[0] is not None else []
+        names = rule.state_names(self.option)
+        self.states = [plan.states[i][slot] for slot in range(len(names)) for i in all_indices]  # slot by slot
+        self.scales = [plan.scales[i][slot] for slot in range(len(names)) for i in all_indices] if fmt == Q8 else []
+        self.signed_slots = sum(1 << k for k, name in enumerate(names) if rule.codecs[name] == SIGNED)
+        stochastic = [k for k, name in enumerate(names) if name in rule.stochastic_bf16]
+        self.stochastic_slots = sum(1 << k for k in stochastic) if fmt == BF16 else 0
         self.steps = [plan.steps[i] for i in all_indices]
+        self.step_values = torch.empty(len(all_indices), dtype=torch.float32)  # the counters after this step's +1
         self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
-        self.rows: dict[tuple, torch.Tensor] = {}  # the group's fp32 hyper-parameter row, per value
-
-    @staticmethod
-    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout: bool, compiled: bool) -> bool:
-        """Whether the op is built and can update these tensors in place (bf16 or 8-bit moments, the 8-bit scales
-        contiguous too): see `_fits_in_place`."""
-        return compiled and fmt != FP32 and _fits_in_place(plan, group, all_indices, fmt == Q8)
+        self.no_keys = torch.zeros(len(all_indices), dtype=torch.int64)  # keys are read by stochastic bf16 only
+        self.step_scalars = language.step_scalars
+        self.fp32_state_scalars = getattr(language, "FP32_STATE_SCALARS", None) if fmt == FP32 else None
+        self.hparam_row = rule.hparam_row
+        self.row: tuple = (None, None)  # (hyper-parameters, their fp32 row)
 
     def on_host(self, grads, hp: tuple, grad_mul, lr_factor, grad_divisor) -> None:
-        steps = torch.stack(self.steps)
-        decisions = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, lr_factor)]
-        scalars = step_scalars(self._row(hp), steps[:, None], *decisions)
-        columns = torch.broadcast_tensors(*(x.reshape(-1) for x in scalars))
-        cpu_ops.adamw_lowbit(
+        cpu_ops.advance_steps(self.steps, self.step_values)  # each counter + 1 (fp32), and its new value
+        scalars = self._scalars(hp, grad_mul, lr_factor, read_steps(self.step_values))
+        # bf16 stochastic rounding: the reference's keys (each tensor's position and advanced step)
+        keys = state_format.random_key(self.positions, self.step_values) if self.stochastic_slots else self.no_keys
+        self.op(
             self.params,
             grads,
-            self.moments,
+            self.states,
             self.scales,
-            masters=self.masters,
-            scalars=torch.stack(columns, dim=1).contiguous(),
-            keys=state_format.random_key(self.positions, steps),
-            state_format=self.format,
+            self.masters,
+            scalars,
+            keys,
+            self.format,
+            self.option,
+            self.signed_slots,
+            self.stochastic_slots,
         )
+
+    def _scalars(self, hp: tuple, grad_mul, lr_factor, steps: np.ndarray) -> torch.Tensor:
+        """The op's scalars: one row for all tensors when they share one step count (the usual case), else one
+        row per tensor, each distinct step's row computed once."""
+        if (steps == steps[0]).all():
+            return self._rows(hp, grad_mul, lr_factor, steps[:1])
+        distinct, inverse = np.unique(steps, return_inverse=True)
+        return self._rows(hp, grad_mul, lr_factor, distinct)[torch.from_numpy(inverse.reshape(-1))].contiguous()
+
+    def _rows(self, hp: tuple, grad_mul, lr_factor, steps: np.ndarray) -> torch.Tensor:
+        """[len(steps), number of scalars] fp32: the rule's scalars for each of these (advanced) step values."""
+        if self.fp32_state_scalars is not None:
+            rows = [self.fp32_state_scalars(hp, float(step), grad_mul, lr_factor) for step in steps]
+            return torch.from_numpy(np.stack(rows))
+        decisions = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, lr_factor)]
+        scalars = self.step_scalars(self._row(hp), torch.from_numpy(steps)[:, None], *decisions)
+        columns = torch.broadcast_tensors(*(x.reshape(-1) for x in scalars))
+        return torch.stack(columns, dim=1).contiguous()
 
     def _row(self, hp: tuple) -> torch.Tensor:
-        """The group's hyper-parameter row in fp32, as the kernels' table (and the reference) holds it; the host
-        decisions give the lr as a float."""
-        key = (float(hp.lr), *hp[1:])
-        row = self.rows.get(key)
-        if row is None:
-            self.rows.clear()
-            row = self.rows[key] = torch.tensor(adamw.hparam_row(*key), dtype=torch.float32)
-        return row
+        """The group's hyper-parameter row in fp32, as the kernels' table (and the exact reference) holds it; the
+        host decisions give the lr as a float."""
+        key = (float(hp[0]), *hp[1:])
+        if self.row[0] != key:
+            self.row = (key, torch.tensor(self.hparam_row(*key), dtype=torch.float32))
+        return self.row[1]
 
 
-def _moments(plan: StepPlan, all_indices: list[int], amsgrad: bool, tensors=None) -> tuple[list, list, list]:
-    """AdamW's (exp_avgs, exp_avg_sqs, max_exp_avg_sqs) of these tensors from the plan's state slots (or from its
-    scale slots, `tensors=plan.scales`); the last is empty without amsgrad."""
-    slots = plan.states if tensors is None else tensors
-    picked = [[slots[i][slot] for i in all_indices] for slot in range(2)]
-    return picked[0], picked[1], [slots[i][2] for i in all_indices] if amsgrad else []
+def _moments(plan: StepPlan, all_indices: list[int], amsgrad: bool) -> tuple[list, list, list]:
+    """AdamW's (exp_avgs, exp_avg_sqs, max_exp_avg_sqs) of these tensors from the plan's state slots (NativeUpdate's
+    `_fused_adamw_` arguments); the last is empty without amsgrad."""
+    picked = [[plan.states[i][slot] for i in all_indices] for slot in range(2)]
+    return picked[0], picked[1], [plan.states[i][2] for i in all_indices] if amsgrad else []
 
 
 def _fits_in_place(plan: StepPlan, group: int, all_indices: list[int], with_scales: bool) -> bool:
-    """Whether a compiled CPU op can update these tensors in place: CPU fp32, bf16 or fp16 params (the torch
-    backend groups by dtype), every one with a master copy or none, and the params, states (max_exp_avg_sq with
-    amsgrad), their 8-bit scales when `with_scales`, and the masters contiguous (a non-contiguous grad is read
-    from a copy)."""
+    """Whether the compiled CPU op can update these tensors in place: CPU fp32, bf16 or fp16 params (the torch
+    backend groups by dtype), every one with a master copy or none, and the params, states, their 8-bit scales
+    when `with_scales`, and the masters contiguous (a non-contiguous grad is read from a copy)."""
     first = plan.local_params[all_indices[0]]
     if first.dtype not in _COMPILED_PARAM_DTYPES or first.device.type != "cpu":
         return False
@@ -291,70 +303,3 @@ def _fits_in_place(plan: StepPlan, group: int, all_indices: list[int], with_scal
             return False
         tensors += [plan.masters[i] for i in all_indices]
     return all(t.is_contiguous() for t in tensors)
-
-
-class CompiledLionUpdate:
-    """One call of the compiled CPU op for Lion (cpu_ops.lion, rules/lion/cpu.h) on contiguous CPU tensors with
-    fp32, bf16 or 8-bit exp_avg: the exact reference's update in one pass per chunk (24 bytes per fp32 param with
-    fp32 exp_avg and the norm pass, where the reference gathers everything into padded flat copies), reading the
-    grads times `grad_mul` without writing them. Its step scalars and stochastic-rounding keys are the reference's
-    own (rules/lion/torch.py's `step_scalars` on the reference's fp32 row, state_format.random_key), so params,
-    masters, exp_avg, codes and scales are the reference's bit for bit. Listed in rules/lion/torch.py's DOORS.
-    Taken on host decisions; `on_tensors` (the 0-dim tensor decisions, never taken on a plan with compiled
-    doors) is the exact reference's, built for the same tensors."""
-
-    advances_steps = False  # the backend advances the counters first, as for the reference (bf16 keys read them)
-    reads_grad_divisor = False
-
-    __slots__ = ("group", "indices", "format", "params", "masters", "exp_avgs", "scales", "steps", "positions", "exact")
-
-    def __init__(self, plan: StepPlan, group: int, indices: list[int] | None, all_indices: list[int], fmt, relayout):
-        self.group, self.indices, self.format = group, indices, fmt
-        self.params = [plan.local_params[i] for i in all_indices]
-        masters = [plan.masters[i] for i in all_indices]
-        self.masters = masters if masters[0] is not None else None
-        self.exp_avgs = [plan.states[i][0] for i in all_indices]
-        self.scales = [plan.scales[i][0] for i in all_indices] if fmt == Q8 else None
-        self.steps = [plan.steps[i] for i in all_indices]
-        self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
-        # the reference for the same tensors: the 0-dim tensor decisions' update, and the row and step_scalars
-        # this door computes its scalars with (one definition of them)
-        self.exact = ExactUpdate(plan, group, indices, all_indices, fmt)
-
-    @staticmethod
-    def fits(plan: StepPlan, group: int, all_indices: list[int], fmt: int, relayout, compiled: bool) -> bool:
-        """Whether the op is built and can update these Lion tensors in place: `_fits_in_place` (`relayout` is
-        not read: the op reads a non-contiguous grad from a copy, and every other tensor must be contiguous)."""
-        if not compiled or plan.rule.name != lion.name:
-            return False
-        return _fits_in_place(plan, group, all_indices, fmt == Q8)
-
-    def on_host(self, grads, hp, grad_mul, lr_factor, grad_divisor) -> None:
-        decisions = [torch.tensor(float(x), dtype=torch.float32) for x in (grad_mul, lr_factor)]
-        scalars = self.exact.language.step_scalars(self.exact.hparam_row(hp), None, *decisions)
-        # bf16 exp_avg's stochastic rounding: the reference's keys (each tensor's position and advanced step)
-        keys = state_format.random_key(self.positions, torch.stack(self.steps)) if self.format == BF16 else None
-        cpu_ops.lion(
-            self.params,
-            grads,
-            self.exp_avgs,
-            masters=self.masters,
-            scalars=torch.stack(scalars),
-            state_format=self.format,
-            exp_avg_scales=self.scales,
-            keys=keys,
-        )
-
-    def on_tensors(self, grads, hp, grad_mul, skip, lr_factor, grad_divisor) -> None:
-        self.exact.on_tensors(grads, hp, grad_mul, skip, lr_factor, grad_divisor)
-
-
-# the rules' own doors, tried in order before the exact reference (torch_backend.choose_update)
-_RULE_DOORS = {adamw.name: (CompiledUpdate, LowbitUpdate, NativeUpdate)}
-
-
-def doors_of(rule) -> tuple:
-    """The doors a rule offers besides the exact reference: AdamW's above, and those a rule's torch.py lists in
-    DOORS (a new rule needs no edit here)."""
-    language = import_module(rule.package + ".torch")
-    return _RULE_DOORS.get(rule.name, ()) + tuple(getattr(language, "DOORS", ()))

@@ -4,10 +4,20 @@
 Every operation is the update kernel's, in fp32 with IEEE division and square root, so the same inputs give the
 same fp32 moments; only `exp` (in the bias correction) may round otherwise than the device's, which moves a
 param by an ulp (docs/optimizer.md, "Low-precision state").
+
+What the torch backend reads besides (backends/torch/updates.py; plain data, so the backend names no rule):
+  TORCH_FUSED          "adamw": torch's `_fused_adamw_` computes this rule (fp32 state where the compiled CPU
+                       update does not fit, and without the compiled ops);
+  FP32_STATE_SCALARS   the compiled CPU update's scalars for fp32 state: `float64_step_scalars` (torch.optim.AdamW's
+                       fp64 arithmetic, rounded once), not the kernel's `step_scalars`; bf16 and 8-bit state take
+                       `step_scalars`, the exact reference's bits.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from ...layout import H_LR
@@ -66,3 +76,31 @@ def adamw_element(p, g, m, v, v_max, scalars, amsgrad: bool) -> tuple:
 
 
 element = adamw_element  # the name the exact reference calls (rules/__init__.py)
+
+
+def float64_step_scalars(hp: tuple, step: float, grad_mul, lr_factor) -> np.ndarray:
+    """`step_scalars`' values (cpu.h's `Scalars`, in its order) computed as torch.optim.AdamW computes them: fp64
+    from the group's hyper-parameters `hp` (lr first), the tensor's `step` (already advanced) and the host
+    decisions' grad multiplier and lr factor (numpy fp32 scalars), each rounded once to fp32. `math.pow` and
+    `math.sqrt` are the C library's `pow` and the correctly rounded square root, the functions the compiled op
+    called when it computed these in C++: the same bits."""
+    lr = float(lr_factor * hp[0])  # fp32 product of the factor and the base lr, as the decisions give it
+    (beta1, beta2), eps, weight_decay, maximize = hp[1:5]
+    bias_correction1 = 1.0 - math.pow(beta1, step)
+    bias_correction2 = 1.0 - math.pow(beta2, step)
+    signed_grad_mul = -float(grad_mul) if maximize else float(grad_mul)
+    values = (
+        signed_grad_mul,
+        1.0 - lr * weight_decay,
+        beta2,
+        1.0 - beta1,
+        1.0 - beta2,
+        eps,
+        lr / bias_correction1,
+        math.sqrt(bias_correction2),
+    )
+    return np.array(values, dtype=np.float32)
+
+
+TORCH_FUSED = "adamw"  # torch._fused_adamw_ is this rule (module doc)
+FP32_STATE_SCALARS = float64_step_scalars  # the compiled CPU update's scalars for fp32 state (module doc)

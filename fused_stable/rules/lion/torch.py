@@ -1,19 +1,16 @@
 """Lion's per-element math on fp32 torch tensors, for the torch backend's exact reference
-(backends/torch/exact_reference.py): triton.py's two functions, op for op, in the same order. DOORS: Lion's
-compiled CPU update (backends/torch/updates.py's CompiledLionUpdate, with cpu.h's element), which computes its
-scalars with `step_scalars` below, so it is the reference bit for bit."""
+(backends/torch/exact_reference.py): triton.py's two functions, op for op, in the same order. The compiled CPU
+update (backends/torch/updates.py's CompiledUpdate, with cpu.h's element) computes its scalars with
+`step_scalars` below, so it is the reference bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
-from ...backends.torch.updates import CompiledLionUpdate
 from ...layout import H_LR
 from . import RULE
 
 SLOT = RULE.slots  # the rule's slots of the hyper-parameter row: SLOT.H_<NAME>
-
-DOORS = (CompiledLionUpdate,)  # tried before the exact reference (backends/torch/updates.py, `doors_of`)
 
 
 def step_scalars(row: torch.Tensor, steps: torch.Tensor, grad_mul, lr_factor) -> tuple:
