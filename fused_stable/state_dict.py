@@ -8,6 +8,7 @@ A mixin of FusedAdamW (optim.py), whose settings, buffers and helpers it uses: `
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ class SavedState:
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
+        for entry in state["state"].values():  # 8-bit codes say which code format they are in
+            if state_format.holds_codes(entry):
+                entry[state_format.CODES_KEY] = state_format.CODES_VERSION
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
         if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
             for saved, group in zip(state["param_groups"], self.param_groups):
@@ -53,7 +57,7 @@ class SavedState:
             for key in state_format.state_keys():
                 if key in entry:
                     entry[key] = state_format.to_fp32(entry, key)
-            for key in state_format.scale_keys() + ("master_param",):
+            for key in state_format.scale_keys() + ("master_param", state_format.CODES_KEY):
                 entry.pop(key, None)
         for group in state["param_groups"]:
             group.pop("state_precision", None)
@@ -95,15 +99,21 @@ class SavedState:
         # the moments are kept out of torch's loader, which would cast them to the param dtype (fp32 moments of a bf16
         # param would lose bits, 8-bit scales too); they are converted to each group's state_precision below
         moments: dict[Any, dict[str, torch.Tensor]] = {}
+        versions: dict[Any, int] = {}  # the code format of each param's saved 8-bit codes
         plain_state = {}
         taken_keys = _taken_keys()
         for param_id, entry in state_dict["state"].items():
             param = id_to_param.get(param_id)
-            kept = {k: v for k, v in entry.items() if k not in taken_keys}
+            kept = {k: v for k, v in entry.items() if k not in taken_keys and k != state_format.CODES_KEY}
             taken = {k: v for k, v in entry.items() if k in taken_keys}
             if param is not None:
                 _check_saved_moments(taken, param)
                 moments[param_id] = taken
+                versions[param_id] = (
+                    state_format.saved_codes_version(entry)
+                    if state_format.holds_codes(entry)
+                    else state_format.CODES_VERSION
+                )
             plain_state[param_id] = kept
         precisions = [group["state_precision"] for group in self.param_groups]
         before = [dict(group) for group in self.param_groups]
@@ -126,7 +136,8 @@ class SavedState:
             for key, value in taken.items():  # as saved: fp32, bf16, or 8-bit codes and their fp32 scales
                 dtype = torch.float32 if key == "master_param" else None
                 state[key] = value.to(device=param.device, dtype=dtype, copy=True)
-            sharded_state.convert(state, formats[id(param)], param)  # e.g. torch's fp32 moments quantised
+            # e.g. torch's fp32 moments quantised, or 8-bit codes of an older code format re-encoded
+            sharded_state.convert(state, formats[id(param)], param, versions[param_id])
             if "step" in state:
                 step = state["step"]
                 state["step"] = (
@@ -136,6 +147,7 @@ class SavedState:
                 )
             if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
                 state["master_param"] = param.detach().to(torch.float32).clone()
+        _say_converted(sum(version != state_format.CODES_VERSION for version in versions.values()))
         if extra is not None:
             self._load_counters(extra)
         else:  # a torch.optim.AdamW state: continue the schedule from the steps already taken
@@ -148,6 +160,20 @@ class SavedState:
         self._plan = None
         self._version.bump()
         self._show_loaded_lrs()
+
+    def _upgrade_pickled_codes(self, version: int) -> None:
+        """Unpickling: 8-bit codes pickled in an older code format (a pickle without the tag: v1) re-encoded in
+        the current one, as load_state_dict does."""
+        if version == state_format.CODES_VERSION:
+            return
+        converted = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if state_format.holds_codes(state):
+                    sharded_state.convert(state, state_format.Q8, p, version)
+                    converted += 1
+        _say_converted(converted)
 
     def _show_loaded_lrs(self) -> None:
         """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
@@ -186,6 +212,7 @@ class SavedState:
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._PICKLED if hasattr(self, name)})
+        state["_codes_version"] = state_format.CODES_VERSION  # of the 8-bit codes in `state`
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -193,6 +220,7 @@ class SavedState:
             self._version = Version()
         super().__setstate__(state)
         self.state = ParamStates(self._version, self.state)
+        self._upgrade_pickled_codes(self.__dict__.pop("_codes_version", state_format.CODES_V1))
         for group in self.param_groups:
             for key, value in self.RULE.PICKLE_DEFAULTS.items():
                 group.setdefault(key, value)
@@ -218,6 +246,18 @@ class SavedState:
         self._version.bump()
         self.norm_reducer = engines.norm_reducer_of(self)
         self._show_loaded_lrs()
+
+
+def _say_converted(params: int) -> None:
+    """The one line a load that converted old 8-bit codes says."""
+    if params:
+        warnings.warn(
+            f"fused_stable: the optimizer state held 8-bit codes of {params} params in code format v1 (saved before "
+            f"v{state_format.CODES_VERSION}); converted once: decoded as v1 decodes them, encoded in "
+            f"v{state_format.CODES_VERSION} (save it again to skip this)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("cpu_step.cpp")
 # the rules' folder, on the include path: the source includes "adamw/cpu.h" (a rule's element); every rule's
 # header is in the build's name, so a change to one rebuilds
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "rules"
-HEADERS = sorted(INCLUDE_DIR.glob("*/*.h"))
+HEADERS = sorted(INCLUDE_DIR.glob("*/*.h")) + [SOURCE.with_name("state_codes.h")]  # and the 8-bit codes' header
 # IEEE fp32 without contraction (the kernels' arithmetic, docs/design.md), sqrt without errno (vectorisable),
 # OpenMP for at::parallel_for (torch's own libgomp: the same soname, so one thread pool and torch's thread count)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
