@@ -96,25 +96,7 @@ class SavedState:
                 )
             check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
             id_to_param.update(zip(saved["params"], group["params"]))
-        # the moments are kept out of torch's loader, which would cast them to the param dtype (fp32 moments of a bf16
-        # param would lose bits, 8-bit scales too); they are converted to each group's state_precision below
-        moments: dict[Any, dict[str, torch.Tensor]] = {}
-        versions: dict[Any, int] = {}  # the code format of each param's saved 8-bit codes
-        plain_state = {}
-        taken_keys = _taken_keys()
-        for param_id, entry in state_dict["state"].items():
-            param = id_to_param.get(param_id)
-            kept = {k: v for k, v in entry.items() if k not in taken_keys and k != state_format.CODES_KEY}
-            taken = {k: v for k, v in entry.items() if k in taken_keys}
-            if param is not None:
-                _check_saved_moments(taken, param)
-                moments[param_id] = taken
-                versions[param_id] = (
-                    state_format.saved_codes_version(entry)
-                    if state_format.holds_codes(entry)
-                    else state_format.CODES_VERSION
-                )
-            plain_state[param_id] = kept
+        moments, versions, plain_state = _take_moments(state_dict["state"], id_to_param)
         precisions = [group["state_precision"] for group in self.param_groups]
         before = [dict(group) for group in self.param_groups]
         super().load_state_dict({**state_dict, "state": plain_state})
@@ -246,6 +228,28 @@ class SavedState:
         self._version.bump()
         self.norm_reducer = engines.norm_reducer_of(self)
         self._show_loaded_lrs()
+
+
+def _take_moments(saved_state: dict, id_to_param: dict) -> tuple[dict, dict, dict]:
+    """A saved state split for loading: (the moments, scales and master weights by param id, each param's code
+    format of its 8-bit codes, the rest for torch's loader). The moments are kept out of torch's loader, which
+    would cast them to the param dtype (fp32 moments of a bf16 param would lose bits, 8-bit scales too); they are
+    converted to each group's state_precision afterwards. Checks each param's moments first (raises before
+    anything changes)."""
+    moments: dict[Any, dict[str, torch.Tensor]] = {}
+    versions: dict[Any, int] = {}
+    plain_state = {}
+    taken_keys = _taken_keys()
+    for param_id, entry in saved_state.items():
+        param = id_to_param.get(param_id)
+        if param is not None:
+            taken = {k: v for k, v in entry.items() if k in taken_keys}
+            _check_saved_moments(taken, param)
+            moments[param_id] = taken
+            holds_codes = state_format.holds_codes(entry)
+            versions[param_id] = state_format.saved_codes_version(entry) if holds_codes else state_format.CODES_VERSION
+        plain_state[param_id] = {k: v for k, v in entry.items() if k not in taken_keys and k != state_format.CODES_KEY}
+    return moments, versions, plain_state
 
 
 def _say_converted(params: int) -> None:

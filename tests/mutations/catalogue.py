@@ -1873,8 +1873,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "codes-v1-state-read-as-v2",
         "fused_stable/state_dict.py",
-        "                    state_format.saved_codes_version(entry)\n",
-        "                    state_format.CODES_VERSION\n",
+        "state_format.saved_codes_version(entry) if holds_codes else state_format.CODES_VERSION",
+        "state_format.CODES_VERSION",
         ["tests/core/test_state_versions.py"],
         "an untagged 8-bit state holds v1 codes: converted on load (decoded as v1), not read as v2",
         select="converted_once",
