@@ -213,6 +213,8 @@ def cpp_codec():
 
     from fused_stable.backends.torch import cpu_ops
 
+    if not cpu_ops.available():  # as test_cpu_ops.py: no C++ compiler here, so no compiled op to agree with
+        pytest.skip("the compiled CPU ops could not be built here")
     digest = hashlib.sha256(HEADER.read_bytes() + _HARNESS.encode()).hexdigest()[:12]
     return cpp_extension.load_inline(
         name=f"fused_stable_state_codes_test_{digest}",
