@@ -38,7 +38,7 @@ class SavedState:
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
         for entry in state["state"].values():  # 8-bit codes say which code format they are in
             if state_format.holds_codes(entry):
-                entry[state_format.CODES_KEY] = state_format.CODES_VERSION
+                entry[state_format.CODES_KEY] = state_format.codes_tag()
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
         if self.rules.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
             for saved, group in zip(state["param_groups"], self.param_groups):

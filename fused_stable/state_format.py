@@ -350,7 +350,7 @@ def to_fp32(state: dict, key: str, version: int | None = None) -> torch.Tensor:
     code format `version` (None: the state's CODES_KEY, else CODES_VERSION: a live state's codes are current)."""
     value = state[key]
     if value.dtype in (torch.int8, torch.uint8):
-        version = state.get(CODES_KEY, CODES_VERSION) if version is None else version
+        version = int(state.get(CODES_KEY, CODES_VERSION)) if version is None else version
         return decode(value, state[key + SCALE_SUFFIX], key, version)
     return value.to(torch.float32)
 
@@ -365,6 +365,24 @@ def saved_codes_version(entry: dict) -> int:
             f"v{min(DECODERS_BY_VERSION)}-v{max(DECODERS_BY_VERSION)}: upgrade fused_stable to load it"
         )
     return version
+
+
+def codes_tag(version: int = CODES_VERSION) -> torch.Tensor:
+    """The CODES_KEY value saved beside 8-bit codes: a 0-dim int64 tensor, as `step` is a 0-dim tensor (code that
+    walks a state's tensors, moves them or compares them with torch.equal takes it as it takes `step`)."""
+    return torch.tensor(version, dtype=torch.int64)
+
+
+def tag_untagged_codes(state_dict: dict) -> dict:
+    """Marks, in place, every entry of a saved optimizer state dict that holds 8-bit codes without a CODES_KEY as
+    v1 (what an untagged state is), and returns it. For loaders that merge a saved state over a template of the
+    live optimizer's (torch.distributed.checkpoint's set_optimizer_state_dict with full_state_dict keeps a
+    template key the saved state lacks: the live state's v2 tag would then stand beside v1 codes); call it on the
+    saved state before handing it to such a loader. load_state_dict needs no help."""
+    for entry in state_dict.get("state", {}).values():
+        if isinstance(entry, dict) and CODES_KEY not in entry and holds_codes(entry):
+            entry[CODES_KEY] = codes_tag(CODES_V1)
+    return state_dict
 
 
 def holds_codes(state: dict) -> bool:

@@ -102,7 +102,7 @@ def test_a_v1_state_loads_converted_once_within_half_a_v2_code_of_what_v1_decode
     for param_id, entry in saved["state"].items():
         expected = record["decoded"][param_id]
         for key in quantised_moments(entry):
-            assert entry[CODES_KEY] == CODES_VERSION
+            assert int(entry[CODES_KEY]) == CODES_VERSION
             assert_within_half_a_code(entry, key, expected[key])
             converted += 1
         for key in state_format.state_keys():  # fp32 moments (the small-tensor rule) as they were
@@ -177,7 +177,11 @@ def test_a_v2_state_round_trips_bit_for_bit_with_no_warning(name):
     _updates(opt, params, steps=2)
     saved = through_disk(opt.state_dict())
     for entry in saved["state"].values():
-        assert entry.get(CODES_KEY) == (CODES_VERSION if state_format.holds_codes(entry) else None)
+        if state_format.holds_codes(entry):
+            tag = entry[CODES_KEY]
+            assert tag.dtype == torch.int64 and tag.dim() == 0 and int(tag) == CODES_VERSION
+        else:
+            assert CODES_KEY not in entry
     again_params, again = fresh(name, record)
     load_quietly(again, saved)
     for p, q in zip(params, again_params):
@@ -207,13 +211,36 @@ def test_a_pickled_optimizer_keeps_its_codes_and_an_untagged_pickle_converts():
     assert_within_half_a_code(entry, "exp_avg_sq", record["decoded"][0]["exp_avg_sq"])
 
 
+def test_a_loader_that_merges_over_a_live_template_converts_once_the_v1_state_is_tagged():
+    """torch.distributed.checkpoint's set_optimizer_state_dict (full state) merges the saved state over the live
+    optimizer's own state_dict(), keeping template keys the saved state lacks: a v1 state would get the live v2
+    tag. tag_untagged_codes (what the trainer's FSDP2 resume calls first) marks it v1, so it converts."""
+    record = fixture("adamw")
+    params, opt = fresh("adamw", record)
+    _updates(opt, params, steps=1)  # live v2 codes: the template is tagged v2
+    template = opt.state_dict()
+    for tagged in (False, True):
+        saved = copy.deepcopy(record["state_dict"])
+        if tagged:
+            assert state_format.tag_untagged_codes(saved) is saved
+        merged = {**saved, "state": {i: {**template["state"][i], **e} for i, e in saved["state"].items()}}
+        if not tagged:  # the template's tag stands: the v1 codes would be read as v2
+            assert all(int(e[CODES_KEY]) == CODES_VERSION for e in merged["state"].values() if CODES_KEY in e)
+            continue
+        with pytest.warns(UserWarning, match="code format v1"):
+            opt.load_state_dict(merged)
+        entry = opt.state_dict()["state"][0]
+        for key in quantised_moments(entry):
+            assert_within_half_a_code(entry, key, record["decoded"][0][key])
+
+
 def test_a_newer_code_format_is_refused_before_anything_changes():
     record = fixture("adamw")
     params, opt = fresh("adamw", record)
     _updates(opt, params, steps=1)
     before = {k: v.clone() for k, v in opt.state[params[0]].items()}
     state = opt.state_dict()
-    state["state"][0][CODES_KEY] = CODES_VERSION + 1
+    state["state"][0][CODES_KEY] = state_format.codes_tag(CODES_VERSION + 1)
     with pytest.raises(ValueError, match=f"format v{CODES_VERSION + 1}.*upgrade fused_stable"):
         opt.load_state_dict(state)
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in before.items())

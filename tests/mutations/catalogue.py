@@ -1882,7 +1882,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "codes-saved-without-their-format",
         "fused_stable/state_dict.py",
-        "                entry[state_format.CODES_KEY] = state_format.CODES_VERSION\n",
+        "                entry[state_format.CODES_KEY] = state_format.codes_tag()\n",
         "                pass\n",
         ["tests/core/test_state_versions.py"],
         "a saved 8-bit state says its code format (else a v2 state would load as v1 and be converted again)",
