@@ -1898,6 +1898,15 @@ MUTATIONS: list[Mutation] = [
         select="pickle",
     ),
     M(
+        "codes-untagged-state-tagged-current-for-dcp",
+        "fused_stable/state_format.py",
+        "            entry[CODES_KEY] = codes_tag(CODES_V1)\n",
+        "            entry[CODES_KEY] = codes_tag(CODES_VERSION)\n",
+        ["tests/core/test_state_versions.py"],
+        "an untagged state merged over a live template (DCP's full-state load) is marked v1 first, so it converts",
+        select="merges_over_a_live_template",
+    ),
+    M(
         "codes-block-max-taken-before-the-update",
         "fused_stable/backends/torch/exact_reference.py",
         "        codes, scale = state_format.ENCODERS[self.rule.CODECS[key]](value)\n",
