@@ -96,16 +96,17 @@ def zero_moment(p: torch.Tensor, key: str, fmt: int) -> dict[str, torch.Tensor]:
     return {k: wrap(p, k, v) for k, v in state_format.zero_moment(local(p), key, fmt).items()}
 
 
-def convert(state: dict, fmt: int, p: torch.Tensor) -> None:
-    """state_format.convert for any param: converts the local shards, then stores them wrapped."""
+def convert(state: dict, fmt: int, p: torch.Tensor, version: int = state_format.CODES_VERSION) -> None:
+    """state_format.convert for any param (8-bit codes in code format `version`): converts the local shards, then
+    stores them wrapped."""
     if not is_dtensor(p):
-        state_format.convert(state, fmt, p)
+        state_format.convert(state, fmt, p, version)
         return
     if fmt == Q8:
         check_q8_layout(p)
     before = {key: local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
     converted = dict(before)
-    state_format.convert(converted, fmt, local(p))
+    state_format.convert(converted, fmt, local(p), version)
     for key in [k for k in state if k not in converted]:
         del state[key]  # a scale dropped (8-bit -> another format)
     for key, value in converted.items():

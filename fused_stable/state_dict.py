@@ -8,6 +8,7 @@ A mixin of FusedAdamW (optim.py), whose settings, buffers and helpers it uses: `
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ class SavedState:
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["state"] = {key: dict(entry) for key, entry in state["state"].items()}  # plain dicts, like torch's
+        for entry in state["state"].values():  # 8-bit codes say which code format they are in
+            if state_format.holds_codes(entry):
+                entry[state_format.CODES_KEY] = state_format.codes_tag()
         state[_STATE_KEY] = {"fstate": self._fstate.clone(), "istate": self._istate.clone(), "layout": _LAYOUT_VERSION}
         if self.policy.schedule is not None:  # the base lr, as before schedules were shown (see _show_lrs)
             for saved, group in zip(state["param_groups"], self.param_groups):
@@ -53,7 +57,7 @@ class SavedState:
             for key in state_format.state_keys():
                 if key in entry:
                     entry[key] = state_format.to_fp32(entry, key)
-            for key in state_format.scale_keys() + ("master_param",):
+            for key in state_format.scale_keys() + ("master_param", state_format.CODES_KEY):
                 entry.pop(key, None)
         for group in state["param_groups"]:
             group.pop("state_precision", None)
@@ -111,19 +115,7 @@ class SavedState:
                 )
             check_not_differentiable(saved.get("differentiable"), "a state dict saved with differentiable=True")
             id_to_param.update(zip(saved["params"], group["params"]))
-        # the moments are kept out of torch's loader, which would cast them to the param dtype (fp32 moments of a bf16
-        # param would lose bits, 8-bit scales too); they are converted to each group's state_precision below
-        moments: dict[Any, dict[str, torch.Tensor]] = {}
-        plain_state = {}
-        taken_keys = _taken_keys()
-        for param_id, entry in state_dict["state"].items():
-            param = id_to_param.get(param_id)
-            kept = {k: v for k, v in entry.items() if k not in taken_keys}
-            taken = {k: v for k, v in entry.items() if k in taken_keys}
-            if param is not None:
-                _check_saved_moments(taken, param)
-                moments[param_id] = taken
-            plain_state[param_id] = kept
+        moments, versions, plain_state = _take_moments(state_dict["state"], id_to_param)
         precisions = [group["state_precision"] for group in self.param_groups]
         before = [dict(group) for group in self.param_groups]
         super().load_state_dict({**state_dict, "state": plain_state})
@@ -145,7 +137,8 @@ class SavedState:
             for key, value in taken.items():  # as saved: fp32, bf16, or 8-bit codes and their fp32 scales
                 dtype = torch.float32 if key == "master_param" else None
                 state[key] = value.to(device=param.device, dtype=dtype, copy=True)
-            sharded_state.convert(state, formats[id(param)], param)  # e.g. torch's fp32 moments quantised
+            # e.g. torch's fp32 moments quantised, or 8-bit codes of an older code format re-encoded
+            sharded_state.convert(state, formats[id(param)], param, versions[param_id])
             if "step" in state:
                 step = state["step"]
                 state["step"] = (
@@ -155,6 +148,7 @@ class SavedState:
                 )
             if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
                 state["master_param"] = param.detach().to(torch.float32).clone()
+        _say_converted(sum(version != state_format.CODES_VERSION for version in versions.values()))
         if extra is not None:
             self._load_counters(extra)
         else:  # a torch.optim.AdamW state: continue the schedule from the steps already taken
@@ -184,6 +178,20 @@ class SavedState:
                 for key, fresh in interface.init_state(p, group).items() if state else ():
                     if key in state and state[key].dtype != fresh.dtype:
                         state[key] = state[key].to(fresh.dtype)
+
+    def _upgrade_pickled_codes(self, version: int) -> None:
+        """Unpickling: 8-bit codes pickled in an older code format (a pickle without the tag: v1) re-encoded in
+        the current one, as load_state_dict does."""
+        if version == state_format.CODES_VERSION:
+            return
+        converted = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if state_format.holds_codes(state):
+                    sharded_state.convert(state, state_format.Q8, p, version)
+                    converted += 1
+        _say_converted(converted)
 
     def _show_loaded_lrs(self) -> None:
         """After a state dict or a pickle was loaded: the saved base lrs (`initial_lr`, which torch's LR
@@ -222,6 +230,7 @@ class SavedState:
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._PICKLED if hasattr(self, name)})
+        state["_codes_version"] = state_format.CODES_VERSION  # of the 8-bit codes in `state`
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -229,6 +238,7 @@ class SavedState:
             self._version = Version()
         super().__setstate__(state)
         self.state = ParamStates(self._version, self.state)
+        self._upgrade_pickled_codes(self.__dict__.pop("_codes_version", state_format.CODES_V1))
         for group in self.param_groups:
             rule = self.group_rule(group)
             for key, value in rule.pickle_defaults.items() if rule is not None else ():
@@ -257,6 +267,40 @@ class SavedState:
         self._version.bump()
         self.norm_reducer = engines.norm_reducer_of(self)
         self._show_loaded_lrs()
+
+
+def _take_moments(saved_state: dict, id_to_param: dict) -> tuple[dict, dict, dict]:
+    """A saved state split for loading: (the moments, scales and master weights by param id, each param's code
+    format of its 8-bit codes, the rest for torch's loader). The moments are kept out of torch's loader, which
+    would cast them to the param dtype (fp32 moments of a bf16 param would lose bits, 8-bit scales too); they are
+    converted to each group's state_precision afterwards. Checks each param's moments first (raises before
+    anything changes)."""
+    moments: dict[Any, dict[str, torch.Tensor]] = {}
+    versions: dict[Any, int] = {}
+    plain_state = {}
+    taken_keys = _taken_keys()
+    for param_id, entry in saved_state.items():
+        param = id_to_param.get(param_id)
+        if param is not None:
+            taken = {k: v for k, v in entry.items() if k in taken_keys}
+            _check_saved_moments(taken, param)
+            moments[param_id] = taken
+            holds_codes = state_format.holds_codes(entry)
+            versions[param_id] = state_format.saved_codes_version(entry) if holds_codes else state_format.CODES_VERSION
+        plain_state[param_id] = {k: v for k, v in entry.items() if k not in taken_keys and k != state_format.CODES_KEY}
+    return moments, versions, plain_state
+
+
+def _say_converted(params: int) -> None:
+    """The one line a load that converted old 8-bit codes says."""
+    if params:
+        warnings.warn(
+            f"fused_stable: the optimizer state held 8-bit codes of {params} params in code format v1 (saved before "
+            f"v{state_format.CODES_VERSION}); converted once: decoded as v1 decodes them, encoded in "
+            f"v{state_format.CODES_VERSION} (save it again to skip this)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_saved_moments(taken: dict, param: torch.Tensor) -> None:

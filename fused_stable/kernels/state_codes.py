@@ -31,34 +31,56 @@ def moment_pointer(
         return address.to(tl.pointer_type(tl.float32))
 
 
+# state_format's code format v2: pseudo roots on the fp32 bit pattern (no square root, no division per element)
+_ONE_BITS: tl.constexpr = 0x3F800000  # state_format._ONE_BITS: 1.0
+_MAGNITUDE: tl.constexpr = 0x7FFFFFFF
+_FLT_MIN_BITS: tl.constexpr = 0x00800000  # state_format.FLT_MIN_BITS: 2**-126, the smallest normal fp32
+
+
+@triton.jit
+def _pseudo_root(ratio, SHIFT: tl.constexpr, CONSTANT: tl.constexpr):
+    """state_format.pseudo_root: the ratio's magnitude bits clamped to 1.0's, shifted, plus the constant."""
+    bits = tl.minimum(ratio.to(tl.int32, bitcast=True) & _MAGNITUDE, _ONE_BITS)
+    return ((bits >> SHIFT) + CONSTANT).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pseudo_square(q, SHIFT: tl.constexpr, CONSTANT: tl.constexpr):
+    """state_format.pseudo_square: ((bits(|q|) - constant) << shift), 0 for q = 0, q's sign kept."""
+    bits = q.to(tl.int32, bitcast=True)
+    magnitude = tl.maximum((bits & _MAGNITUDE) - CONSTANT, 0) << SHIFT
+    return (magnitude | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _decode(codes, scale, SIGNED: tl.constexpr):
     """8-bit codes [rows, QUANT_BLOCK] and their rows' scales [rows] -> fp32 (state_format.decode_*)."""
     if SIGNED:
         q = codes.to(tl.float32) * (1.0 / 127.0)
-        return q * tl.abs(q) * scale[:, None]
+        return _pseudo_square(q, 1, 0x1FC00000) * scale[:, None]
     else:
         q = codes.to(tl.float32) * (1.0 / 255.0)
-        root = q * q * scale[:, None]
-        return root * root
+        return _pseudo_square(q, 2, 0x2FA00000) * scale[:, None]
 
 
 @triton.jit
 def _encode(x, SIGNED: tl.constexpr):
     """fp32 [rows, QUANT_BLOCK] -> (8-bit codes, each row's scale) (state_format.encode_*): the scale is the row's
-    largest |x| (signed) or sqrt(x) (unsigned), the code the rounded square root of the ratio, ties up."""
-    if SIGNED:
-        magnitude = tl.abs(x)
-    else:
-        magnitude = tl.sqrt_rn(x)
-    scale = tl.max(magnitude, axis=1)
+    largest |x| (0 below FLT_MIN; a NaN if any is NaN), the code the rounded pseudo root (square for signed,
+    fourth for unsigned) of |x| / scale, ties up."""
+    magnitude_bits = x.to(tl.int32, bitcast=True) & _MAGNITUDE  # |x|, its sign bit cleared (a NaN's too)
+    # the largest as an integer max of the bits (>= 0: their order is the floats'; a NaN's lie above infinity's, so
+    # a NaN anywhere makes the scale a NaN), 0 below FLT_MIN (the smallest normal's bits)
+    scale_bits = tl.max(magnitude_bits, axis=1)
+    scale = tl.where(scale_bits < _FLT_MIN_BITS, 0, scale_bits).to(tl.float32, bitcast=True)
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
     inverse = tl.where(scale > 0.0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-    root = tl.sqrt_rn(tl.minimum(magnitude * inverse[:, None], 1.0))
+    ratio = magnitude * inverse[:, None]
     if SIGNED:
-        code = tl.floor(root * 127.0 + 0.5)
+        code = tl.floor(_pseudo_root(ratio, 1, 0x1FC00000) * 127.0 + 0.5)
         return tl.where(x < 0.0, -code, code).to(tl.int8), scale
     else:
-        return tl.floor(root * 255.0 + 0.5).to(tl.uint8), scale
+        return tl.floor(_pseudo_root(ratio, 2, 0x2FA00000) * 255.0 + 0.5).to(tl.uint8), scale
 
 
 @triton.jit

@@ -73,8 +73,11 @@ def test_a_run_resumes_in_another_state_precision(sft, tmp_path, saved, resumed,
     a, b = read_metrics(straight), read_metrics(broken)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["loss"] for r in a[:3]] == [r["loss"] for r in b[:3]]  # step 3's loss: the step-2 weights
-    if saved == "8bit":  # decoding is exact: step 3's update is the one the 8-bit run computed, so step 4's loss too
-        assert b[3]["loss"] == a[3]["loss"]
+    if saved == "8bit":  # decoding is exact: step 3's update is the one the 8-bit run computed up to the params'
+        # last bit (the compiled 8-bit op takes the exact reference's step scalars, the fp32 op its own fp64 ones:
+        # ~3% of the params an ulp apart after one step, in code format v1 as in v2), so step 4's loss too, up to
+        # its last bits (measured: equal in v1, 8e-8 relative in v2)
+        assert abs(b[3]["loss"] - a[3]["loss"]) <= 1e-6 * abs(a[3]["loss"])
     else:  # quantised once: measured 2.2e-6 relative at step 4 (the fp32 -> 8-bit rounding of two moments)
         assert b[3]["loss"] != a[3]["loss"] and abs(b[3]["loss"] - a[3]["loss"]) <= 1e-5 * abs(a[3]["loss"])
     state = torch.load(broken / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)

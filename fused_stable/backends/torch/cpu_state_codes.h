@@ -16,7 +16,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "state_codes.h"  // the 8-bit code format
+
+#ifndef FUSED_STABLE_INLINE
 #define FUSED_STABLE_INLINE __attribute__((always_inline)) inline
+#endif
 
 namespace fused_stable {
 namespace cpu {
@@ -41,76 +45,12 @@ FUSED_STABLE_INLINE c10::BFloat16 round_stochastic_bf16(float x, uint32_t bits) 
   return c10::BFloat16(rounded);  // exact: the low half is zero
 }
 
-// state_format.decode_signed / decode_unsigned on one block
-FUSED_STABLE_INLINE void decode_signed(const int8_t* codes, float scale, float* out, int64_t n) {
-  constexpr float kInverse = static_cast<float>(1.0 / 127.0);
-  for (int64_t i = 0; i < n; ++i) {
-    const float q = static_cast<float>(codes[i]) * kInverse;
-    out[i] = q * std::fabs(q) * scale;
-  }
-}
-
-FUSED_STABLE_INLINE void decode_unsigned(const uint8_t* codes, float scale, float* out, int64_t n) {
-  constexpr float kInverse = static_cast<float>(1.0 / 255.0);
-  for (int64_t i = 0; i < n; ++i) {
-    const float q = static_cast<float>(codes[i]) * kInverse;
-    const float root = q * q * scale;
-    out[i] = root * root;
-  }
-}
-
-// The block's largest value (a NaN anywhere makes it NaN, as torch's amax); the padding's zeros change nothing.
-// Taken on the bit patterns: for floats >= 0 their order is the int32 order of their bits, so the max is an
-// integer max the compiler vectorises (a float max it does not, without -ffinite-math-only: measured a
-// mispredicted branch per element). The sign bit is dropped (only a -0.0 or a NaN has one here: -0.0 counts as
-// 0, as it did), and every NaN's pattern lies above infinity's, so a NaN in the block makes the max a NaN.
-FUSED_STABLE_INLINE float block_max(const float* values, int64_t n) {
-  constexpr int32_t kMagnitude = 0x7FFFFFFF;
-  int32_t largest = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t bits;
-    std::memcpy(&bits, values + i, sizeof(bits));
-    largest = std::max(largest, bits & kMagnitude);
-  }
-  float result;
-  std::memcpy(&result, &largest, sizeof(result));
-  return result;
-}
-
-// floor(y + 0.5) for y >= 0 (the codes' round half up) as a truncation to int32: the same value for every
-// non-negative y (and the same int32 as floor's for a NaN), but the loop vectorises (floorf does not, here)
-FUSED_STABLE_INLINE int32_t round_up(float y) { return static_cast<int32_t>(y + 0.5f); }
-
-FUSED_STABLE_INLINE float inverse_of(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
-
-// state_format.encode_signed: s = the block's max |x|, c = round(127 * sqrt(|x| / s)) with x's sign, ties up
-FUSED_STABLE_INLINE float encode_signed(const float* x, int8_t* codes, int64_t n) {
-  float magnitude[kQuantBlock];
-  for (int64_t i = 0; i < n; ++i) {
-    magnitude[i] = std::fabs(x[i]);
-  }
-  const float scale = block_max(magnitude, n);
-  const float inverse = inverse_of(scale);
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t code = round_up(std::sqrt(std::min(magnitude[i] * inverse, 1.0f)) * 127.0f);
-    codes[i] = static_cast<int8_t>(x[i] < 0.0f ? -code : code);
-  }
-  return scale;
-}
-
-// state_format.encode_unsigned: r = sqrt(x), s = the block's max r, c = round(255 * sqrt(r / s)), ties up
-FUSED_STABLE_INLINE float encode_unsigned(const float* x, uint8_t* codes, int64_t n) {
-  float root[kQuantBlock];
-  for (int64_t i = 0; i < n; ++i) {
-    root[i] = std::sqrt(x[i]);
-  }
-  const float scale = block_max(root, n);
-  const float inverse = inverse_of(scale);
-  for (int64_t i = 0; i < n; ++i) {
-    codes[i] = static_cast<uint8_t>(round_up(std::sqrt(std::min(root[i] * inverse, 1.0f)) * 255.0f));
-  }
-  return scale;
-}
+// The 8-bit codes (code format v2, state_format.py): one block decoded and encoded, state_codes.h's functions (the
+// same in the torch reference and the Triton kernels)
+using fused_stable::state_codes::decode_signed;
+using fused_stable::state_codes::decode_unsigned;
+using fused_stable::state_codes::encode_signed;
+using fused_stable::state_codes::encode_unsigned;
 
 }  // namespace cpu
 }  // namespace fused_stable

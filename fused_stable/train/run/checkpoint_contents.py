@@ -17,6 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from fused_stable import state_format
 from fused_stable.errors import UserError
 from fused_stable.integrations import distributed
 from fused_stable.train.run import checkpoint, parallel
@@ -143,6 +144,8 @@ def _load_sharded(path: str, model, optimizer) -> None:
         )
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     optim_state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+    # DCP's loader merges the saved state over the live one's: an untagged (v1) 8-bit state must say so itself
+    state_format.tag_untagged_codes(optim_state)
     extra = optim_state.pop(_OPT_EXTRA, None)
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
     if extra is not None:
