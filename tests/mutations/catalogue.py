@@ -210,6 +210,25 @@ MUTATIONS: list[Mutation] = [
         "a checkpoint is complete only with its marker",
         select="mid_save or rollback_restores",
     ),
+    # ------------------------------------------------------------------ what a run prints and imports
+    M(
+        "deepspeed-imported-by-the-final-save",
+        TRAIN + "run/runtime.py",
+        "    other.is_deepspeed_available = lambda: False\n",
+        "    pass\n",
+        ["tests/train/test_runs.py"],
+        "a run without DeepSpeed never imports it (save_pretrained's unwrap did, printing its accelerator line)",
+        select="never_import",
+    ),
+    M(
+        "kernels-trust-note-shown",
+        TRAIN + "run/runtime.py",
+        '    logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)\n',
+        "",
+        ["tests/train/test_runs.py"],
+        "the `kernels` package's offline publisher-trust note is not shown on LoRA runs",
+        select="never_import",
+    ),
     # ------------------------------------------------------------------ the model side of the trainer
     M(
         "decay-on-norms-and-biases",

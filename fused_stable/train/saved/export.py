@@ -21,6 +21,7 @@ from fused_stable.argcheck import parse_command
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 from fused_stable.train.run.outputs import EXPORT
+from fused_stable.train.run.runtime import deepspeed_left_alone
 
 
 def build_parser():
@@ -121,7 +122,8 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
     os.makedirs(parent, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
     try:
-        merged.save_pretrained(scratch)
+        with deepspeed_left_alone():
+            merged.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         outputs.claim(scratch, sorted(os.listdir(scratch)), command=EXPORT)  # what a later --overwrite removes
         previous = None

@@ -18,6 +18,7 @@ from fused_stable.train.config.foreign_configs import public_model
 from fused_stable.train.config.keys import TrainConfig
 from fused_stable.train.model.load import fill_special_tokens, load_base, load_pretrained, quantization_config
 from fused_stable.train.model.sources import ModelSource, resolve_model
+from fused_stable.train.run.runtime import deepspeed_left_alone
 
 TRAINED_WITH = "fused_stable.json"  # next to adapter_config.json: how the base was loaded while training
 
@@ -42,7 +43,8 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
         # the vocabulary is never resized here, so there are no embedding layers to save; peft's "auto" looks the
         # base up on the Hub to find out, and warns offline ("Could not find a config file")
         extra["save_embedding_layers"] = False
-    model.save_pretrained(target, **extra)
+    with deepspeed_left_alone():  # a run without DeepSpeed never imports it
+        model.save_pretrained(target, **extra)
     tokenizer.save_pretrained(target)
     with open(os.path.join(target, TRAINED_WITH), "w") as f:
         json.dump(
