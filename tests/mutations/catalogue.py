@@ -229,6 +229,34 @@ MUTATIONS: list[Mutation] = [
         "the `kernels` package's offline publisher-trust note is not shown on LoRA runs",
         select="never_import",
     ),
+    # ------------------------------------------------------------------ bad input refused in one line (issue 52)
+    M(
+        "muon-8bit-state-not-refused",
+        TRAIN + "run/optimizers.py",
+        '    if cfg.tuner == "full" and cfg.state_precision == "8bit":\n',
+        "    if False:\n",
+        ["tests/train/test_optim_rules.py"],
+        "optim muon + tuner full + 8-bit state is one line before anything starts (flags, LF YAML, resume)",
+        select="muon_with_8bit or muon_run_with_8bit",
+    ),
+    M(
+        "anchor-switch-read-as-off",
+        TRAIN + "config/foreign_configs.py",
+        "    if not_switches:\n",
+        "    if False:\n",
+        ["tests/train/test_anchors.py"],
+        "use_muon / use_dora and every other switch take a boolean or are refused naming the key and the value",
+        select="switch",
+    ),
+    M(
+        "interleave-probs-ignored-under-concat",
+        TRAIN + "config/resolve.py",
+        '    if cfg.interleave_probs not in (None, "") and cfg.mix_strategy == "concat":\n',
+        "    if False:\n",
+        ["tests/train/test_mixing.py"],
+        "interleave_probs under mix_strategy concat is refused in one line, as LLaMA-Factory refuses it",
+        select="concat_is_refused",
+    ),
     # ------------------------------------------------------------------ the model side of the trainer
     M(
         "decay-on-norms-and-biases",
@@ -2859,8 +2887,8 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "sft-muon-not-checked-before-the-model-loads",
-        TRAIN + "run/setup.py",
-        "    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))\n",
+        TRAIN + "config/resolve.py",
+        "    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))  # the rule with the run's keys and engine\n",
         "",
         ["tests/train/test_optim_rules.py"],
         "optim muon without FusedMuon is refused in one line before the model loads, nothing written",

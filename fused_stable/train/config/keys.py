@@ -282,6 +282,21 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# the words a boolean key (ours, or a switch of another trainer's) takes from a flag or a YAML string; YAML 1.1
+# already reads unquoted yes/no/on/off/true/false as booleans. Anything else is refused naming the key and the
+# value: `use_muon: yes please` read as off would train AdamW without a word
+SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def switch_value(value) -> bool | None:
+    """A boolean key's value as a bool, or None when it is not one (a bool, 0 / 1, or one of SWITCH_WORDS)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (str, int)):
+        return SWITCH_WORDS.get(str(value).strip().lower())
+    return None
+
+
 CHOICES = {
     "tuner": ("lora", "dora", "full"),
     "optim": tuple(RULES),  # the update rules the trainer builds (train/run/optimizers.py)

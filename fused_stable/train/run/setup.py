@@ -83,16 +83,16 @@ def _resolve(argv: list[str]):
             "meaning, or the optimizer state that restores lr and weight_decay); leave them out to continue the "
             "run, or start a new run in another output_dir"
         )
+    # keys not given now come from the run being resumed, so `--resume latest` alone continues it
+    saved = saved_cfg.to_dict()
+    saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
+    saved["overwrite"] = cfg.overwrite
+    cfg, _ = resolve_config([], base=saved)  # checked as a whole (a Muon run's rule with the new state_precision)
     if cfg.state_precision != saved_cfg.state_precision and "state_precision" in explicit:
         print_rank0(
             f"resuming {path}: its {saved_cfg.state_precision} optimizer state is converted to "
             f"{cfg.state_precision} once, as it loads ({_CONVERSION[cfg.state_precision]})"
         )
-    # keys not given now come from the run being resumed, so `--resume latest` alone continues it
-    saved = saved_cfg.to_dict()
-    saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
-    saved["overwrite"] = cfg.overwrite
-    cfg, _ = resolve_config([], base=saved)
     return cfg, path, passed_over
 
 
@@ -217,13 +217,11 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable.train.config.resolve import guard_config
     from fused_stable.train.model.load import load_tokenizer
     from fused_stable.train.model.sources import resolve_model
-    from fused_stable.train.run import deepspeed_run, optimizers, parallel
+    from fused_stable.train.run import deepspeed_run, parallel
     from fused_stable.train.run.runtime import resolve_runtime, set_threads
 
     cfg, resume_path, passed_over = _resolve(argv)
     _check_output_folder(cfg, resume_path)
-    # --optim muon before FusedMuon exists (or under DeepSpeed): one line, before the model loads
-    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
