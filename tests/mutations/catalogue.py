@@ -257,6 +257,15 @@ MUTATIONS: list[Mutation] = [
         "interleave_probs under mix_strategy concat is refused in one line, as LLaMA-Factory refuses it",
         select="concat_is_refused",
     ),
+    M(
+        "warmup-covers-a-one-step-run",
+        TRAIN + "config/resolve.py",
+        "    return min(warmup_asked(cfg, total_steps), max(total_steps - 1, 0))\n",
+        "    return warmup_asked(cfg, total_steps)\n",
+        ["tests/train/test_anchors.py", "tests/train/test_runs.py"],
+        "a warm-up as long as the run is cut to total - 1 steps: --max_steps 1 trains its step at the peak lr",
+        select="peak_lr",
+    ),
     # ------------------------------------------------------------------ the model side of the trainer
     M(
         "decay-on-norms-and-biases",

@@ -223,6 +223,20 @@ def test_warmup_ratio_is_rounded_as_the_hf_trainer_rounds_it(tmp_path, ratio, to
     assert warmup_steps(cfg, total) == 2, "warmup_steps above 0 overrides warmup_ratio"
 
 
+@pytest.mark.parametrize(("keys", "total", "asked", "taken"), [((), 1, 1, 0), (("--warmup_steps", 10), 5, 10, 4)])
+def test_a_warmup_as_long_as_the_run_is_cut_to_leave_a_step_at_the_peak_lr(tmp_path, keys, total, asked, taken):
+    """Where the HF Trainer's warm-up covers the whole run (`--max_steps 1`: ceil(0.1 x 1) = 1 step, its only step
+    at lr 0, which trains nothing), the run warms up over total - 1 steps instead."""
+    from transformers import TrainingArguments
+
+    from fused_stable.train.config.resolve import warmup_asked
+
+    cfg, _, _ = resolve(*keys)
+    hf = TrainingArguments(output_dir=str(tmp_path), warmup_steps=cfg.warmup_steps or cfg.warmup_ratio)
+    assert warmup_asked(cfg, total) == hf.get_warmup_steps(total) == asked
+    assert warmup_steps(cfg, total) == taken
+
+
 # ---------------------------------------------------------------------------------------------- dataset_info.json
 def dataset_dir(tmp_path, info, rows=None):
     folder = tmp_path / "data"

@@ -242,3 +242,18 @@ def test_runs_without_deepspeed_never_import_it_and_print_no_third_party_noise(t
     assert proc.stdout.strip().endswith("rank 0 deepspeed loaded: False")
     for noise in ("Setting accelerator", "publisher trust check"):
         assert noise not in proc.stdout + proc.stderr, noise
+
+
+def test_a_one_step_run_trains_its_step_at_the_peak_lr_and_says_why(sft, tmp_path):
+    """`--max_steps 1`: the default warm-up (ceil(0.1 x 1) = 1 step, as the HF Trainer counts it) would put the
+    only step at lr 0; it is cut to 0 steps, with a note, and the step moves the weights."""
+    out = tmp_path / "run"
+    code, stdout, err = sft(*TINY, "--max_steps", 1, "--tuner", "full", "--output_dir", out)
+    assert code == 0, err
+    assert "note: warm-up: 1 steps asked for in a run of 1; 0 taken" in stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1] and rows[0]["lr"] == pytest.approx(2e-4)  # TINY's lr
+    base = setup_run(*TINY, "--tuner", "full", "--output_dir", tmp_path / "base").model
+    trained = load_file(out / "checkpoints" / "step-1" / "weights.safetensors")
+    moved = [n for n, p in base.named_parameters() if not torch.equal(p.detach(), trained[n])]
+    assert len(moved) == len(trained), "every weight moved"

@@ -466,7 +466,16 @@ def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     """Warm-up steps as the HF Trainer counts them (transformers 5.24 `TrainingArguments.get_warmup_steps`:
     `int(warmup_steps) if warmup_steps >= 1 else math.ceil(num_training_steps * warmup_steps)`; 4.x, which
     LLaMA-Factory 0.9 runs: `warmup_steps if warmup_steps > 0 else math.ceil(num_training_steps * warmup_ratio)`):
-    a ratio is rounded up, so 0.1 of 27 steps is 3."""
+    a ratio is rounded up, so 0.1 of 27 steps is 3.
+
+    Capped at total_steps - 1 (`warmup_asked` is the uncapped count): a warm-up's first step is at lr 0, as the HF
+    Trainer's is, so a warm-up as long as the run would end it below its peak lr, and `--max_steps 1` would train
+    its only step at lr 0 (the HF Trainer does exactly that: ceil(0.1 x 1) = 1 warm-up step)."""
+    return min(warmup_asked(cfg, total_steps), max(total_steps - 1, 0))
+
+
+def warmup_asked(cfg: TrainConfig, total_steps: int) -> int:
+    """The warm-up the keys ask for, before `warmup_steps` caps it below the run's length."""
     if cfg.warmup_steps:
         return cfg.warmup_steps
     return math.ceil(cfg.warmup_ratio * total_steps)

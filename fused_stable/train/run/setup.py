@@ -293,10 +293,16 @@ def _optimizer(cfg, model, groups, total_steps: int, guard):
     to the guard. Clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call;
     under guard=skip|rollback the same step also skips grad-norm spikes."""
     from fused_stable import schedules
-    from fused_stable.train.config.resolve import warmup_steps
+    from fused_stable.train.config.resolve import warmup_asked, warmup_steps
     from fused_stable.train.run import optimizers
 
     warmup = warmup_steps(cfg, total_steps)
+    asked = warmup_asked(cfg, total_steps)
+    if warmup < asked:
+        print_rank0(
+            f"fused-stable sft: note: warm-up: {asked} steps asked for in a run of {total_steps}; {warmup} taken, "
+            "so that the run trains at its peak lr (a warm-up's first step is at lr 0)"
+        )
     schedule = {
         "cosine": lambda: schedules.warmup_cosine(total_steps, warmup),
         "linear": lambda: schedules.warmup_linear(total_steps, warmup),
