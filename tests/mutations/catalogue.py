@@ -266,6 +266,15 @@ MUTATIONS: list[Mutation] = [
         "a warm-up as long as the run is cut to total - 1 steps: --max_steps 1 trains its step at the peak lr",
         select="peak_lr",
     ),
+    M(
+        "header-state-formats-unsaid",
+        TRAIN + "run/setup.py",
+        "    if set(counts) <= {precision}:\n",
+        "    if True:\n",
+        ["tests/train/test_state_precision.py"],
+        "an 8bit run's header says how many tensors / params keep fp32 state (under 4096 elements)",
+        select="header_says",
+    ),
     # ------------------------------------------------------------------ the model side of the trainer
     M(
         "decay-on-norms-and-biases",

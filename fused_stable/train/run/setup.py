@@ -188,7 +188,31 @@ def optimizer_state_text(trainer) -> str:
     sharing = None
     if trainer.engine is None and parallel.world_size() > 1:
         sharing = "fsdp2" if parallel.is_fsdp(trainer.model) else "ddp"
-    return state_words(optimizer_state(trainer), sharing, parallel.world_size())
+    words = state_words(optimizer_state(trainer), sharing, parallel.world_size())
+    if trainer.engine is None:  # (DeepSpeed's optimizer holds flat partitions, not the model's tensors)
+        words += formats_words(trainer.optimizer)
+    return words
+
+
+def formats_words(optimizer) -> str:
+    """Where the state's formats differ from its state_precision, how many tensors and params each holds: an 8bit
+    run keeps tensors under MIN_QUANTISED_NUMEL elements in fp32 (bitsandbytes' rule), all of a LoRA adapter's on
+    a small model; nothing where every tensor has the precision's format."""
+    from fused_stable.state_format import FORMAT_NAMES, MIN_QUANTISED_NUMEL, format_for
+
+    precision = optimizer.defaults["state_precision"]
+    counts: dict[str, list[int]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:  # the whole param's numel (a DTensor's is global): the format on every rank
+            held = counts.setdefault(FORMAT_NAMES[format_for(group["state_precision"], p.numel())], [0, 0])
+            held[0], held[1] = held[0] + 1, held[1] + p.numel()
+    if set(counts) <= {precision}:
+        return ""
+    parts = []
+    for name, (tensors, params) in sorted(counts.items(), key=lambda item: item[0] != precision):
+        small = f" under {MIN_QUANTISED_NUMEL:,} elements" if precision == "8bit" and name != "8bit" else ""
+        parts.append(f"{name}: {tensors} tensors{small}, {params:,} params")
+    return f" ({'; '.join(parts)})"
 
 
 def state_words(state: dict, sharing: str | None = None, ranks: int = 1) -> str:
