@@ -6,6 +6,7 @@ every rank back together, and bad input refused with one line from rank 0."""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -176,10 +177,8 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     assert proc.stdout.count("done: steps 0->4") == 1
     # no rank imports deepspeed (the final save used to, through accelerate's unwrap: issue 52's aborts at exit)
     assert "deepspeed imported by" not in proc.stderr, proc.stderr[-4000:]
-    assert sorted(line for line in proc.stdout.splitlines() if "deepspeed loaded" in line) == [
-        "rank 0 deepspeed loaded: False",
-        "rank 1 deepspeed loaded: False",
-    ]
+    # (the ranks' lines may interleave in torchrun's shared stdout: found anywhere, not line by line)
+    assert sorted(re.findall(r"rank (\d) deepspeed loaded: (\w+)", proc.stdout)) == [("0", "False"), ("1", "False")]
     assert "Setting accelerator" not in proc.stderr
     rows = _check_rank0_outputs(out, 4, "model")
     # each rank on its own rows; the loss is the mean over ranks, the grad norm the global one over the shards
