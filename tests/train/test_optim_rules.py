@@ -110,3 +110,14 @@ def test_every_rule_of_the_table_is_a_choice_with_its_class():
         cls = getattr(fused_stable, optimizers.RULES[name].title)
         assert cls.RULE.NAME == name
     assert optimizers.RULES["muon"].title == fused_stable.FusedMuon.__name__
+
+
+def test_the_help_headers_name_every_rule_the_trainer_builds(sft):
+    from fused_stable.cli import SUBCOMMANDS
+
+    code, out, _ = sft("--help")
+    header = out.split("\n\n")[1].replace("\n", " ")  # the paragraph under the usage line
+    assert code == 0 and header.startswith("Supervised fine-tuning")
+    for rule in optimizers.RULES.values():
+        assert rule.title in header and rule.title in SUBCOMMANDS["sft"][1], rule.title
+    assert "where this fused_stable has it" not in out  # Muon is in this fused_stable
