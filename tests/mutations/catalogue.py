@@ -275,6 +275,24 @@ MUTATIONS: list[Mutation] = [
         "an 8bit run's header says how many tensors / params keep fp32 state (under 4096 elements)",
         select="header_says",
     ),
+    M(
+        "stress-guarded-muon-steps-adamw",
+        "fused_stable/stress/runs.py",
+        '    "muon": StressRule(_usual_muon, _fused_muon, "torch Muon + AdamW", "FusedMuon"),\n',
+        '    "muon": StressRule(_usual_muon, _fused("FusedAdamW"), "torch Muon + AdamW", "FusedMuon"),\n',
+        ["tests/guard/test_stress.py"],
+        "stress --optim muon: the guarded recipe steps FusedMuon (it follows torch's Muon + AdamW on clean data)",
+        select="suites_rule and muon",
+    ),
+    M(
+        "stress-usual-lion-steps-adamw",
+        "fused_stable/stress/runs.py",
+        '    "lion": StressRule(_usual_lion, _fused("FusedLion"), "lion-pytorch Lion", "FusedLion"),\n',
+        '    "lion": StressRule(_usual_adamw, _fused("FusedLion"), "lion-pytorch Lion", "FusedLion"),\n',
+        ["tests/guard/test_stress.py"],
+        "stress --optim lion: the usual recipe steps lion-pytorch's Lion",
+        select="suites_rule and lion",
+    ),
     # ------------------------------------------------------------------ the model side of the trainer
     M(
         "decay-on-norms-and-biases",
