@@ -213,7 +213,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ what a run prints and imports
     M(
         "deepspeed-imported-by-the-final-save",
-        TRAIN + "run/runtime.py",
+        TRAIN + "saved/final_model.py",
         "    other.is_deepspeed_available = lambda: False\n",
         "    pass\n",
         ["tests/train/test_runs.py"],

@@ -6,7 +6,6 @@ every rank back together, and bad input refused with one line from rank 0."""
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -173,12 +172,13 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     out = tmp_path / "full"
     args = [*RUN, "--tuner", "full", "--lr", "1e-3"]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
-    proc = _ok(torchrun(*args, "--output_dir", out, program=(script,), env={"DEEPSPEED_IMPORT_TRACE": "1"}))
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    proc = _ok(torchrun(*args, "--output_dir", out, program=(script,), env={"DEEPSPEED_IMPORT_TRACE": str(traces)}))
     assert proc.stdout.count("done: steps 0->4") == 1
     # no rank imports deepspeed (the final save used to, through accelerate's unwrap: issue 52's aborts at exit)
-    assert "deepspeed imported by" not in proc.stderr, proc.stderr[-4000:]
-    # (the ranks' lines may interleave in torchrun's shared stdout: found anywhere, not line by line)
-    assert sorted(re.findall(r"rank (\d) deepspeed loaded: (\w+)", proc.stdout)) == [("0", "False"), ("1", "False")]
+    for rank in (0, 1):
+        assert (traces / f"rank-{rank}.txt").read_text() == "deepspeed loaded: False\n"
     assert "Setting accelerator" not in proc.stderr
     rows = _check_rank0_outputs(out, 4, "model")
     # each rank on its own rows; the loss is the mean over ranks, the grad norm the global one over the shards

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +89,7 @@ def quiet_third_party_noise() -> None:
     """Messages every run would print that say nothing about the run: bitsandbytes' notes on an optional
     hub-downloaded CPU kernel (missing, or not trust-checked: we are offline by design), and a transformers
     deprecation that peft triggers. (DeepSpeed's "Setting accelerator to CPU" is not silenced but avoided: a
-    run without DeepSpeed never imports it, see `deepspeed_left_alone`.)"""
+    run without DeepSpeed never imports it, see `train.saved.final_model.deepspeed_left_alone`.)"""
     import logging
     import warnings
 
@@ -102,24 +101,3 @@ def quiet_third_party_noise() -> None:
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars on every load: the run prints its own progress
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-
-
-@contextlib.contextmanager
-def deepspeed_left_alone():
-    """Hugging Face's `save_pretrained` first unwraps the model with accelerate's `extract_model_from_parallel`,
-    which imports deepspeed whenever it is installed, only to ask whether the model is a `DeepSpeedEngine`. A model
-    cannot be one while deepspeed has never been imported, and the import is not free: it prints "Setting
-    accelerator to CPU" on every full-model save, and under torchrun rank 0 importing it at the final save came
-    with the runs whose rank 1 aborted at exit ("terminate called without an active exception", issue 52). Inside
-    this context accelerate sees deepspeed as absent, unless a DeepSpeed run has imported it already."""
-    if "deepspeed" in sys.modules:
-        yield
-        return
-    from accelerate.utils import other
-
-    installed = other.is_deepspeed_available
-    other.is_deepspeed_available = lambda: False
-    try:
-        yield
-    finally:
-        other.is_deepspeed_available = installed

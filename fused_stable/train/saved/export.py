@@ -21,7 +21,6 @@ from fused_stable.argcheck import parse_command
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 from fused_stable.train.run.outputs import EXPORT
-from fused_stable.train.run.runtime import deepspeed_left_alone
 
 
 def build_parser():
@@ -98,7 +97,12 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
 
     from fused_stable.train.model.load import load_base
     from fused_stable.train.run import outputs
-    from fused_stable.train.saved.final_model import inspect_saved, load_adapter, load_saved_tokenizer
+    from fused_stable.train.saved.final_model import (
+        deepspeed_left_alone,
+        inspect_saved,
+        load_adapter,
+        load_saved_tokenizer,
+    )
 
     if not adapter.strip():
         raise UserError("--adapter is empty: give an adapter folder or a run folder")
