@@ -12,7 +12,10 @@ OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 # subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
 SUBCOMMANDS = {
-    "sft": ("fused_stable.train.run.sft", "supervised fine-tuning (LoRA / QLoRA / DoRA / full) on FusedAdamW"),
+    "sft": (
+        "fused_stable.train.run.sft",
+        "supervised fine-tuning (LoRA / QLoRA / DoRA / full) with any optimizer of fused_stable.OPTIMIZERS (--optim)",
+    ),
     "chat": (
         "fused_stable.train.saved.chat",
         "talk to a base model or a fine-tuned adapter (streamed, greedy by default)",

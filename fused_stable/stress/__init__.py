@@ -1,6 +1,7 @@
 """The stress suite behind `fused-stable stress`: reproducible failure scenarios (clean, lr_too_high,
 poisoned_batch, fp16_overflow_storm, nan_injection, distribution_shift), each trained with the usual recipe
-(torch AdamW + clip_grad_norm_) and the guarded one (FusedAdamW + the stability guard's rollback policy), on the
+(torch AdamW + clip_grad_norm_) and the guarded one (FusedAdamW + the stability guard's rollback policy), each
+built with the rule `--optim` names (adamw, lion, muon: `runs.RULES`), on the
 embedded tiny Llama (the fast default) or on a pretrained model with LoRA (any `--model` that `sft` takes).
 
 A run "diverged" when its final loss (mean of the last 10 steps) is not finite or is above twice the clean

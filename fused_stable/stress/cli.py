@@ -22,7 +22,7 @@ from fused_stable.argcheck import OneLineParser, number, parse_command, suggesti
 from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 from fused_stable.stress.report import format_table, judge, plot, write_json
-from fused_stable.stress.runs import RECIPES, RunResult, Workload, build_workload, run_one
+from fused_stable.stress.runs import RECIPES, RULES, RunResult, Workload, build_workload, run_one
 from fused_stable.stress.scenarios import REAL_MODEL_DEFAULTS, TINY_MIN_LENGTH, StressConfig, is_real, scenarios
 from fused_stable.train.run import outputs
 
@@ -120,10 +120,18 @@ def build_parser() -> OneLineParser:
         "LoRA on the identity task, judged by the held-out evaluation after every run",
     )
     p.add_argument(
+        "--optim",
+        default="adamw",
+        choices=list(RULES),
+        help="the update rule of both recipes, as `fused-stable sft --optim`: adamw (usual: torch AdamW; guarded: "
+        "FusedAdamW) | lion (lion-pytorch's Lion; FusedLion) | muon (tiny only: torch Muon on the hidden matrices + "
+        "torch AdamW on the rest; FusedMuon) (default: adamw)",
+    )
+    p.add_argument(
         "--state-precision",
         default="fp32",
         choices=["fp32", "bf16", "8bit"],
-        help="how the guarded recipe's FusedAdamW stores its moments, as `fused-stable sft --state_precision` "
+        help="how the guarded recipe's optimizer stores its state, as `fused-stable sft --state_precision` "
         "(default: fp32)",
     )
     p.add_argument(
@@ -156,7 +164,7 @@ def config_from_args(args) -> StressConfig:
     """The options given, on top of the tiny suite's defaults or the pretrained model's."""
     base = {} if args.model == "tiny" else dict(REAL_MODEL_DEFAULTS)
     given = {name: getattr(args, name) for name in _HELPS if getattr(args, name) is not None}
-    return StressConfig(model=args.model, state_precision=args.state_precision, **{**base, **given})
+    return StressConfig(model=args.model, optim=args.optim, state_precision=args.state_precision, **{**base, **given})
 
 
 def main(argv: list[str]) -> int:
@@ -182,6 +190,7 @@ def main(argv: list[str]) -> int:
             )
         if cfg.eval_rise and not cfg.eval_rise > 1:
             raise UserError(f"--eval-rise must be above 1 (or 0 to turn the alerts off), got {cfg.eval_rise:g}")
+        _check_rule(cfg)
         if cfg.steps < 2 * cfg.log_every:
             raise UserError(f"--steps must be at least 2 x --log-every ({2 * cfg.log_every}), got {cfg.steps}")
         if is_real(cfg):
@@ -207,6 +216,23 @@ def main(argv: list[str]) -> int:
         lock.release()
 
 
+def _check_rule(cfg: StressConfig) -> None:
+    """The rule with the suite's model and state, checked where sft checks it (`optimizers.RULES`, one place):
+    the tiny model is a full fine-tune, a pretrained one LoRA."""
+    from fused_stable.train.config.keys import TrainConfig
+    from fused_stable.train.run import optimizers
+
+    tuner = "lora" if is_real(cfg) else "full"
+    if cfg.optim == "muon" and tuner == "lora":
+        raise UserError(
+            "--optim muon needs the tiny model: a pretrained model is trained with LoRA here, whose factors "
+            "muon_param_groups gives to AdamW (no Muon matrix to stress)"
+        )
+    optimizers.check_available(
+        TrainConfig(optim=cfg.optim, tuner=tuner, state_precision=cfg.state_precision), deepspeed=False
+    )
+
+
 def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> int:
     torch.set_num_threads(cfg.threads)
     what = (
@@ -214,9 +240,10 @@ def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> i
         if is_real(cfg)
         else "the embedded tiny Llama (full fine-tuning)"
     )
+    rule = RULES[cfg.optim]
     print(
-        f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} on {what}, {cfg.steps} steps each, "
-        f"{cfg.threads} thread(s)",
+        f"fused-stable stress: {len(names)} scenario(s) x {RECIPES} ({rule.usual_name} | {rule.fused_name}) on "
+        f"{what}, {cfg.steps} steps each, {cfg.threads} thread(s)",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -247,6 +274,6 @@ def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> i
     write(results, finished=True)
     print()
     print(format_table(results, work.before, work.start_losses))
-    plot(results, png_path)
+    plot(results, png_path, usual=rule.usual_name, guarded=rule.fused_name)
     print(f"\nwrote {json_path} and {png_path} in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0

@@ -90,7 +90,7 @@ def _accuracy(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def plot(results: list[RunResult], path: str) -> None:
+def plot(results: list[RunResult], path: str, usual: str = "torch AdamW", guarded: str = "FusedAdamW") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,7 +128,7 @@ def plot(results: list[RunResult], path: str) -> None:
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     axes[0][0].set_ylabel("train loss (per token)")
-    fig.suptitle("fused-stable stress: usual recipe (torch AdamW + clip 1.0) vs guarded (FusedAdamW + guard)")
+    fig.suptitle(f"fused-stable stress: usual recipe ({usual} + clip 1.0) vs guarded ({guarded} + guard)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

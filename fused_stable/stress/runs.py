@@ -1,9 +1,12 @@
 """One stress run: a scenario trained with one recipe on the shared workload (`run_one`).
 
-Recipes:
-- `usual`: torch.optim.AdamW + torch.nn.utils.clip_grad_norm_(1.0) + transformers-style warm-up/cosine
-  LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most fine-tuning scripts do.
-- `guarded`: FusedAdamW(clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the
+Recipes, each built with the suite's update rule (`--optim`, `RULES`: adamw, lion, muon):
+- `usual`: the rule's reference optimizer (torch.optim.AdamW; lion_pytorch.Lion; torch.optim.Muon on the hidden
+  matrices beside torch.optim.AdamW on the rest, as muon_param_groups splits them) + torch.nn.utils.clip_grad_norm_(1.0)
+  + transformers-style warm-up/cosine LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most
+  fine-tuning scripts do.
+- `guarded`: the rule's fused optimizer (FusedAdamW, FusedLion, FusedMuon; clip="zscore", max_grad_norm=1.0,
+  device-side warm-up/cosine, spike skipping) with the
   stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check (on a
   pretrained model) with an evaluation of the held-out and retention losses
   (`train.evaluation.held_out.HeldOutLosses`, as `fused-stable sft` measures them; the one before the first step
@@ -227,9 +230,8 @@ class _Run:
         self.model, self.trainable, self.result = model, trainable, result
         self.params = [p for _, p in trainable]
         self.batch = scenario.batches(work.items, work.shifted_items, work.tokenizer, cfg)
-        self.opt, self.sched, self.scaler, self.guard = _recipe_optimizer(
-            recipe, self.params, [n for n, _ in trainable], cfg, scenario
-        )
+        self.opts, self.scheds, self.scaler, self.guard = _recipe_optimizer(recipe, model, cfg, scenario)
+        self.opt = self.opts[0]  # guarded: the one fused optimizer (usual Muon: Muon's, AdamW's beside it)
         self.snapshot = _snapshot(trainable, self.opt, self.scaler, 0) if self.guard else None
         self.held_out = work.losses if self.guard else None  # the guarded recipe evaluates at its checks
         if self.held_out is not None:
@@ -245,7 +247,8 @@ class _Run:
         while self.step < cfg.steps:
             loss = _loss(self.model, self.batch(self.k))
             self._backward_and_step(scenario.train_loss(loss, self.k))
-            opt.zero_grad(set_to_none=True)
+            for each in self.opts:
+                each.zero_grad(set_to_none=True)
             self.step += 1
             self.k += 1
             seen = loss.detach() if scenario.nan_at != self.k - 1 else loss.detach() * math.nan
@@ -262,16 +265,16 @@ class _Run:
         if self.recipe == "usual":
             scale_before = scaler.get_scale() if scaler else None
             (scaler.scale(train_loss) if scaler else train_loss).backward()
+            for each in self.opts if scaler else ():
+                scaler.unscale_(each)
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)  # one global norm over every optimizer's params
+            for each in self.opts:
+                scaler.step(each) if scaler else each.step()
             if scaler:
-                scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            if scaler:
-                scaler.step(opt)
                 scaler.update()
                 self.result.skipped_steps += scaler.get_scale() < scale_before  # torch backs off exactly on skips
-            else:
-                opt.step()
-            self.sched.step()
+            for sched in self.scheds:
+                sched.step()
         else:
             (scaler.scale(train_loss) if scaler else train_loss).backward()
             if scaler:
@@ -318,22 +321,23 @@ class _Run:
         return None
 
 
-def _recipe_optimizer(recipe: str, params: list, names: list[str], cfg: StressConfig, scenario: Scenario):
-    """(optimizer, scheduler, scaler, guard): torch AdamW with a LambdaLR warm-up/cosine and torch's GradScaler,
-    or FusedAdamW (z-score clipping, its schedule inside the step) bound to a rollback guard and our GradScaler."""
-    from fused_stable import FusedAdamW, GradScaler, schedules
+def _recipe_optimizer(recipe: str, model, cfg: StressConfig, scenario: Scenario):
+    """([optimizers], [schedulers], scaler, guard): the rule's reference optimizer(s) with LambdaLR warm-up/cosine
+    and torch's GradScaler, or its fused optimizer (z-score clipping, its schedule inside the step) bound to a
+    rollback guard and our GradScaler. Both over the model's trainable params, at the same lr and weight decay."""
+    from fused_stable import GradScaler, schedules
     from fused_stable.guard import Guard, GuardConfig
 
     lr = cfg.lr * scenario.lr_multiplier
+    rule = RULES[cfg.optim]
     if recipe == "usual":
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
-        return opt, sched, torch.amp.GradScaler("cpu") if scenario.fp16 else None, None
+        opts = rule.usual(model, lr)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg)) for opt in opts]
+        return opts, scheds, torch.amp.GradScaler("cpu") if scenario.fp16 else None, None
     guard = Guard(GuardConfig(policy="rollback", max_rollbacks=cfg.max_rollbacks, eval_rise=cfg.eval_rise))
-    opt = FusedAdamW(
-        params,
-        lr=lr,
-        weight_decay=0.01,
+    opt = rule.fused(
+        model,
+        lr,
         max_grad_norm=1.0,
         clip="zscore",
         zscore_warmup=cfg.zscore_warmup,
@@ -341,9 +345,77 @@ def _recipe_optimizer(recipe: str, params: list, names: list[str], cfg: StressCo
         state_precision=cfg.state_precision,
         **guard.config.optimizer_kwargs(),
     )
-    opt.param_names = names
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt.param_names = [names[id(p)] for group in opt.param_groups for p in group["params"]]
     guard.bind(opt)
-    return opt, None, GradScaler("cpu") if scenario.fp16 else None, guard
+    return [opt], [], GradScaler("cpu") if scenario.fp16 else None, guard
+
+
+WEIGHT_DECAY = 0.01  # both recipes, every rule (sft's default)
+
+
+def _trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _muon_split(model, lr: float) -> list[dict]:
+    """muon_param_groups over the trainable params: hidden 2-D matrices to Muon, the rest to AdamW, one lr."""
+    from fused_stable import muon_param_groups
+
+    return muon_param_groups(model, lr=lr, weight_decay=WEIGHT_DECAY)
+
+
+def _usual_muon(model, lr: float) -> list:
+    """torch.optim.Muon on muon_param_groups' Muon group (torch's defaults: momentum 0.95, Nesterov, 5
+    Newton-Schulz steps, the "original" lr adjustment, as FusedMuon's), torch AdamW on the rest."""
+    muon, rest = sorted(_muon_split(model, lr), key=lambda group: not group["use_muon"])
+    return [
+        torch.optim.Muon(muon["params"], lr=lr, weight_decay=WEIGHT_DECAY),
+        torch.optim.AdamW(rest["params"], lr=lr, weight_decay=WEIGHT_DECAY),
+    ]
+
+
+def _usual_lion(model, lr: float) -> list:
+    from lion_pytorch import Lion
+
+    return [Lion(_trainable(model), lr=lr, weight_decay=WEIGHT_DECAY)]
+
+
+def _fused(name: str):
+    def build(model, lr: float, **options):
+        import fused_stable
+
+        return getattr(fused_stable, name)(_trainable(model), lr=lr, weight_decay=WEIGHT_DECAY, **options)
+
+    return build
+
+
+def _fused_muon(model, lr: float, **options):
+    from fused_stable import FusedMuon
+
+    return FusedMuon(_muon_split(model, lr), **options)
+
+
+def _usual_adamw(model, lr: float) -> list:
+    return [torch.optim.AdamW(_trainable(model), lr=lr, weight_decay=WEIGHT_DECAY)]
+
+
+@dataclass(frozen=True)
+class StressRule:
+    """How each recipe is built with one update rule: `usual(model, lr)` -> the reference optimizers,
+    `fused(model, lr, **step_options)` -> the fused optimizer; their names for the header and the plot."""
+
+    usual: Callable
+    fused: Callable
+    usual_name: str
+    fused_name: str
+
+
+RULES = {
+    "adamw": StressRule(_usual_adamw, _fused("FusedAdamW"), "torch AdamW", "FusedAdamW"),
+    "lion": StressRule(_usual_lion, _fused("FusedLion"), "lion-pytorch Lion", "FusedLion"),
+    "muon": StressRule(_usual_muon, _fused_muon, "torch Muon + AdamW", "FusedMuon"),
+}
 
 
 def _measure_end(run: _Run) -> None:

@@ -18,7 +18,8 @@ from fused_stable.guard import GuardConfig
 @dataclass
 class StressConfig:
     model: str = "tiny"  # tiny (the embedded scratch Llama, full fine-tuning) or any sft --model (LoRA)
-    state_precision: str = "fp32"  # the guarded recipe's FusedAdamW moments: fp32 | bf16 | 8bit (sft's key)
+    optim: str = "adamw"  # the update rule of both recipes: adamw | lion | muon (sft's --optim; runs.RULES)
+    state_precision: str = "fp32"  # the guarded recipe's optimizer state: fp32 | bf16 | 8bit (sft's key)
     steps: int = 120  # optimizer steps per run (one micro-batch each)
     batch_size: int = 8
     max_length: int = 96  # TINY_MIN_LENGTH on the tiny model

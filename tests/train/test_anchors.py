@@ -223,6 +223,20 @@ def test_warmup_ratio_is_rounded_as_the_hf_trainer_rounds_it(tmp_path, ratio, to
     assert warmup_steps(cfg, total) == 2, "warmup_steps above 0 overrides warmup_ratio"
 
 
+@pytest.mark.parametrize(("keys", "total", "asked", "taken"), [((), 1, 1, 0), (("--warmup_steps", 10), 5, 10, 4)])
+def test_a_warmup_as_long_as_the_run_is_cut_to_leave_a_step_at_the_peak_lr(tmp_path, keys, total, asked, taken):
+    """Where the HF Trainer's warm-up covers the whole run (`--max_steps 1`: ceil(0.1 x 1) = 1 step, its only step
+    at lr 0, which trains nothing), the run warms up over total - 1 steps instead."""
+    from transformers import TrainingArguments
+
+    from fused_stable.train.config.resolve import warmup_asked
+
+    cfg, _, _ = resolve(*keys)
+    hf = TrainingArguments(output_dir=str(tmp_path), warmup_steps=cfg.warmup_steps or cfg.warmup_ratio)
+    assert warmup_asked(cfg, total) == hf.get_warmup_steps(total) == asked
+    assert warmup_steps(cfg, total) == taken
+
+
 # ---------------------------------------------------------------------------------------------- dataset_info.json
 def dataset_dir(tmp_path, info, rows=None):
     folder = tmp_path / "data"
@@ -453,3 +467,36 @@ def test_a_flag_wins_over_the_files_optim(tmp_path, file, flags, expected):
 def test_one_of_our_keys_set_twice_in_one_file_is_refused(tmp_path, text, twice):
     with pytest.raises(UserError, match=rf"sets {twice} twice: by its own name and by another trainer's name"):
         resolve("--config", write(tmp_path, f"stage: sft\n{text}"))
+
+
+def _switches():
+    """Every boolean key: ours (TrainConfig's bool fields) and the other trainers' switches (BOOL_KEYS)."""
+    import typing
+
+    from fused_stable.train.config.keys import TrainConfig
+
+    ours = [name for name, hint in typing.get_type_hints(TrainConfig).items() if hint is bool]
+    assert {"packing", "gradient_checkpointing", "overwrite"} <= set(ours)
+    return sorted(ours) + sorted(foreign_configs.BOOL_KEYS)
+
+
+@pytest.mark.parametrize("key", _switches())
+def test_a_switch_takes_a_boolean_or_is_refused_naming_the_key_and_the_value(tmp_path, key):
+    # `use_muon: yes please` used to be read as off: the run trained AdamW without a word
+    with pytest.raises(UserError, match=rf"^{key} in .*run\.yaml must be true or false, got 'yes please'$"):
+        resolve("--config", write(tmp_path, f"{key}: yes please\n"))
+    with pytest.raises(UserError, match=rf"^{key} in .* must be true or false, got 'maybe'$"):
+        resolve(f"--{key}", "maybe")
+    with pytest.raises(UserError, match=rf"^{key} in .*run\.yaml must be true or false, got 2$"):
+        resolve("--config", write(tmp_path, f"{key}: 2\n"))
+
+
+@pytest.mark.parametrize(
+    ("written", "on"),
+    [("true", True), ("yes", True), ("on", True), ("1", True), ("false", False), ("no", False), ("Off", False)],
+)
+def test_what_yaml_and_flags_read_as_booleans_turns_a_switch_on_or_off(tmp_path, written, on):
+    cfg, _, _ = resolve("--config", write(tmp_path, f"stage: sft\nuse_muon: {written}\nuse_dora: {written}\n"))
+    assert (cfg.optim, cfg.tuner) == (("muon", "dora") if on else ("adamw", "lora"))
+    cfg, _, _ = resolve("--use_dora", written, "--packing", written, "--do_train", "yes", "--stage", "sft")
+    assert (cfg.tuner, cfg.packing) == (("dora", True) if on else ("lora", False))

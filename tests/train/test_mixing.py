@@ -59,3 +59,15 @@ def test_interleave_under_stops_at_the_first_exhausted_and_over_at_the_last():
     assert mixing.mix([b], "interleave_under", "0.5,0.5", 0) == b
     with pytest.raises(UserError, match="one per dataset"):
         mixing.mix([a, b], "interleave_under", "1", 0)
+
+
+def test_interleave_probs_under_concat_is_refused_in_one_line(sft, tmp_path):
+    """concat takes every example of each dataset once: probabilities given with it would be ignored silently
+    (LLaMA-Factory's DataArguments refuses them: "`interleave_probs` is only valid for interleaved mixing")."""
+    two = ("--model", "tiny", "--dataset", "arithmetic,identity", "--output_dir", tmp_path / "run")
+    code, _, err = sft(*two, "--interleave_probs", "0.3,0.7")  # mix_strategy's default: concat
+    assert code == 2 and err.count("\n") == 1, err
+    assert "interleave_probs 0.3,0.7 applies to mix_strategy interleave_under or interleave_over" in err
+    assert not (tmp_path / "run").exists()
+    code, _, err = sft(*two, "--interleave_probs", "0.3,0.7", "--mix_strategy", "concat")
+    assert code == 2 and "applies to mix_strategy interleave_under" in err

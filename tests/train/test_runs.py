@@ -216,3 +216,43 @@ def test_grad_accum_divides_by_window_tokens(tmp_path):
     for name, p in b.model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(pa[name], p, rtol=1e-4, atol=1e-6)
+
+
+def test_runs_without_deepspeed_never_import_it_and_print_no_third_party_noise(tmp_path):
+    """A LoRA run and a full fine-tuning run in one fresh process (bitsandbytes speaks once, at its import): the
+    final saves import no deepspeed (accelerate's unwrap in `save_pretrained` used to, printing DeepSpeed's
+    "Setting accelerator to CPU"), and the `kernels` package's offline "publisher trust check" note is not shown."""
+    import subprocess
+    import sys
+
+    from sft_helpers import REPO_ROOT
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    runs = [[*TINY, "--max_steps", 1, "--tuner", tuner, "--output_dir", tmp_path / tuner] for tuner in ("lora", "full")]
+    code = (
+        f"import sys; sys.path.insert(0, {here!r}); from torchrun_fault_script import trace_deepspeed_import\n"
+        f"trace_deepspeed_import({str(tmp_path)!r})\nfrom fused_stable.train.run import sft\n"
+        + "".join(f"assert sft.main({[str(a) for a in argv]!r}) == 0\n" for argv in runs)
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("done: steps 0->1") == 2
+    assert (tmp_path / "rank-0.txt").read_text() == "deepspeed loaded: False\n"  # no import, no stack
+    for noise in ("Setting accelerator", "publisher trust check"):
+        assert noise not in proc.stdout + proc.stderr, noise
+
+
+def test_a_one_step_run_trains_its_step_at_the_peak_lr_and_says_why(sft, tmp_path):
+    """`--max_steps 1`: the default warm-up (ceil(0.1 x 1) = 1 step, as the HF Trainer counts it) would put the
+    only step at lr 0; it is cut to 0 steps, with a note, and the step moves the weights."""
+    out = tmp_path / "run"
+    code, stdout, err = sft(*TINY, "--max_steps", 1, "--tuner", "full", "--output_dir", out)
+    assert code == 0, err
+    assert "note: warm-up: 1 steps asked for in a run of 1; 0 taken" in stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1] and rows[0]["lr"] == pytest.approx(2e-4)  # TINY's lr
+    base = setup_run(*TINY, "--tuner", "full", "--output_dir", tmp_path / "base").model
+    trained = load_file(out / "checkpoints" / "step-1" / "weights.safetensors")
+    moved = [n for n, p in base.named_parameters() if not torch.equal(p.detach(), trained[n])]
+    assert len(moved) == len(trained), "every weight moved"

@@ -84,3 +84,28 @@ def test_a_run_resumes_in_another_state_precision(sft, tmp_path, saved, resumed,
     assert {g["state_precision"] for g in state["param_groups"]} == {resumed}
     moments = [e["exp_avg"].dtype for e in state["state"].values() if e["exp_avg"].numel() >= 4096]
     assert moments and set(moments) == {moment_dtype}
+
+
+@pytest.mark.parametrize("tuner", ["lora", "full"])
+def test_the_header_says_how_many_tensors_and_params_each_state_format_holds(sft, tmp_path, tuner):
+    """state_precision 8bit keeps tensors under 4096 elements in fp32 (bitsandbytes' rule): every tensor of the
+    tiny model's LoRA adapter, the norms of its full model. The header counts them from the model's own
+    trainable tensors; a run whose tensors all have the precision's format says nothing more."""
+    plain = [*TINY, "--tuner", tuner, "--max_steps", "1"]
+    argv = [*plain, "--state_precision", "8bit"]
+    trainable = [
+        p.numel() for p in setup_run(*argv, "--output_dir", tmp_path / "probe").model.parameters() if p.requires_grad
+    ]
+    small, large = [n for n in trainable if n < 4096], [n for n in trainable if n >= 4096]
+    code, out, err = sft(*argv, "--output_dir", tmp_path / "run")
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("fused-stable sft: model=tiny"))
+    fp32 = f"fp32: {len(small)} tensors under 4,096 elements, {sum(small):,} params"
+    if tuner == "lora":
+        assert not large and f" MiB ({fp32}) |" in header
+    else:
+        assert small and large and f" MiB (8bit: {len(large)} tensors, {sum(large):,} params; {fp32}) |" in header
+    code, out, err = sft(*plain, "--output_dir", tmp_path / "fp32")
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("fused-stable sft: model=tiny"))
+    assert "optimizer state fp32 " in header and "tensors" not in header

@@ -171,8 +171,15 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
 
     out = tmp_path / "full"
     args = [*RUN, "--tuner", "full", "--lr", "1e-3"]
-    proc = _ok(torchrun(*args, "--output_dir", out))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    proc = _ok(torchrun(*args, "--output_dir", out, program=(script,), env={"DEEPSPEED_IMPORT_TRACE": str(traces)}))
     assert proc.stdout.count("done: steps 0->4") == 1
+    # no rank imports deepspeed (the final save used to, through accelerate's unwrap: issue 52's aborts at exit)
+    for rank in (0, 1):
+        assert (traces / f"rank-{rank}.txt").read_text() == "deepspeed loaded: False\n"
+    assert "Setting accelerator" not in proc.stderr
     rows = _check_rank0_outputs(out, 4, "model")
     # each rank on its own rows; the loss is the mean over ranks, the grad norm the global one over the shards
     per_rank, grad_norm = first_step_reference(tmp_path, *args)

@@ -4,17 +4,46 @@ FAULT_BATCHES=i,j,...: the logits become non-finite on those micro-batches (data
 diverging layer would make them; the stability guard must then roll every rank back together.
 KILL_RANK=r:s: rank r SIGKILLs itself at its logging step s (after writing the time of its death to DEATH_FILE),
 as an out-of-memory kill or a lost node would end it; the other ranks must stop within a bounded time.
+DEEPSPEED_IMPORT_TRACE=DIR: each rank writes DIR/rank-R.txt: the stack of every import of deepspeed ("deepspeed
+imported by rank R:"), and at its exit whether deepspeed was loaded ("deepspeed loaded: BOOL"); a run that does not
+use DeepSpeed must never import it (issue 52: the import came with ranks aborting at exit). A file per rank: the
+ranks' lines interleave in torchrun's shared stdout.
 """
 
+import atexit
+import builtins
 import os
 import signal
 import sys
 import time
+import traceback
 
 from fused_stable.train.run import parallel, sft
 
 
+def trace_deepspeed_import(folder: str):
+    """Report who imports deepspeed (absolute imports only: transformers' own `.deepspeed` modules are not it)
+    into folder/rank-R.txt."""
+    rank = os.environ.get("RANK", "0")
+    report = os.path.join(folder, f"rank-{rank}.txt")
+    plain_import = builtins.__import__
+
+    def write(text: str) -> None:
+        with open(report, "a") as f:
+            f.write(text + "\n")
+
+    def traced(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] == "deepspeed" and "deepspeed" not in sys.modules:
+            write(f"deepspeed imported by rank {rank}:\n{''.join(traceback.format_stack())}")
+        return plain_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = traced
+    atexit.register(lambda: write(f"deepspeed loaded: {'deepspeed' in sys.modules}"))
+
+
 def main(argv):
+    if os.environ.get("DEEPSPEED_IMPORT_TRACE"):
+        trace_deepspeed_import(os.environ["DEEPSPEED_IMPORT_TRACE"])
     faults = {int(i) for i in os.environ.get("FAULT_BATCHES", "").split(",") if i}
     kill_rank, _, kill_step = os.environ.get("KILL_RANK", "").partition(":")
     build = sft.setup_run

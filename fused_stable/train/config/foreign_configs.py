@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fused_stable.errors import UserError
 from fused_stable.integrations import optim_names
+from fused_stable.train.config.keys import switch_value
 from fused_stable.train.run.optimizers import RULES
 
 RULE_NAMES = tuple(RULES)  # our `optim` values
@@ -62,7 +63,10 @@ def _choice(mapping: dict, what: str):
 
 def _must_be(expected, why: str):
     def convert(value):
-        if value != expected and str(value).strip().lower() != str(expected).lower():
+        if isinstance(expected, bool):  # a switch (in BOOL_KEYS: a boolean already, checked by `translate`)
+            if switch_value(value) is not expected:
+                raise Refused(why)
+        elif value != expected and str(value).strip().lower() != str(expected).lower():
             raise Refused(why)
         return None
 
@@ -78,7 +82,7 @@ def _modules(value):
 
 
 def _true(value) -> bool:
-    return value is True or str(value).strip().lower() in ("true", "yes", "1", "on")
+    return switch_value(value) is True
 
 
 def _if_true(result):
@@ -283,10 +287,14 @@ ANCHOR_DEFAULTS = {
         "target_modules": "all-linear",
     },
 }
+# the other trainers' switches: a flag alone is true, and a value must be a boolean (`translate` refuses any other)
 BOOL_KEYS = frozenset(
     {
         "do_train",
         "use_dora",
+        "double_quantization",
+        "bnb_4bit_use_double_quant",
+        "save_only_model",
         "bf16",
         "fp16",
         "overwrite_output_dir",
@@ -335,8 +343,12 @@ SWITCHES = {"use_dora": ("tuner", "lora"), "use_muon": ("optim", "adamw")}
 def translate(raw: dict, where: str) -> Mapped:
     """Anchor keys (name -> value, as written) as ours. Keys that cannot be honoured are one UserError listing
     them all with why; two anchor keys that set the same key of ours differently are refused too."""
-    # a refused key at its "off" value asks for nothing this trainer lacks
-    off = [name for name in raw if name in REFUSED and raw[name] in (None, 0, False)]
+    not_switches = [n for n in raw if n in BOOL_KEYS and raw[n] is not None and switch_value(raw[n]) is None]
+    if not_switches:
+        name = not_switches[0]
+        raise UserError(f"{name} in {where} must be true or false, got {raw[name]!r}")
+    # a refused key at its "off" value asks for nothing this trainer lacks (`--use_rslora false` too)
+    off = [name for name in raw if name in REFUSED and (raw[name] is None or switch_value(raw[name]) is False)]
     refused = [f"{name} ({REFUSED[name]})" for name in raw if name in REFUSED and name not in off]
     values: dict = {}
     sources: dict = {}

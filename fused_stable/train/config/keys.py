@@ -97,9 +97,9 @@ class TrainConfig:
     # optimisation
     optim: str = _key(
         "adamw",
-        "the update rule: adamw (FusedAdamW) | lion (FusedLion, lion-pytorch's Lion) | muon (FusedMuon over "
-        "muon_param_groups, where this fused_stable has it); the HF Trainer's names (adamw_torch, lion_8bit, ...) "
-        "are read too",
+        "the update rule: adamw (FusedAdamW) | lion (FusedLion, lion-pytorch's Lion) | muon (FusedMuon: Muon for the "
+        "hidden 2-D weights, AdamW for the rest, as muon_param_groups splits them; a LoRA run has no Muon matrix and "
+        "trains as AdamW); the HF Trainer's names (adamw_torch, lion_8bit, ...) are read too",
         "optim",
     )
     lr: float = _key(
@@ -133,9 +133,9 @@ class TrainConfig:
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     state_precision: str = _key(
         "fp32",
-        "fp32 | bf16 | 8bit: how the optimizer's state (AdamW's moments, Lion's momentum) is stored (8bit: "
-        "blockwise codes with fp32 scales, tensors under 4096 elements kept fp32), dequantised and requantised "
-        "inside the fused step",
+        "fp32 | bf16 | 8bit: how the optimizer's state (AdamW's moments, Lion's momentum, Muon's momentum: fp32 "
+        "or bf16) is stored (8bit: blockwise codes with fp32 scales, tensors under 4096 elements kept fp32), "
+        "dequantised and requantised inside the fused step",
         "optim",
     )
     precision: str = _key(
@@ -282,6 +282,21 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# the words a boolean key (ours, or a switch of another trainer's) takes from a flag or a YAML string; YAML 1.1
+# already reads unquoted yes/no/on/off/true/false as booleans. Anything else is refused naming the key and the
+# value: `use_muon: yes please` read as off would train AdamW without a word
+SWITCH_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def switch_value(value) -> bool | None:
+    """A boolean key's value as a bool, or None when it is not one (a bool, 0 / 1, or one of SWITCH_WORDS)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (str, int)):
+        return SWITCH_WORDS.get(str(value).strip().lower())
+    return None
+
+
 CHOICES = {
     "tuner": ("lora", "dora", "full"),
     "optim": tuple(RULES),  # the update rules the trainer builds (train/run/optimizers.py)
@@ -390,7 +405,8 @@ def help_text() -> str:
         "usage: fused-stable sft [--config run.yaml] [--key value ...]",
         "",
         *para(
-            "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on FusedAdamW or FusedLion, fully offline. "
+            "Supervised fine-tuning (LoRA / QLoRA / DoRA / LoRA+ / full) on "
+            f"{', '.join(rule.title for rule in RULES.values())} (--optim), fully offline. "
             "With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on the built-in identity task "
             "into runs/sft and evaluates it before and after (eval.json)."
         ),

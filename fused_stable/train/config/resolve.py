@@ -21,7 +21,16 @@ import yaml
 from fused_stable.argcheck import check_device, parse_number, suggestion
 from fused_stable.errors import UserError
 from fused_stable.train.config import foreign_configs
-from fused_stable.train.config.keys import ALIASES, CHOICES, COUNT, EVAL_EVERY_LOGS, FIELDS, LAUNCH_KEYS, TrainConfig
+from fused_stable.train.config.keys import (
+    ALIASES,
+    CHOICES,
+    COUNT,
+    EVAL_EVERY_LOGS,
+    FIELDS,
+    LAUNCH_KEYS,
+    TrainConfig,
+    switch_value,
+)
 from fused_stable.train.data import mixing
 
 
@@ -60,14 +69,10 @@ def _coerce(name: str, value, where: str):
             return None
         raise UserError(f"{name} in {where} cannot be none")
     if base is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if isinstance(value, (str, int)) and text in ("true", "yes", "1", "on"):
-            return True
-        if isinstance(value, (str, int)) and text in ("false", "no", "0", "off"):
-            return False
-        raise UserError(f"{name} in {where} must be true or false, got {value!r}")
+        switch = switch_value(value)
+        if switch is None:
+            raise UserError(f"{name} in {where} must be true or false, got {value!r}")
+        return switch
     if base in (int, float):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise UserError(f"{name} in {where} must be {base.__name__}, got {value!r}")
@@ -382,6 +387,12 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError("system cannot be empty: give the text, or leave it out (none)")
     if cfg.val_size >= 1 and cfg.val_size != int(cfg.val_size):
         raise UserError(f"val_size must be a fraction below 1 or a whole count of examples, got {cfg.val_size:g}")
+    if cfg.interleave_probs not in (None, "") and cfg.mix_strategy == "concat":
+        raise UserError(
+            f"interleave_probs {cfg.interleave_probs} applies to mix_strategy interleave_under or interleave_over; "
+            "concat takes every example of each dataset once (LLaMA-Factory refuses it too): set mix_strategy, or "
+            "leave interleave_probs out"
+        )
     mixing.parse_probs(cfg.interleave_probs, len(mixing.parse(cfg.dataset)))  # several datasets (mixing.py)
     _check_eval_dataset(cfg)
     if cfg.val_size and mixing.is_identity_only(cfg.dataset):
@@ -390,9 +401,10 @@ def validate(cfg: TrainConfig) -> None:
             "paraphrases of its evaluation) for eval_loss"
         )
     check_device(cfg.device)
-    from fused_stable.train.run import deepspeed_run
+    from fused_stable.train.run import deepspeed_run, optimizers
 
     deepspeed_run.check_keys(cfg)  # the DeepSpeed keys and file, before the model loads
+    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))  # the rule with the run's keys and engine
     try:
         guard_config(cfg)
     except ValueError as exc:
@@ -454,7 +466,16 @@ def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     """Warm-up steps as the HF Trainer counts them (transformers 5.24 `TrainingArguments.get_warmup_steps`:
     `int(warmup_steps) if warmup_steps >= 1 else math.ceil(num_training_steps * warmup_steps)`; 4.x, which
     LLaMA-Factory 0.9 runs: `warmup_steps if warmup_steps > 0 else math.ceil(num_training_steps * warmup_ratio)`):
-    a ratio is rounded up, so 0.1 of 27 steps is 3."""
+    a ratio is rounded up, so 0.1 of 27 steps is 3.
+
+    Capped at total_steps - 1 (`warmup_asked` is the uncapped count): a warm-up's first step is at lr 0, as the HF
+    Trainer's is, so a warm-up as long as the run would end it below its peak lr, and `--max_steps 1` would train
+    its only step at lr 0 (the HF Trainer does exactly that: ceil(0.1 x 1) = 1 warm-up step)."""
+    return min(warmup_asked(cfg, total_steps), max(total_steps - 1, 0))
+
+
+def warmup_asked(cfg: TrainConfig, total_steps: int) -> int:
+    """The warm-up the keys ask for, before `warmup_steps` caps it below the run's length."""
     if cfg.warmup_steps:
         return cfg.warmup_steps
     return math.ceil(cfg.warmup_ratio * total_steps)

@@ -86,13 +86,17 @@ def set_threads(threads: int) -> int:
 
 
 def quiet_third_party_noise() -> None:
-    """Two messages every run would print that say nothing about the run: bitsandbytes' note that an optional
-    hub-downloaded CPU kernel is missing (we are offline by design), and a transformers deprecation that peft
-    triggers."""
+    """Messages every run would print that say nothing about the run: bitsandbytes' notes on an optional
+    hub-downloaded CPU kernel (missing, or not trust-checked: we are offline by design), and a transformers
+    deprecation that peft triggers. (DeepSpeed's "Setting accelerator to CPU" is not silenced but avoided: a
+    run without DeepSpeed never imports it, see `train.saved.final_model.deepspeed_left_alone`.)"""
     import logging
     import warnings
 
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # the same optional kernel, asked for by bitsandbytes' import on CPUs with AVX512-BF16: the `kernels` package
+    # says on every run that it skips its publisher trust check offline (nothing is downloaded either way)
+    logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars on every load: the run prints its own progress

@@ -83,16 +83,16 @@ def _resolve(argv: list[str]):
             "meaning, or the optimizer state that restores lr and weight_decay); leave them out to continue the "
             "run, or start a new run in another output_dir"
         )
+    # keys not given now come from the run being resumed, so `--resume latest` alone continues it
+    saved = saved_cfg.to_dict()
+    saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
+    saved["overwrite"] = cfg.overwrite
+    cfg, _ = resolve_config([], base=saved)  # checked as a whole (a Muon run's rule with the new state_precision)
     if cfg.state_precision != saved_cfg.state_precision and "state_precision" in explicit:
         print_rank0(
             f"resuming {path}: its {saved_cfg.state_precision} optimizer state is converted to "
             f"{cfg.state_precision} once, as it loads ({_CONVERSION[cfg.state_precision]})"
         )
-    # keys not given now come from the run being resumed, so `--resume latest` alone continues it
-    saved = saved_cfg.to_dict()
-    saved.update({k: getattr(cfg, k) for k in explicit | {"resume", "output_dir"}})
-    saved["overwrite"] = cfg.overwrite
-    cfg, _ = resolve_config([], base=saved)
     return cfg, path, passed_over
 
 
@@ -188,7 +188,31 @@ def optimizer_state_text(trainer) -> str:
     sharing = None
     if trainer.engine is None and parallel.world_size() > 1:
         sharing = "fsdp2" if parallel.is_fsdp(trainer.model) else "ddp"
-    return state_words(optimizer_state(trainer), sharing, parallel.world_size())
+    words = state_words(optimizer_state(trainer), sharing, parallel.world_size())
+    if trainer.engine is None:  # (DeepSpeed's optimizer holds flat partitions, not the model's tensors)
+        words += formats_words(trainer.optimizer)
+    return words
+
+
+def formats_words(optimizer) -> str:
+    """Where the state's formats differ from its state_precision, how many tensors and params each holds: an 8bit
+    run keeps tensors under MIN_QUANTISED_NUMEL elements in fp32 (bitsandbytes' rule), all of a LoRA adapter's on
+    a small model; nothing where every tensor has the precision's format."""
+    from fused_stable.state_format import FORMAT_NAMES, MIN_QUANTISED_NUMEL, format_for
+
+    precision = optimizer.defaults["state_precision"]
+    counts: dict[str, list[int]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:  # the whole param's numel (a DTensor's is global): the format on every rank
+            held = counts.setdefault(FORMAT_NAMES[format_for(group["state_precision"], p.numel())], [0, 0])
+            held[0], held[1] = held[0] + 1, held[1] + p.numel()
+    if set(counts) <= {precision}:
+        return ""
+    parts = []
+    for name, (tensors, params) in sorted(counts.items(), key=lambda item: item[0] != precision):
+        small = f" under {MIN_QUANTISED_NUMEL:,} elements" if precision == "8bit" and name != "8bit" else ""
+        parts.append(f"{name}: {tensors} tensors{small}, {params:,} params")
+    return f" ({'; '.join(parts)})"
 
 
 def state_words(state: dict, sharing: str | None = None, ranks: int = 1) -> str:
@@ -217,13 +241,11 @@ def setup_run(argv: list[str]) -> RunSetup:
     from fused_stable.train.config.resolve import guard_config
     from fused_stable.train.model.load import load_tokenizer
     from fused_stable.train.model.sources import resolve_model
-    from fused_stable.train.run import deepspeed_run, optimizers, parallel
+    from fused_stable.train.run import deepspeed_run, parallel
     from fused_stable.train.run.runtime import resolve_runtime, set_threads
 
     cfg, resume_path, passed_over = _resolve(argv)
     _check_output_folder(cfg, resume_path)
-    # --optim muon before FusedMuon exists (or under DeepSpeed): one line, before the model loads
-    optimizers.check_available(cfg, deepspeed=deepspeed_run.wanted(cfg))
     # every check on user input happens before anything is written
     runtime = resolve_runtime(cfg.device, cfg.precision)
     threads = set_threads(cfg.threads)
@@ -295,10 +317,16 @@ def _optimizer(cfg, model, groups, total_steps: int, guard):
     to the guard. Clipping happens inside the fused step (one norm pass), never in a separate clip_grad_norm_ call;
     under guard=skip|rollback the same step also skips grad-norm spikes."""
     from fused_stable import schedules
-    from fused_stable.train.config.resolve import warmup_steps
+    from fused_stable.train.config.resolve import warmup_asked, warmup_steps
     from fused_stable.train.run import optimizers
 
     warmup = warmup_steps(cfg, total_steps)
+    asked = warmup_asked(cfg, total_steps)
+    if warmup < asked:
+        print_rank0(
+            f"fused-stable sft: note: warm-up: {asked} steps asked for in a run of {total_steps}; {warmup} taken, "
+            "so that the run trains at its peak lr (a warm-up's first step is at lr 0)"
+        )
     schedule = {
         "cosine": lambda: schedules.warmup_cosine(total_steps, warmup),
         "linear": lambda: schedules.warmup_linear(total_steps, warmup),

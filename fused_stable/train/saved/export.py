@@ -97,7 +97,12 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
 
     from fused_stable.train.model.load import load_base
     from fused_stable.train.run import outputs
-    from fused_stable.train.saved.final_model import inspect_saved, load_adapter, load_saved_tokenizer
+    from fused_stable.train.saved.final_model import (
+        deepspeed_left_alone,
+        inspect_saved,
+        load_adapter,
+        load_saved_tokenizer,
+    )
 
     if not adapter.strip():
         raise UserError("--adapter is empty: give an adapter folder or a run folder")
@@ -121,7 +126,8 @@ def export(adapter: str, output_dir: str, *, overwrite: bool = False, log=print)
     os.makedirs(parent, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
     try:
-        merged.save_pretrained(scratch)
+        with deepspeed_left_alone():
+            merged.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         outputs.claim(scratch, sorted(os.listdir(scratch)), command=EXPORT)  # what a later --overwrite removes
         previous = None

@@ -6,8 +6,10 @@ weights (`inspect_saved`), then loaded on its base, quantised as in training, fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +44,8 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
         # the vocabulary is never resized here, so there are no embedding layers to save; peft's "auto" looks the
         # base up on the Hub to find out, and warns offline ("Could not find a config file")
         extra["save_embedding_layers"] = False
-    model.save_pretrained(target, **extra)
+    with deepspeed_left_alone():  # a run without DeepSpeed never imports it
+        model.save_pretrained(target, **extra)
     tokenizer.save_pretrained(target)
     with open(os.path.join(target, TRAINED_WITH), "w") as f:
         json.dump(
@@ -59,6 +62,27 @@ def save_final(model, tokenizer, cfg: TrainConfig, output_dir: str, state_dict=N
         )
         f.write("\n")
     return target
+
+
+@contextlib.contextmanager
+def deepspeed_left_alone():
+    """Hugging Face's `save_pretrained` first unwraps the model with accelerate's `extract_model_from_parallel`,
+    which imports deepspeed whenever it is installed, only to ask whether the model is a `DeepSpeedEngine`. A model
+    cannot be one while deepspeed has never been imported, and the import is not free: it prints "Setting
+    accelerator to CPU" on every full-model save, and under torchrun rank 0 importing it at the final save came
+    with the runs whose rank 1 aborted at exit ("terminate called without an active exception", issue 52). Inside
+    this context accelerate sees deepspeed as absent, unless a DeepSpeed run has imported it already."""
+    if "deepspeed" in sys.modules:
+        yield
+        return
+    from accelerate.utils import other
+
+    installed = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = installed
 
 
 def recorded_base(source: ModelSource) -> str:
