@@ -192,6 +192,8 @@ class OptimizerEntry:
     # it splits the model into its own param groups (FusedMuon: use_muon per group), so a trainer's groups
     # (decay / no-decay, LoRA+) do not apply
     own_param_groups: bool = False
+    # the HF Trainer's `optim` names that look like this rule and are not it, each with why (refused in one line)
+    not_optim_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def title(self) -> str:

@@ -3076,7 +3076,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "deepspeed-fused-muon-accepted",
         "fused_stable/integrations/deepspeed.py",
-        "    if any(not optimizer.group_rule(group).elementwise for group in optimizer.param_groups):\n",
+        "    if matrix:\n",
         "    if False:\n",
         ["tests/integrations/test_integ_deepspeed_config.py"],
         "FusedMuon under DeepSpeed is refused in one line (ZeRO steps flat partitions, Newton-Schulz whole matrices)",
