@@ -19,6 +19,7 @@ import torch
 import fused_stable.rules.adafactor.torch as adafactor_torch
 from fused_stable import OPTIMIZERS, FusedAdafactor, schedules
 from fused_stable.integrations import optim_names
+from tests.helpers import ulp_distance
 
 # odd sizes; 2-D, 3-D and 4-D params (factored over the last two dims), rows or columns of one, 1-D and 0-D ones
 SHAPES = [(37, 53), (3, 5, 7), (2, 3, 4, 5), (1000,), (3,), (1,), (), (64, 65), (1, 9), (9, 1), *[(7, 11)] * 6]
@@ -95,10 +96,27 @@ def test_matches_torch_bit_for_bit(path):
 
 
 def test_bf16_params_match_torch_on_the_host_path(monkeypatch):
-    """bf16 params and states, torch's for-loop bit for bit. (The device path's bf16 params are not yet bit-identical
-    to either torch implementation: a few bf16 ulps after a step, its states bit-identical; not asserted here.)"""
+    """bf16 params and states: torch's for-loop bit for bit."""
     monkeypatch.setattr(adafactor_torch, "DECIDE_ON_HOST", True)
     _bit_for_bit("host", torch.bfloat16)
+
+
+def test_bf16_params_on_the_device_path_are_within_an_ulp_of_torch(monkeypatch):
+    """The device path's bf16 add is torch's vectorised CPU arithmetic (alpha in bf16, the sum in fp32, rounded once);
+    torch's scalar loop over a tensor's last elements rounds the product as well, so an element there may be an ulp
+    off after a step (measured: 5 of 7,831 elements, in the tails); the states bit-identical."""
+    monkeypatch.setattr(adafactor_torch, "DECIDE_ON_HOST", False)
+    ours, theirs = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = FusedAdafactor(_groups(ours), backend="torch")
+    ref = torch.optim.Adafactor(_groups(theirs))
+    _run(opt, ours, 1, dtype=torch.bfloat16)
+    _run(ref, theirs, 1, dtype=torch.bfloat16)
+    off = 0
+    for p, q in zip(ours, theirs):
+        assert not p.numel() or int(ulp_distance(p, q, torch.bfloat16).max()) <= 1
+        off += int((p != q).sum())
+        assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in ref.state[q])
+    assert off <= 10, off
 
 
 def test_a_param_with_no_element_is_left_alone(path):

@@ -9,7 +9,8 @@ Two paths, as rules/muon/torch.py's MuonSide:
   count, the param's and the update's norms) stay 0-dim tensors, computed in float64 as torch's host floats;
   every new value is computed out of place and selected with `torch.where(skip, old, new)`, so a skipped step
   leaves every param and state bit-identical whatever the grads hold. The final add is torch's foreach one
-  (`update * (-alpha / denom)`, then `p + update`): bit-identical to torch.optim.Adafactor(foreach=True) on CPU.
+  (`update * (-alpha / denom)`, then `p + update`): bit-identical to torch.optim.Adafactor(foreach=True) on CPU
+  for fp32 params; bf16 params within an ulp of its for-loop after a step (see `_added`).
 
 One param at a time (torch's for-loop). A param with no element is left alone: torch's step divides by its numel.
 eps1 None is each param's dtype's machine epsilon; torch's for-loop takes the first param's of the group for all
@@ -146,11 +147,12 @@ def _scaled(t: Tensor, factor: Tensor) -> Tensor:
 
 def _added(p: Tensor, update: Tensor, alpha: Tensor) -> Tensor:
     """`p + alpha * update` for a 0-dim fp32 alpha. fp32: torch's foreach arithmetic (the update scaled, then added);
-    bf16 / fp16: its for-loop's `p.add_(update, alpha=...)`, computed in fp32 and rounded once (its foreach rounds
-    the scale to the param's dtype first: ulps further from the exact step)."""
+    bf16 / fp16: its for-loop's `p.add_(update, alpha=...)` as torch's vectorised CPU loop computes it (alpha
+    rounded to the param's dtype, then fp32, rounded once); its scalar loop over a tensor's last few elements
+    rounds the product too, so those may differ by an ulp."""
     if p.dtype == torch.float32:
         return p + update * alpha
-    return (p.float() + update.float() * alpha).to(p.dtype)
+    return (p.float() + update.float() * alpha.to(p.dtype).float()).to(p.dtype)
 
 
 def _device_step(it: _Param, grad: Tensor, grad_mul: Tensor, skip: Tensor, lr_factor64: Tensor) -> None:
