@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fused_stable import FusedLion, FusedMuon
+from fused_stable import FusedAdafactor, FusedLion, FusedMuon
 from fused_stable.bench import measure
 from fused_stable.bench.paramsets import materialize, plan_sets
 from fused_stable.bench.report import cpu_name
@@ -63,6 +63,16 @@ def _contenders(rule: str, spec, device: torch.device) -> dict | None:
             reference.step()
 
         return {"fused_stable_lion": fused.step, "lion_pytorch_clip": reference_step}
+    if rule == "adafactor":
+        ours, theirs = fresh(), fresh()
+        fused = FusedAdafactor(ours, max_grad_norm=1.0)
+        reference = torch.optim.Adafactor(theirs, foreach=True)
+
+        def reference_step():
+            torch.nn.utils.clip_grad_norm_(theirs, 1.0, foreach=True)
+            reference.step()
+
+        return {"fused_stable_adafactor": fused.step, "torch_adafactor_foreach_clip": reference_step}
     ours, theirs = fresh(), fresh()
     muon, rest = _muon_split(ours, spec.family)
     groups = [{"params": muon, "use_muon": True}, {"params": rest, "use_muon": False}]

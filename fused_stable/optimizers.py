@@ -21,7 +21,7 @@ from .optim import FusedOptimizer
 from .rules import RULES
 
 # what `fused_stable` exports from here: the registry and every optimizer class it lists
-__all__ = ["OPTIMIZERS", "FusedAdamW", "FusedLion", "FusedMuon", "FusedSGD"]
+__all__ = ["OPTIMIZERS", "FusedAdafactor", "FusedAdamW", "FusedLion", "FusedMuon", "FusedSGD"]
 
 
 class FusedAdamW(FusedOptimizer):
@@ -178,6 +178,53 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, **step_options)
 
 
+class FusedAdafactor(FusedOptimizer):
+    """Adafactor (torch.optim.Adafactor's update, names, defaults and `row_var` / `col_var` / `variance` states) with
+    the global grad-norm clip, the non-finite check, the spike skip and the schedule of the fused step: a matrix
+    rule (rules/adafactor: the factored second moment and the RMS terms need whole params), stepped right after the
+    fused step from its decisions, with no host read on the device (docs/optimizer.md, "FusedAdafactor").
+
+    Args:
+        params: parameters, (name, parameter) pairs or param-group dicts, as for torch.optim.Adafactor.
+        lr, beta2_decay, eps, d, weight_decay, maximize: as torch.optim.Adafactor, per param group as there: the
+            relative step is min(lr, 1 / sqrt(step)), scaled by the param's RMS (at least eps[1]); the update's RMS is
+            clipped to d; weight decay is decoupled (p *= 1 - lr * weight_decay). `lr` may be a 1-element tensor.
+        foreach: accepted for torch.optim.Adafactor's call sites and kept in the groups; no effect.
+        max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
+        spike_skip_ratio, lr_schedule, backend: as FusedAdamW (the step-wide options every rule shares); the
+            schedule's factor multiplies lr (in the relative step's cap and the weight decay).
+        state_precision: "fp32" only: the states are torch's, in the param's dtype (factored moments hold rows +
+            cols values per matrix: bf16 or 8-bit would save next to nothing).
+        master_weights: False only: a bf16 param is updated in bf16, as torch.optim.Adafactor does.
+    """
+
+    RULE = RULES["adafactor"]
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        master_weights: bool = False,
+        **step_options: Any,
+    ) -> None:
+        if master_weights:
+            raise ValueError(
+                "FusedAdafactor keeps no fp32 master weights (its update runs outside the fused step's master-weight "
+                "pass): a bf16 param is updated in bf16, as torch.optim.Adafactor does; use fp32 params instead"
+            )
+        defaults = self.RULE.defaults(
+            lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach, maximize=maximize
+        )
+        super().__init__(params, defaults, **step_options)
+
+
 @dataclass(frozen=True)
 class OptimizerEntry:
     """One optimizer of the registry."""
@@ -192,10 +239,20 @@ class OptimizerEntry:
     # it splits the model into its own param groups (FusedMuon: use_muon per group), so a trainer's groups
     # (decay / no-decay, LoRA+) do not apply
     own_param_groups: bool = False
+    # the HF Trainer's `optim` names that look like this rule and are not it, each with why (refused in one line)
+    not_optim_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def title(self) -> str:
         return self.cls.__name__
+
+
+# why the HF Trainer's optim="adafactor" does not map to FusedAdafactor
+TRANSFORMERS_ADAFACTOR = (
+    "the HF Trainer's adafactor is transformers' own Adafactor (relative_step, scale_parameter, warmup_init), "
+    "another algorithm than torch.optim.Adafactor, which FusedAdafactor is: for torch's, pass "
+    "fused_trainer_optimizers(rule='adafactor')"
+)
 
 
 def _adam_betas(args) -> dict:
@@ -225,4 +282,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     "muon": OptimizerEntry("muon", FusedMuon, own_param_groups=True),
     # the Trainer's `sgd` is torch.optim.SGD at its defaults (momentum 0): the same here
     "sgd": OptimizerEntry("sgd", FusedSGD, {"sgd": "fp32"}),
+    # torch.optim.Adafactor; the Trainer's `adafactor` is transformers' own Adafactor, another algorithm: refused
+    "adafactor": OptimizerEntry("adafactor", FusedAdafactor, not_optim_names={"adafactor": TRANSFORMERS_ADAFACTOR}),
 }

@@ -135,13 +135,16 @@ def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dic
 
 
 def _refuse_groups_without_a_rule(optimizer: FusedOptimizer) -> None:
-    """FusedMuon's Muon groups orthogonalise whole matrices after the fused step; ZeRO hands the optimizer flat
-    partitions of them: refused before the engine is built (DeepSpeed's flat groups have no use_muon either)."""
-    if any(not optimizer.group_rule(group).elementwise for group in optimizer.param_groups):
+    """Groups of a matrix rule (FusedMuon's Muon groups, FusedAdafactor's) are updated after the fused step from
+    whole params; ZeRO hands the optimizer flat partitions of them: refused before the engine is built."""
+    rules = [optimizer.group_rule(group) for group in optimizer.param_groups]
+    matrix = [rule.title for rule in rules if not rule.elementwise]
+    if matrix:
+        usable = [e.title for e in OPTIMIZERS.values() if e.cls.RULE.elementwise and not e.own_param_groups]
         raise ValueError(
-            f"{type(optimizer).__name__} has groups updated outside the fused step (FusedMuon's Muon groups: "
-            "Newton-Schulz needs whole matrices), and DeepSpeed ZeRO steps flat partitions: use "
-            f"{' or '.join(entry.title for entry in OPTIMIZERS.values() if not entry.own_param_groups)} under DeepSpeed"
+            f"{type(optimizer).__name__}'s {matrix[0]} groups are updated after the fused step from whole params (a "
+            "matrix rule: Newton-Schulz needs whole matrices, factored moments whole rows and columns), and "
+            f"DeepSpeed ZeRO steps flat partitions: use {' or '.join(usable)} under DeepSpeed"
         )
 
 

@@ -38,6 +38,8 @@ def _table() -> dict[str, OptimName]:
 
 # the one table: name -> rule, state precision and words
 OPTIMS = _table()
+# the names a rule's entry says it does not stand for (another algorithm under a rule's name) -> why, in one line
+NOT_MAPPED = {name: why for entry in OPTIMIZERS.values() for name, why in entry.not_optim_names.items()}
 
 
 def _entry(optim) -> OptimName | None:
@@ -48,6 +50,9 @@ def _entry(optim) -> OptimName | None:
 def lookup(optim) -> OptimName:
     """The rule and state an `optim` name stands for; ValueError for any other name, naming the supported."""
     entry = _entry(optim)
+    name = str(getattr(optim, "value", optim)).strip().lower()
+    if entry is None and name in NOT_MAPPED:
+        raise ValueError(f"optim {name!r} has no fused rule here: {NOT_MAPPED[name]}")
     if entry is None:
         raise ValueError(
             f"optim {getattr(optim, 'value', optim)!r} has no fused rule here; the supported optim "

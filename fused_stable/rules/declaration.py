@@ -40,7 +40,9 @@ class State:
     codec: int  # 8-bit codec kind: SIGNED or UNSIGNED
     bf16: str = NEAREST  # bf16 rounding: NEAREST or STOCHASTIC
     torch_key: str | None = None  # torch's state-dict key, when it differs from `name`
-    shape: Callable[[Sequence[int]], tuple[int, ...]] = param_shape  # from the param's shape (factored states)
+    # from the param's shape (factored states); None: the state does not apply to a param of that shape (Adafactor
+    # keeps row_var / col_var for a >= 2-D param, variance below), and is not created for it
+    shape: Callable[[Sequence[int]], tuple[int, ...] | None] = param_shape
     option: str | None = None  # the group key whose truth adds this state (AdamW's amsgrad); None: always kept
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_stable import FusedAdamW, FusedLion, FusedMuon, muon_param_groups
+from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedMuon, muon_param_groups
 from fused_stable.state_format import MIN_QUANTISED_NUMEL
 
 PRECISIONS = ("fp32", "bf16", "8bit")
@@ -61,6 +61,21 @@ def test_state_bytes_equals_what_opt_state_holds(name, precision):
     _step(model, opt)
     assert all(p in opt.state for p in model.parameters())
     assert opt.state_bytes() == _held(opt) == planned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adafactor_state_bytes_equals_what_opt_state_holds(dtype):
+    """Adafactor's factored states (row_var + col_var of each matrix, variance of each bias) in the param's dtype,
+    counted by its matrix.py; its only state precision is fp32 (bf16 and 8-bit are refused: test_fused_adafactor)."""
+    model = _model(dtype)
+    opt = FusedAdafactor(model.parameters(), backend="torch")
+    planned = opt.state_bytes()
+    _step(model, opt)
+    assert all(p in opt.state for p in model.parameters())
+    assert opt.state_bytes() == _held(opt) == planned
+    factored = sum((p.shape[0] + p.shape[1]) * p.element_size() for p in model.parameters() if p.ndim == 2)
+    vectors = sum(p.numel() * p.element_size() for p in model.parameters() if p.ndim == 1)
+    assert planned == factored + vectors + 4 * len(list(model.parameters()))
 
 
 def test_a_muon_groups_momentum_is_counted():

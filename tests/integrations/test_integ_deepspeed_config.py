@@ -94,3 +94,16 @@ def test_fused_muon_is_refused_before_the_engine_is_built():
     opt = FusedMuon([{"params": [model.weight], "use_muon": True}, {"params": [model.bias], "use_muon": False}])
     with pytest.raises(ValueError, match="Newton-Schulz needs whole matrices"):
         fs_deepspeed.initialize(model=model, optimizer=opt, config={"train_batch_size": 1})
+
+
+def test_fused_adafactor_is_refused_before_the_engine_is_built():
+    """FusedAdafactor (a matrix rule: column means and RMS norms over whole params) under ZeRO: one line, which
+    offers only elementwise rules' classes."""
+    from fused_stable import FusedAdafactor
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    model = torch.nn.Linear(8, 8)
+    opt = FusedAdafactor(model.parameters())
+    with pytest.raises(ValueError, match="Adafactor groups are updated after the fused step from whole params") as e:
+        fs_deepspeed.initialize(model=model, optimizer=opt, config={"train_batch_size": 1})
+    assert "FusedAdafactor under" not in str(e.value) and "FusedSGD" in str(e.value)

@@ -9,7 +9,7 @@ import torch
 from integ_models import TokenDataset, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fused_stable import FusedAdamW, FusedLion, FusedSGD
+from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedSGD
 from fused_stable.integrations.hf import (
     FusedStableCallback,
     FusedStableTrainerMixin,
@@ -349,3 +349,45 @@ def test_args_optim_sgd_is_fused_sgd_on_the_stock_trainers_trajectory(tmp_path):
     for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert all(set(optimizer.state[p]) == {"step"} for p in model.parameters())  # momentum 0: no buffer
+
+
+def test_args_optim_adafactor_is_refused_saying_why(tmp_path):
+    """The Trainer's `adafactor` is transformers' Adafactor (relative_step, scale_parameter, warmup_init), not
+    torch.optim.Adafactor: FusedAdafactor in its place would be a silent substitution of the algorithm."""
+    with pytest.raises(ValueError, match=r"optim 'adafactor' has no fused rule here: the HF Trainer's adafactor is"):
+        fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim="adafactor"))
+
+
+def test_rule_adafactor_follows_torch_adafactor_in_a_real_trainer(tmp_path):
+    """fused_trainer_optimizers(rule="adafactor") is torch.optim.Adafactor with the clip inside the step: against the
+    stock Trainer driving torch.optim.Adafactor (its clip, its LambdaLR warm-up + cosine), the same losses, grad norms
+    and params (fp32 ulps apart: the clip coefficient's sum runs in another order)."""
+    torch.manual_seed(0)
+    base_model = tiny_llama()
+    base_args = make_args(tmp_path / "base", weight_decay=0.0)
+    reference = torch.optim.Adafactor(base_model.parameters(), lr=LR)
+    stock = Trainer(model=base_model, args=base_args, train_dataset=TokenDataset(), optimizers=(reference, None))
+    stock.train()
+    torch.manual_seed(0)
+    model = tiny_llama()
+    initial = [p.detach().clone() for p in model.parameters()]
+    args = make_args(tmp_path / "fused", weight_decay=0.0)
+    optimizer, scheduler = fused_trainer_optimizers(model, args, rule="adafactor")
+    assert type(optimizer) is FusedAdafactor and {g["state_precision"] for g in optimizer.param_groups} == {"fp32"}
+    fused = Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        optimizers=(optimizer, scheduler),
+        callbacks=[FusedStableCallback()],
+    )
+    fused.train()
+    base_logs, logs = train_logs(stock), train_logs(fused)
+    assert len(logs) == len(base_logs) == STEPS and max(h["grad_norm"] for h in base_logs) > 1.0  # the clip bites
+    for mine, ref in zip(logs, base_logs):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert set(optimizer.state[p]) == set(reference.state[q])
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), initial))  # every param trained

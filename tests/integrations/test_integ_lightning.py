@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_stable import FusedAdamW, FusedLion, FusedSGD, schedules
+from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedSGD, schedules
 from fused_stable.integrations.lightning import FusedStableCallback, fp16_mixed_precision
 
 STEPS = 6
@@ -577,5 +577,34 @@ def test_fused_sgd_with_the_callback_follows_torch_sgd_and_logs(tmp_path):
     assert all(set(opt.state[p]) == {"step", "momentum_buffer"} for p in module.parameters())
     assert logged(metrics, "grad_norm") == pytest.approx(module.hook_norms, rel=1e-5)
     expected = [sgd["lr"] * schedule().factor(n) for n in range(STEPS)]
+    assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    assert_same_params(module, reference, *FP32_TOLERANCE)
+
+
+def test_fused_adafactor_with_the_callback_follows_torch_adafactor_and_logs(tmp_path):
+    """FusedAdafactor (a matrix rule) is a fused optimizer to the callback as FusedAdamW is: a real fit logs its
+    pre-clip grad norm and the scheduled lr, keeps torch's factored states, and follows torch.optim.Adafactor behind
+    Lightning's own clip."""
+    adafactor = dict(lr=3e-2, weight_decay=0.01)
+
+    def fused_adafactor(model):
+        return FusedAdafactor(model.parameters(), **adafactor, max_grad_norm=CLIP, lr_schedule=schedule())
+
+    def reference_adafactor(model):
+        opt = torch.optim.Adafactor(model.parameters(), **adafactor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": LambdaLR(opt, schedule().factor), "interval": "step"}}
+
+    torch.manual_seed(0)
+    module = LlamaModule(fused_adafactor)
+    trainer, metrics = fit(module, tmp_path / "fused", callbacks=[FusedStableCallback()])
+    torch.manual_seed(0)
+    reference = LlamaModule(reference_adafactor)
+    fit(reference, tmp_path / "reference", gradient_clip_val=CLIP)
+    (opt,) = [o for o in trainer.optimizers if isinstance(o, FusedAdafactor)]
+    for p in module.parameters():
+        expected = {"step", "row_var", "col_var"} if p.ndim >= 2 else {"step", "variance"}
+        assert set(opt.state[p]) == expected
+    assert logged(metrics, "grad_norm") == pytest.approx(module.hook_norms, rel=1e-5)
+    expected = [adafactor["lr"] * schedule().factor(n) for n in range(STEPS)]
     assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)
     assert_same_params(module, reference, *FP32_TOLERANCE)

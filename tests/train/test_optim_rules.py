@@ -36,6 +36,24 @@ def test_sft_optim_lion_trains_with_lions_state_and_says_so(sft, tmp_path):
 
 
 @pytest.mark.slow  # one short run of the tiny model
+def test_sft_optim_adafactor_trains_with_torchs_factored_state(sft, tmp_path):
+    """--optim adafactor is torch.optim.Adafactor (FusedAdafactor): the checkpoint keeps row_var / col_var for the
+    matrices and variance for the vectors, at the run's lr; a state precision it cannot keep is refused up front."""
+    out_dir = tmp_path / "adafactor"
+    code, out, err = sft(*RUN, "--optim", "adafactor", "--output_dir", out_dir)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("fused-stable sft: model=tiny"))
+    assert "| optim=adafactor (FusedAdafactor) " in header
+    saved = torch.load(out_dir / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    entries = list(saved["state"].values())
+    assert entries and all(set(e) in ({"step", "row_var", "col_var"}, {"step", "variance"}) for e in entries)
+    assert any("row_var" in e for e in entries) and any("variance" in e for e in entries)
+    assert {g["lr"] for g in saved["param_groups"]} == {2e-4}
+    code, _, err = sft(*RUN, "--optim", "adafactor", "--state_precision", "8bit", "--output_dir", tmp_path / "q8")
+    assert code == 2 and "optim adafactor: Adafactor keeps its factored second moments" in err
+
+
+@pytest.mark.slow  # one short run of the tiny model
 def test_sft_optim_muon_trains_the_hidden_matrices_with_muon(sft, tmp_path):
     """Full fine-tuning with --optim muon: the hidden 2-D weights keep Muon's momentum_buffer, the rest (embeddings,
     norms) AdamW's moments, all in one FusedMuon (one norm, one decision); the header names it."""

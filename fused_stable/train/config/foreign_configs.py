@@ -145,6 +145,9 @@ def _eval_strategy(value):
 def _optim(value):
     """The HF Trainer's `optim`: an AdamW or Lion name as our rule and the state precision it stands for
     (integrations/optim_names.py, two of our keys); any other name is refused, naming the supported values."""
+    why = optim_names.NOT_MAPPED.get(str(value).strip().lower())
+    if why is not None:
+        raise Refused(f"no fused rule for it: {why}")
     try:
         entry = optim_names.lookup(value)
     except ValueError:

@@ -85,5 +85,9 @@ def check_available(cfg, deepspeed: bool) -> None:
 
 def build(cfg, model, groups, options: dict):
     """The run's optimizer: its rule's class over the run's param groups with the shared step options (the rule
-    checked by `check_available`)."""
-    return RULES[cfg.optim].build(cfg, model, groups, options)
+    checked by `check_available`). A refusal of the class (a ValueError: its one line, e.g. a state precision the
+    rule cannot keep) is the run's UserError."""
+    try:
+        return RULES[cfg.optim].build(cfg, model, groups, options)
+    except ValueError as error:
+        raise UserError(f"optim {cfg.optim}: {error}") from None
