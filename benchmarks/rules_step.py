@@ -4,6 +4,8 @@ Rows: the `fused-stable bench --plan cpu` dense set (a Llama-style model, hidden
 LoRA set (448 adapter matrices), or the `gpu` plan's on CUDA, each with:
   - lion: `FusedLion(max_grad_norm=1.0).step()` against `clip_grad_norm_(foreach=True)` + lion-pytorch's `Lion`
     (the reference bitsandbytes tests its Lion against);
+  - sgd: `FusedSGD(momentum=0.9, max_grad_norm=1.0).step()` against `clip_grad_norm_(foreach=True)` +
+    `torch.optim.SGD(momentum=0.9, foreach=True)`;
   - muon: `FusedMuon(max_grad_norm=1.0).step()` against `clip_grad_norm_(foreach=True)` + `torch.optim.Muon` on
     the Muon params + `torch.optim.AdamW(fused=True)` on the rest. The split is muon_param_groups' rule on the
     bare shapes: 2-D tensors but the embedding and the head to Muon (the LoRA set: every adapter matrix).
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fused_stable import FusedAdafactor, FusedLion, FusedMuon
+from fused_stable import FusedAdafactor, FusedLion, FusedMuon, FusedSGD
 from fused_stable.bench import measure
 from fused_stable.bench.paramsets import materialize, plan_sets
 from fused_stable.bench.report import cpu_name
@@ -63,6 +65,16 @@ def _contenders(rule: str, spec, device: torch.device) -> dict | None:
             reference.step()
 
         return {"fused_stable_lion": fused.step, "lion_pytorch_clip": reference_step}
+    if rule == "sgd":  # momentum 0.9: one buffer, the issue's row; torch's fastest CPU path for SGD is foreach
+        ours, theirs = fresh(), fresh()
+        fused = FusedSGD(ours, lr=1e-2, momentum=0.9, max_grad_norm=1.0)
+        reference = torch.optim.SGD(theirs, lr=1e-2, momentum=0.9, foreach=True)
+
+        def reference_step():
+            torch.nn.utils.clip_grad_norm_(theirs, 1.0, foreach=True)
+            reference.step()
+
+        return {"fused_stable_sgd": fused.step, "torch_sgd_foreach_clip": reference_step}
     if rule == "adafactor":
         ours, theirs = fresh(), fresh()
         fused = FusedAdafactor(ours, max_grad_norm=1.0)
