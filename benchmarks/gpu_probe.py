@@ -89,8 +89,7 @@ def candidate_tables(opt, sumsq_config, adamw_config, chunk_size):
         chunk_size=chunk_size,
     )
     tables.refresh_grads(plan)
-    rows = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["maximize"]) for g in opt.param_groups]
-    tables.refresh_hparams(rows)
+    tables.refresh_hparams(opt.hparam_rows())  # the rule's HParams rows, as a step hands them (rules/declaration.py)
     return tables
 
 

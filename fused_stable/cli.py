@@ -14,7 +14,7 @@ OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SUBCOMMANDS = {
     "sft": (
         "fused_stable.train.run.sft",
-        "supervised fine-tuning (LoRA / QLoRA / DoRA / full) with any optimizer of fused_stable.OPTIMIZERS (--optim)",
+        "fine-tuning (LoRA / QLoRA / DoRA / full), any optimizer of fused_stable.OPTIMIZERS",
     ),
     "chat": (
         "fused_stable.train.saved.chat",

@@ -32,9 +32,9 @@ def moment_pointer(
 
 
 # state_format's code format v2: pseudo roots on the fp32 bit pattern (no square root, no division per element)
-_ONE_BITS: tl.constexpr = 0x3F800000  # state_format._ONE_BITS: 1.0
-_MAGNITUDE: tl.constexpr = 0x7FFFFFFF
-_FLT_MIN_BITS: tl.constexpr = 0x00800000  # state_format.FLT_MIN_BITS: 2**-126, the smallest normal fp32
+_ONE_BITS = tl.constexpr(0x3F800000)  # state_format._ONE_BITS: 1.0
+_MAGNITUDE = tl.constexpr(0x7FFFFFFF)
+_FLT_MIN_BITS = tl.constexpr(0x00800000)  # state_format.FLT_MIN_BITS: 2**-126, the smallest normal fp32
 
 
 @triton.jit
