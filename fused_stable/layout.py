@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import InitVar, dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -143,15 +143,9 @@ def _optional_float(value) -> float | None:
     return None if value is None else float(value)
 
 
-class LrOnly(NamedTuple):
-    """The row of a group the update pass leaves alone (FusedOptimizer.group_rule None): its lr, which the step's
-    shown-lr slot and read-outs use."""
-
-    lr: float | torch.Tensor
-
-
 def lr_row(lr, size: int = FIRST_RULE_SLOT) -> list[float]:
-    """LrOnly's row of the hyper-parameter table, `size` wide (a tensor lr is copied in on the device)."""
+    """The row of a group the update pass leaves alone (a matrix rule's: its lr, which the step's shown-lr slot and
+    read-outs use), `size` wide (a tensor lr is copied in on the device)."""
     row = [0.0] * size
     row[H_LR] = 0.0 if isinstance(lr, torch.Tensor) else float(lr)
     return row

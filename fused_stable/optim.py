@@ -28,7 +28,7 @@ from .plan import StepPlan, build_plan
 from .readouts import ReadOuts
 from .rules import H_SIZE
 from .schedules import Schedule
-from .sharding import local, validate_params
+from .sharding import is_dtensor, local, validate_params
 from .shown_lrs import ShownLrs
 from .state_dict import SavedState
 
@@ -195,7 +195,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
             global_sumsq=self.norm_reducer,
         )
         self.last_tables = plan.backend_cache
-        if not all(plan.updated):  # groups of a matrix rule: stepped from the same decisions (matrix_step.py)
+        if not plan.all_updated:  # groups of a matrix rule: stepped from the same decisions (matrix_step.py)
             self._matrix_steps(plan).step(self._fstate)
 
     def _matrix_steps(self, plan: StepPlan) -> MatrixSteps:
@@ -231,6 +231,12 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         rule = self.group_rule(group)
         rule.check_group(group, self.defaults)
         if not rule.elementwise:
+            if any(is_dtensor(p) for p in group["params"]):  # every matrix rule's: it steps whole params
+                raise ValueError(
+                    f"{type(self).__name__}'s {rule.title} groups do not run under FSDP2 yet: {rule.title} updates "
+                    "whole params (a matrix rule) and a DTensor param holds a shard; give these params an "
+                    "elementwise rule (FusedAdamW, FusedLion, FusedSGD) under FSDP2"
+                )
             precision = group.get("state_precision", self.defaults.get("state_precision", "fp32"))
             matrix_module(rule).check_group(group, precision)
 
@@ -238,24 +244,24 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the
         group's base lr, `initial_lr`. The same list object while the values stay (a tensor lr by identity), so
         a backend needs one identity check per step, and no row is built per step. A row is the group rule's
-        HParams: the lr, then the rule's own (rules/<rule>: `group_hparams`); layout.LrOnly for a group without
-        a rule (`group_rule`)."""
+        HParams: the lr, then the rule's own (rules/declaration.py: `group_hparams`; a matrix rule's: the lr
+        alone)."""
         groups = self.param_groups
         rules = [self.group_rule(g) for g in groups]
         if self.policy.schedule is None:
-            values = [(g["lr"], *(r.group_hparams(g) if r else ())) for g, r in zip(groups, rules)]
+            values = [(g["lr"], *r.group_hparams(g)) for g, r in zip(groups, rules)]
         else:
             if "step" in self.__dict__:  # step() wrapped from outside, as torch's LR schedulers do
                 _refuse_a_torch_scheduler(self)
             shown = self._shown_lrs
             if len(shown) != len(groups) or any(g["lr"] is not view for g, view in zip(groups, shown)):
                 self._show_lrs()  # an lr set from outside (group["lr"] = value): the group's new base lr
-            values = [(g["initial_lr"], *(r.group_hparams(g) if r else ())) for g, r in zip(groups, rules)]
+            values = [(g["initial_lr"], *r.group_hparams(g)) for g, r in zip(groups, rules)]
         # tensors by identity: comparing them by value would read the device (the cached rows keep them alive)
         key = [v if not isinstance(v[0], torch.Tensor) else (id(v[0]), *v[1:]) for v in values]
         cached_key, rows = self._hparams
         if key != cached_key:
-            rows = [(r.HParams if r else layout.LrOnly)(*v) for r, v in zip(rules, values)]
+            rows = [r.HParams(*v) for r, v in zip(rules, values)]
             self._hparams = (key, rows)
         return rows
 
@@ -319,9 +325,7 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         if constructed:  # a group added later: check it against the others before anything changes
             self._check_params(self.param_groups + [{**param_group, "params": params}])
         param_group["params"] = listed
-        rule = self.group_rule(param_group)
-        if rule is not None:
-            rule.normalize_group(param_group)
+        self.group_rule(param_group).normalize_group(param_group)
         super().add_param_group(param_group)
         if constructed:
             self._renew_slots()

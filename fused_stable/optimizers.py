@@ -24,6 +24,14 @@ from .rules import RULES
 __all__ = ["OPTIMIZERS", "FusedAdafactor", "FusedAdamW", "FusedLion", "FusedMuon", "FusedSGD"]
 
 
+def _check_torch_flags(name: str, differentiable, fused, foreach) -> None:
+    """torch's call-site flags a class accepts with no effect: differentiable=True is refused (the fused step is not
+    differentiable), and fused with foreach as torch refuses it."""
+    check_not_differentiable(differentiable, f"{name}(differentiable=True)")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
+
+
 class FusedAdamW(FusedOptimizer):
     """AdamW with the global grad-norm clip, the non-finite check and the update fused on the device.
 
@@ -79,9 +87,7 @@ class FusedAdamW(FusedOptimizer):
         fused: bool | None = None,
         **step_options: Any,
     ) -> None:
-        check_not_differentiable(differentiable, "FusedAdamW(differentiable=True)")
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
+        _check_torch_flags("FusedAdamW", differentiable, fused, foreach)
         defaults = self.RULE.defaults(
             lr=lr,
             betas=betas,
@@ -162,9 +168,7 @@ class FusedSGD(FusedOptimizer):
         fused: bool | None = None,
         **step_options: Any,
     ) -> None:
-        check_not_differentiable(differentiable, "FusedSGD(differentiable=True)")
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
+        _check_torch_flags("FusedSGD", differentiable, fused, foreach)
         defaults = self.RULE.defaults(
             lr=lr,
             momentum=momentum,
@@ -270,7 +274,7 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
             "paged_adamw_32bit": "fp32",
             **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "adamw_torch_8bit", "paged_adamw_8bit"), "8bit"),
         },
-        lambda args: dict(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon),
+        lambda args: {**_adam_betas(args), "eps": args.adam_epsilon},
     ),
     # Lion takes the Trainer's adam betas as transformers gives them to bitsandbytes' Lion (no eps)
     "lion": OptimizerEntry(

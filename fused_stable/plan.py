@@ -117,6 +117,7 @@ class StepPlan:
     # and the decisions only, and keep no rule state: FusedMuon's Muon groups, updated after the fused step)
     group_rules: list
     updated: list[bool]  # each param: whether the update pass updates it (its group has a rule)
+    all_updated: bool  # every param is the update pass's: no matrix rule's param to step afterwards (matrix_step.py)
     # each param's state tensors, in the rule's order (rule.state_names(its group's option)): fp32 or bf16, or 8-bit
     # codes (state_format.py)
     states: list[tuple[torch.Tensor, ...]]
@@ -329,6 +330,7 @@ def build_plan(
         rule=rule,
         group_rules=list(group_rules),
         updated=updated,
+        all_updated=all(updated),
         states=[tuple(local(s[key]) for key in keys) for s, keys in zip(states, names)],
         scales=[tuple(_scale(s, key) for key in keys) for s, keys in zip(states, names)],
         masters=[local(s["master_param"]) if "master_param" in s else None for s in states],

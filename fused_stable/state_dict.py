@@ -122,9 +122,7 @@ class SavedState:
         for group, precision, own in zip(self.param_groups, precisions, before):
             for key, value in own.items():  # a key the saved group lacks (torch.optim.Muon's: use_muon) keeps ours
                 group.setdefault(key, value)
-            rule = self.group_rule(group)
-            if rule is not None:
-                rule.normalize_group(group)  # e.g. torch may save tensor betas: the tables hold floats
+            self.group_rule(group).normalize_group(group)  # e.g. torch may save tensor betas: the tables hold floats
             group["state_precision"] = precision  # this optimizer's, whatever the saved one: moments are converted
         formats = {
             id(p): state_format.format_for(group["state_precision"], p.numel())  # the whole param's: mesh-free
@@ -241,7 +239,7 @@ class SavedState:
         self._upgrade_pickled_codes(self.__dict__.pop("_codes_version", state_format.CODES_V1))
         for group in self.param_groups:
             rule = self.group_rule(group)
-            for key, value in rule.pickle_defaults.items() if rule is not None else ():
+            for key, value in rule.pickle_defaults.items():
                 group.setdefault(key, value)
             group.setdefault("state_precision", "fp32")
         self.defaults.setdefault("state_precision", "fp32")

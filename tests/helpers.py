@@ -370,3 +370,9 @@ class CountDeviceOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def copy_kwargs(kwargs: dict) -> dict:
+    """Tensor hyper-parameters cloned: each optimizer gets its own (torch may keep and read them later)."""
+    copy = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {k: tuple(map(copy, v)) if isinstance(v, tuple) else copy(v) for k, v in kwargs.items()}

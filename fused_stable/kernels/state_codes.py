@@ -32,20 +32,27 @@ def moment_pointer(
 
 
 # state_format's code format v2: pseudo roots on the fp32 bit pattern (no square root, no division per element)
-_ONE_BITS = tl.constexpr(0x3F800000)  # state_format._ONE_BITS: 1.0
-_MAGNITUDE = tl.constexpr(0x7FFFFFFF)
-_FLT_MIN_BITS = tl.constexpr(0x00800000)  # state_format.FLT_MIN_BITS: 2**-126, the smallest normal fp32
+# (as constexpr defaults of the jit functions, not module globals: Triton re-checks a global every launch, ~1 us)
+ONE_BITS = 0x3F800000  # state_format._ONE_BITS: 1.0
+MAGNITUDE = 0x7FFFFFFF
+FLT_MIN_BITS = 0x00800000  # state_format.FLT_MIN_BITS: 2**-126, the smallest normal fp32
 
 
 @triton.jit
-def _pseudo_root(ratio, SHIFT: tl.constexpr, CONSTANT: tl.constexpr):
+def _pseudo_root(
+    ratio,
+    SHIFT: tl.constexpr,
+    CONSTANT: tl.constexpr,
+    _MAGNITUDE: tl.constexpr = MAGNITUDE,
+    _ONE_BITS: tl.constexpr = ONE_BITS,
+):
     """state_format.pseudo_root: the ratio's magnitude bits clamped to 1.0's, shifted, plus the constant."""
     bits = tl.minimum(ratio.to(tl.int32, bitcast=True) & _MAGNITUDE, _ONE_BITS)
     return ((bits >> SHIFT) + CONSTANT).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pseudo_square(q, SHIFT: tl.constexpr, CONSTANT: tl.constexpr):
+def _pseudo_square(q, SHIFT: tl.constexpr, CONSTANT: tl.constexpr, _MAGNITUDE: tl.constexpr = MAGNITUDE):
     """state_format.pseudo_square: ((bits(|q|) - constant) << shift), 0 for q = 0, q's sign kept."""
     bits = q.to(tl.int32, bitcast=True)
     magnitude = tl.maximum((bits & _MAGNITUDE) - CONSTANT, 0) << SHIFT
@@ -64,7 +71,7 @@ def _decode(codes, scale, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _encode(x, SIGNED: tl.constexpr):
+def _encode(x, SIGNED: tl.constexpr, _MAGNITUDE: tl.constexpr = MAGNITUDE, _FLT_MIN_BITS: tl.constexpr = FLT_MIN_BITS):
     """fp32 [rows, QUANT_BLOCK] -> (8-bit codes, each row's scale) (state_format.encode_*): the scale is the row's
     largest |x| (0 below FLT_MIN; a NaN if any is NaN), the code the rounded pseudo root (square for signed,
     fourth for unsigned) of |x| / scale, ties up."""

@@ -332,16 +332,21 @@ def test_refusals_say_why(tmp_path):
 
 
 def test_fsdp2_dtensor_params_are_refused(tmp_path):
-    """The column means and the RMS norms need whole params: a DTensor (FSDP2's shard) is refused in one line."""
+    """A matrix rule steps whole params (Adafactor's column means and RMS norms, Muon's Newton-Schulz): a DTensor
+    (FSDP2's shard) in a group of one is refused in one line, by the one check every matrix rule shares."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fused_stable import FusedMuon
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)]))
-        with pytest.raises(ValueError, match="does not run under FSDP2: its column means and RMS norms"):
+        with pytest.raises(ValueError, match="FusedAdafactor's Adafactor groups do not run under FSDP2 yet"):
             FusedAdafactor([p])
+        with pytest.raises(ValueError, match="FusedMuon's Muon groups do not run under FSDP2 yet"):
+            FusedMuon([{"params": [p], "use_muon": True}])
     finally:
         dist.destroy_process_group()

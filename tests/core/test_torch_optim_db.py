@@ -21,7 +21,7 @@ import re
 
 import pytest
 import torch
-from helpers import assert_close, interpret_available
+from helpers import assert_close, copy_kwargs, interpret_available
 
 from fused_stable import FusedAdamW
 
@@ -52,12 +52,6 @@ def reference_kwargs(kwargs: dict) -> dict:
     """torch's own AdamW with the same kwargs, on its for-loop path; capturable off (it refuses CPU tensors)."""
     kwargs = {key: value for key, value in kwargs.items() if key != "capturable"}
     return {**kwargs, "foreach": False}
-
-
-def copy_kwargs(kwargs: dict) -> dict:
-    """Tensor hyper-parameters cloned: each optimizer gets its own (torch may keep and read them later)."""
-    copy = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return {k: tuple(map(copy, v)) if isinstance(v, tuple) else copy(v) for k, v in kwargs.items()}
 
 
 def make_params(seed: int, count: int = 1) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, interpret_available
+from helpers import assert_close, copy_kwargs, interpret_available
 
 from fused_stable import FusedAdafactor, FusedSGD
 
@@ -41,16 +41,12 @@ CASES = [
 ]
 
 
-def _copy(kwargs: dict) -> dict:
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-
-
 def _run(name: str, groups: list[tuple[list[torch.Tensor], dict]], common: dict, backend: str, max_norm):
     reference, fused = RULES[name]
-    ours_groups = [{"params": [torch.nn.Parameter(t.clone()) for t in ts], **_copy(kw)} for ts, kw in groups]
-    theirs_groups = [{"params": [torch.nn.Parameter(t.clone()) for t in ts], **_copy(kw)} for ts, kw in groups]
-    ours = fused(ours_groups, backend=backend, max_grad_norm=max_norm, **_copy(common))
-    theirs = reference(theirs_groups, **{**_copy(common), "foreach": False})
+    ours_groups = [{"params": [torch.nn.Parameter(t.clone()) for t in ts], **copy_kwargs(kw)} for ts, kw in groups]
+    theirs_groups = [{"params": [torch.nn.Parameter(t.clone()) for t in ts], **copy_kwargs(kw)} for ts, kw in groups]
+    ours = fused(ours_groups, backend=backend, max_grad_norm=max_norm, **copy_kwargs(common))
+    theirs = reference(theirs_groups, **{**copy_kwargs(common), "foreach": False})
     params_ours = [p for g in ours.param_groups for p in g["params"]]
     params_theirs = [p for g in theirs.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(1)

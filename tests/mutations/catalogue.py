@@ -1746,8 +1746,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "core-imports-integrations",
         "fused_stable/optim.py",
-        "from .sharding import local, validate_params\n",
-        "from .sharding import local, validate_params\nfrom .integrations import distributed  # noqa: F401\n",
+        "from .sharding import is_dtensor, local, validate_params\n",
+        "from .sharding import is_dtensor, local, validate_params\nfrom .integrations import distributed  # noqa: F401\n",
         ["tests/core/test_package_layout.py"],
         "no core module imports integrations/, train/, stress or bench/",
         select="application",

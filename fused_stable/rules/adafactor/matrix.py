@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ...sharding import is_dtensor
 from . import RULE
 from .torch import AdafactorSide
 
@@ -24,11 +23,6 @@ def check_group(group: dict, precision: str) -> None:
             f"Adafactor keeps its factored second moments as torch does, in the param's dtype (state_precision "
             f"'fp32'), not {precision!r}: they hold rows + cols values per matrix, so bf16 or 8-bit would save "
             "next to nothing"
-        )
-    if any(is_dtensor(p) for p in group["params"]):
-        raise ValueError(
-            "FusedAdafactor does not run under FSDP2: its column means and RMS norms need whole params, and a "
-            "DTensor param holds a shard; use FusedAdamW, FusedLion or FusedSGD under FSDP2"
         )
 
 

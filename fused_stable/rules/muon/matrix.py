@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ...sharding import is_dtensor
 from . import DEFAULTS, check_muon_group
 from .torch import MuonSide
 
@@ -33,11 +32,6 @@ def check_group(group: dict, precision: str) -> None:
             f"a Muon group's momentum buffers are kept in fp32 (the param's dtype, as torch's) or bf16, not "
             f"{precision!r} (8-bit Muon momentum is not built yet): give the Muon group state_precision='bf16' "
             "or 'fp32' (the AdamW groups keep theirs)"
-        )
-    if any(is_dtensor(p) for p in group["params"]):
-        raise ValueError(
-            "FusedMuon's Muon groups do not run under FSDP2 yet: Newton-Schulz needs each whole matrix, a "
-            "DTensor param holds a shard; put these params in an AdamW group (use_muon=False) or use FusedAdamW"
         )
 
 
