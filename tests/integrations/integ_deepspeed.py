@@ -172,13 +172,18 @@ def padded_engine(stage):
     return engine
 
 
-def fused_engine(stage, dtype, groups, hidden=16, state_precision="fp32", **config):
-    from fused_stable import FusedAdamW
+SGD_MOMENTUM = 0.9  # FusedSGD's runs (an elementwise rule after AdamW under ZeRO: issue 49 item 4)
+
+
+def fused_engine(stage, dtype, groups, hidden=16, state_precision="fp32", rule="adamw", **config):
+    from fused_stable import FusedAdamW, FusedSGD
     from fused_stable.integrations import deepspeed as fs_deepspeed
 
     model = make_model(hidden)
-    opt = FusedAdamW(
+    cls, extra = (FusedSGD, {"momentum": SGD_MOMENTUM}) if rule == "sgd" else (FusedAdamW, {})
+    opt = cls(
         param_groups(model, groups),
+        **extra,
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         max_grad_norm=MAX_NORM,
@@ -230,6 +235,11 @@ def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
                 **counters(engine),
                 "state": {**figures, "measured": measured_state_bytes(engine)},
             }
+    # FusedSGD (momentum) at every stage: another elementwise rule through the same integration
+    for stage in (1, 2, 3):
+        engine, model = fused_engine(stage, "fp32", 1, rule="sgd")
+        norms = train(engine, rank, range(STEPS))
+        results[("sgd", stage, 1)] = {"params": full_fp32_params(engine, model), "norms": norms, **counters(engine)}
     # ZeRO-Offload: FusedAdamW is the offloaded CPU optimizer (zero_force_ds_cpu_optimizer: false)
     for stage in (1, 2, 3):
         offload = {"offload_optimizer": {"device": "cpu"}}

@@ -76,6 +76,21 @@ def test_fp32_trajectory_equals_torch_adamw_with_clip(runs, kind, stage, groups)
     assert ours["last_lr"] == pytest.approx(ds.LR * ds.schedule().factor(ds.STEPS - 1), rel=1e-6)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fused_sgd_trajectory_equals_torch_sgd_with_clip(runs, stage):
+    """FusedSGD (momentum 0.9) through the integration on 2 gloo ranks: torch.optim.SGD + clip_grad_norm_ in one
+    process (its foreach and fused paths give the floor), one decision per engine step."""
+    ours = same_on_every_rank(runs, ("sgd", stage, 1))
+    reference, ref_norms = torch_trajectory(1, torch.optim.SGD, momentum=ds.SGD_MOMENTUM, foreach=False)
+    others = [
+        torch_trajectory(1, torch.optim.SGD, momentum=ds.SGD_MOMENTUM, **kw)[0]
+        for kw in ({"foreach": True}, {"fused": True})
+    ]
+    assert_within_floor(f"FusedSGD, ZeRO-{stage}: params", ours["params"], reference, others)
+    assert_within_floor(f"FusedSGD, ZeRO-{stage}: grad norms", ours["norms"], ref_norms, [ref_norms], factor=4.0)
+    assert ours["applied"] == ours["engine_steps"] == ds.STEPS and ours["skipped"] == 0
+
+
 def partition_elements(numels_by_group: list[list[int]], stage: int, world: int) -> list[int]:
     """Elements of each flat fp32 partition DeepSpeed hands one rank's optimizer, from the params' sizes alone.
     ZeRO 1-2 flatten each group, pad it to a multiple of 2 x world (stage_1_and_2.py: alignment =
