@@ -10,6 +10,7 @@ math sits beside it (triton.py, torch.py, cpu.h). Plain Python: importing this i
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -88,6 +89,9 @@ class Rule:
     elementwise: bool = True  # False: a matrix rule (needs the whole param), stepped outside the update kernel
     _hparams_type: type = field(init=False, repr=False, compare=False)
     _slot_module: ModuleType = field(init=False, repr=False, compare=False)
+    # read every step (plan.current_grads, optimizer.hparam_rows): derived once here, not per call
+    _option: str | None = field(init=False, repr=False, compare=False)
+    _row_values: Callable[[dict], tuple] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         options = {state.option for state in self.states} - {None}
@@ -106,13 +110,17 @@ class Rule:
         for name in self.row:
             setattr(slot_module, "H_" + name.upper(), FIRST_RULE_SLOT + self.row.index(name))
         object.__setattr__(self, "_slot_module", slot_module)
+        object.__setattr__(self, "_option", next((state.option for state in self.states if state.option), None))
+        inputs = self.row_inputs
+        getter = operator.itemgetter(*inputs) if inputs else (lambda group: ())
+        object.__setattr__(self, "_row_values", getter if len(inputs) != 1 else (lambda group: (getter(group),)))
 
     # ---------------------------------------------------------------------------------------- states
 
     @property
     def option(self) -> str | None:
         """The group key whose truth adds a state (AdamW's amsgrad), or None."""
-        return next((state.option for state in self.states if state.option), None)
+        return self._option
 
     def state_names(self, option: bool = False) -> tuple[str, ...]:
         """The states a param of a group with this option value keeps, in the element's order."""
@@ -174,7 +182,7 @@ class Rule:
 
     def group_hparams(self, group: dict) -> tuple:
         """A group's values after the lr, in HParams' order."""
-        return tuple(group[name] for name in self.row_inputs)
+        return self._row_values(group)
 
     def slot(self, name: str) -> int:
         """The row index of the rule's slot `name`."""
