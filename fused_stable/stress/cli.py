@@ -125,7 +125,8 @@ def build_parser() -> OneLineParser:
         choices=list(RULES),
         help="the update rule of both recipes, as `fused-stable sft --optim`: adamw (usual: torch AdamW; guarded: "
         "FusedAdamW) | lion (lion-pytorch's Lion; FusedLion) | muon (tiny only: torch Muon on the hidden matrices + "
-        "torch AdamW on the rest; FusedMuon) (default: adamw)",
+        "torch AdamW on the rest; FusedMuon) | sgd (torch SGD, momentum 0.9; FusedSGD, the same) | adafactor "
+        "(torch Adafactor; FusedAdafactor) (default: adamw)",
     )
     p.add_argument(
         "--state-precision",
@@ -231,6 +232,13 @@ def _check_rule(cfg: StressConfig) -> None:
     optimizers.check_available(
         TrainConfig(optim=cfg.optim, tuner=tuner, state_precision=cfg.state_precision), deepspeed=False
     )
+    # what the rule's class refuses (e.g. Adafactor's factored moments in bf16), before anything is written: the
+    # guarded optimizer built once over a stand-in of the suite's layers (an embedding, hidden matrices, a norm)
+    stand_in = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    try:
+        RULES[cfg.optim].fused(stand_in, cfg.lr, state_precision=cfg.state_precision)
+    except ValueError as error:
+        raise UserError(f"--optim {cfg.optim} --state-precision {cfg.state_precision}: {error}") from None
 
 
 def _run(cfg: StressConfig, names: list[str], known: dict, output_dir: str) -> int:

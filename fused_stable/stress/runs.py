@@ -1,17 +1,18 @@
 """One stress run: a scenario trained with one recipe on the shared workload (`run_one`).
 
-Recipes, each built with the suite's update rule (`--optim`, `RULES`: adamw, lion, muon):
+Recipes, each built with the suite's update rule (`--optim`, `RULES`: adamw, lion, muon, sgd, adafactor):
 - `usual`: the rule's reference optimizer (torch.optim.AdamW; lion_pytorch.Lion; torch.optim.Muon on the hidden
-  matrices beside torch.optim.AdamW on the rest, as muon_param_groups splits them) + torch.nn.utils.clip_grad_norm_(1.0)
+  matrices beside torch.optim.AdamW on the rest, as muon_param_groups splits them; torch.optim.SGD with momentum
+  0.9; torch.optim.Adafactor) + torch.nn.utils.clip_grad_norm_(1.0)
   + transformers-style warm-up/cosine LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most
   fine-tuning scripts do.
-- `guarded`: the rule's fused optimizer (FusedAdamW, FusedLion, FusedMuon; clip="zscore", max_grad_norm=1.0,
-  device-side warm-up/cosine, spike skipping) with the
-  stability guard (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check (on a
-  pretrained model) with an evaluation of the held-out and retention losses
-  (`train.evaluation.held_out.HeldOutLosses`, as `fused-stable sft` measures them; the one before the first step
-  is the reference); a rollback restores an in-memory snapshot (model, optimizer, scaler) taken at the last clean
-  check, halves the lr and keeps the data position (the window that spiked is not replayed).
+- `guarded`: the rule's fused optimizer (FusedAdamW, FusedLion, FusedMuon, FusedSGD, FusedAdafactor;
+  clip="zscore", max_grad_norm=1.0, device-side warm-up/cosine, spike skipping) with the stability guard
+  (`fused_stable.guard`) in its `rollback` policy, checked every `log_every` steps, each check (on a pretrained
+  model) with an evaluation of the held-out and retention losses (`train.evaluation.held_out.HeldOutLosses`, as
+  `fused-stable sft` measures them; the one before the first step is the reference); a rollback restores an
+  in-memory snapshot (model, optimizer, scaler) taken at the last clean check, halves the lr and keeps the data
+  position (the window that spiked is not replayed).
 
 Both recipes see the same model init, the same data order and the same injected fault, and both are measured
 on the same held-out sets after the run. The workload (the tokenizer, the task's data, the held-out sets, the
@@ -400,6 +401,23 @@ def _usual_adamw(model, lr: float) -> list:
     return [torch.optim.AdamW(_trainable(model), lr=lr, weight_decay=WEIGHT_DECAY)]
 
 
+SGD_MOMENTUM = 0.9  # both SGD recipes: the momentum users train SGD with (torch's default 0 is plain gradient descent)
+
+
+def _usual_sgd(model, lr: float) -> list:
+    return [torch.optim.SGD(_trainable(model), lr=lr, momentum=SGD_MOMENTUM, weight_decay=WEIGHT_DECAY)]
+
+
+def _fused_sgd(model, lr: float, **options):
+    from fused_stable import FusedSGD
+
+    return FusedSGD(_trainable(model), lr=lr, momentum=SGD_MOMENTUM, weight_decay=WEIGHT_DECAY, **options)
+
+
+def _usual_adafactor(model, lr: float) -> list:
+    return [torch.optim.Adafactor(_trainable(model), lr=lr, weight_decay=WEIGHT_DECAY)]
+
+
 @dataclass(frozen=True)
 class StressRule:
     """How each recipe is built with one update rule: `usual(model, lr)` -> the reference optimizers,
@@ -415,6 +433,8 @@ RULES = {
     "adamw": StressRule(_usual_adamw, _fused("FusedAdamW"), "torch AdamW", "FusedAdamW"),
     "lion": StressRule(_usual_lion, _fused("FusedLion"), "lion-pytorch Lion", "FusedLion"),
     "muon": StressRule(_usual_muon, _fused_muon, "torch Muon + AdamW", "FusedMuon"),
+    "sgd": StressRule(_usual_sgd, _fused_sgd, "torch SGD (momentum 0.9)", "FusedSGD"),
+    "adafactor": StressRule(_usual_adafactor, _fused("FusedAdafactor"), "torch Adafactor", "FusedAdafactor"),
 }
 
 
