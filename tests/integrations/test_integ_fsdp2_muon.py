@@ -294,3 +294,11 @@ def test_a_fully_shard_model_steps_as_one_process(runs):
     for rank in saved:
         for index, (a, b) in enumerate(zip(rank["fully_shard"], model.parameters())):
             assert torch.equal(a, b.detach()), f"param {index}: {(a - b).abs().max():.3g} off"
+
+
+def test_owners_are_balanced_by_size():
+    """Largest first, each to the rank with the least numel so far: Newton-Schulz's work spread over the ranks."""
+    from fused_stable.matrix_exchange import balanced_owners
+
+    assert balanced_owners([100, 10, 60, 50], 2) == [0, 0, 1, 1]  # loads 110 and 110
+    assert balanced_owners([4, 4, 4, 4, 4], 4) == [0, 1, 2, 3, 0]  # equal sizes: round-robin

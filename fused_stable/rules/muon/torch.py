@@ -8,6 +8,11 @@ Newton-Schulz (bf16), `p * (1 - lr * lr_factor * weight_decay)`, then `add(O * l
 With fp32 params and buffers this is bit-identical to clip_grad_norm_ + torch.optim.Muon on CPU at
 lr_factor = 1 (and at any power of two, which scales exactly): the scalars are torch's, `1 - lr * wd` in fp64.
 
+DTensor params sharded by rows (FSDP2's Shard(0)): the side holds their local rows and buffers and runs every
+elementwise op there; only Newton-Schulz needs whole matrices, so `_orthogonalize` sends each batch's directions
+to their owner ranks and takes its rows of the result back (fused_stable/matrix_exchange.py). The owner stacks the
+same bits one process stacks, so the update is the one-process update bit for bit.
+
 Why stacks rather than foreach lists: Newton-Schulz needs the stack anyway, torch has no foreach `where` (the
 skip select), and a stack makes each op one kernel per shape (a Llama has ~5 shapes); the write-backs are one
 `_foreach_copy_` per batch. A skipped step (skip != 0) selects the old params and buffers with `torch.where`,
