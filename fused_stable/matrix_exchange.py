@@ -7,8 +7,9 @@ Owners are assigned once, by size: the matrices sorted largest first, each to th
 the work is balanced. A step costs two `all_to_all_single` calls per batch of same-shaped matrices over the shard
 dim's process group: the rows to their owners, the results back (each rank sends and receives every matrix's
 rows once each way). Gather / scatter per owner moves the same bytes in 2 x ranks calls per batch: slower on gloo
-(measured: docs/integrations.md). Rule-free: the rule passes the stack to send (in the dtype it wants on the
-wire) and its function of the whole stack; DeepSpeed's flat partitions could use the same tables.
+(benchmarks/muon_exchange.py; docs/integrations.md has the numbers). Rule-free: the rule passes the stack to
+send (in the dtype it wants on the wire) and its function of the whole stack; DeepSpeed's flat partitions could
+use the same tables.
 
 Rows are torch.chunk's pieces (what Shard(0) holds: rank k has rows [k * ceil(R / n), (k + 1) * ceil(R / n)),
 clamped, possibly none). Placements other than Shard(0) on one mesh dim and Replicate on the others are refused
