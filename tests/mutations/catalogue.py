@@ -3482,4 +3482,13 @@ MUTATIONS: list[Mutation] = [
         "each Muon matrix's owner rank is assigned by size, largest first to the least loaded rank",
         select="owners",
     ),
+    M(
+        "fsdp2-muon-column-shards-accepted",
+        "fused_stable/matrix_exchange.py",
+        "    if None in dims or len(dims) > 1:\n",
+        "    if False:\n",
+        ["tests/core/test_fused_adafactor.py"],
+        "a Muon group's DTensor placed other than Shard(0) / Replicate is refused in one line naming the param",
+        select="fsdp2_dtensor_params_are_refused",
+    ),
 ]
