@@ -6,7 +6,9 @@ coefficient, one skip, the schedule, their `step` counters); the update pass lea
 them no kernel rule). Then each matrix rule's `build(...)` update (rules/<rule>/matrix.py) steps them with the
 decisions as 0-dim device tensors: the clip multiplier (before the rule's momentum), the skip flag and the lr
 factor. No host read; a skipped step leaves every param and state bit-identical. Rule-free: the rule's states,
-update and state bytes are its matrix.py's.
+update and state bytes are its matrix.py's. Under FSDP2 the params are DTensors and their grads too: a rule whose
+matrix.py says `ROW_SHARDS = True` (Muon) brings each whole matrix to an owner rank itself (matrix_exchange.py);
+any other matrix rule is refused there by FusedOptimizer.check_group.
 """
 
 from __future__ import annotations

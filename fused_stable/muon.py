@@ -9,9 +9,16 @@ are updated right after the update pass from the same decisions (fused_stable/ma
 the clip multiplier before the momentum, the skip, the lr factor, as 0-dim device tensors): no host read. AdamW
 updates the rest. A skipped step leaves every param and momentum buffer bit-identical.
 
-Not yet: Muon groups under FSDP2 or DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line),
-8-bit momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor lrs in
-Muon groups.
+Under FSDP2 (Shard(0) DTensor params, as `fully_shard` leaves them) the momentum buffers are sharded like their
+params and the elementwise work runs on each rank's rows; each matrix has one owner rank (assigned once by size:
+largest first, to the least loaded rank), which receives every rank's rows of the matrix's direction (bf16), runs
+Newton-Schulz on the matrices it owns (batched by shape) and sends each rank its rows of the result: two
+all-to-alls per batch of same-shaped matrices per step (fused_stable/matrix_exchange.py). Without an active clip
+this is the one-process step bit for bit; a placement other than Shard(0) or Replicate is refused in one line.
+
+Not yet: Muon groups under DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line), 8-bit
+momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor lrs in Muon
+groups.
 """
 
 from __future__ import annotations

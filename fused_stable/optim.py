@@ -22,6 +22,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from . import compiled, engines, layout, ops, state_format
 from .kernels.tables import check_not_capturing  # plain torch: does not import triton
 from .layout import StepBuffers, StepPolicy, check_not_differentiable
+from .matrix_exchange import check_row_shards
 from .matrix_step import MatrixSteps, hyperparameter_key, matrix_module
 from .param_state import ParamStates, Version
 from .plan import StepPlan, build_plan
@@ -231,14 +232,18 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         rule = self.group_rule(group)
         rule.check_group(group, self.defaults)
         if not rule.elementwise:
-            if any(is_dtensor(p) for p in group["params"]):  # every matrix rule's: it steps whole params
-                raise ValueError(
-                    f"{type(self).__name__}'s {rule.title} groups do not run under FSDP2 yet: {rule.title} updates "
-                    "whole params (a matrix rule) and a DTensor param holds a shard; give these params an "
-                    "elementwise rule (FusedAdamW, FusedLion, FusedSGD) under FSDP2"
-                )
+            interface = matrix_module(rule)
+            if any(is_dtensor(p) for p in group["params"]):
+                # a matrix rule steps whole params: under FSDP2 only one that brings row shards together can
+                if not getattr(interface, "ROW_SHARDS", False):
+                    raise ValueError(
+                        f"{type(self).__name__}'s {rule.title} groups do not run under FSDP2 yet: {rule.title} "
+                        "updates whole params (a matrix rule) and a DTensor param holds a shard; give these params "
+                        "an elementwise rule (FusedAdamW, FusedLion, FusedSGD) under FSDP2"
+                    )
+                check_row_shards(group["params"], rule.title)
             precision = group.get("state_precision", self.defaults.get("state_precision", "fp32"))
-            matrix_module(rule).check_group(group, precision)
+            interface.check_group(group, precision)
 
     def hparam_rows(self) -> list:
         """Every param group's hyper-parameters, as the backends take them: with an lr schedule the lr is the

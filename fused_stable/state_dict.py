@@ -86,7 +86,8 @@ class SavedState:
             rule = self.group_rule(group)
             if not rule.elementwise:
                 interface = matrix_module(rule)
-                total += sum(interface.state_bytes(p, group) + 4 for p in group["params"])
+                # a DTensor's local shard: what this rank's opt.state holds, as for the elementwise rules
+                total += sum(interface.state_bytes(local(p), group) + 4 for p in group["params"])
                 continue
             states = len(rule.state_names(rule.group_option(group)))
             for p in group["params"]:

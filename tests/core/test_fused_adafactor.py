@@ -332,11 +332,12 @@ def test_refusals_say_why(tmp_path):
 
 
 def test_fsdp2_dtensor_params_are_refused(tmp_path):
-    """A matrix rule steps whole params (Adafactor's column means and RMS norms, Muon's Newton-Schulz): a DTensor
-    (FSDP2's shard) in a group of one is refused in one line, by the one check every matrix rule shares."""
+    """A matrix rule steps whole params (Adafactor's column means and RMS norms): a DTensor (FSDP2's shard) in a
+    group of one is refused in one line, by the one check every matrix rule shares. Muon brings row shards whole
+    to an owner rank (matrix_exchange.py): its groups take Shard(0) and Replicate and refuse any other placement."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from fused_stable import FusedMuon
 
@@ -346,7 +347,10 @@ def test_fsdp2_dtensor_params_are_refused(tmp_path):
         p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)]))
         with pytest.raises(ValueError, match="FusedAdafactor's Adafactor groups do not run under FSDP2 yet"):
             FusedAdafactor([p])
-        with pytest.raises(ValueError, match="FusedMuon's Muon groups do not run under FSDP2 yet"):
-            FusedMuon([{"params": [p], "use_muon": True}])
+        FusedMuon([{"params": [p], "use_muon": True}])  # Shard(0): accepted
+        FusedMuon([{"params": [distribute_tensor(torch.zeros(4, 6), mesh, [Replicate()])], "use_muon": True}])
+        columns = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))
+        with pytest.raises(ValueError, match=r"Muon group: param 0 of shape \(4, 6\) is placed as \(Shard\(dim=1\),\)"):
+            FusedMuon([{"params": [columns], "use_muon": True}])
     finally:
         dist.destroy_process_group()

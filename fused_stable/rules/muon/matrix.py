@@ -16,6 +16,9 @@ import torch
 from . import DEFAULTS, check_muon_group
 from .torch import MuonSide
 
+# DTensor params sharded by rows (FSDP2's Shard(0)) step too: Newton-Schulz at each matrix's owner rank
+# (fused_stable/matrix_exchange.py), the momentum buffers sharded like their params
+ROW_SHARDS = True
 # a Muon group's state_precision -> its momentum buffers' dtype (None: the param's, as torch.optim.Muon's); bf16
 # rounds to nearest (momentum 0.95 moves a buffer 5% of g - buf a step, over half a bf16 ulp unless g is within 8%)
 MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}

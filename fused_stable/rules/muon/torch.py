@@ -8,6 +8,11 @@ Newton-Schulz (bf16), `p * (1 - lr * lr_factor * weight_decay)`, then `add(O * l
 With fp32 params and buffers this is bit-identical to clip_grad_norm_ + torch.optim.Muon on CPU at
 lr_factor = 1 (and at any power of two, which scales exactly): the scalars are torch's, `1 - lr * wd` in fp64.
 
+DTensor params sharded by rows (FSDP2's Shard(0)): the side holds their local rows and buffers and runs every
+elementwise op there; only Newton-Schulz needs whole matrices, so `_orthogonalize` sends each batch's directions
+to their owner ranks and takes its rows of the result back (fused_stable/matrix_exchange.py). The owner stacks the
+same bits one process stacks, so the update is the one-process update bit for bit.
+
 Why stacks rather than foreach lists: Newton-Schulz needs the stack anyway, torch has no foreach `where` (the
 skip select), and a stack makes each op one kernel per shape (a Llama has ~5 shapes); the write-backs are one
 `_foreach_copy_` per batch. A skipped step (skip != 0) selects the old params and buffers with `torch.where`,
@@ -30,6 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...matrix_exchange import MatrixExchange, row_shard_dim
+from ...sharding import is_dtensor
+from ...sharding import local as local_shard
 from . import DEFAULTS, adjusted_lr, check_muon_group
 from .newton_schulz import ShapeBatches, orthogonalize_stack
 
@@ -71,26 +79,46 @@ class _Batch:
     neg_adjusted_lr: float  # -adjusted_lr(lr, adjust_lr_fn, shape): the add's alpha, as torch passes it
     rounded_buffers: bool  # buffers stored below fp32: Nesterov reads the stored value, as torch does
     in_place: bool  # fp32 params and buffers: an applied step on host decisions updates them in place
+    exchange: MatrixExchange | None  # row shards (FSDP2): Newton-Schulz at each matrix's owner rank
+
+
+def _exchanges(params) -> list[MatrixExchange | None]:
+    """Each param's exchange: one per process group of row shards (FSDP2's Shard(0) DTensors), None for a param
+    that is whole on this rank (plain, replicated, or a shard dim of one rank)."""
+    keyed: dict[tuple, dict[int, tuple]] = {}
+    for i, p in enumerate(params):
+        mesh_dim = row_shard_dim(p, f"Muon param {i}")
+        if mesh_dim is not None:
+            keyed.setdefault((p.device_mesh, mesh_dim), {})[i] = tuple(p.shape)
+    exchanges: list[MatrixExchange | None] = [None] * len(params)
+    for shapes in keyed.values():
+        exchange = MatrixExchange.of_param(params[next(iter(shapes))], shapes)
+        for i in shapes:
+            exchanges[i] = exchange
+    return exchanges
 
 
 def _batches(params, buffers, hparams, max_matrices) -> list[_Batch]:
+    """Batches of the (global) params' matrices; each batch holds the local params and buffers it updates."""
+    exchanges = _exchanges(params)
     keyed: dict[tuple, list[int]] = {}
     for i, (p, buf, hp) in enumerate(zip(params, buffers, hparams)):
-        keyed.setdefault((hp, p.dtype, buf.dtype, p.device), []).append(i)
+        keyed.setdefault((hp, p.dtype, buf.dtype, p.device, id(exchanges[i])), []).append(i)
     batches = []
-    for (hp, _, buffer_dtype, _), members in keyed.items():
+    for (hp, _, buffer_dtype, _, _), members in keyed.items():
         shapes = ShapeBatches([params[i].shape for i in members], max_matrices)
         for shape, local in shapes.batches:
             indices = tuple(members[j] for j in local)
             batches.append(
                 _Batch(
                     indices=indices,
-                    params=[params[i] for i in indices],
-                    buffers=[buffers[i] for i in indices],
+                    params=[local_shard(params[i]) for i in indices],
+                    buffers=[local_shard(buffers[i]) for i in indices],
                     hparams=hp,
                     neg_adjusted_lr=-adjusted_lr(hp.lr, hp.adjust_lr_fn, shape),
                     rounded_buffers=buffer_dtype != torch.float32,
                     in_place=buffer_dtype == torch.float32 and params[indices[0]].dtype == torch.float32,
+                    exchange=exchanges[indices[0]],
                 )
             )
     return batches
@@ -129,6 +157,7 @@ class MuonSide:
         self.params = list(params)
         self.buffers = list(buffers)
         self.batches = _batches(self.params, self.buffers, rows, max_matrices)
+        self._dtensor_grads = any(is_dtensor(p) for p in self.params)  # FSDP2: the step reads their local shards
         self._decay_products = {hp: hp.lr * hp.weight_decay for hp in rows}  # torch's `lr * weight_decay`, fp64
 
     def step(self, grads: Sequence[Tensor], grad_mul: Tensor, skip: Tensor, lr_factor: Tensor) -> None:
@@ -137,6 +166,8 @@ class MuonSide:
         never read here)."""
         if len(grads) != len(self.params) or any(g is None for g in grads):
             raise ValueError(f"MuonSide.step takes one grad per param ({len(self.params)}), none of them None")
+        if self._dtensor_grads:
+            grads = [local_shard(g) for g in grads]
         on_host = DECIDE_ON_HOST and skip.device.type == "cpu"
         if on_host and bool(skip):  # a CPU tensor's value is host memory: reading it waits for nothing
             return
@@ -156,6 +187,20 @@ def _stacked(tensors: list[Tensor]) -> Tensor:
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
+def _orthogonalize(batch: _Batch, directions: Tensor) -> Tensor:
+    """Newton-Schulz of the batch's directions (n, rows, cols): here, or, for row shards, at each matrix's owner
+    rank on the whole matrix (matrix_exchange.py), each rank getting its rows of the result back."""
+    hp = batch.hparams
+    if batch.exchange is None:
+        return orthogonalize_stack(directions, hp.ns_coefficients, hp.ns_steps, hp.eps)
+    # bf16 on the wire: Newton-Schulz's first op is that cast, so the owner orthogonalises the same bits
+    return batch.exchange.apply(
+        batch.indices,
+        directions.bfloat16(),
+        lambda whole: orthogonalize_stack(whole, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True),
+    )
+
+
 def _step_batch_in_place(batch: _Batch, grads, grad_mul: Tensor, lr_factor: Tensor, decay: Tensor) -> None:
     """An applied step on fp32 params, buffers and grads, updated in place (`_step_batch`'s arithmetic without its
     stacks of the old values and their selects: what torch.optim.Muon does, and what the host decisions allow,
@@ -167,7 +212,7 @@ def _step_batch_in_place(batch: _Batch, grads, grad_mul: Tensor, lr_factor: Tens
     torch._foreach_lerp_(batch.buffers, g, 1 - hp.momentum)
     update = torch._foreach_lerp(g, batch.buffers, hp.momentum) if hp.nesterov else batch.buffers
     del g
-    ortho = orthogonalize_stack(_stacked(list(update)), hp.ns_coefficients, hp.ns_steps, hp.eps)
+    ortho = _orthogonalize(batch, _stacked(list(update)))
     del update
     torch._foreach_mul_(batch.params, decay)
     torch._foreach_add_(batch.params, list(ortho.float().mul_(lr_factor).unbind(0)), alpha=batch.neg_adjusted_lr)
@@ -182,7 +227,7 @@ def _step_batch(batch: _Batch, grads, grad_mul: Tensor, skip: Tensor, lr_factor:
         buffers = buffers.to(batch.buffers[0].dtype).float()
     update = g.lerp(buffers, hp.momentum) if hp.nesterov else buffers
     del g
-    ortho = orthogonalize_stack(update, hp.ns_coefficients, hp.ns_steps, hp.eps)
+    ortho = _orthogonalize(batch, update)
     del update
     old_params = torch.stack(batch.params).float()
     params = (old_params * decay).add_(ortho.float().mul_(lr_factor), alpha=batch.neg_adjusted_lr)
