@@ -9,7 +9,10 @@ are updated right after the update pass from the same decisions (fused_stable/ma
 the clip multiplier before the momentum, the skip, the lr factor, as 0-dim device tensors): no host read. AdamW
 updates the rest. A skipped step leaves every param and momentum buffer bit-identical.
 
-Not yet: Muon groups under FSDP2 or DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line),
+Under DeepSpeed: ZeRO 0-2 through fused_stable.integrations.deepspeed (at ZeRO 1-2 each matrix is rebuilt whole on
+one owner rank for Newton-Schulz, integrations/deepspeed_muon.py); ZeRO-3 and ZeRO-Offload refused in one line.
+
+Not yet: Muon groups under FSDP2 (Newton-Schulz needs the whole matrix: refused in one line),
 8-bit momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor lrs in
 Muon groups.
 """
