@@ -278,16 +278,18 @@ def muon_state_names(engine) -> list[list[str]]:
     return [sorted(fused.state[p]) for group in fused.param_groups for p in group["params"]]
 
 
-def muon_runs(rank: int) -> dict:
+def muon_runs(rank: int, out_dir: str) -> dict:
     results: dict = {}
     for stage in (0, 1, 2):  # each rank its rows, the global clip and the schedule
         engine, model = muon_engine(stage, clip=True)
+        figures = state_figures(engine)
         norms = train(engine, rank, range(STEPS))
         results[("muon", stage, "split")] = {
             "params": full_fp32_params(engine, model),
             "norms": norms,
             **counters(engine),
             "states": muon_state_names(engine),
+            "state": {**figures, "measured": measured_state_bytes(engine)},
         }
     for stage in (1, 2):  # the whole batch on every rank: DeepSpeed's averaged grads are one process's
         engine, model = muon_engine(stage, clip=False)
@@ -301,6 +303,16 @@ def muon_runs(rank: int) -> dict:
             "orthogonalized": engine.fused_stable_step.orthogonalized_matrices,
         }
         results[("muon-inf", stage)] = muon_skip_run(rank, stage)
+    ckpt = os.path.join(out_dir, "ckpt-muon")  # a DeepSpeed checkpoint of the Muon partitions, resumed at ZeRO-2
+    engine, model = muon_engine(2, clip=True)
+    train(engine, rank, range(2))
+    engine.save_checkpoint(ckpt, tag="half")
+    train(engine, rank, range(2, STEPS))
+    straight = full_fp32_params(engine, model), counters(engine)
+    engine, model = muon_engine(2, clip=True)
+    engine.load_checkpoint(ckpt, tag="half")
+    train(engine, rank, range(2, STEPS))
+    results[("muon-resume", 2)] = {"straight": straight, "resumed": (full_fp32_params(engine, model), counters(engine))}
     from fused_stable.rules.muon import torch as muon_torch
 
     muon_torch.DECIDE_ON_HOST = False  # the path of every device but the CPU: exchange always, select the old
@@ -327,7 +339,7 @@ def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    results: dict = muon_runs(rank)
+    results: dict = muon_runs(rank, out_dir)
     # fp32 trajectories (compared with one process of torch AdamW + clip_grad_norm_ in the parent)
     for stage in (1, 2, 3):
         for groups in (1, 2):

@@ -314,3 +314,31 @@ def test_fused_muon_inf_on_one_rank_skips_on_every_rank(runs, stage):
         if stage == "device":
             for a, b in zip(entry["end"], result[("muon-inf", 2)]["end"]):
                 assert torch.equal(a, b), f"rank {rank}: the device path's steps differ from the host path's"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fused_muon_state_size_is_every_ranks_partitions(runs, stage):
+    """FusedMuon's state under ZeRO: a Muon partition's momentum_buffer (4 bytes an element) and AdamW's two
+    moments (8), 4 bytes of `step` a tensor; planned before the first step as held after it, on every rank."""
+    model = ds.make_muon_model()
+    numels = [[p.numel() for p in group["params"]] for group in ds.muon_groups(model)]
+    elements = partition_elements(numels, stage, ds.WORLD)
+    if stage == 0:
+        muon, adamw = elements[: ds.MUON_MATRICES], elements[ds.MUON_MATRICES :]
+    else:
+        muon, adamw = elements[:2], elements[2:]
+    expected = 4 * sum(muon) + 8 * sum(adamw) + 4 * len(elements)
+    for rank, result in enumerate(runs):
+        state = result[("muon", stage, "split")]["state"]
+        assert state["planned"] == state["measured"] == expected, (rank, state, expected)
+        assert state["per_rank"] == [expected] * ds.WORLD, (rank, state)
+
+
+def test_fused_muon_resumes_from_a_deepspeed_checkpoint_exactly(runs):
+    """ZeRO-2: the Muon partitions' momentum and the counters saved by engine.save_checkpoint, resumed bit-exactly."""
+    for rank, result in enumerate(runs):
+        entry = result[("muon-resume", 2)]
+        (straight, straight_counts), (resumed, resumed_counts) = entry["straight"], entry["resumed"]
+        for a, b in zip(straight, resumed):
+            assert torch.equal(a, b), f"rank {rank}: the resumed Muon run's params differ"
+        assert resumed_counts["applied"] == straight_counts["applied"] == ds.STEPS

@@ -3446,6 +3446,15 @@ MUTATIONS: list[Mutation] = [
         select="owners or newton_schulz_once",
     ),
     M(
+        "deepspeed-muon-every-rank-orthogonalises-every-matrix",
+        "fused_stable/integrations/deepspeed_muon.py",
+        "        owned = [i for i, r in enumerate(owner) if r == rank]\n",
+        "        owned = list(range(len(owner)))\n",
+        ["tests/integrations/test_integ_deepspeed.py"],
+        "each matrix is orthogonalised once per step, by its owner alone (not repeated on every rank)",
+        select="newton_schulz_once",
+    ),
+    M(
         "deepspeed-muon-newton-schulz-per-call",
         "fused_stable/integrations/deepspeed.py",
         "        if call < self.calls - 1:\n",
