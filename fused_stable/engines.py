@@ -24,6 +24,9 @@ from .sharding import norm_reducer
 
 # set by `drive` on the optimizer an integration drives: the reducer of its sum of squares across ranks
 DRIVEN_BY_ENGINE = "_fused_stable_engine_sumsq"
+# set by `drive` where the engine cuts a matrix rule's params (DeepSpeed's flat partitions of FusedMuon's
+# matrices): {rule name: build(params, states, groups)}, used instead of the rule's matrix.py `build`
+ENGINE_MATRIX_BUILDS = "_fused_stable_engine_matrix_builds"
 # the modules of DeepSpeed's optimizer wrappers that step the client optimizer on flat rank partitions
 ZERO_WRAPPER_MODULES = ("deepspeed.runtime.zero.", "deepspeed.runtime.bf16_optimizer")
 # frames looked at above step(): FusedAdamW.step -> _plain_step / hooks -> _fused_step -> build_step_plan, plus a
@@ -31,12 +34,20 @@ ZERO_WRAPPER_MODULES = ("deepspeed.runtime.zero.", "deepspeed.runtime.bf16_optim
 _MAX_DEPTH = 16
 
 
-def drive(optimizer, global_sumsq) -> None:
+def drive(optimizer, global_sumsq, matrix_builds: dict | None = None) -> None:
     """Marks `optimizer` as driven by an engine integration that calls step() once per engine step over the
     whole model, whose sum of squares `global_sumsq(local_per_tensor_sumsq, params)` turns into the global one.
-    Kept through everything that recomputes the reducer (add_param_group, load_state_dict, unpickling)."""
+    `matrix_builds` {rule name: build}: the engine's update of a matrix rule's groups, whose params it has cut
+    (same signature and step as the rule's matrix.py `build`). Kept through everything that recomputes the
+    reducer (add_param_group, load_state_dict, unpickling)."""
     optimizer.__dict__[DRIVEN_BY_ENGINE] = global_sumsq
+    optimizer.__dict__[ENGINE_MATRIX_BUILDS] = dict(matrix_builds or {})
     optimizer.norm_reducer = global_sumsq
+
+
+def matrix_builds_of(optimizer) -> dict:
+    """The engine's builds of matrix-rule updates (`drive`), {} when none replaces the rules' own."""
+    return optimizer.__dict__.get(ENGINE_MATRIX_BUILDS) or {}
 
 
 def norm_reducer_of(optimizer):

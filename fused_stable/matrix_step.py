@@ -8,7 +8,8 @@ decisions as 0-dim device tensors: the clip multiplier (before the rule's moment
 factor. No host read; a skipped step leaves every param and state bit-identical. Rule-free: the rule's states,
 update and state bytes are its matrix.py's. Under FSDP2 the params are DTensors and their grads too: a rule whose
 matrix.py says `ROW_SHARDS = True` (Muon) brings each whole matrix to an owner rank itself (matrix_exchange.py);
-any other matrix rule is refused there by FusedOptimizer.check_group.
+any other matrix rule is refused there by FusedOptimizer.check_group. An engine that cuts the params otherwise
+(DeepSpeed's flat partitions) brings its own update through engines.drive.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class MatrixSteps:
     of `key` (base lrs: the schedule's factor comes from the decisions); built anew when either changes (no tensor
     work but the states a param does not have yet)."""
 
-    def __init__(self, plan, key: tuple, param_groups: list[dict], rules: list, state, base_lrs: list) -> None:
+    def __init__(
+        self, plan, key: tuple, param_groups: list[dict], rules: list, state, base_lrs: list, builds: dict | None = None
+    ) -> None:
         self.plan, self.key = plan, key
         by_rule: dict[str, list[int]] = {}
         for index, group in enumerate(plan.groups):
@@ -49,7 +52,8 @@ class MatrixSteps:
                 if missing:
                     state[p].update(missing)
                 states.append(state[p])
-            self.updates.append((params, interface.build(params, states, groups)))
+            build = (builds or {}).get(rules[plan.groups[members[0]]].name, interface.build)  # engines.drive's
+            self.updates.append((params, build(params, states, groups)))
 
     def step(self, fstate: torch.Tensor) -> None:
         """One step of every matrix rule, from the decisions in the step's fp32 buffer."""

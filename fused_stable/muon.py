@@ -16,9 +16,11 @@ Newton-Schulz on the matrices it owns (batched by shape) and sends each rank its
 all-to-alls per batch of same-shaped matrices per step (fused_stable/matrix_exchange.py). Without an active clip
 this is the one-process step bit for bit; a placement other than Shard(0) or Replicate is refused in one line.
 
-Not yet: Muon groups under DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line), 8-bit
-momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor lrs in Muon
-groups.
+Under DeepSpeed: ZeRO 0-2 through fused_stable.integrations.deepspeed (at ZeRO 1-2 each matrix is rebuilt whole on
+one owner rank for Newton-Schulz, integrations/deepspeed_muon.py); ZeRO-3 and ZeRO-Offload refused in one line.
+
+Not yet: 8-bit momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor
+lrs in Muon groups.
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         key = hyperparameter_key(self.param_groups, rules, base_lrs)
         cached = self.__dict__.get("_matrix")  # (absent after unpickling: built again)
         if cached is None or cached.plan is not plan or cached.key != key:
-            cached = self._matrix = MatrixSteps(plan, key, self.param_groups, rules, self.state, base_lrs)
+            builds = engines.matrix_builds_of(self)  # an engine's own, where it cut the params (DeepSpeed)
+            cached = self._matrix = MatrixSteps(plan, key, self.param_groups, rules, self.state, base_lrs, builds)
         return cached
 
     # ------------------------------------------------------------------------------------------

@@ -28,6 +28,13 @@ check reads host memory (no device sync) and never skips a step on its own; ZeRO
 gradient partition by 1 (`unscale_and_clip_grads`) is replaced by nothing. docs/integrations.md says what is left.
 fp16 (DeepSpeed's loss scaler), NVMe offload, partial offload and ZenFlow are refused.
 
+FusedMuon runs at ZeRO 0 (whole params: every rank orthogonalises every matrix, as under DDP) and ZeRO 1-2: its
+Muon groups' momentum stays on the flat partitions, and each matrix is rebuilt whole on one owner rank for
+Newton-Schulz, its pieces of the result sent back (deepspeed_muon.py, given to the fused step through
+engines.drive); the same bits as one process's FusedMuon given the same grads. Refused in one line: ZeRO-3 (it cuts
+each param into its own partitions, which the exchange does not rebuild yet) and ZeRO-Offload with Muon groups;
+FusedAdafactor under ZeRO.
+
 The state's size: `FusedAdamW.state_bytes()` counts its groups' params, which ZeRO-3 empties between steps;
 `EngineStep.state_bytes()` counts this rank's partitions (what the step sees), `state_bytes_per_rank()` every rank's
 (a collective, once).
@@ -47,12 +54,14 @@ import torch.distributed as dist
 from .. import engines
 from ..optim import FusedOptimizer
 from ..optimizers import OPTIMIZERS
+from .deepspeed_muon import PartitionedMuon
 
 __all__ = ["EngineStep", "attach", "initialize", "prepare_config"]
 
 # what DeepSpeed's own norm becomes where its config cannot switch it off: a CPU constant, so its host check of the
 # norm (`is_invalid_grad_norm`, a bool() of a tensor) reads host memory and never waits for the device
 _HOST_ZERO = torch.zeros(())
+MUON = "muon"  # the matrix rule whose groups run here (ZeRO 0-2): FusedMuon's
 
 
 def _load_config(config: dict | str | Path) -> dict:
@@ -112,6 +121,18 @@ def prepare_config(config: dict | str | Path) -> dict:
     return cfg
 
 
+def _offloads(wrapper) -> bool:
+    """Whether a ZeRO wrapper offloads the optimizer (ZeRO 1-2: cpu_offload; ZeRO-3: offload_optimizer)."""
+    return bool(getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False))
+
+
+def _flat_layout(wrapper, group: int) -> list[tuple[tuple[int, ...], int]]:
+    """Group `group`'s params in ZeRO 1-2's flat buffer: (shape, offset) each, in DeepSpeed's order (its
+    round-robin order when round_robin_gradients is on), as its get_flat_partition reads them."""
+    metas, offsets = wrapper.round_robin_bit16_meta[group], wrapper.round_robin_bit16_offsets[group]
+    return [(tuple(meta.shape), int(offset)) for meta, offset in zip(metas, offsets)]
+
+
 def _offload_device(zero: dict, key: str = "offload_optimizer") -> str | None:
     section = zero.get(key)
     if not isinstance(section, dict):
@@ -126,19 +147,35 @@ def initialize(*, model: torch.nn.Module, optimizer: FusedOptimizer, config: dic
     if not isinstance(optimizer, FusedOptimizer):
         names = " or ".join(entry.title for entry in OPTIMIZERS.values() if not entry.own_param_groups)
         raise TypeError(f"optimizer must be a fused_stable {names}, got {type(optimizer).__name__}")
-    _refuse_groups_without_a_rule(optimizer)  # before deepspeed is imported: nothing runs for a refused optimizer
+    config = prepare_config(config)
+    zero = config["zero_optimization"]
+    # before deepspeed is imported: nothing runs for a refused optimizer
+    _refuse_groups_without_a_rule(optimizer, int(zero.get("stage", 0)), _offload_device(zero) is not None)
     import deepspeed
 
-    out = deepspeed.initialize(model=model, optimizer=optimizer, config=prepare_config(config), **kwargs)
+    out = deepspeed.initialize(model=model, optimizer=optimizer, config=config, **kwargs)
     attach(out[0])
     return out
 
 
-def _refuse_groups_without_a_rule(optimizer: FusedOptimizer) -> None:
-    """Groups of a matrix rule (FusedMuon's Muon groups, FusedAdafactor's) are updated after the fused step from
-    whole params; ZeRO hands the optimizer flat partitions of them: refused before the engine is built."""
+def _refuse_groups_without_a_rule(optimizer: FusedOptimizer, stage: int, offload: bool) -> None:
+    """Groups of a matrix rule are updated after the fused step from whole params, and ZeRO hands the optimizer
+    flat partitions of them: Muon's run at ZeRO 0 (whole params) and 1-2 (the matrices rebuilt for their owner,
+    deepspeed_muon.py); the rest is refused before the engine is built, in one line saying why."""
     rules = [optimizer.group_rule(group) for group in optimizer.param_groups]
-    matrix = [rule.title for rule in rules if not rule.elementwise]
+    muon = any(rule.name == MUON for rule in rules)
+    if muon and stage == 3:
+        raise ValueError(
+            f"{type(optimizer).__name__}'s Muon groups do not run under ZeRO-3 yet: ZeRO-3 cuts each matrix into "
+            "per-param partitions that the Muon exchange (built for ZeRO 1-2's flat groups) does not rebuild; use "
+            "ZeRO-1 or ZeRO-2 (or ZeRO-3 with FusedAdamW)"
+        )
+    if muon and offload:
+        raise ValueError(
+            f"{type(optimizer).__name__}'s Muon groups do not run with ZeRO-Offload yet: the exchange of whole "
+            "matrices between ranks runs on the device's partitions; drop offload_optimizer"
+        )
+    matrix = [rule.title for rule in rules if not rule.elementwise and rule.name != MUON]
     if matrix:
         usable = [e.title for e in OPTIMIZERS.values() if e.cls.RULE.elementwise and not e.own_param_groups]
         raise ValueError(
@@ -167,7 +204,8 @@ class EngineStep:
                 f"the engine's optimizer is {type(fused).__name__}, not a fused one: pass FusedAdamW(...) as "
                 "deepspeed.initialize's optimizer= (the config's `optimizer` section builds DeepSpeed's own)"
             )
-        _refuse_groups_without_a_rule(fused)
+        stage = int(engine.zero_optimization_stage()) if wrapper is not fused else 0
+        _refuse_groups_without_a_rule(fused, stage, _offloads(wrapper))
         if engine.gradient_clipping() > 0:
             raise ValueError(
                 "the engine clips (gradient_clipping > 0): pass the config through "
@@ -181,10 +219,12 @@ class EngineStep:
                 f"one (the config's `scheduler` section, or {type(fused).__name__}'s lr_schedule)"
             )
         self.engine, self.wrapper, self.optimizer = engine, wrapper, fused
-        self.stage = int(engine.zero_optimization_stage()) if wrapper is not fused else 0
+        self.stage = stage
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.engine_steps = 0  # engine steps this integration ran (host count; skipped steps included)
         self.offload = False
+        self.muon_layouts: dict = {}
+        self.muon_sides: list = []  # the Muon updates built (one per plan and hyper-parameters)
         if wrapper is fused:  # ZeRO 0: DeepSpeed all-reduces the grads and calls step() once with every group
             self.calls = 1
             self.process_group = None  # (the state is whole on every rank: state_bytes_per_rank gathers over all)
@@ -215,7 +255,9 @@ class EngineStep:
         for method, replacement in self.replaced.items():
             setattr(wrapper, method, replacement)
         wrapper._optimizer_step = self._group_step  # on the instance: DeepSpeed's loop calls this per group
-        engines.drive(fused, self._global_sumsq)  # the all-reduce of the sum of squares (cf. sharding.py)
+        # the all-reduce of the sum of squares (cf. sharding.py); the Muon groups' update on the partitions
+        builds = {MUON: self._build_muon} if self.muon_layouts else {}
+        engines.drive(fused, self._global_sumsq, builds)
         fused.invalidate_plan()  # DeepSpeed replaced the groups' params by its flat partitions: a new plan
 
     # ------------------------------------------------------------------------------------------
@@ -232,6 +274,30 @@ class EngineStep:
         if self.offload:  # the config cannot switch its norm off with offload: a constant, so it never skips
             self.replaced["scaled_global_norm"] = lambda norm_type=2: _HOST_ZERO
         self.group_of_call = list(range(self.calls))
+        self.muon_layouts = {  # flat partition's id -> (its group's matrices as (shape, offset), partition size)
+            id(self.flats[i]): (_flat_layout(wrapper, i), wrapper.partition_size[i])
+            for i, group in enumerate(self.optimizer.param_groups)
+            if self.optimizer.group_rule(group).name == MUON
+        }
+
+    def _build_muon(self, params, states, groups) -> PartitionedMuon:
+        """matrix_step's build for the Muon groups: their flat partitions, stepped by deepspeed_muon.py."""
+        layouts = [self.muon_layouts[id(p)] for p in params]
+        side = PartitionedMuon(
+            params,
+            [state["momentum_buffer"] for state in states],
+            groups,
+            [layout for layout, _ in layouts],
+            [size for _, size in layouts],
+            self.process_group,
+        )
+        self.muon_sides.append(side)
+        return side
+
+    @property
+    def orthogonalized_matrices(self) -> int:
+        """Matrices this rank ran Newton-Schulz on so far (ZeRO 1-2 with Muon groups; 0 otherwise): host count."""
+        return sum(side.orthogonalized for side in self.muon_sides)
 
     def _attach_stage_3(self, wrapper) -> None:
         self.flats = wrapper.fp32_partitioned_groups_flat

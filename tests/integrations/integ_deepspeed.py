@@ -89,8 +89,9 @@ def full_fp32_params(engine, model) -> list[torch.Tensor]:
     return [safe_get_full_fp32_param(p).detach().clone() for p in model.parameters()]
 
 
-def train(engine, rank: int, steps: range, inject_inf_at: int | None = None, model=None) -> list[float]:
-    """Steps on this rank's rows of the global batches; returns the optimizer's grad_norm after each."""
+def train(engine, rank: int, steps: range, inject_inf_at: int | None = None, model=None, same_data=False) -> list:
+    """Steps on this rank's rows of the global batches (every row on every rank: `same_data`); returns the
+    optimizer's grad_norm after each."""
     fused = getattr(engine.optimizer, "optimizer", engine.optimizer)
     handle = None
     norms = []
@@ -106,7 +107,7 @@ def train(engine, rank: int, steps: range, inject_inf_at: int | None = None, mod
 
             handle = list(model.parameters())[-1].register_hook(poison)
         x, y = batches[step]
-        rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        rows = slice(None) if same_data else slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
         out = engine(x[rows].to(next(engine.module.parameters()).dtype))
         loss = F.mse_loss(out.float(), y[rows])
         engine.backward(loss)
@@ -217,12 +218,128 @@ def train_torch_reference(engine, rank):
     return norms
 
 
+# ------------------------------------------------------------------------------------------------------------
+# FusedMuon (issue 50 item 2): two Muon groups of different hyper-parameters (two flat groups, their partitions cut
+# through matrices) and an AdamW group, on ZeRO 0-2
+
+
+def make_muon_model() -> torch.nn.Module:
+    """Matrices of 128, 256, 256 and 64 elements (tall, square twice, wide): each Muon group's flat buffer is cut
+    through a matrix on 2 ranks, and the square pair shares a Newton-Schulz stack."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)]
+    return torch.nn.Sequential(
+        layers[0], torch.nn.ReLU(), layers[1], torch.nn.ReLU(), layers[2], torch.nn.Tanh(), layers[3]
+    )
+
+
+MUON_MATRICES = 4
+
+
+def muon_groups(model: torch.nn.Module) -> list[dict]:
+    weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
+    return [
+        {"params": weights[:2], "use_muon": True, "lr": LR},
+        {"params": weights[2:], "use_muon": True, "lr": LR, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
+        {"params": biases, "use_muon": False, "lr": LR, "weight_decay": 0.0},
+    ]
+
+
+def fused_muon(model: torch.nn.Module, clip: bool):
+    from fused_stable import FusedMuon
+
+    return FusedMuon(muon_groups(model), max_grad_norm=MAX_NORM if clip else None, lr_schedule=schedule())
+
+
+def muon_engine(stage: int, clip: bool, **config):
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    model = make_muon_model()
+    engine, *_ = fs_deepspeed.initialize(
+        model=model, optimizer=fused_muon(model, clip), config=ds_config(stage, "fp32", **config)
+    )
+    return engine, model
+
+
+def train_accumulating(engine, steps: range) -> None:
+    """Two micro-batches per optimizer step (gradient_accumulation_steps 2), the whole global batch on every rank."""
+    batches = global_batches()
+    for step in steps:
+        x, y = batches[step]
+        for half in (slice(0, LOCAL_BATCH), slice(LOCAL_BATCH, None)):
+            engine.backward(F.mse_loss(engine(x[half]), y[half]))
+            engine.step()
+
+
+def muon_state_names(engine) -> list[list[str]]:
+    """The state keys of each flat partition the optimizer holds (momentum_buffer: Muon; exp_avg...: AdamW)."""
+    fused = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    return [sorted(fused.state[p]) for group in fused.param_groups for p in group["params"]]
+
+
+def muon_runs(rank: int, out_dir: str) -> dict:
+    results: dict = {}
+    for stage in (0, 1, 2):  # each rank its rows, the global clip and the schedule
+        engine, model = muon_engine(stage, clip=True)
+        figures = state_figures(engine)
+        norms = train(engine, rank, range(STEPS))
+        results[("muon", stage, "split")] = {
+            "params": full_fp32_params(engine, model),
+            "norms": norms,
+            **counters(engine),
+            "states": muon_state_names(engine),
+            "state": {**figures, "measured": measured_state_bytes(engine)},
+        }
+    for stage in (1, 2):  # the whole batch on every rank: DeepSpeed's averaged grads are one process's
+        engine, model = muon_engine(stage, clip=False)
+        train(engine, rank, range(STEPS), same_data=True)
+        results[("muon", stage, "same")] = {"params": full_fp32_params(engine, model), **counters(engine)}
+        engine, model = muon_engine(stage, clip=False, gradient_accumulation_steps=2)
+        train_accumulating(engine, range(STEPS))
+        results[("muon", stage, "accumulate")] = {
+            "params": full_fp32_params(engine, model),
+            **counters(engine),
+            "orthogonalized": engine.fused_stable_step.orthogonalized_matrices,
+        }
+        results[("muon-inf", stage)] = muon_skip_run(rank, stage)
+    ckpt = os.path.join(out_dir, "ckpt-muon")  # a DeepSpeed checkpoint of the Muon partitions, resumed at ZeRO-2
+    engine, model = muon_engine(2, clip=True)
+    train(engine, rank, range(2))
+    engine.save_checkpoint(ckpt, tag="half")
+    train(engine, rank, range(2, STEPS))
+    straight = full_fp32_params(engine, model), counters(engine)
+    engine, model = muon_engine(2, clip=True)
+    engine.load_checkpoint(ckpt, tag="half")
+    train(engine, rank, range(2, STEPS))
+    results[("muon-resume", 2)] = {"straight": straight, "resumed": (full_fp32_params(engine, model), counters(engine))}
+    from fused_stable.rules.muon import torch as muon_torch
+
+    muon_torch.DECIDE_ON_HOST = False  # the path of every device but the CPU: exchange always, select the old
+    try:
+        results[("muon-inf", "device")] = muon_skip_run(rank, 2)
+    finally:
+        muon_torch.DECIDE_ON_HOST = True
+    return results
+
+
+def muon_skip_run(rank: int, stage: int) -> dict:
+    """An inf in rank 0's gradient at INF_STEP: the states and params before and after it, then one more step."""
+    engine, model = muon_engine(stage, clip=True)
+    train(engine, rank, range(INF_STEP))
+    before = optimizer_states(engine), full_fp32_params(engine, model)
+    train(engine, rank, range(INF_STEP, INF_STEP + 1), inject_inf_at=INF_STEP, model=model)
+    after = optimizer_states(engine), full_fp32_params(engine, model)
+    train(engine, rank, range(INF_STEP + 1, STEPS))
+    return {"before": before, "after": after, **counters(engine), "end": full_fp32_params(engine, model)}
+
+
 def rank_worker(rank: int, world_size: int, out_dir: str) -> dict:
     setup_rank(rank)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    results: dict = {}
+    results: dict = muon_runs(rank, out_dir)
     # fp32 trajectories (compared with one process of torch AdamW + clip_grad_norm_ in the parent)
     for stage in (1, 2, 3):
         for groups in (1, 2):

@@ -239,3 +239,106 @@ def test_zero_offload_keeps_low_precision_state_in_host_memory(runs, kind, stage
     offloaded = largest_error(ours["params"], reference)
     one_process = largest_error(fused_trajectory(groups, ds.LOWBIT_HIDDEN, precision), reference)
     assert 0 < offloaded <= 2 * one_process, (offloaded, one_process)  # measured: equal (8-bit), 1.00002x (bf16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FusedMuon (issue 50 item 2): two Muon groups and an AdamW group, against one process's FusedMuon on the same data
+
+
+def muon_trajectory(clip: bool, accumulate: bool = False, nudge: bool = False) -> list[torch.Tensor]:
+    """One process, the whole batch (accumulating: two halves at loss / 2, as DeepSpeed scales by 1 / gas);
+    `nudge` moves every grad one fp32 ulp up before each step (the floor: Muon against itself)."""
+    model = ds.make_muon_model()
+    opt = ds.fused_muon(model, clip)
+    for x, y in ds.global_batches():
+        if accumulate:
+            for half in (slice(0, ds.LOCAL_BATCH), slice(ds.LOCAL_BATCH, None)):
+                (torch.nn.functional.mse_loss(model(x[half]), y[half]) / 2).backward()
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if nudge:
+            for p in model.parameters():
+                p.grad = torch.nextafter(p.grad, torch.full_like(p.grad, math.inf))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fused_muon_trajectory_equals_one_process(runs, stage):
+    """Each rank its rows, the global clip and the schedule: within the floor of one process's FusedMuon against
+    itself with one ulp moved in the grads (measured 1.5e-8; the engine's 3.7e-9 at each stage); one decision per
+    engine step; every Muon partition holds Muon's momentum_buffer and the AdamW one AdamW's moments (no param
+    stepped by another rule)."""
+    ours = same_on_every_rank(runs, ("muon", stage, "split"))
+    reference = muon_trajectory(clip=True)
+    assert_within_floor(f"FusedMuon, ZeRO-{stage}", ours["params"], reference, [muon_trajectory(True, nudge=True)])
+    assert ours["applied"] == ours["engine_steps"] == ds.STEPS and ours["skipped"] == 0
+    muon, adamw = (4, 4) if stage == 0 else (2, 1)  # ZeRO-0: the params; ZeRO 1-2: one flat partition a group
+    expected = [["momentum_buffer", "step"]] * muon + [["exp_avg", "exp_avg_sq", "step"]] * adamw
+    assert ours["states"] == expected
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fused_muon_with_one_process_grads_is_bit_exact(runs, stage):
+    """The whole batch on both ranks: DeepSpeed's averaged grads are one process's bit for bit, and so is every
+    param (the owner's whole matrix is the tensor one process orthogonalises)."""
+    ours = same_on_every_rank(runs, ("muon", stage, "same"))
+    for a, b in zip(ours["params"], muon_trajectory(clip=False)):
+        assert torch.equal(a, b), f"ZeRO-{stage}: {float((a - b).abs().max()):.3g} from one process's FusedMuon"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fused_muon_runs_newton_schulz_once_per_optimizer_step(runs, stage):
+    """Two micro-batches per step: each matrix orthogonalised once per optimizer step by its one owner (2 of the 4
+    matrices per rank: balanced), and the trajectory is one process's accumulating run bit for bit."""
+    ours = same_on_every_rank(runs, ("muon", stage, "accumulate"))
+    assert ours["applied"] == ours["engine_steps"] == ds.STEPS
+    counts = [result[("muon", stage, "accumulate")]["orthogonalized"] for result in runs]
+    assert counts == [ds.STEPS * ds.MUON_MATRICES // ds.WORLD] * ds.WORLD, counts
+    for a, b in zip(ours["params"], muon_trajectory(clip=False, accumulate=True)):
+        assert torch.equal(a, b), f"ZeRO-{stage} accumulating: {float((a - b).abs().max()):.3g} from one process"
+
+
+@pytest.mark.parametrize("stage", [1, 2, "device"])
+def test_fused_muon_inf_on_one_rank_skips_on_every_rank(runs, stage):
+    """An inf on rank 0: both ranks skip, momentum and params bit-identical; the host-decision path (CPU) and the
+    device path (exchange always, torch.where) take the same steps after it."""
+    for rank, result in enumerate(runs):
+        entry = result[("muon-inf", stage)]
+        (states_before, params_before), (states_after, params_after) = entry["before"], entry["after"]
+        assert len(states_before) == len(states_after) == 7  # 2 Muon partitions' buffer and step, AdamW's 3
+        for a, b in zip(states_before + params_before, states_after + params_after):
+            assert torch.equal(a, b), f"rank {rank}: a state or param changed on the skipped step"
+        assert entry["skipped"] == 1 and entry["applied"] == ds.STEPS - 1, f"rank {rank}: {entry}"
+        if stage == "device":
+            for a, b in zip(entry["end"], result[("muon-inf", 2)]["end"]):
+                assert torch.equal(a, b), f"rank {rank}: the device path's steps differ from the host path's"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fused_muon_state_size_is_every_ranks_partitions(runs, stage):
+    """FusedMuon's state under ZeRO: a Muon partition's momentum_buffer (4 bytes an element) and AdamW's two
+    moments (8), 4 bytes of `step` a tensor; planned before the first step as held after it, on every rank."""
+    model = ds.make_muon_model()
+    numels = [[p.numel() for p in group["params"]] for group in ds.muon_groups(model)]
+    elements = partition_elements(numels, stage, ds.WORLD)
+    if stage == 0:
+        muon, adamw = elements[: ds.MUON_MATRICES], elements[ds.MUON_MATRICES :]
+    else:
+        muon, adamw = elements[:2], elements[2:]
+    expected = 4 * sum(muon) + 8 * sum(adamw) + 4 * len(elements)
+    for rank, result in enumerate(runs):
+        state = result[("muon", stage, "split")]["state"]
+        assert state["planned"] == state["measured"] == expected, (rank, state, expected)
+        assert state["per_rank"] == [expected] * ds.WORLD, (rank, state)
+
+
+def test_fused_muon_resumes_from_a_deepspeed_checkpoint_exactly(runs):
+    """ZeRO-2: the Muon partitions' momentum and the counters saved by engine.save_checkpoint, resumed bit-exactly."""
+    for rank, result in enumerate(runs):
+        entry = result[("muon-resume", 2)]
+        (straight, straight_counts), (resumed, resumed_counts) = entry["straight"], entry["resumed"]
+        for a, b in zip(straight, resumed):
+            assert torch.equal(a, b), f"rank {rank}: the resumed Muon run's params differ"
+        assert resumed_counts["applied"] == straight_counts["applied"] == ds.STEPS

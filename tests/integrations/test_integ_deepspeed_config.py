@@ -85,15 +85,66 @@ def test_no_refusal_without_rules_elsewhere_or_when_driven():
     assert int(opt.applied_steps) == 1
 
 
-def test_fused_muon_is_refused_before_the_engine_is_built():
-    """FusedMuon's Muon groups need whole matrices, ZeRO steps flat partitions: one line, before deepspeed runs."""
+@pytest.mark.parametrize(
+    "zero, words",
+    [
+        ({"stage": 3}, "Muon groups do not run under ZeRO-3 yet: ZeRO-3 cuts each matrix into per-param partitions"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "Muon groups do not run with ZeRO-Offload yet"),
+    ],
+)
+def test_fused_muon_is_refused_before_the_engine_is_built_where_it_does_not_run(zero, words):
+    """FusedMuon runs at ZeRO 0-2 (test_integ_deepspeed.py); ZeRO-3 and ZeRO-Offload: one line, before deepspeed
+    runs (never a silent fallback of the Muon params to AdamW, as LLaMA-Factory's use_muon under ZeRO-3)."""
     from fused_stable import FusedMuon
     from fused_stable.integrations import deepspeed as fs_deepspeed
 
     model = torch.nn.Linear(8, 8)
     opt = FusedMuon([{"params": [model.weight], "use_muon": True}, {"params": [model.bias], "use_muon": False}])
-    with pytest.raises(ValueError, match="Newton-Schulz needs whole matrices"):
-        fs_deepspeed.initialize(model=model, optimizer=opt, config={"train_batch_size": 1})
+    with pytest.raises(ValueError, match=words):
+        fs_deepspeed.initialize(model=model, optimizer=opt, config={"train_batch_size": 1, "zero_optimization": zero})
+
+
+def _muon_layout():
+    from fused_stable.integrations.deepspeed_muon import Matrix
+
+    # two flat groups on 3 ranks: (16, 8) + (16, 16) padded to 390 (130 a rank), (4, 16) + (16, 16) in 324 (108)
+    return [Matrix(0, (16, 8), 0, 130), Matrix(0, (16, 16), 128, 130), Matrix(1, (4, 16), 0, 108)] + [
+        Matrix(1, (16, 16), 64, 108)
+    ]
+
+
+def test_muon_pieces_cover_each_matrix_once_at_its_place_in_the_partitions():
+    """deepspeed_muon.pieces: each matrix cut at its group's partition boundaries, every element once, in order."""
+    from fused_stable.integrations.deepspeed_muon import pieces
+
+    matrices = _muon_layout()
+    cut = pieces(matrices)
+    for index, m in enumerate(matrices):
+        mine = [p for p in cut if p.matrix == index]
+        assert [p.start for p in mine] == [0] + [sum(q.length for q in mine[:i]) for i in range(1, len(mine))]
+        assert sum(p.length for p in mine) == m.numel
+        for p in mine:  # the piece's place in its rank's partition is its place in the flat group
+            assert p.rank * m.partition_size + p.local == m.offset + p.start
+            assert 0 <= p.local and p.local + p.length <= m.partition_size
+    # the (16, 16) of group 0 lies across ranks 0 and 1 (elements 128-383 of 130-element partitions)
+    assert [(p.rank, p.local, p.length) for p in cut if p.matrix == 1] == [(0, 128, 2), (1, 0, 130), (2, 0, 124)]
+
+
+def test_muon_owners_balance_newton_schulz_work_and_the_exchange_is_symmetric():
+    """Owners by decreasing work to the least loaded rank; what rank r sends to owner q is what q expects from r."""
+    from fused_stable.integrations.deepspeed_muon import Exchange, owners, pieces
+
+    matrices = _muon_layout()
+    owner = owners(matrices, 3)
+    # work 1024, 4096, 256, 4096: the squares to ranks 0 and 1, the (16, 8) then the (4, 16) to the idle rank 2
+    assert owner == [2, 0, 2, 1]
+    assert owners(matrices, 2) == [0, 0, 1, 1]  # the (16, 8) to rank 0 (a tie), the (4, 16) to rank 1
+    cut = pieces(matrices)
+    plans = [Exchange.plan(cut, owner, rank, 3) for rank in range(3)]
+    for r in range(3):
+        for q in range(3):
+            assert plans[r].outgoing_counts[q] == plans[q].incoming_counts[r]
+    assert [plan.owned for plan in plans] == [[1], [3], [0, 2]]
 
 
 def test_fused_adafactor_is_refused_before_the_engine_is_built():

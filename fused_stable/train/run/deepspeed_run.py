@@ -6,7 +6,9 @@ with `torchrun --nproc_per_node N` or the `deepspeed` launcher (one process too)
   bf16 from `precision`, ZeRO's "auto" bucket sizes from the model's hidden size (as the HF Trainer fills them),
   then `fused_stable.integrations.deepspeed.prepare_config` (no `optimizer` section, `gradient_clipping` 0, no fp16).
 - The engine (`start`): `fs_deepspeed.initialize` with the trainer's FusedAdamW, so the clip, the skip, the z-score
-  rules and the lr schedule are decided once per engine step from the global norm across ranks. The loop calls
+  rules and the lr schedule are decided once per engine step from the global norm across ranks. `optim muon`
+  (FusedMuon) at ZeRO 0-2 without offload: its matrices are rebuilt whole for Newton-Schulz on an owner rank
+  (integrations/deepspeed_muon.py); ZeRO-3 and offload are refused before the model loads. The loop calls
   `backward` and `step` on every micro-batch; DeepSpeed steps the optimizer at its accumulation boundary, which
   `check_step` holds to the window's last micro-batch.
 - Checkpoints: written and read with every other kind of run's, in `checkpoint_contents` (every rank's
@@ -76,8 +78,19 @@ def check_keys(cfg) -> None:
             f"quant_bits={cfg.quant_bits} (QLoRA) under ZeRO-3 is not supported: ZeRO-3 partitions the quantised "
             "base weights, which bitsandbytes' layers cannot gather; use ZeRO 0-2 (the adapters are what trains)"
         )
+    if cfg.optim == "muon" and (stage_of(raw, cfg) == 3 or _offloads(raw)):
+        raise UserError(
+            f"optim muon under {_where(cfg)}: FusedMuon's Muon matrices run at ZeRO 0-2 without offload_optimizer "
+            "(ZeRO-3's per-param partitions and the offloaded step are not built for Muon yet); use zero_stage 1 "
+            "or 2, or optim adamw"
+        )
     # every refusal that does not need the model or the process count: the file's own mistakes, named
     _prepare(_fill(raw, cfg, world_size=None, precision=None, hidden=None), cfg)
+
+
+def _offloads(raw: dict) -> bool:
+    section = raw.get("zero_optimization", {}).get("offload_optimizer")
+    return isinstance(section, dict) and str(section.get("device", "none")).lower() != "none"
 
 
 def _where(cfg) -> str:

@@ -39,8 +39,6 @@ def _build_over_groups(cls) -> Callable:
 def _muon_missing(cfg, deepspeed: bool) -> str | None:
     if cfg.loraplus_lr_ratio is not None:
         return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
-    if deepspeed:
-        return "optim muon orthogonalises whole matrices, and DeepSpeed ZeRO steps flat partitions of them"
     if cfg.tuner == "full" and cfg.state_precision == "8bit":
         # the one place this is refused: remove it when FusedMuon keeps 8-bit momentum
         return (
