@@ -31,7 +31,13 @@ def torchrun(*argv, program=("-m", "fused_stable"), env=None, timeout=300):
     """`torchrun --standalone --nproc-per-node 2 PROGRAM sft ARGV` in a fresh process tree (its own free
     rendezvous port); one OpenMP thread per rank on this 2-core machine."""
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {**{k: v for k, v in os.environ.items() if k not in launch}, "OMP_NUM_THREADS": "1", **(env or {})}
+    # PYTHONFAULTHANDLER: a rank that aborts (issue 52's rare SIGABRT at exit) prints every thread's Python stack
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in launch},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+        **(env or {}),
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -310,7 +316,7 @@ def test_bad_input_one_line_from_rank0_exit_2(tmp_path):
     # torchrun's own summary: the workers exited with code 2 (one may instead show the SIGTERM torchrun sends
     # the rest of the group as soon as the first one has exited)
     codes = {line.split(":")[1].split()[0] for line in proc.stderr.splitlines() if line.strip().startswith("exitcode")}
-    assert "2" in codes and codes <= {"2", "-15"}, codes
+    assert "2" in codes and codes <= {"2", "-15"}, (codes, proc.stderr[-6000:])
     assert os.listdir(out) == ["run.yaml"] and (out / "run.yaml").read_text() == "lr: 0.1\n"
 
 
