@@ -2,14 +2,14 @@
 rank, which receives every rank's rows of it, runs the rule's whole-matrix function (Muon's Newton-Schulz) on the
 matrices it owns, batched, and sends each rank its rows of the result.
 
-Owners are assigned once, by size: the matrices sorted largest first, each to the rank with the least work so far
-(numel as the proxy of Newton-Schulz's cost; ties to the lowest rank), so every rank computes the same table and
-the work is balanced. A step costs two `all_to_all_single` calls per batch of same-shaped matrices over the shard
-dim's process group: the rows to their owners, the results back (each rank sends and receives every matrix's
-rows once each way). Gather / scatter per owner moves the same bytes in 2 x ranks calls per batch: slower on gloo
-(benchmarks/muon_exchange.py; docs/integrations.md has the numbers). Rule-free: the rule passes the stack to
-send (in the dtype it wants on the wire) and its function of the whole stack; DeepSpeed's flat partitions could
-use the same tables.
+Owners are assigned once, by cost: the matrices sorted costliest first, each to the rank with the least cost so far
+(the rule's cost of a shape: Muon's is Newton-Schulz's work, elements x the smaller side; ties to the lowest rank),
+so every rank computes the same table and the work is balanced. A step costs two `all_to_all_single` calls per batch
+of same-shaped matrices over the shard dim's process group: the rows to their owners, the results back (each rank
+sends and receives every matrix's rows once each way). Gather / scatter per owner moves the same bytes in 2 x ranks
+calls per batch: slower on gloo (benchmarks/muon_exchange.py; docs/integrations.md has the numbers). Rule-free: the
+rule passes the stack to send (in the dtype it wants on the wire) and its function of the whole stack; DeepSpeed's
+flat partitions (integrations/deepspeed_muon.py) take their owners from the same `balanced_owners`.
 
 Rows are torch.chunk's pieces (what Shard(0) holds: rank k has rows [k * ceil(R / n), (k + 1) * ceil(R / n)),
 clamped, possibly none). Placements other than Shard(0) on one mesh dim and Replicate on the others are refused
@@ -18,37 +18,27 @@ clamped, possibly none). Placements other than Shard(0) on one mesh dim and Repl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .sharded_state import _chunk
-from .sharding import is_dtensor
+from .sharding import NotRowShards, chunk_span, row_shard_mesh_dim
 
 
 def row_shard_dim(p: Tensor, what: str = "param") -> int | None:
     """The mesh dim on which DTensor `p` holds Shard(0) rows (None: replicated everywhere, or a plain tensor);
     ValueError, in one line, for any other placement."""
-    if not is_dtensor(p):
-        return None
-    dims = []
-    for mesh_dim, placement in enumerate(p.placements):
-        if placement.is_replicate():
-            continue
-        # exactly Shard(0): a _StridedShard (FSDP2 over tensor parallel) interleaves rows of several owners
-        if type(placement).__name__ == "Shard" and placement.dim == 0:
-            dims.append(mesh_dim)
-            continue
-        dims.append(None)
-    if None in dims or len(dims) > 1:
+    try:
+        return row_shard_mesh_dim(p)
+    except NotRowShards:
         raise ValueError(
             f"{what} of shape {tuple(p.shape)} is placed as {tuple(p.placements)}: a matrix rule under FSDP2 takes "
             "Shard(0) (fully_shard's rows) on one mesh dim and Replicate on the others; shard it with fully_shard "
             "alone, or put it in an AdamW group (use_muon=False)"
-        )
-    return dims[0] if dims else None
+        ) from None
 
 
 def check_row_shards(params: Sequence[Tensor], title: str) -> None:
@@ -57,14 +47,15 @@ def check_row_shards(params: Sequence[Tensor], title: str) -> None:
         row_shard_dim(p, f"{title} group: param {index}")
 
 
-def balanced_owners(numels: Sequence[int], ranks: int) -> list[int]:
-    """Each matrix's owner: largest first, to the rank with the least numel so far (ties: the lowest rank)."""
+def balanced_owners(costs: Sequence[int], ranks: int) -> list[int]:
+    """Each matrix's owner: costliest first, to the rank with the least cost so far (ties: the lower index, the
+    lowest rank); the same table on every rank."""
     loads = [0] * ranks
-    owners = [0] * len(numels)
-    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         owner = min(range(ranks), key=lambda r: (loads[r], r))
         owners[index] = owner
-        loads[owner] += numels[index]
+        loads[owner] += costs[index]
     return owners
 
 
@@ -90,30 +81,33 @@ class MatrixExchange:
     """The matrices of one process group's row shards: their owners, and `apply` to run a function on the whole
     matrices at their owners. `shapes` maps the caller's index of each matrix to its global shape."""
 
-    def __init__(self, shapes: Mapping[int, Sequence[int]], group, rank: int, ranks: int) -> None:
+    def __init__(
+        self, shapes: Mapping[int, Sequence[int]], group, rank: int, ranks: int, cost: Callable = math.prod
+    ) -> None:
         self.group, self.rank, self.ranks = group, rank, ranks
         self.shapes = {index: (int(shape[0]), int(shape[1])) for index, shape in shapes.items()}
         members = list(self.shapes)
-        owners = balanced_owners([rows * cols for rows, cols in self.shapes.values()], ranks)
+        owners = balanced_owners([cost(shape) for shape in self.shapes.values()], ranks)
         self.owners = dict(zip(members, owners))
         self._routes: dict[tuple[int, ...], _BatchRoute] = {}
 
     @classmethod
-    def of_param(cls, p: Tensor, shapes: Mapping[int, Sequence[int]]) -> MatrixExchange | None:
-        """The exchange over the process group on which DTensor `p` holds its rows; None when `p` is whole on every
-        rank (a plain tensor, Replicate, or a shard dim of one rank)."""
+    def of_param(cls, p: Tensor, shapes: Mapping[int, Sequence[int]], cost: Callable) -> MatrixExchange | None:
+        """The exchange over the process group on which DTensor `p` holds its rows, owners balanced by `cost(shape)`
+        (the whole-matrix function's); None when `p` is whole on every rank (a plain tensor, Replicate, or a shard
+        dim of one rank)."""
         mesh_dim = row_shard_dim(p)
         if mesh_dim is None or p.device_mesh.size(mesh_dim) == 1:
             return None
         mesh = p.device_mesh
-        return cls(shapes, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
+        return cls(shapes, mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim), cost)
 
     def route(self, indices: tuple[int, ...]) -> _BatchRoute:
         """The split sizes of a batch of same-shaped matrices (computed once per batch)."""
         route = self._routes.get(indices)
         if route is None:
             rows, cols = self.shapes[indices[0]]
-            starts = [_chunk(rows, self.ranks, k)[0] for k in range(self.ranks)] + [rows]
+            starts = [chunk_span(rows, self.ranks, k)[0] for k in range(self.ranks)] + [rows]
             route = self._routes[indices] = _BatchRoute([self.owners[i] for i in indices], self.rank, starts, cols)
         return route
 

@@ -10,10 +10,10 @@ the clip multiplier before the momentum, the skip, the lr factor, as 0-dim devic
 updates the rest. A skipped step leaves every param and momentum buffer bit-identical.
 
 Under FSDP2 (Shard(0) DTensor params, as `fully_shard` leaves them) the momentum buffers are sharded like their
-params and the elementwise work runs on each rank's rows; each matrix has one owner rank (assigned once by size:
-largest first, to the least loaded rank), which receives every rank's rows of the matrix's direction (bf16), runs
-Newton-Schulz on the matrices it owns (batched by shape) and sends each rank its rows of the result: two
-all-to-alls per batch of same-shaped matrices per step (fused_stable/matrix_exchange.py). Without an active clip
+params and the elementwise work runs on each rank's rows; each matrix has one owner rank (assigned once by Newton-
+Schulz work: costliest first, to the least loaded rank), which receives every rank's rows of the matrix's direction
+(bf16), runs Newton-Schulz on the matrices it owns (batched by shape) and sends each rank its rows of the result:
+two all-to-alls per batch of same-shaped matrices per step (fused_stable/matrix_exchange.py). Without an active clip
 this is the one-process step bit for bit; a placement other than Shard(0) or Replicate is refused in one line.
 
 Under DeepSpeed: ZeRO 0-2 through fused_stable.integrations.deepspeed (at ZeRO 1-2 each matrix is rebuilt whole on

@@ -18,35 +18,21 @@ from __future__ import annotations
 import torch
 
 from . import state_format
-from .sharding import is_dtensor, local
+from .sharding import NotRowShards, chunk_span, is_dtensor, local, row_shard_mesh_dim
 from .state_format import Q8, QUANT_BLOCK, SCALE_SUFFIX
-
-
-def _chunk(total: int, pieces: int, index: int) -> tuple[int, int]:
-    """torch.chunk's piece `index` of `total` items in `pieces` (what Shard(0) holds): [start, end)."""
-    size = -(-total // pieces)
-    return min(index * size, total), min((index + 1) * size, total)
 
 
 def _shard_dim(p: torch.Tensor) -> int | None:
     """The one mesh dim on which DTensor `p` is sharded along its dim 0 (None: replicated everywhere); refuses
     any other layout for 8-bit state."""
-    dims = []
-    for mesh_dim, placement in enumerate(p.placements):
-        if placement.is_replicate():
-            continue
-        # exactly Shard(0): a _StridedShard (a Shard subclass) interleaves rows, so its pieces are no global blocks
-        if placement.is_shard() and placement.dim == 0 and type(placement).__name__ == "Shard":
-            dims.append(mesh_dim)
-            continue
-        dims.append(None)
-    if None in dims or len(dims) > 1:
+    try:
+        return row_shard_mesh_dim(p)
+    except NotRowShards:
         raise ValueError(
             f"8-bit optimizer state for a parameter of shape {tuple(p.shape)} placed as {p.placements} is not "
             "supported (only Shard(0) on one mesh dim, as FSDP2's fully_shard, or Replicate): give its param group "
             "state_precision='bf16' or 'fp32'"
-        )
-    return dims[0] if dims else None
+        ) from None
 
 
 def check_q8_layout(p: torch.Tensor) -> None:
@@ -57,9 +43,9 @@ def check_q8_layout(p: torch.Tensor) -> None:
     pieces, rows, numel = p.device_mesh.size(mesh_dim), p.shape[0], p.numel()
     row_size = numel // rows if rows else 0
     blocks = state_format.num_blocks(numel)
-    spans = [tuple(row * row_size for row in _chunk(rows, pieces, index)) for index in range(pieces)]
+    spans = [tuple(row * row_size for row in chunk_span(rows, pieces, index)) for index in range(pieces)]
     misplaced = [index for index, (start, _) in enumerate(spans) if start % QUANT_BLOCK and start != numel]
-    split = [_chunk(blocks, pieces, index) for index in range(pieces)]
+    split = [chunk_span(blocks, pieces, index) for index in range(pieces)]
     if misplaced:
         index = misplaced[0]
         why = f"shard {index} starts at element {spans[index][0]}, not on a {QUANT_BLOCK}-element block"

@@ -34,6 +34,33 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def chunk_span(total: int, pieces: int, index: int) -> tuple[int, int]:
+    """torch.chunk's piece `index` of `total` items in `pieces` (what Shard(0) holds): [start, end)."""
+    size = -(-total // pieces)
+    return min(index * size, total), min((index + 1) * size, total)
+
+
+def row_shard_mesh_dim(p: torch.Tensor) -> int | None:
+    """The one mesh dim on which DTensor `p` holds torch.chunk's rows (Shard(0)); None when `p` is whole on
+    every rank (a plain tensor, or Replicate on every mesh dim). Any other layout raises NotRowShards: its
+    caller says, in one line, what that layout means for it."""
+    if not is_dtensor(p):
+        return None
+    dims = []
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_replicate():
+            continue
+        # exactly Shard(0): a _StridedShard (a Shard subclass, FSDP2 over tensor parallel) interleaves rows
+        dims.append(mesh_dim if type(placement).__name__ == "Shard" and placement.dim == 0 else None)
+    if None in dims or len(dims) > 1:
+        raise NotRowShards(f"placed as {tuple(p.placements)}")
+    return dims[0] if dims else None
+
+
+class NotRowShards(ValueError):
+    """A DTensor placed other than Shard(0) on one mesh dim and Replicate on the others."""
+
+
 def norm_reducer(param_groups: list[dict]):
     """`global_sumsq` when some param is a DTensor (FSDP2): the all-reduce that turns the local sums of squares
     into the global one; None otherwise (every local norm is the global one)."""

@@ -17,12 +17,13 @@ the accumulation boundary), from the step's decisions (clip multiplier, skip fla
 Owners: the matrices by decreasing Newton-Schulz work (elements x the smaller side), each to the rank with the
 least work so far; the same on every rank, from the layout alone. Every element travels once each way, in bf16.
 
-The same bits as one process's FusedMuon given the same grads: U and its bf16 rounding are elementwise (the
-stack's first op in orthogonalize_stack is that rounding), so the owner's matrix is the bf16 tensor MuonSide
-stacks; Newton-Schulz of a matrix does not depend on the other matrices of its stack; the decay and the add are
-MuonSide's ops with its scalars. These are MuonSide's ops (rules/muon/torch.py `_step_batch`) cut around the
-exchange: keep the two in step. A skipped step (the decision is global, read on the host for CPU tensors)
-returns before any exchange on every rank; on other devices every step exchanges and selects with torch.where.
+The same bits as one process's FusedMuon given the same grads: U and its bf16 rounding are elementwise (the stack's
+first op in orthogonalize_stack is that rounding), so the owner's matrix is the bf16 tensor MuonSide stacks; Newton-
+Schulz of a matrix does not depend on the other matrices of its stack; the decay and the add are MuonSide's ops with
+its scalars: the momentum and the decay are the same functions (rules/muon/torch.py `momentum_and_direction`,
+`decay_factor`), the add is `_step_batch`'s per piece. A skipped step (the decision is global, read on the host for
+CPU tensors) returns before any exchange on every rank; on other devices every step exchanges and selects with
+torch.where.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..matrix_exchange import balanced_owners
 from ..rules.muon import adjusted_lr
 from ..rules.muon import torch as muon_torch
-from ..rules.muon.newton_schulz import orthogonalize_stack
-from ..rules.muon.torch import MuonHparams
+from ..rules.muon.newton_schulz import newton_schulz_work, orthogonalize_stack
+from ..rules.muon.torch import MuonHparams, decay_factor, momentum_and_direction
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,8 @@ class Matrix:
         return self.shape[0] * self.shape[1]
 
     @property
-    def work(self) -> int:  # Newton-Schulz's products cost elements x the smaller side
-        return self.numel * min(self.shape)
+    def work(self) -> int:
+        return newton_schulz_work(self.shape)
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,9 @@ def pieces(matrices: list[Matrix]) -> list[Piece]:
 
 
 def owners(matrices: list[Matrix], world: int) -> list[int]:
-    """Each matrix's owner rank: by decreasing work, to the least loaded rank (ties: the lower index, rank)."""
-    load, owner = [0] * world, [0] * len(matrices)
-    for index in sorted(range(len(matrices)), key=lambda i: (-matrices[i].work, i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owner[index] = rank
-        load[rank] += matrices[index].work
-    return owner
+    """Each matrix's owner rank: by decreasing Newton-Schulz work, to the least loaded rank (FSDP2's assignment,
+    matrix_exchange.balanced_owners)."""
+    return balanced_owners([m.work for m in matrices], world)
 
 
 @dataclass(frozen=True)
@@ -166,12 +164,9 @@ class PartitionedMuon:
         """MuonSide's momentum and Nesterov direction, on each partition (elementwise, fp32)."""
         new_buffers, directions = [], []
         for grad, buffer, hp in zip(grads, self.buffers, self.hparams):
-            g = grad.float() * grad_mul
-            new = buffer.float().lerp(g, 1 - hp.momentum)
-            if buffer.dtype != torch.float32:  # Nesterov reads the stored (rounded) buffer, as torch does
-                new = new.to(buffer.dtype).float()
+            new, direction = momentum_and_direction(grad.float() * grad_mul, buffer.float(), hp, buffer.dtype)
             new_buffers.append(new)
-            directions.append(g.lerp(new, hp.momentum) if hp.nesterov else new)
+            directions.append(direction)
         return new_buffers, directions
 
     def _to_owners(self, directions: list[Tensor]) -> Tensor:
@@ -213,8 +208,7 @@ class PartitionedMuon:
         as torch's), then each piece's `add(O * lr_factor, alpha=-adjusted_lr)` with its matrix's shape."""
         lr_factor64 = lr_factor.double()
         new_params = [
-            p.float() * (1.0 - hp.lr * hp.weight_decay * lr_factor64).float()
-            for p, hp in zip(self.params, self.hparams)
+            p.float() * decay_factor(hp.lr * hp.weight_decay, lr_factor64) for p, hp in zip(self.params, self.hparams)
         ]
         at = 0
         for p in self.exchange.outgoing:

@@ -3439,8 +3439,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "deepspeed-muon-owners-unbalanced",
         "fused_stable/integrations/deepspeed_muon.py",
-        "        load[rank] += matrices[index].work\n",
-        "        pass\n",
+        "    return balanced_owners([m.work for m in matrices], world)\n",
+        "    return [0] * len(matrices)\n",
         ["tests/integrations/test_integ_deepspeed_config.py", "tests/integrations/test_integ_deepspeed.py"],
         "each matrix has one owner, balanced by Newton-Schulz work (2 of the 4 matrices per rank)",
         select="owners or newton_schulz_once",
@@ -3556,7 +3556,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "fsdp2-muon-column-shards-accepted",
-        "fused_stable/matrix_exchange.py",
+        "fused_stable/sharding.py",
         "    if None in dims or len(dims) > 1:\n",
         "    if False:\n",
         ["tests/core/test_fused_adafactor.py"],

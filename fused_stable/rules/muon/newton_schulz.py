@@ -42,6 +42,12 @@ class ShapeBatches:
         return f"ShapeBatches({[(shape, len(indices)) for shape, indices in self.batches]})"
 
 
+def newton_schulz_work(shape: Sequence[int]) -> int:
+    """The relative cost of orthogonalising one (A, B) matrix: its products cost elements x the smaller side (the
+    Gram side), what owner ranks are balanced by under FSDP2 and DeepSpeed."""
+    return int(shape[0]) * int(shape[1]) * min(int(shape[0]), int(shape[1]))
+
+
 def orthogonalize_stack(
     stack: Tensor, coefficients: Sequence[float], ns_steps: int, eps: float, *, overwrite: bool = False
 ) -> Tensor:

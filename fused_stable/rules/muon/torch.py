@@ -39,7 +39,7 @@ from ...matrix_exchange import MatrixExchange, row_shard_dim
 from ...sharding import is_dtensor
 from ...sharding import local as local_shard
 from . import DEFAULTS, adjusted_lr, check_muon_group
-from .newton_schulz import ShapeBatches, orthogonalize_stack
+from .newton_schulz import ShapeBatches, newton_schulz_work, orthogonalize_stack
 
 # On CPU tensors the step branches on the skip decision (a read of host memory, as the torch backend's host
 # decisions): nothing runs on a skipped step, an applied one updates in place. Elsewhere (CUDA, meta) every step
@@ -77,7 +77,6 @@ class _Batch:
     buffers: list[Tensor]
     hparams: MuonHparams
     neg_adjusted_lr: float  # -adjusted_lr(lr, adjust_lr_fn, shape): the add's alpha, as torch passes it
-    rounded_buffers: bool  # buffers stored below fp32: Nesterov reads the stored value, as torch does
     in_place: bool  # fp32 params and buffers: an applied step on host decisions updates them in place
     exchange: MatrixExchange | None  # row shards (FSDP2): Newton-Schulz at each matrix's owner rank
 
@@ -92,7 +91,7 @@ def _exchanges(params) -> list[MatrixExchange | None]:
             keyed.setdefault((p.device_mesh, mesh_dim), {})[i] = tuple(p.shape)
     exchanges: list[MatrixExchange | None] = [None] * len(params)
     for shapes in keyed.values():
-        exchange = MatrixExchange.of_param(params[next(iter(shapes))], shapes)
+        exchange = MatrixExchange.of_param(params[next(iter(shapes))], shapes, newton_schulz_work)
         for i in shapes:
             exchanges[i] = exchange
     return exchanges
@@ -116,7 +115,6 @@ def _batches(params, buffers, hparams, max_matrices) -> list[_Batch]:
                     buffers=[local_shard(buffers[i]) for i in indices],
                     hparams=hp,
                     neg_adjusted_lr=-adjusted_lr(hp.lr, hp.adjust_lr_fn, shape),
-                    rounded_buffers=buffer_dtype != torch.float32,
                     in_place=buffer_dtype == torch.float32 and params[indices[0]].dtype == torch.float32,
                     exchange=exchanges[indices[0]],
                 )
@@ -172,14 +170,30 @@ class MuonSide:
         if on_host and bool(skip):  # a CPU tensor's value is host memory: reading it waits for nothing
             return
         skip = skip != 0
-        # torch computes `1 - lr * wd` in fp64 on the host and rounds it once: the same in fp64 on the device
         lr_factor64 = lr_factor.double()
-        decays = {hp: (1.0 - product * lr_factor64).float() for hp, product in self._decay_products.items()}
+        decays = {hp: decay_factor(product, lr_factor64) for hp, product in self._decay_products.items()}
         for batch in self.batches:
             if on_host and batch.in_place:
                 _step_batch_in_place(batch, grads, grad_mul, lr_factor, decays[batch.hparams])
             else:
                 _step_batch(batch, grads, grad_mul, skip, lr_factor, decays[batch.hparams])
+
+
+def decay_factor(lr_times_weight_decay: float, lr_factor64: Tensor) -> Tensor:
+    """The params' decay `1 - lr * lr_factor * weight_decay`: torch computes `1 - lr * wd` in fp64 on the host and
+    rounds it once; the same in fp64 on the device, with the schedule's factor (`lr_factor64`, fp64)."""
+    return (1.0 - lr_times_weight_decay * lr_factor64).float()
+
+
+def momentum_and_direction(g: Tensor, old_buffers: Tensor, hp: MuonHparams, stored: torch.dtype):
+    """torch.optim.Muon's momentum and update direction in fp32, from the clipped fp32 grads and buffers:
+    `B = B.lerp(g, 1 - momentum)` (rounded to the `stored` dtype and back when the buffers are kept below fp32:
+    Nesterov reads the stored value, as torch does), `U = g.lerp(B, momentum)` with Nesterov, else `B`. Elementwise:
+    the same bits on a stack of whole matrices and on any piece of them (FSDP2's rows, DeepSpeed's partitions)."""
+    buffers = old_buffers.lerp(g, 1 - hp.momentum)
+    if stored != torch.float32:
+        buffers = buffers.to(stored).float()
+    return buffers, (g.lerp(buffers, hp.momentum) if hp.nesterov else buffers)
 
 
 def _stacked(tensors: list[Tensor]) -> Tensor:
@@ -222,10 +236,7 @@ def _step_batch(batch: _Batch, grads, grad_mul: Tensor, skip: Tensor, lr_factor:
     hp = batch.hparams
     g = torch.stack([grads[i] for i in batch.indices]).float() * grad_mul
     old_buffers = torch.stack(batch.buffers).float()
-    buffers = old_buffers.lerp(g, 1 - hp.momentum)
-    if batch.rounded_buffers:
-        buffers = buffers.to(batch.buffers[0].dtype).float()
-    update = g.lerp(buffers, hp.momentum) if hp.nesterov else buffers
+    buffers, update = momentum_and_direction(g, old_buffers, hp, batch.buffers[0].dtype)
     del g
     ortho = _orthogonalize(batch, update)
     del update
