@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, out_dir: str, args: tuple, timeout=None) -> None:
     # One thread per rank: the test machines have 2 cores and several ranks share them.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    init = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -35,8 +37,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, out_dir: str, ar
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, out_dir: Path, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+def spawn(fn: Callable, world_size: int, out_dir: Path, *args: Any, timeout: timedelta | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. ``timeout``:
+    the process group's (a rank left waiting alone in a collective fails the run instead of hanging it)."""
     port = free_port()
-    mp.spawn(_entry, args=(world_size, port, fn, str(out_dir), args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, port, fn, str(out_dir), args, timeout), nprocs=world_size, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from integ_dist import free_port
+from integ_dist import spawn
+from integ_sharded import full_state, grads_at, run_steps, save_or_resume, seeded
 
 from fused_stable import FusedMuon
 from fused_stable.rules.muon import torch as muon_torch
@@ -38,13 +37,7 @@ TIMEOUT = timedelta(seconds=60)
 
 
 def full_params():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=gen) for shape in SHAPES]
-
-
-def full_grads(step):
-    gen = torch.Generator().manual_seed(10 + step)
-    return [torch.randn(shape, generator=gen) for shape in SHAPES]
+    return seeded(SHAPES, 0)
 
 
 def make_optimizer(params, max_grad_norm=None):
@@ -52,23 +45,6 @@ def make_optimizer(params, max_grad_norm=None):
     rest = [p for p in params if p.ndim != 2]
     groups = [{"params": matrices, "use_muon": True, "lr": 2e-2}, {"params": rest, "use_muon": False, "lr": 1e-2}]
     return FusedMuon(groups, max_grad_norm=max_grad_norm, backend="torch")
-
-
-def run_steps(opt, params, steps, to_param):
-    for step in steps:
-        for p, g in zip(params, full_grads(step)):
-            p.grad = to_param(g)
-        opt.step()
-
-
-def full_state(opt, params):
-    """Every state tensor of every param as a full (global) tensor, by (param index, key)."""
-    out = {}
-    for index, p in enumerate(params):
-        for key, value in opt.state[p].items():
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            out[(index, key)] = value.detach().clone()
-    return out
 
 
 def _local(t):
@@ -82,25 +58,7 @@ def local_copies(opt, params):
     return shards, states
 
 
-def _entry(rank, world_size, port, fn, out_dir, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=TIMEOUT
-    )
-    try:
-        torch.save(fn(rank, world_size, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world_size, out_dir, *args):
-    port = free_port()
-    mp.spawn(_entry, args=(world_size, port, fn, str(out_dir), args), nprocs=world_size, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-
-
 def _worker(rank: int, world_size: int, ckpt_dir: str, mode: str) -> dict:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -114,18 +72,9 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, mode: str) -> dict:
         muon_torch.DECIDE_ON_HOST = case != "exact-device"
         params = [torch.nn.Parameter(sharded(t)) for t in full_params()]
         opt = make_optimizer(params, max_grad_norm)
-        path = f"{ckpt_dir}/{case}"
-        if mode == "save":
-            run_steps(opt, params, range(SAVE_AT), sharded)
-            dcp.save(
-                {"params": {str(i): p for i, p in enumerate(params)}, "optim": opt.state_dict()}, checkpoint_id=path
-            )
-        else:  # resume: state created by one step, then everything loaded over it
-            run_steps(opt, params, range(1), sharded)
-            loaded = {"params": {str(i): p for i, p in enumerate(params)}, "optim": opt.state_dict()}
-            dcp.load(loaded, checkpoint_id=path)
-            opt.load_state_dict(loaded["optim"])
-        run_steps(opt, params, range(SAVE_AT, STEPS), sharded)
+        advance = partial(run_steps, opt, params, SHAPES, to_param=sharded)
+        save_or_resume(opt, params, mode, f"{ckpt_dir}/{case}", advance, SAVE_AT)
+        run_steps(opt, params, SHAPES, range(SAVE_AT, STEPS), sharded)
         out[case] = {"params": [p.full_tensor().detach().clone() for p in params], "state": full_state(opt, params)}
         if mode == "save":
             held = sum(_local(v).nbytes for p in params for v in opt.state[p].values())
@@ -144,9 +93,9 @@ def _one_rank_non_finite(rank, sharded, decisions) -> dict:
     muon_torch.DECIDE_ON_HOST = decisions == "host"
     params = [torch.nn.Parameter(sharded(t)) for t in full_params()]
     opt = make_optimizer(params, max_grad_norm=1.0)
-    run_steps(opt, params, range(SKIP_AT), sharded)
+    run_steps(opt, params, SHAPES, range(SKIP_AT), sharded)
     before = local_copies(opt, params)
-    for p, g in zip(params, full_grads(SKIP_AT)):
+    for p, g in zip(params, grads_at(SHAPES, SKIP_AT)):
         p.grad = sharded(g)
     if rank == 1:
         params[2].grad.to_local()[0, 0] = math.inf
@@ -191,9 +140,9 @@ def _fully_shard_steps() -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    saved = spawn(_worker, 2, tmp_path_factory.mktemp("two"), ckpt, "save")
-    one = spawn(_worker, 1, tmp_path_factory.mktemp("one"), ckpt, "resume")
-    four = spawn(_worker, 4, tmp_path_factory.mktemp("four"), ckpt, "resume")
+    saved = spawn(_worker, 2, tmp_path_factory.mktemp("two"), ckpt, "save", timeout=TIMEOUT)
+    one = spawn(_worker, 1, tmp_path_factory.mktemp("one"), ckpt, "resume", timeout=TIMEOUT)
+    four = spawn(_worker, 4, tmp_path_factory.mktemp("four"), ckpt, "resume", timeout=TIMEOUT)
     return saved, one, four
 
 
@@ -202,7 +151,7 @@ def single_process(case, max_grad_norm=None):
     muon_torch.DECIDE_ON_HOST = case != "exact-device"
     try:
         opt = make_optimizer(params, MAX_GRAD_NORM[case] if max_grad_norm is None else max_grad_norm)
-        run_steps(opt, params, range(STEPS), lambda g: g)
+        run_steps(opt, params, SHAPES, range(STEPS), lambda g: g)
     finally:
         muon_torch.DECIDE_ON_HOST = True
     return {"params": [p.detach() for p in params], "state": full_state(opt, params)}

@@ -14,9 +14,12 @@ bit for bit: params, codes, scales, moments. A fully_shard model with backward r
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from integ_dist import spawn
+from integ_sharded import full_state, run_steps, save_or_resume, seeded
 
 from fused_stable import FusedAdamW, FusedLion, FusedSGD
 
@@ -46,38 +49,14 @@ BF16_PARAM_ATOL = 5e-4
 
 
 def full_params():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=gen) for shape in SHAPES]
-
-
-def full_grads(step):
-    gen = torch.Generator().manual_seed(10 + step)
-    return [torch.randn(shape, generator=gen) for shape in SHAPES]
+    return seeded(SHAPES, 0)
 
 
 def make_optimizer(params, precision, rule="adamw"):
     return OPTIMIZERS[rule](params, precision)
 
 
-def full_state(opt, params):
-    """Every state tensor of every param as a full (global) tensor, by (param index, key)."""
-    out = {}
-    for index, p in enumerate(params):
-        for key, value in opt.state[p].items():
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            out[(index, key)] = value.detach().clone()
-    return out
-
-
-def run_steps(opt, params, steps, to_param):
-    for step in steps:
-        for p, g in zip(params, full_grads(step)):
-            p.grad = to_param(g)
-        opt.step()
-
-
 def _worker(rank: int, world_size: int, ckpt_dir: str, mode: str) -> dict:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -91,18 +70,9 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, mode: str) -> dict:
         rule, precision = case.split("-")
         params = [torch.nn.Parameter(sharded(t)) for t in full_params()]
         opt = make_optimizer(params, precision, rule)
-        path = f"{ckpt_dir}/{case}"
-        if mode == "save":
-            run_steps(opt, params, range(SAVE_AT), sharded)
-            dcp.save(
-                {"params": {str(i): p for i, p in enumerate(params)}, "optim": opt.state_dict()}, checkpoint_id=path
-            )
-        else:  # resume: state created by one step, then everything loaded over it
-            run_steps(opt, params, range(1), sharded)
-            loaded = {"params": {str(i): p for i, p in enumerate(params)}, "optim": opt.state_dict()}
-            dcp.load(loaded, checkpoint_id=path)
-            opt.load_state_dict(loaded["optim"])
-        run_steps(opt, params, range(SAVE_AT, STEPS), sharded)
+        advance = partial(run_steps, opt, params, SHAPES, to_param=sharded)
+        save_or_resume(opt, params, mode, f"{ckpt_dir}/{case}", advance, SAVE_AT)
+        run_steps(opt, params, SHAPES, range(SAVE_AT, STEPS), sharded)
         out[case] = {
             "params": [p.full_tensor().detach().clone() for p in params],
             "state": full_state(opt, params),
@@ -160,7 +130,7 @@ def single_process(case):
     rule, precision = case.split("-")
     params = [torch.nn.Parameter(t) for t in full_params()]
     opt = make_optimizer(params, precision, rule)
-    run_steps(opt, params, range(STEPS), lambda g: g)
+    run_steps(opt, params, SHAPES, range(STEPS), lambda g: g)
     return {"params": [p.detach() for p in params], "state": full_state(opt, params)}
 
 
