@@ -246,7 +246,8 @@ def test_a_fully_shard_model_steps_as_one_process(runs):
 
 
 def test_owners_are_balanced_by_size():
-    """Largest first, each to the rank with the least numel so far: Newton-Schulz's work spread over the ranks."""
+    """Costliest first, each to the rank with the least cost so far (Muon's cost: newton_schulz_work): the
+    Newton-Schulz work spread over the ranks."""
     from fused_stable.matrix_exchange import balanced_owners
 
     assert balanced_owners([100, 10, 60, 50], 2) == [0, 0, 1, 1]  # loads 110 and 110

@@ -3268,8 +3268,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "muon-nesterov-swapped",
         "fused_stable/rules/muon/torch.py",
-        "update = g.lerp(buffers, hp.momentum) if hp.nesterov else buffers",
-        "update = g.lerp(buffers, hp.momentum) if not hp.nesterov else buffers",
+        "return buffers, (g.lerp(buffers, hp.momentum) if hp.nesterov else buffers)",
+        "return buffers, (g.lerp(buffers, hp.momentum) if not hp.nesterov else buffers)",
         ["tests/core/test_muon_parts.py"],
         "MuonSide's Nesterov direction is torch.optim.Muon's g.lerp(buf, momentum), and buf without Nesterov",
         select="bit_for_bit_fp32 and device",
