@@ -3563,4 +3563,13 @@ MUTATIONS: list[Mutation] = [
         "a Muon group's DTensor placed other than Shard(0) / Replicate is refused in one line naming the param",
         select="fsdp2_dtensor_params_are_refused",
     ),
+    M(
+        "matrix-step-dcp-zero-lr-refused",
+        "fused_stable/matrix_step.py",
+        '    return float(lr) if torch.is_tensor(lr) and lr.device.type == "cpu" and lr.dim() == 0 else lr\n',
+        "    return lr\n",
+        ["tests/train/test_torchrun.py"],
+        "sft --optim muon --tuner full resumes under torchrun (FSDP2): DCP's zero-lr step that creates the states",
+        select="fsdp2_full_muon",
+    ),
 ]

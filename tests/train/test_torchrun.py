@@ -221,6 +221,36 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     assert torch.equal(resumed_optim["fused_stable"]["fstate"], optim["fused_stable"]["fstate"])
 
 
+def test_fsdp2_full_muon_two_ranks_and_exact_resume(tmp_path):
+    """`--optim muon --tuner full` under torchrun: FSDP2 shards the hidden matrices by rows, FusedMuon brings each
+    whole to its owner rank for Newton-Schulz (it was refused here until FSDP2 Muon existed). The hidden matrices
+    hold Muon's momentum_buffer (none went to AdamW), the first step is the ranks' mean loss and the global norm,
+    and a resume from the step-2 checkpoint continues bit for bit."""
+    out = tmp_path / "muon"
+    args = [*RUN, "--tuner", "full", "--optim", "muon", "--lr", "1e-3"]
+    proc = _ok(torchrun(*args, "--output_dir", out))
+    assert "optim=muon (FusedMuon)" in proc.stdout
+    rows = _check_rank0_outputs(out, 4, "model")
+    per_rank, grad_norm = first_step_reference(tmp_path, *args)
+    assert rows[0]["loss"] == pytest.approx(sum(per_rank) / 2, rel=1e-5)
+    assert rows[0]["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    state = torch.load(out / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)["state"]
+    hidden = [name for name in state if name.endswith(("q_proj.weight", "down_proj.weight"))]
+    assert hidden and all(set(state[name]) == {"momentum_buffer", "step"} for name in hidden), state.keys()
+    assert "exp_avg" in state["lm_head.weight"]  # the head on AdamW, as muon_param_groups splits it
+
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    shutil.rmtree(broken / "checkpoints" / "step-4")
+    shutil.rmtree(broken / "model")
+    _ok(torchrun("--output_dir", broken, "--resume", "latest"))
+    assert [r["loss"] for r in read_metrics(broken)] == [r["loss"] for r in rows]
+    weights = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
+    resumed = load_file(broken / "checkpoints" / "step-4" / "weights.safetensors")
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+
+
 def test_guard_rollback_takes_every_rank_back_together(tmp_path):
     # non-finite logits on 3 micro-batches in a row, on both ranks: a storm the guard answers with a rollback
     # to the step-10 checkpoint; if the ranks disagreed (decision or checkpoint) the run would hang or diverge
