@@ -45,7 +45,7 @@ class MatrixSteps:
         for members in by_rule.values():
             interface = matrix_module(rules[plan.groups[members[0]]])
             params = [plan.params[i] for i in members]
-            groups = [{**param_groups[plan.groups[i]], "lr": _host_lr(base_lrs[plan.groups[i]])} for i in members]
+            groups = [{**param_groups[plan.groups[i]], "lr": base_lrs[plan.groups[i]]} for i in members]
             states = []
             for p, group in zip(params, groups):
                 missing = {k: v for k, v in interface.init_state(p, group).items() if k not in state[p]}
@@ -60,13 +60,6 @@ class MatrixSteps:
         grad_mul, skip, lr_factor = fstate[layout.F_GRAD_MUL], fstate[layout.F_SKIP], fstate[layout.F_LR_FACTOR]
         for params, update in self.updates:
             update.step([p.grad for p in params], grad_mul, skip, lr_factor)
-
-
-def _host_lr(lr):
-    """The lr a matrix rule's update is built with, a number: a 0-dim CPU tensor is host memory, read at no cost
-    (torch.distributed.checkpoint's `set_optimizer_state_dict` creates the states with one step at
-    `lr = torch.tensor(0.0)`, FSDP2's resume); any other tensor is left to the rule's check, which refuses it."""
-    return float(lr) if torch.is_tensor(lr) and lr.device.type == "cpu" and lr.dim() == 0 else lr
 
 
 def hyperparameter_key(param_groups: list[dict], rules: list, base_lrs: list) -> tuple:

@@ -3565,7 +3565,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "matrix-step-dcp-zero-lr-refused",
-        "fused_stable/matrix_step.py",
+        "fused_stable/rules/muon/matrix.py",
         '    return float(lr) if torch.is_tensor(lr) and lr.device.type == "cpu" and lr.dim() == 0 else lr\n',
         "    return lr\n",
         ["tests/train/test_torchrun.py"],

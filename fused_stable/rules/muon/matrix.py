@@ -54,4 +54,13 @@ def state_bytes(p: torch.Tensor, group: dict) -> int:
 def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide:
     """The update of `params` (a group's each, `groups[i]` with its base lr: the schedule's factor comes from the
     decisions), batched once by group, dtype and shape."""
+    groups = [{**group, "lr": _host_lr(group["lr"])} for group in groups]
     return MuonSide(params, [state["momentum_buffer"] for state in states], groups)
+
+
+def _host_lr(lr):
+    """A Muon group's lr as a number. A Muon group refuses tensor lrs when it is added (check_group), but
+    torch.distributed.checkpoint's `set_optimizer_state_dict` (FSDP2's resume) makes the states with one step at
+    `lr = torch.tensor(0.0)` and then puts the group's own lr back (the next step builds the update again): a 0-dim
+    CPU tensor is host memory, read at no cost. Any other tensor is left to MuonHparams' check, which refuses it."""
+    return float(lr) if torch.is_tensor(lr) and lr.device.type == "cpu" and lr.dim() == 0 else lr
