@@ -9,9 +9,12 @@ are updated right after the update pass from the same decisions (fused_stable/ma
 the clip multiplier before the momentum, the skip, the lr factor, as 0-dim device tensors): no host read. AdamW
 updates the rest. A skipped step leaves every param and momentum buffer bit-identical.
 
+Momentum buffers: fp32 (the param's dtype, as torch's), bf16 (state_precision="bf16"), or 8-bit
+(state_precision="8bit": AdamW exp_avg's signed blockwise codes under `momentum_buffer`, their block scales under
+`momentum_buffer_scale`, decoded to fp32 for each step and encoded once: rules/muon/lowbit.py).
+
 Not yet: Muon groups under FSDP2 or DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line),
-8-bit momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor lrs in
-Muon groups.
+tensor lrs in Muon groups.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ class FusedMuon(FusedOptimizer):
         max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
         spike_skip_ratio, lr_schedule, master_weights, state_precision, capturable, backend: as FusedAdamW, for the
             whole step; master_weights applies to the AdamW groups; state_precision to the AdamW groups' moments and
-            the Muon groups' momentum buffers ("fp32": the param's dtype, as torch's; "bf16"; "8bit" for AdamW
-            only: a Muon group with it is refused, saying so).
+            the Muon groups' momentum buffers ("fp32": the param's dtype, as torch's; "bf16"; "8bit": int8 codes
+            and fp32 block scales for a matrix of at least 4096 elements, fp32 below, as AdamW's moments).
     """
 
     RULE = RULES["adamw"]  # the AdamW groups'
