@@ -13,6 +13,8 @@ Momentum buffers: fp32 (the param's dtype, as torch's), bf16 (state_precision="b
 (state_precision="8bit": AdamW exp_avg's signed blockwise codes under `momentum_buffer`, their block scales under
 `momentum_buffer_scale`, decoded to fp32 for each step and encoded once: rules/muon/lowbit.py).
 
+`torch.compile(opt.step)` runs the Muon groups inside the compiled step's op (compiled.py), the same bits as eager.
+
 Not yet: Muon groups under FSDP2 or DeepSpeed ZeRO (Newton-Schulz needs the whole matrix: refused in one line),
 tensor lrs in Muon groups.
 """

@@ -193,15 +193,6 @@ def test_refusals_say_what_to_do():
         FusedMuon([{"params": [conv], "use_muon": True}])
     with pytest.raises(TypeError, match="muon_param_groups"):
         FusedMuon([p])
-    opt = FusedMuon([{"params": [p], "use_muon": True}], backend="torch")
-    p.grad = torch.ones(4, 4)
-
-    @torch.compile(fullgraph=True)
-    def step():
-        opt.step()
-
-    with pytest.raises(Exception, match="does not run inside torch.compile"):
-        step()
 
 
 def test_muon_param_groups_of_a_real_model_train():

@@ -72,6 +72,25 @@ MUTATIONS: list[Mutation] = [
         "a matrix under MIN_QUANTISED_NUMEL elements keeps an fp32 momentum buffer in an 8-bit Muon group",
         select="codec_after_each_step and host and nesterov",
     ),
+    # ------------------------------------------------------------------ FusedMuon inside torch.compile (issue 50 item 3)
+    M(
+        "compiled-muon-matrix-step-dropped",
+        "fused_stable/compiled.py",
+        "        step.matrix.step(buffers.fstate, grads)\n",
+        "",
+        ["tests/core/test_compile_muon.py"],
+        "a compiled FusedMuon step updates the Muon groups, the eager step's bits",
+        select="bit_for_bit and eager and fp32",
+    ),
+    M(
+        "compiled-muon-keeps-first-hparams",
+        "fused_stable/compiled.py",
+        "        step.matrix = opt.matrix_steps(plan, matrix_states, step.matrix)\n",
+        "        step.matrix = step.matrix or opt.matrix_steps(plan, matrix_states)\n",
+        ["tests/core/test_compile_muon.py"],
+        "a compiled FusedMuon step takes the Muon groups' lr and momentum as they are when it runs (schedulers)",
+        select="scheduler and eager",
+    ),
     # ------------------------------------------------------------------ FusedAdafactor (rules/adafactor)
     M(
         "adafactor-host-skip-ignored",

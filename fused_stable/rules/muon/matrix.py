@@ -7,6 +7,7 @@ params. The interface every matrix rule's matrix.py offers:
   build(params, states, groups)  the update of those params: `.step(grads, grad_mul, skip, lr_factor)`, the step's
                                  decisions as 0-dim device tensors (the clip multiplier before the momentum, the
                                  skip flag, the schedule's factor), none of them read on the host but on the CPU
+  COMPILED_STEP                  (optional) True: the update runs inside torch.compile's step (compiled.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from ... import state_format
 from . import DEFAULTS, check_muon_group
 from .lowbit import KEY, CodedMomentum, is_coded
 from .torch import MuonSide
+
+# the compiled step (compiled.py) runs this rule's update inside its custom op, after the fused step
+COMPILED_STEP = True
 
 # a Muon group's state_precision -> its momentum buffers' dtype (None: the param's, as torch.optim.Muon's); bf16
 # rounds to nearest (momentum 0.95 moves a buffer 5% of g - buf a step, over half a bf16 ulp unless g is within 8%);
