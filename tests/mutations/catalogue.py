@@ -91,6 +91,15 @@ MUTATIONS: list[Mutation] = [
         "a compiled FusedMuon step takes the Muon groups' lr and momentum as they are when it runs (schedulers)",
         select="scheduler and eager",
     ),
+    M(
+        "hf-muon-trainer-split-dropped",
+        "fused_stable/integrations/hf.py",
+        "    if rules[rule].own_param_groups:  # FusedMuon",
+        "    if False:  # FusedMuon",
+        ["tests/integrations/test_integ_hf_trainer.py"],
+        "fused_trainer_optimizers(rule='muon') builds FusedMuon over muon_param_groups (LLaMA-Factory's use_muon)",
+        select="8bit_state_checkpoints and muon",
+    ),
     # ------------------------------------------------------------------ FusedAdafactor (rules/adafactor)
     M(
         "adafactor-host-skip-ignored",
