@@ -1,4 +1,5 @@
-"""FusedAdamW.step() inside torch.compile: the fused step as one torch custom op that dynamo traces.
+"""FusedAdamW.step() (every FusedOptimizer's, FusedMuon's too) inside torch.compile: the fused step as one torch
+custom op that dynamo traces.
 
 Eager steps never come here. When dynamo traces a function that calls `opt.step()` (`torch.compile`, with or
 without `fullgraph=True`), `FusedAdamW.step` sees `torch.compiler.is_compiling()` and takes this route:
@@ -18,6 +19,10 @@ without `fullgraph=True`), `FusedAdamW.step` sees `torch.compiler.is_compiling()
    CUDA, torch's multi-tensor ops on CPU) on the tensors it is given: a compiled step computes exactly what an
    eager step computes. Its plan is cached by the tensors' addresses; new grad storage only rewrites the
    address table, as in an eager step.
+4. A matrix rule that says so (`COMPILED_STEP` in its matrix.py: FusedMuon's Muon groups) is stepped inside the
+   same op, right after the fused step, from its decisions (matrix_step.py). Its params' states are made at trace
+   time and close the op's `tensors`; the op builds the rule's update over the tensors it is given, at the groups'
+   hyper-parameters as they are when it runs (rebuilt when they change, as an eager step rebuilds it).
 
 What a trace may hold and what it must read anew. The plan's structure (which params, their state tensors and
 formats: the param set, `amsgrad`, `state_precision`) is fixed by the trace; dynamo guards every value of
@@ -62,7 +67,10 @@ class TracedStep:
     # per group, the tensor lr passed in `lrs` at trace time (None where the lr was a float); by identity: the op
     # takes the graph's input for a group whose lr is still that tensor (an in-graph write to it is then seen)
     traced_lrs: list[torch.Tensor | None]
-    cached: tuple | None = None  # (addresses of `tensors`, plan, buffers) of the latest call
+    # a matrix rule's params (FusedMuon's Muon groups): (plan index, state keys) whose tensors close `tensors`
+    matrix_states: list[tuple[int, tuple[str, ...]]] = dataclasses.field(default_factory=list)
+    cached: tuple | None = None  # (addresses of `tensors`, plan, buffers, matrix states) of the latest call
+    matrix: object = None  # the latest call's MatrixSteps (rebuilt when the groups' hyper-parameters change)
 
 
 _traced: dict[tuple, int] = {}  # identity of a TracedStep's contents -> key (a retrace reuses its key)
@@ -93,6 +101,9 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
             continue
         tensor_lists.append((field.name, [v is not None for v in values]))
         tensors.extend(v for v in values if v is not None)
+    matrix_states = _matrix_states(opt, plan)
+    for index, keys in matrix_states:
+        tensors.extend(opt.state[plan.params[index]][key] for key in keys)
     grads.extend(plan_grads)
     traced_lrs = [row.lr if isinstance(row.lr, torch.Tensor) else None for row in opt.hparam_rows()]
     lrs.extend(lr for lr in traced_lrs if lr is not None)
@@ -103,6 +114,7 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
         tensor_lists=tensor_lists,
         buffer_fields=buffer_fields,
         traced_lrs=traced_lrs,
+        matrix_states=matrix_states,
     )
     identity = (id(opt), plan.version, tuple(map(id, tensors)), tuple(map(id, lrs)), opt.backend)
     key = _traced.get(identity)
@@ -111,6 +123,18 @@ def prepare(opt, tensors: list, grads: list, lrs: list) -> int:
         weakref.finalize(opt, _forget, identity, key)  # the record holds the optimizer's tensors: drop it with it
     _steps[key] = step
     return key
+
+
+def _matrix_states(opt, plan: StepPlan) -> list[tuple[int, tuple[str, ...]]]:
+    """A matrix rule's params (updated after the fused step, from its decisions): their states made now, as an
+    eager first step makes them, so that the graph holds them as inputs the op mutates."""
+    if plan.all_updated:
+        return []
+    steps = opt.matrix_steps(plan)
+    return [
+        (index, tuple(key for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor)))
+        for index, state in steps.states(opt.state)
+    ]
 
 
 def _forget(identity: tuple, key: int) -> None:
@@ -145,10 +169,13 @@ def fused_step(
     if opt is None:
         raise RuntimeError(f"{OP_NAME} was called for a FusedAdamW that no longer exists (traced step {key})")
     _check_groups_unchanged(opt, step.template)
-    plan, buffers = _plan_for(step, tensors, grads)
+    plan, buffers, matrix_states = _plan_for(step, tensors, grads)
     hparams = _current_hparams(opt, step, lrs)
     ops.BACKENDS[step.backend].fused_step(plan, grads, buffers, opt.policy, hparams, grad_scale, found_inf, None)
     opt.last_tables = plan.backend_cache  # per_tensor_grad_norms() reads the latest step's tables
+    if matrix_states:  # a matrix rule's groups, from the same decisions, at the groups' current hyper-parameters
+        step.matrix = opt.matrix_steps(plan, matrix_states, step.matrix)
+        step.matrix.step(buffers.fstate, grads)
 
 
 @fused_step.register_fake
@@ -200,7 +227,7 @@ def _plan_for(step: TracedStep, tensors: list[torch.Tensor], grads: list[torch.T
     addresses = tuple(t.data_ptr() for t in tensors)
     cached = step.cached
     if cached is not None and cached[0] == addresses:
-        plan, buffers = cached[1], cached[2]
+        plan, buffers, matrix_states = cached[1], cached[2], cached[3]
     else:
         values = iter(tensors)
         buffers = StepBuffers(**{name: next(values) for name in step.buffer_fields})
@@ -217,9 +244,10 @@ def _plan_for(step: TracedStep, tensors: list[torch.Tensor], grads: list[torch.T
             backend_cache=None,
             same_grads=SameGrads(),
         )
-        step.cached = (addresses, plan, buffers)
+        matrix_states = {plan.params[index]: {key: next(values) for key in keys} for index, keys in step.matrix_states}
+        step.cached = (addresses, plan, buffers, matrix_states)
     grad_ptrs = [g.data_ptr() for g in grads]
     if grad_ptrs != plan.grad_ptrs:  # new grad storage: the backend rewrites its address table
         plan.grad_ptrs = grad_ptrs
         plan.grads_version += 1
-    return plan, buffers
+    return plan, buffers, matrix_states

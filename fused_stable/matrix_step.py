@@ -53,13 +53,19 @@ class MatrixSteps:
                     state[p].update(missing)
                 states.append(state[p])
             build = (builds or {}).get(rules[plan.groups[members[0]]].name, interface.build)  # engines.drive's
-            self.updates.append((params, build(params, states, groups)))
+            self.updates.append((members, params, build(params, states, groups)))
 
-    def step(self, fstate: torch.Tensor) -> None:
-        """One step of every matrix rule, from the decisions in the step's fp32 buffer."""
+    def step(self, fstate: torch.Tensor, grads: list[torch.Tensor] | None = None) -> None:
+        """One step of every matrix rule, from the decisions in the step's fp32 buffer; `grads` in plan order (a
+        compiled step's graph inputs), else each param's `.grad`."""
         grad_mul, skip, lr_factor = fstate[layout.F_GRAD_MUL], fstate[layout.F_SKIP], fstate[layout.F_LR_FACTOR]
-        for params, update in self.updates:
-            update.step([p.grad for p in params], grad_mul, skip, lr_factor)
+        for members, params, update in self.updates:
+            given = [p.grad for p in params] if grads is None else [grads[i] for i in members]
+            update.step(given, grad_mul, skip, lr_factor)
+
+    def states(self, state) -> list[tuple[int, dict]]:
+        """(plan index, the param's state) of every matrix-rule param, in plan order."""
+        return [(i, state[p]) for members, params, _ in self.updates for i, p in zip(members, params)]
 
 
 def hyperparameter_key(param_groups: list[dict], rules: list, base_lrs: list) -> tuple:

@@ -19,8 +19,14 @@ this is the one-process step bit for bit; a placement other than Shard(0) or Rep
 Under DeepSpeed: ZeRO 0-2 through fused_stable.integrations.deepspeed (at ZeRO 1-2 each matrix is rebuilt whole on
 one owner rank for Newton-Schulz, integrations/deepspeed_muon.py); ZeRO-3 and ZeRO-Offload refused in one line.
 
-Not yet: 8-bit momentum buffers (fp32, the param's dtype as torch's, or bf16 with state_precision="bf16"), tensor
-lrs in Muon groups.
+Momentum buffers: fp32 (the param's dtype, as torch's), bf16 (state_precision="bf16"), or 8-bit
+(state_precision="8bit": AdamW exp_avg's signed blockwise codes under `momentum_buffer`, their block scales under
+`momentum_buffer_scale`, decoded to fp32 for each step and encoded once: rules/muon/lowbit.py); 8-bit runs in one
+process, under DDP and at ZeRO-0 (its blocks run over whole matrices: refused in one line under FSDP2 and ZeRO 1-2).
+
+`torch.compile(opt.step)` runs the Muon groups inside the compiled step's op (compiled.py), the same bits as eager.
+
+Not yet: tensor lrs in Muon groups.
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ class FusedMuon(FusedOptimizer):
         max_grad_norm, clip, zscore_alpha, zscore_threshold, zscore_warmup, spike_skip_threshold,
         spike_skip_ratio, lr_schedule, master_weights, state_precision, capturable, backend: as FusedAdamW, for the
             whole step; master_weights applies to the AdamW groups; state_precision to the AdamW groups' moments and
-            the Muon groups' momentum buffers ("fp32": the param's dtype, as torch's; "bf16"; "8bit" for AdamW
-            only: a Muon group with it is refused, saying so).
+            the Muon groups' momentum buffers ("fp32": the param's dtype, as torch's; "bf16"; "8bit": int8 codes
+            and fp32 block scales for a matrix of at least 4096 elements, fp32 below, as AdamW's moments).
     """
 
     RULE = RULES["adamw"]  # the AdamW groups'

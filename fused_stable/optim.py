@@ -167,7 +167,8 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
     def _init_group(self, tensors: list, grads: list, lrs: list) -> int:
         """Trace time only: dynamo runs a method of this name eagerly and makes the tensors it appends graph
         inputs (compiled.prepare says what goes into each list)."""
-        if any(not self.group_rule(group).elementwise for group in self.param_groups):
+        rules = [self.group_rule(group) for group in self.param_groups]
+        if any(not r.elementwise and not getattr(matrix_module(r), "COMPILED_STEP", False) for r in rules):
             raise RuntimeError(
                 f"{type(self).__name__}'s step does not run inside torch.compile yet (its groups of a matrix rule "
                 "are updated after the fused op): call opt.step() outside the compiled function"
@@ -197,24 +198,30 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
         )
         self.last_tables = plan.backend_cache
         if not plan.all_updated:  # groups of a matrix rule: stepped from the same decisions (matrix_step.py)
-            self._matrix_steps(plan).step(self._fstate)
+            self.matrix_steps(plan).step(self._fstate)
 
-    def _matrix_steps(self, plan: StepPlan) -> MatrixSteps:
-        """The plan's matrix-rule updates for the groups' current hyper-parameters, built anew when either changed."""
+    def matrix_steps(self, plan: StepPlan, state=None, cached: MatrixSteps | None = None) -> MatrixSteps:
+        """The plan's matrix-rule updates for the groups' current hyper-parameters, built anew when either changed
+        (`cached`: the latest, default this optimizer's); `state`: the params' states (default opt.state; a compiled
+        step's: its graph's tensors)."""
         rules = [self.group_rule(group) for group in self.param_groups]
         base_lrs = self.base_lrs()
         key = hyperparameter_key(self.param_groups, rules, base_lrs)
-        cached = self.__dict__.get("_matrix")  # (absent after unpickling: built again)
+        own = state is None
+        if own:
+            cached = self.__dict__.get("_matrix")  # (absent after unpickling: built again)
         if cached is None or cached.plan is not plan or cached.key != key:
             builds = engines.matrix_builds_of(self)  # an engine's own, where it cut the params (DeepSpeed)
-            cached = self._matrix = MatrixSteps(plan, key, self.param_groups, rules, self.state, base_lrs, builds)
+            cached = MatrixSteps(plan, key, self.param_groups, rules, self.state if own else state, base_lrs, builds)
+            if own:
+                self._matrix = cached
         return cached
 
     # ------------------------------------------------------------------------------------------
     # the package-internal surface: what compiled.py, engines.py, the integrations and the benchmark use of the
     # optimizer (not user API): hparam_rows(), build_step_plan(), step_buffers, last_tables, norm_reducer,
-    # invalidate_plan(), device_schedule_only (set by the HF integration). No module but optim.py and its mixins
-    # reads a private member (tests/core/test_package_layout.py)
+    # invalidate_plan(), matrix_steps(), device_schedule_only (set by the HF integration). No module but optim.py
+    # and its mixins reads a private member (tests/core/test_package_layout.py)
 
     def invalidate_plan(self) -> None:
         """The params were replaced behind the optimizer's back (DeepSpeed's flat partitions): the next step builds

@@ -170,6 +170,12 @@ def _refuse_groups_without_a_rule(optimizer: FusedOptimizer, stage: int, offload
             "per-param partitions that the Muon exchange (built for ZeRO 1-2's flat groups) does not rebuild; use "
             "ZeRO-1 or ZeRO-2 (or ZeRO-3 with FusedAdamW)"
         )
+    if muon and stage in (1, 2) and _muon_8bit(optimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__}'s Muon groups keep 8-bit momentum in blocks over whole matrices, and ZeRO "
+            f"{stage} steps flat partitions of them: give the Muon groups state_precision 'bf16' or 'fp32' (8-bit "
+            "Muon momentum runs in one process, under DDP and at ZeRO-0)"
+        )
     if muon and offload:
         raise ValueError(
             f"{type(optimizer).__name__}'s Muon groups do not run with ZeRO-Offload yet: the exchange of whole "
@@ -183,6 +189,14 @@ def _refuse_groups_without_a_rule(optimizer: FusedOptimizer, stage: int, offload
             "matrix rule: Newton-Schulz needs whole matrices, factored moments whole rows and columns), and "
             f"DeepSpeed ZeRO steps flat partitions: use {' or '.join(usable)} under DeepSpeed"
         )
+
+
+def _muon_8bit(optimizer: FusedOptimizer) -> bool:
+    precision = optimizer.defaults.get("state_precision", "fp32")
+    return any(
+        optimizer.group_rule(group).name == MUON and group.get("state_precision", precision) == "8bit"
+        for group in optimizer.param_groups
+    )
 
 
 def attach(engine) -> EngineStep:

@@ -41,6 +41,7 @@ from transformers import TrainerCallback
 from .. import schedules
 from ..optim import FusedOptimizer
 from ..optimizers import OPTIMIZERS
+from ..rules.muon.param_groups import muon_param_groups
 from . import optim_names
 
 __all__ = [
@@ -162,9 +163,9 @@ def _trainer_param_groups(model: torch.nn.Module, weight_decay: float) -> list[d
 
 
 def _trainer_rules() -> dict:
-    """The rules fused_trainer_optimizers builds: fused_stable.OPTIMIZERS' entries over the Trainer's param groups
-    (FusedMuon splits a model into its own groups: not here yet)."""
-    return {name: entry for name, entry in OPTIMIZERS.items() if not entry.own_param_groups}
+    """The rules fused_trainer_optimizers builds: fused_stable.OPTIMIZERS' entries, over the Trainer's param groups
+    (FusedMuon over its own split, muon_param_groups)."""
+    return dict(OPTIMIZERS)
 
 
 def fused_trainer_optimizers(
@@ -176,7 +177,9 @@ def fused_trainer_optimizers(
     state_precision: str | None = None,
     **fused_kwargs: Any,
 ) -> tuple[FusedOptimizer, DeviceScheduleLR]:
-    """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW or FusedLion configured from ``args``.
+    """``(optimizer, scheduler)`` for ``Trainer(optimizers=...)``: FusedAdamW or FusedLion configured from ``args``
+    (or FusedMuon with ``rule="muon"``: the hidden matrices on Muon, the rest on AdamW, split as LLaMA-Factory's
+    ``use_muon`` splits them, ``muon_param_groups``, at ``args``' lr and weight decay for both).
 
     ``rule`` ("adamw" or "lion") chooses the optimizer; None (the default) takes it from ``args.optim``, which must
     name AdamW or Lion: ``adamw_torch`` (the Trainer's default), ``adamw_torch_fused`` or ``paged_adamw_32bit`` are
@@ -213,7 +216,11 @@ def fused_trainer_optimizers(
     if "lr_schedule" not in fused_kwargs:
         kwargs["lr_schedule"] = schedule_from_training_args(args, num_training_steps)
     kwargs.update(fused_kwargs)
-    optimizer = cls(_trainer_param_groups(model, kwargs.pop("weight_decay")), **kwargs)
+    if rules[rule].own_param_groups:  # FusedMuon: LLaMA-Factory's use_muon split, one lr and weight decay for both
+        groups = muon_param_groups(model, lr=kwargs.pop("lr"), weight_decay=kwargs.pop("weight_decay"))
+        optimizer = cls(groups, **kwargs)
+    else:
+        optimizer = cls(_trainer_param_groups(model, kwargs.pop("weight_decay")), **kwargs)
     if args.max_grad_norm is not None and args.max_grad_norm > 0:
         # The fused step now owns clipping; a Trainer clip on top would be a second, wasted pass.
         args.max_grad_norm = 0.0

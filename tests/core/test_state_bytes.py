@@ -44,7 +44,7 @@ FACTORIES = {
     ),
     "lion": lambda m, precision: FusedLion(m.parameters(), state_precision=precision, backend="torch"),
     "muon": lambda m, precision: FusedMuon(
-        [{**g, "state_precision": "bf16" if precision == "bf16" else "fp32"} for g in muon_param_groups(m)],
+        [{**g, "state_precision": precision} for g in muon_param_groups(m)],
         state_precision=precision,
         backend="torch",
     ),

@@ -84,7 +84,6 @@ def test_both_recipes_take_the_suites_rule_and_the_guard_skips_a_nan_batch(short
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
-        (["--optim", "muon", "--state-precision", "8bit"], "8-bit Muon momentum is not built yet"),
         (["--optim", "muon", "--model", "smollm2-135m"], "--optim muon needs the tiny model"),
         (["--optim", "adam"], "--optim"),
         (["--optim", "adafactor", "--state-precision", "bf16"], "factored second moments"),

@@ -9,7 +9,7 @@ import torch
 from integ_models import TokenDataset, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedSGD
+from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedMuon, FusedSGD
 from fused_stable.integrations.hf import (
     FusedStableCallback,
     FusedStableTrainerMixin,
@@ -223,10 +223,12 @@ def test_mixin_builds_the_optimizer_inside_train(baseline, tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("rule", [None, "muon"], ids=["adamw", "muon"])
+def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path, rule):
     """fused_trainer_optimizers(state_precision="8bit"): the Trainer's optimizer.pt holds the compact state (int8
     / uint8 codes and fp32 scales, loadable with weights_only=True), and resuming from the checkpoint after step 3
-    ends where the uninterrupted run ends, bit for bit."""
+    ends where the uninterrupted run ends, bit for bit. With rule="muon" (FusedMuon over muon_param_groups, the
+    use_muon split) the hidden matrices keep Muon's momentum_buffer and the rest AdamW's moments."""
 
     def train(out, resume=None):
         model = tiny_llama(vocab_size=128)  # embedding and head of 4096 elements: quantised (the rest is smaller)
@@ -235,7 +237,7 @@ def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path):
             model=model,
             args=args,
             train_dataset=TokenDataset(),
-            optimizers=fused_trainer_optimizers(model, args, state_precision="8bit"),
+            optimizers=fused_trainer_optimizers(model, args, rule=rule, state_precision="8bit"),
             callbacks=[FusedStableCallback()],
         )
         trainer.train(resume_from_checkpoint=resume)
@@ -244,6 +246,11 @@ def test_8bit_state_checkpoints_compact_and_resumes_exactly(tmp_path):
     full, trainer = train(tmp_path / "full")
     assert all(group["state_precision"] == "8bit" for group in trainer.optimizer.param_groups)
     saved = torch.load(tmp_path / "full" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    if rule == "muon":
+        assert isinstance(trainer.optimizer.optimizer, FusedMuon)  # inside accelerate's wrapper
+        muon = [set(e) for e in saved["state"].values() if "momentum_buffer" in e]
+        assert muon and all(keys <= {"step", "momentum_buffer", "momentum_buffer_scale"} for keys in muon)
+        saved["state"] = {k: e for k, e in saved["state"].items() if "exp_avg" in e}
     dtypes = {entry["exp_avg"].dtype for entry in saved["state"].values()}
     assert dtypes == {torch.int8, torch.float32}  # quantised matrices, small tensors (norms) in fp32
     assert all("exp_avg_scale" in e for e in saved["state"].values() if e["exp_avg"].dtype == torch.int8)
@@ -278,8 +285,10 @@ def test_an_optim_without_a_fused_rule_is_refused(tmp_path):
     for optim in ("rmsprop",):
         with pytest.raises(ValueError, match=rf"optim '{optim}' has no fused rule.*supported optim values are: adamw"):
             fused_trainer_optimizers(tiny_llama(), make_args(tmp_path, optim=optim))
-    with pytest.raises(ValueError, match=r"rule='muon': fused_trainer_optimizers builds 'adamw' or 'lion' or 'sgd'"):
-        fused_trainer_optimizers(tiny_llama(), make_args(tmp_path), rule="muon")
+    with pytest.raises(
+        ValueError, match=r"rule='rmsprop': fused_trainer_optimizers builds 'adamw' or 'lion' or 'muon'"
+    ):
+        fused_trainer_optimizers(tiny_llama(), make_args(tmp_path), rule="rmsprop")
 
 
 def test_args_optim_lion_8bit_is_fused_lion_with_8bit_state_in_a_real_trainer(tmp_path):

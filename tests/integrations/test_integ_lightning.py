@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedSGD, schedules
+from fused_stable import FusedAdafactor, FusedAdamW, FusedLion, FusedMuon, FusedSGD, muon_param_groups, schedules
 from fused_stable.integrations.lightning import FusedStableCallback, fp16_mixed_precision
 
 STEPS = 6
@@ -608,3 +608,30 @@ def test_fused_adafactor_with_the_callback_follows_torch_adafactor_and_logs(tmp_
     expected = [adafactor["lr"] * schedule().factor(n) for n in range(STEPS)]
     assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)
     assert_same_params(module, reference, *FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "8bit"])
+def test_fused_muon_with_the_callback_trains_both_kinds_of_group_and_logs(tmp_path, precision):
+    """FusedMuon (Muon on muon_param_groups' hidden matrices, AdamW on the rest) is a fused optimizer to the
+    callback as FusedAdamW is: a real fit logs its pre-clip grad norm (the hook's, over both kinds of group) and the
+    scheduled lr, keeps Muon's momentum_buffer on the matrices and AdamW's moments on the rest, and moves both."""
+    muon_lr = 2e-2
+
+    def fused_muon(model):
+        groups = muon_param_groups(model, lr=muon_lr, weight_decay=0.01)
+        return FusedMuon(groups, max_grad_norm=CLIP, lr_schedule=schedule(), state_precision=precision)
+
+    torch.manual_seed(0)
+    module = LlamaModule(fused_muon)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer, metrics = fit(module, tmp_path / "fused", callbacks=[FusedStableCallback()])
+    (opt,) = [o for o in trainer.optimizers if isinstance(o, FusedMuon)]
+    muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    assert muon and len(muon) < len(before)
+    for p in module.parameters():
+        assert ("momentum_buffer" if id(p) in muon else "exp_avg") in opt.state[p]
+    assert all(not torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    assert logged(metrics, "grad_norm") == pytest.approx(module.hook_norms, rel=1e-5)
+    expected = [muon_lr * schedule().factor(n) for n in range(STEPS)]
+    assert logged(metrics, "learning_rate") == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    assert logged(metrics, "skipped_steps") == [0] * STEPS

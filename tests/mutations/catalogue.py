@@ -26,6 +26,80 @@ M = Mutation
 TRAIN = "fused_stable/train/"
 
 MUTATIONS: list[Mutation] = [
+    # ------------------------------------------------------------------ 8-bit Muon momentum (issue 50 item 4)
+    M(
+        "muon-8bit-host-skip-ignored",
+        "fused_stable/rules/muon/lowbit.py",
+        "        if on_host and bool(skip):",
+        "        if False:",
+        ["tests/core/test_muon_lowbit.py"],
+        "a skipped step on host decisions leaves every 8-bit code and scale bit-identical (nothing re-encoded)",
+        select="skipped and host",
+    ),
+    M(
+        "muon-8bit-device-skip-codes-not-selected",
+        "fused_stable/rules/muon/lowbit.py",
+        "                codes.copy_(torch.where(keep, codes, new_codes))",
+        "                codes.copy_(new_codes)",
+        ["tests/core/test_muon_lowbit.py"],
+        "a skipped step on device decisions selects the old 8-bit codes (re-encoding their decoding may differ)",
+        select="skipped and device",
+    ),
+    M(
+        "muon-8bit-encoded-from-the-old-buffer",
+        "fused_stable/rules/muon/lowbit.py",
+        "        MuonSide(self.params, buffers, self.rows).step(grads, grad_mul, skip, lr_factor)",
+        "        MuonSide(self.params, [b.clone() for b in buffers], self.rows).step(grads, grad_mul, skip, lr_factor)",
+        ["tests/core/test_muon_lowbit.py"],
+        "the 8-bit codes are the encoding of the step's new fp32 momentum (torch Muon + the codec, bit for bit)",
+        select="codec_after_each_step and host",
+    ),
+    M(
+        "muon-8bit-state-bytes-without-scales",
+        "fused_stable/rules/muon/matrix.py",
+        '        return state_format.planned_bytes(p.numel(), "8bit", states=1)',
+        "        return p.numel()",
+        ["tests/core/test_muon_lowbit.py", "tests/core/test_state_bytes.py"],
+        "state_bytes() of an 8-bit Muon group counts its codes and block scales, what opt.state holds",
+        select="state_bytes and (muon or 8bit)",
+    ),
+    M(
+        "muon-8bit-small-matrix-coded",
+        "fused_stable/rules/muon/matrix.py",
+        '    return state_format.format_for(group["state_precision"], p.numel()) == state_format.Q8',
+        '    return group["state_precision"] == "8bit"',
+        ["tests/core/test_muon_lowbit.py"],
+        "a matrix under MIN_QUANTISED_NUMEL elements keeps an fp32 momentum buffer in an 8-bit Muon group",
+        select="codec_after_each_step and host and nesterov",
+    ),
+    # ------------------------------------------------------------------ FusedMuon inside torch.compile (issue 50 item 3)
+    M(
+        "compiled-muon-matrix-step-dropped",
+        "fused_stable/compiled.py",
+        "        step.matrix.step(buffers.fstate, grads)\n",
+        "",
+        ["tests/core/test_compile_muon.py"],
+        "a compiled FusedMuon step updates the Muon groups, the eager step's bits",
+        select="bit_for_bit and eager and fp32",
+    ),
+    M(
+        "compiled-muon-keeps-first-hparams",
+        "fused_stable/compiled.py",
+        "        step.matrix = opt.matrix_steps(plan, matrix_states, step.matrix)\n",
+        "        step.matrix = step.matrix or opt.matrix_steps(plan, matrix_states)\n",
+        ["tests/core/test_compile_muon.py"],
+        "a compiled FusedMuon step takes the Muon groups' lr and momentum as they are when it runs (schedulers)",
+        select="scheduler and eager",
+    ),
+    M(
+        "hf-muon-trainer-split-dropped",
+        "fused_stable/integrations/hf.py",
+        "    if rules[rule].own_param_groups:  # FusedMuon",
+        "    if False:  # FusedMuon",
+        ["tests/integrations/test_integ_hf_trainer.py"],
+        "fused_trainer_optimizers(rule='muon') builds FusedMuon over muon_param_groups (LLaMA-Factory's use_muon)",
+        select="8bit_state_checkpoints and muon",
+    ),
     # ------------------------------------------------------------------ FusedAdafactor (rules/adafactor)
     M(
         "adafactor-host-skip-ignored",
@@ -411,15 +485,6 @@ MUTATIONS: list[Mutation] = [
         select="never_import",
     ),
     # ------------------------------------------------------------------ bad input refused in one line (issue 52)
-    M(
-        "muon-8bit-state-not-refused",
-        TRAIN + "run/optimizers.py",
-        '    if cfg.tuner == "full" and cfg.state_precision == "8bit":\n',
-        "    if False:\n",
-        ["tests/train/test_optim_rules.py"],
-        "optim muon + tuner full + 8-bit state is one line before anything starts (flags, LF YAML, resume)",
-        select="muon_with_8bit or muon_run_with_8bit",
-    ),
     M(
         "anchor-switch-read-as-off",
         TRAIN + "config/foreign_configs.py",

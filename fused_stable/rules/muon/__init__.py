@@ -18,6 +18,7 @@ Names, defaults and the state key are torch.optim.Muon's (a test reads its signa
   newton_schulz.py  `orthogonalize` and `ShapeBatches`: the Newton-Schulz iteration batched over matrices of one shape
   torch.py          `MuonSide`: the Muon groups' update on torch tensors, the step's decisions as device tensors
   param_groups.py   `muon_param_groups`: a model split into a Muon group and an AdamW group
+  lowbit.py         `CodedMomentum`: 8-bit momentum buffers decoded around MuonSide's step, encoded once
 
 A conv weight (4-D) is refused rather than flattened: torch.optim.Muon refuses it too (the parity oracle), and
 the flattening (out, in*kh*kw) is a modelling choice whose lr adjustment differs between recipes (Keller Jordan
@@ -127,7 +128,7 @@ RULE = Rule(
     name="muon",
     title="Muon",
     package=__name__,
-    # torch.optim.Muon's state key, one buffer per matrix, the param's shape (8-bit: not built; matrix.py refuses it)
+    # torch.optim.Muon's state key, one buffer per matrix, the param's shape (8-bit: lowbit.py, AdamW exp_avg's codec)
     states=(State("momentum_buffer", SIGNED),),
     hparams=(
         HParam("lr", LR, check=_number("lr")),

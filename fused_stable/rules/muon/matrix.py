@@ -7,21 +7,30 @@ params. The interface every matrix rule's matrix.py offers:
   build(params, states, groups)  the update of those params: `.step(grads, grad_mul, skip, lr_factor)`, the step's
                                  decisions as 0-dim device tensors (the clip multiplier before the momentum, the
                                  skip flag, the schedule's factor), none of them read on the host but on the CPU
+  COMPILED_STEP                  (optional) True: the update runs inside torch.compile's step (compiled.py)
 """
 
 from __future__ import annotations
 
 import torch
 
+from ... import state_format
+from ...sharding import is_dtensor
 from . import DEFAULTS, check_muon_group
+from .lowbit import KEY, CodedMomentum, is_coded
 from .torch import MuonSide
 
 # DTensor params sharded by rows (FSDP2's Shard(0)) step too: Newton-Schulz at each matrix's owner rank
 # (fused_stable/matrix_exchange.py), the momentum buffers sharded like their params
 ROW_SHARDS = True
+
+# the compiled step (compiled.py) runs this rule's update inside its custom op, after the fused step
+COMPILED_STEP = True
+
 # a Muon group's state_precision -> its momentum buffers' dtype (None: the param's, as torch.optim.Muon's); bf16
-# rounds to nearest (momentum 0.95 moves a buffer 5% of g - buf a step, over half a bf16 ulp unless g is within 8%)
-MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+# rounds to nearest (momentum 0.95 moves a buffer 5% of g - buf a step, over half a bf16 ulp unless g is within 8%);
+# "8bit": AdamW exp_avg's Q8 codes and block scales (lowbit.py), fp32 below state_format.MIN_QUANTISED_NUMEL
+MOMENTUM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "8bit": torch.float32}
 
 
 def check_group(group: dict, precision: str) -> None:
@@ -32,10 +41,19 @@ def check_group(group: dict, precision: str) -> None:
     check_muon_group(group)
     if precision not in MOMENTUM_DTYPES:
         raise ValueError(
-            f"a Muon group's momentum buffers are kept in fp32 (the param's dtype, as torch's) or bf16, not "
-            f"{precision!r} (8-bit Muon momentum is not built yet): give the Muon group state_precision='bf16' "
-            "or 'fp32' (the AdamW groups keep theirs)"
+            f"a Muon group's momentum buffers are kept in fp32 (the param's dtype, as torch's), bf16 or 8bit, not "
+            f"{precision!r}: give the Muon group state_precision='fp32', 'bf16' or '8bit'"
         )
+    if precision == "8bit" and any(is_dtensor(p) for p in group["params"]):
+        # the codes' blocks run over a whole matrix's elements, and a row shard holds a slice of them
+        raise ValueError(
+            "a Muon group's 8-bit momentum is coded in blocks over each whole matrix, and under FSDP2 a param holds "
+            "a shard of its rows: give the Muon group state_precision='bf16' or 'fp32' under FSDP2"
+        )
+
+
+def _coded(p: torch.Tensor, group: dict) -> bool:
+    return state_format.format_for(group["state_precision"], p.numel()) == state_format.Q8
 
 
 def _buffer_dtype(p: torch.Tensor, group: dict) -> torch.dtype:
@@ -43,19 +61,26 @@ def _buffer_dtype(p: torch.Tensor, group: dict) -> torch.dtype:
 
 
 def init_state(p: torch.Tensor, group: dict) -> dict[str, torch.Tensor]:
-    """torch's zero momentum buffer, shaped like the param (its dtype, or bf16 when the group asks for it)."""
-    return {"momentum_buffer": torch.zeros_like(p, dtype=_buffer_dtype(p, group), memory_format=torch.preserve_format)}
+    """torch's zero momentum buffer, shaped like the param (its dtype, or bf16 when the group asks for it), or its
+    8-bit codes and block scales (zero codes with zero scales decode to exactly zero)."""
+    if _coded(p, group):
+        return state_format.zero_moment(p, KEY, state_format.Q8)
+    return {KEY: torch.zeros_like(p, dtype=_buffer_dtype(p, group), memory_format=torch.preserve_format)}
 
 
 def state_bytes(p: torch.Tensor, group: dict) -> int:
+    if _coded(p, group):
+        return state_format.planned_bytes(p.numel(), "8bit", states=1)
     return p.numel() * _buffer_dtype(p, group).itemsize
 
 
-def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide:
+def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide | CodedMomentum:
     """The update of `params` (a group's each, `groups[i]` with its base lr: the schedule's factor comes from the
-    decisions), batched once by group, dtype and shape."""
+    decisions), batched once by group, dtype and shape; decoding and encoding 8-bit buffers around it."""
     groups = [{**group, "lr": _host_lr(group["lr"])} for group in groups]
-    return MuonSide(params, [state["momentum_buffer"] for state in states], groups)
+    if any(is_coded(state) for state in states):
+        return CodedMomentum(params, states, groups)
+    return MuonSide(params, [state[KEY] for state in states], groups)
 
 
 def _host_lr(lr):

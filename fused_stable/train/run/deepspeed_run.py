@@ -84,6 +84,11 @@ def check_keys(cfg) -> None:
             "(ZeRO-3's per-param partitions and the offloaded step are not built for Muon yet); use zero_stage 1 "
             "or 2, or optim adamw"
         )
+    if cfg.optim == "muon" and cfg.state_precision == "8bit" and cfg.tuner == "full" and stage_of(raw, cfg) > 0:
+        raise UserError(
+            f"optim muon with state_precision 8bit under {_where(cfg)}: 8-bit Muon momentum is coded in blocks over "
+            "whole matrices, and ZeRO 1-2 steps flat partitions of them; use state_precision bf16 (or zero_stage 0)"
+        )
     # every refusal that does not need the model or the process count: the file's own mistakes, named
     _prepare(_fill(raw, cfg, world_size=None, precision=None, hidden=None), cfg)
 

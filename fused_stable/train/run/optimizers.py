@@ -39,13 +39,6 @@ def _build_over_groups(cls) -> Callable:
 def _muon_missing(cfg, deepspeed: bool) -> str | None:
     if cfg.loraplus_lr_ratio is not None:
         return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
-    if cfg.tuner == "full" and cfg.state_precision == "8bit":
-        # the one place this is refused: remove it when FusedMuon keeps 8-bit momentum
-        return (
-            "optim muon with tuner full keeps the Muon matrices' momentum in fp32 or bf16 (8-bit Muon momentum is "
-            "not built yet), not state_precision 8bit (also what an HF optim name ending in 8bit sets): use "
-            "state_precision bf16, or optim adamw or lion with 8bit state"
-        )
     return None
 
 
