@@ -48,7 +48,35 @@ def state_bytes(p: torch.Tensor, group: dict) -> int:
     return p.numel() * _buffer_dtype(p, group).itemsize
 
 
-def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide:
+def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide | ExpertStacks:
     """The update of `params` (a group's each, `groups[i]` with its base lr: the schedule's factor comes from the
-    decisions), batched once by group, dtype and shape."""
-    return MuonSide(params, [state["momentum_buffer"] for state in states], groups)
+    decisions), batched once by group, dtype and shape; a 3-D param (a stack of experts' matrices) is stepped as
+    its experts' 2-D views (`ExpertStacks`)."""
+    buffers = [state["momentum_buffer"] for state in states]
+    if all(p.ndim == 2 for p in params):
+        return MuonSide(params, buffers, groups)
+    counts = [p.shape[0] if p.ndim == 3 else 1 for p in params]
+    matrices = MuonSide(
+        _matrices([p.detach() for p in params]),
+        _matrices(buffers),
+        [group for group, count in zip(groups, counts) for _ in range(count)],
+    )
+    return ExpertStacks(matrices)
+
+
+def _matrices(tensors) -> list[torch.Tensor]:
+    """Each 2-D tensor, and each 3-D one as its matrices: views (`unbind(0)`), so in-place updates land in it."""
+    return [m for t in tensors for m in (t.unbind(0) if t is not None and t.ndim == 3 else (t,))]
+
+
+class ExpertStacks:
+    """The update of Muon params some of which are 3-D stacks of matrices (transformers 5's MoE experts: experts x
+    out x in): a MuonSide over every matrix as a 2-D view of its param and momentum buffer, given the grads' views
+    each step. Each expert is then exactly torch.optim.Muon's 2-D param: its own Newton-Schulz, its lr adjusted by
+    its out x in, batched with the other matrices of its shape."""
+
+    def __init__(self, matrices: MuonSide) -> None:
+        self.matrices = matrices
+
+    def step(self, grads, grad_mul: torch.Tensor, skip: torch.Tensor, lr_factor: torch.Tensor) -> None:
+        self.matrices.step(_matrices(grads), grad_mul, skip, lr_factor)
