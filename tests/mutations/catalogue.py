@@ -3559,7 +3559,7 @@ MUTATIONS: list[Mutation] = [
         TRAIN + "config/foreign_configs.py",
         'SWIFT_OPTIMIZERS = {"muon": {"optim": "muon", "muon_lora": True}, "default": None}',
         'SWIFT_OPTIMIZERS = {"muon": {"optim": "muon"}, "default": None}',
-        ["tests/train/test_swift_examples.py"],
+        ["tests/train/test_anchors.py", "tests/train/test_swift_examples.py"],
         "ms-swift's --optimizer muon puts the LoRA factors on Muon, as swift does",
         select="optimizer_muon",
     ),
