@@ -1,8 +1,10 @@
 """FusedMuon: Muon for the hidden matrices and AdamW for the rest, in one step with one global-norm clip, one
 non-finite / spike decision and the lr schedule, all on the device.
 
-Every param group says `use_muon=True` (2-D matrices: torch.optim.Muon's keywords and defaults) or `use_muon=False`
-(torch.optim.AdamW's keywords and defaults); `fused_stable.muon_param_groups(model)` splits a model the usual way.
+Every param group says `use_muon=True` (2-D matrices, or 3-D stacks of them such as MoE experts x out x in, each
+expert its own matrix: torch.optim.Muon's keywords and defaults) or `use_muon=False` (torch.optim.AdamW's keywords
+and defaults); `fused_stable.muon_param_groups(model)` splits a model the usual way and records why each param is
+where it is, which `describe()` counts (what took Muon, what AdamW, and for what reason).
 A step is the fused step of FusedOptimizer over every group: Muon is a matrix rule (rules/muon), so its groups take
 part in the norm pass and the decision kernel (one norm over the whole model, one clip coefficient, one skip) and
 are updated right after the update pass from the same decisions (fused_stable/matrix_step.py, rules/muon/matrix.py:
@@ -36,11 +38,15 @@ from typing import Any
 
 from .optim import FusedOptimizer
 from .rules import RULES
+from .rules.muon.param_groups import describe_groups
 
 
 class FusedMuon(FusedOptimizer):
     """Muon (torch.optim.Muon's update) for the groups with `use_muon=True`, AdamW for those with `use_muon=False`,
     with the global grad-norm clip over both, the non-finite / spike skip and the lr schedule fused on the device.
+    A 3-D param of a Muon group is a stack of matrices (experts x out x in): each expert is stepped exactly as
+    torch.optim.Muon steps a 2-D param of its shape (its own Newton-Schulz, lr adjusted by its out x in).
+    `describe()` says how many matrices and params each side took, and why.
 
     Args:
         param_groups: param-group dicts, each with `use_muon`. Muon groups take `lr, weight_decay, momentum,
@@ -72,6 +78,15 @@ class FusedMuon(FusedOptimizer):
             )
         defaults = self.RULE.defaults()  # torch.optim.AdamW's, for the AdamW groups
         super().__init__(groups, defaults, max_grad_norm=max_grad_norm, **step_options)
+
+    def describe(self, per_param: bool = False) -> dict:
+        """What took Muon and what AdamW, and why: `{"muon": {...}, "adamw": {...}}`, each with its `tensors`,
+        `matrices` (a 3-D expert stack counts its experts) and `params` (elements), and `reasons`: for each reason
+        ("hidden matrix", "3-D expert", "LoRA factor" on Muon; "1-D", "embedding", "head", "LoRA factor", "conv
+        weight", "3-D expert", "other" on AdamW; "caller's group" for a group built without muon_param_groups'
+        reasons) its tensors and params. `per_param=True` adds `each`: every param's name (`param_names` when
+        set, else its index), shape, side and reason."""
+        return describe_groups(self.param_groups, self.param_names, per_param)
 
     def group_rule(self, group: dict):
         return self.MATRIX_RULE if group.get("use_muon") else self.RULE

@@ -170,6 +170,12 @@ def _refuse_groups_without_a_rule(optimizer: FusedOptimizer, stage: int, offload
             "per-param partitions that the Muon exchange (built for ZeRO 1-2's flat groups) does not rebuild; use "
             "ZeRO-1 or ZeRO-2 (or ZeRO-3 with FusedAdamW)"
         )
+    if muon and stage in (1, 2) and any(p.ndim == 3 for g in _muon_groups(optimizer) for p in g["params"]):
+        raise ValueError(
+            f"{type(optimizer).__name__}'s Muon groups step 3-D expert stacks per expert, and the ZeRO {stage} "
+            "exchange rebuilds 2-D matrices only (not built yet): give the experts use_muon=False "
+            "(muon_param_groups(..., expert_stacks=False)) under ZeRO 1-2"
+        )
     if muon and stage in (1, 2) and _muon_8bit(optimizer):
         raise ValueError(
             f"{type(optimizer).__name__}'s Muon groups keep 8-bit momentum in blocks over whole matrices, and ZeRO "
@@ -191,12 +197,13 @@ def _refuse_groups_without_a_rule(optimizer: FusedOptimizer, stage: int, offload
         )
 
 
+def _muon_groups(optimizer: FusedOptimizer) -> list[dict]:
+    return [group for group in optimizer.param_groups if optimizer.group_rule(group).name == MUON]
+
+
 def _muon_8bit(optimizer: FusedOptimizer) -> bool:
     precision = optimizer.defaults.get("state_precision", "fp32")
-    return any(
-        optimizer.group_rule(group).name == MUON and group.get("state_precision", precision) == "8bit"
-        for group in optimizer.param_groups
-    )
+    return any(group.get("state_precision", precision) == "8bit" for group in _muon_groups(optimizer))
 
 
 def attach(engine) -> EngineStep:

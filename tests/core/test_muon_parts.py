@@ -266,7 +266,8 @@ REFUSED = {
     "ns_coefficients": ({"ns_coefficients": (3.4, -4.7)}, "ns_coefficients must be 3 finite numbers"),
     "adjust_lr_fn": ({"adjust_lr_fn": "moonlight"}, "adjust_lr_fn must be None"),
     "conv": ({"params": [torch.zeros(8, 3, 3, 3)]}, r"conv weight.*Reshape it to 2-D.*AdamW group"),
-    "bias": ({"params": [torch.zeros(8)]}, "2-D matrices only; biases"),
+    "bias": ({"params": [torch.zeros(8)]}, "2-D matrices and 3-D stacks of them .* only; biases"),
+    "5-D": ({"params": [torch.zeros(2, 2, 2, 2, 2)]}, "2-D matrices and 3-D stacks of them .* only"),
     "int": ({"params": [torch.zeros(2, 2, dtype=torch.int32)]}, "real floating point"),
 }
 

@@ -430,6 +430,22 @@ def test_use_muon_is_optim_muon(tmp_path):
         resolve("--config", write(tmp_path, "stage: sft\noptim: lion_8bit\nuse_muon: true\n"))
 
 
+def test_swifts_optimizer_muon_is_optim_muon_with_the_lora_factors_on_muon():
+    """ms-swift's --optimizer muon puts every 2-D trainable param but the embedding and head on Muon, LoRA factors
+    included: optim muon + muon_lora, with a full fine-tune too (no factor there); `default` sets nothing; swift's
+    other optimizers are refused naming the supported ones."""
+    cfg, _, lines = resolve("--model", "tiny", "--optimizer", "muon")
+    assert (cfg.optim, cfg.muon_lora, cfg.tuner) == ("muon", True, "lora")
+    assert "  optimizer: muon -> optim: muon, muon_lora: True" in lines[0].splitlines()
+    cfg, _, _ = resolve("--model", "tiny", "--optimizer", "muon", "--train_type", "full")
+    assert (cfg.optim, cfg.muon_lora, cfg.tuner) == ("muon", True, "full")
+    cfg, _, lines = resolve("--model", "tiny", "--optimizer", "default", "--train_type", "lora")
+    assert (cfg.optim, cfg.muon_lora) == ("adamw", False)
+    assert "  optimizer: default -> swift's default optimizer: the rule optim names (adamw)" in lines[0].splitlines()
+    with pytest.raises(UserError, match=r"optimizer: galore \(not supported here \(supported: muon, default\)\)$"):
+        resolve("--optimizer", "galore")
+
+
 def test_other_optimizers_are_refused_naming_what_is_supported(tmp_path):
     from fused_stable.integrations.optim_names import OPTIMS
     from fused_stable.train.config.keys import CHOICES

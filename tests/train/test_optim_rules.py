@@ -10,7 +10,7 @@ import yaml
 from sft_helpers import TINY
 
 import fused_stable
-from fused_stable.train.run import optimizers
+from fused_stable.train.run import optimizers, outputs
 
 RUN = [*TINY, "--tuner", "full", "--max_steps", "2", "--save_steps", "2", "--logging_steps", "1"]
 
@@ -69,6 +69,62 @@ def test_sft_optim_muon_trains_the_hidden_matrices_with_muon(sft, tmp_path):
     for param_id, entry in saved["state"].items():
         expected = {"step", "momentum_buffer"} if param_id in muon_ids else {"step", "exp_avg", "exp_avg_sq"}
         assert set(entry) == expected, (param_id, sorted(entry))
+    # where each param went and why: a line after the header, and run_manifest.json (FusedMuon.describe())
+    split = outputs.read_manifest(str(out_dir))["muon_split"]
+    hidden = split["muon"]["reasons"]["hidden matrix"]
+    assert split["muon"]["matrices"] == split["muon"]["tensors"] == hidden["tensors"] == 4 * 7  # 4 layers
+    assert set(split["adamw"]["reasons"]) == {"embedding", "head", "1-D"}
+    assert split["adamw"]["reasons"]["1-D"]["tensors"] == 4 * 2 + 1  # the layers' two norms and the final one
+    line = next(line for line in out.splitlines() if line.startswith("optim muon: "))
+    assert line.startswith(
+        f"optim muon: Muon: 28 matrices in 28 tensors, {hidden['params']:,} params (hidden matrix 28)"
+    )
+    assert "AdamW: 11 tensors" in line and "LoRA" not in line
+
+
+def _lora_muon_run(sft, out_dir, *flags):
+    """A LoRA run of the tiny model (q_proj, v_proj of 4 layers: 16 factors, 16,384 params at r 8) with --optim
+    muon; (stdout, the manifest's muon_split, the step-2 checkpoint's optimizer state)."""
+    code, out, err = sft(*TINY, "--max_steps", "2", "--optim", "muon", *flags, "--output_dir", out_dir)
+    assert code == 0, err
+    saved = torch.load(out_dir / "checkpoints" / "step-2" / "optimizer.pt", weights_only=True)
+    return out, outputs.read_manifest(str(out_dir))["muon_split"], saved
+
+
+@pytest.mark.slow  # one short run of the tiny model
+def test_a_lora_muon_run_says_its_factors_are_on_adamw(sft, tmp_path):
+    """LLaMA-Factory's split, the default: no Muon matrix in a LoRA run, said in the line after the header with
+    how to change it, and in the manifest; every factor keeps AdamW's moments."""
+    out, split, saved = _lora_muon_run(sft, tmp_path / "lora")
+    assert split["muon"]["matrices"] == 0 and split["adamw"]["reasons"] == {
+        "LoRA factor": {"tensors": 16, "params": 16384}
+    }
+    line = next(line for line in out.splitlines() if line.startswith("optim muon: "))
+    assert line.startswith("optim muon: Muon: 0 matrices in 0 tensors, 0 params | AdamW: 16 tensors, 16,384 params")
+    assert "--muon_lora puts them on Muon" in line
+    assert all(set(entry) == {"step", "exp_avg", "exp_avg_sq"} for entry in saved["state"].values())
+
+
+@pytest.mark.slow  # two short runs of the tiny model
+def test_muon_lora_puts_the_lora_factors_on_muon_and_a_resume_cannot_change_it(sft, tmp_path):
+    out_dir = tmp_path / "lora"
+    out, split, saved = _lora_muon_run(sft, out_dir, "--muon_lora", "true")
+    assert split["muon"]["reasons"] == {"LoRA factor": {"tensors": 16, "params": 16384}}
+    assert split["muon"]["matrices"] == 16 and split["adamw"]["tensors"] == 0
+    assert "--muon_lora puts" not in out
+    assert len(saved["state"]) == 16
+    assert all(set(entry) == {"step", "momentum_buffer"} for entry in saved["state"].values())
+    with open(out_dir / "run.yaml") as f:
+        assert yaml.safe_load(f)["muon_lora"] is True
+    code, _, err = sft("--output_dir", out_dir, "--resume", "latest", "--muon_lora", "false", "--max_steps", "3")
+    assert code == 2 and "different muon_lora (checkpoint: True, now: False)" in err
+
+
+def test_muon_lora_without_optim_muon_is_refused_in_one_line(sft, tmp_path):
+    code, _, err = sft(*TINY, "--muon_lora", "true", "--output_dir", tmp_path / "adamw")
+    assert code == 2 and err.count("\n") == 1
+    assert "muon_lora puts the LoRA factors on Muon: it needs optim muon, not adamw" in err
+    assert not os.path.exists(tmp_path / "adamw")
 
 
 def test_optim_muon_with_loraplus_is_refused_in_one_line_before_the_model_loads(sft, tmp_path):

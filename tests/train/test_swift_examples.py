@@ -4,7 +4,8 @@ the model (`--model tiny`) and the hub datasets (a local JSON file of the same n
 adding `--max_steps 2`. Each trains on the tiny model, and its output says what each dataset contributed.
 
 Source: github.com/modelscope/ms-swift at commit 3602360a562313afbf2ef6065fdf61f271a2c5b9 (2026-08-22),
-`examples/train/lora_sft.sh`, `examples/train/tuners/dora/train.sh`, `examples/train/qlora/bnb/train.sh`.
+`examples/train/lora_sft.sh`, `examples/train/tuners/dora/train.sh`, `examples/train/qlora/bnb/train.sh`; and at
+commit 1acfef4b926808299d5afdc6d1d8913a57ba36ed `examples/train/optimizer/muon.sh` (issue 50: `--optimizer muon`).
 Left out: the `CUDA_VISIBLE_DEVICES=0` environment assignment before `swift sft` (not a flag; the tests run on
 the CPU, where it picks nothing). Every flag is kept; `--output_dir output` is the test's folder (it runs there).
 """
@@ -107,6 +108,39 @@ swift sft \\
     --model_name swift-robot
 """
 
+MUON = """\
+# 17GB
+# ref: https://github.com/MoonshotAI/Moonlight/blob/master/examples/toy_train.py
+CUDA_VISIBLE_DEVICES=0 \\
+swift sft \\
+    --model Qwen/Qwen2.5-7B-Instruct \\
+    --train_type lora \\
+    --dataset 'AI-ModelScope/alpaca-gpt4-data-zh#500' \\
+              'AI-ModelScope/alpaca-gpt4-data-en#500' \\
+              'swift/self-cognition#500' \\
+    --optimizer muon \\
+    --torch_dtype bfloat16 \\
+    --num_train_epochs 1 \\
+    --per_device_train_batch_size 1 \\
+    --per_device_eval_batch_size 1 \\
+    --learning_rate 1e-4 \\
+    --lora_rank 8 \\
+    --lora_alpha 32 \\
+    --target_modules all-linear \\
+    --gradient_accumulation_steps 16 \\
+    --eval_steps 50 \\
+    --save_steps 50 \\
+    --save_total_limit 5 \\
+    --logging_steps 5 \\
+    --max_length 2048 \\
+    --output_dir output \\
+    --system 'You are a helpful assistant.' \\
+    --warmup_ratio 0.05 \\
+    --dataloader_num_workers 4 \\
+    --model_author swift \\
+    --model_name swift-robot
+"""
+
 HUB_DATASETS = ("AI-ModelScope/alpaca-gpt4-data-zh", "AI-ModelScope/alpaca-gpt4-data-en")
 LOCAL_ROWS = 600  # more than the scripts' #500, so #500 samples without replacement, as on the hub's data sets
 
@@ -162,7 +196,7 @@ def _train(sft, tmp_path, monkeypatch, script):
 
 def test_the_scripts_flags_are_kept_as_written(tmp_path):
     """Only the model and the hub datasets are replaced, and --max_steps 2 added."""
-    for script in (LORA_SFT, DORA, QLORA_BNB):
+    for script in (LORA_SFT, DORA, QLORA_BNB, MUON):
         flags, local = swift_flags(script), local_command(script, tmp_path)
         assert local[-2:] == ["--max_steps", "2"] and len(local) == len(flags) + 2
         changed = [(a, b) for a, b in zip(flags, local) if a != b]
@@ -200,3 +234,15 @@ def test_qlora_bnb_train_sh(sft, tmp_path, monkeypatch):
     assert "quant_bits=4 precision=bf16" in stdout
     assert (run["tuner"], run["quant_bits"], run["precision"]) == ("lora", 4, "bf16")
     assert json.loads((out / "adapter" / "fused_stable.json").read_text())["quant_bits"] == 4
+
+
+def test_optimizer_muon_sh(sft, tmp_path, monkeypatch):
+    """swift's `--optimizer muon` is optim muon with its LoRA factors on Muon (muon_lora), as swift splits them
+    (every 2-D trainable param but the embedding and the head): all-linear LoRA on the tiny model's 4 layers is 56
+    factors, every one a Muon matrix, none on AdamW; the mapping line and the run's split say so."""
+    stdout, run, out = _train(sft, tmp_path, monkeypatch, MUON)
+    assert "optimizer: muon -> optim: muon, muon_lora: True" in stdout
+    assert (run["optim"], run["muon_lora"], run["tuner"]) == ("muon", True, "lora")
+    assert "optim muon: Muon: 56 matrices in 56 tensors" in stdout and "(LoRA factor 56) | AdamW: 0 tensors" in stdout
+    manifest = json.loads((out / "run_manifest.json").read_text())
+    assert manifest["muon_split"]["muon"]["reasons"]["LoRA factor"]["tensors"] == 56

@@ -20,6 +20,10 @@ Names, defaults and the state key are torch.optim.Muon's (a test reads its signa
   param_groups.py   `muon_param_groups`: a model split into a Muon group and an AdamW group
   lowbit.py         `CodedMomentum`: 8-bit momentum buffers decoded around MuonSide's step, encoded once
 
+A 3-D param is a stack of matrices (transformers 5's MoE experts: experts x out x in), stepped as its experts'
+2-D views: Newton-Schulz, the lr adjustment (by out x in) and the momentum per expert, exactly as torch.optim.Muon
+on each expert as its own 2-D param (torch's refuses 3-D params). A conv1d weight is 3-D too but not a stack of
+matrices: muon_param_groups gives it to AdamW; a hand-built group must too.
 A conv weight (4-D) is refused rather than flattened: torch.optim.Muon refuses it too (the parity oracle), and
 the flattening (out, in*kh*kw) is a modelling choice whose lr adjustment differs between recipes (Keller Jordan
 flattens then adjusts by the flat shape; Moonlight adjusts by shape[:2]). Flatten it yourself or give it to AdamW.
@@ -80,10 +84,11 @@ def _check_params(params) -> None:
                 "Reshape it to 2-D yourself (e.g. a parameter of shape (out, in * kh * kw)) or put it in an AdamW "
                 "group (use_muon=False)"
             )
-        if p.ndim != 2:
+        if p.ndim not in (2, 3):
             raise ValueError(
-                f"Muon group: param {index} has shape {tuple(p.shape)}: Muon takes 2-D matrices only; biases, "
-                "norms and other non-2-D params belong in an AdamW group (use_muon=False)"
+                f"Muon group: param {index} has shape {tuple(p.shape)}: Muon takes 2-D matrices and 3-D stacks of "
+                "them (experts x out x in) only; biases, norms and other params belong in an AdamW group "
+                "(use_muon=False)"
             )
         if p.is_complex() or not p.is_floating_point():
             raise ValueError(f"Muon group: param {index} has dtype {p.dtype}: Muon takes real floating point params")

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ... import state_format
 from . import torch as muon_torch
-from .torch import MuonHparams, MuonSide
+from .experts import muon_update
+from .torch import MuonHparams
 
 KEY = "momentum_buffer"  # torch.optim.Muon's key: the codes in Q8, the buffer otherwise
 SCALE_KEY = KEY + state_format.SCALE_SUFFIX
@@ -33,8 +34,8 @@ def is_coded(state: Mapping) -> bool:
 
 
 class CodedMomentum:
-    """`MuonSide`'s step over params of which some keep their momentum as Q8 codes (see the module doc); built
-    once per plan like MuonSide, the fp32 buffers decoded anew each step."""
+    """The Muon step (`MuonSide`, or `ExpertStacks` with 3-D params) over params of which some keep their momentum
+    as Q8 codes (see the module doc); built once per plan like MuonSide, the fp32 buffers decoded anew each step."""
 
     def __init__(self, params: Sequence[Tensor], states: Sequence[Mapping], groups: Sequence[Mapping]) -> None:
         converted: dict[int, MuonHparams] = {}  # check each group's hyper-parameters once, not every step
@@ -57,7 +58,7 @@ class CodedMomentum:
         buffers = list(self.buffers)
         for i, value in zip(self.coded, decoded):
             buffers[i] = value
-        MuonSide(self.params, buffers, self.rows).step(grads, grad_mul, skip, lr_factor)
+        muon_update(self.params, buffers, self.rows).step(grads, grad_mul, skip, lr_factor)
         keep = skip != 0
         for codes, scale, value in zip(self.codes, self.scales, decoded):
             new_codes, new_scale = state_format.encode(value, KEY, like=codes)

@@ -17,6 +17,7 @@ import torch
 from ... import state_format
 from ...sharding import is_dtensor
 from . import DEFAULTS, check_muon_group
+from .experts import ExpertStacks, muon_update
 from .lowbit import KEY, CodedMomentum, is_coded
 from .torch import MuonSide
 
@@ -44,7 +45,15 @@ def check_group(group: dict, precision: str) -> None:
             f"a Muon group's momentum buffers are kept in fp32 (the param's dtype, as torch's), bf16 or 8bit, not "
             f"{precision!r}: give the Muon group state_precision='fp32', 'bf16' or '8bit'"
         )
-    if precision == "8bit" and any(is_dtensor(p) for p in group["params"]):
+    sharded = [p for p in group["params"] if is_dtensor(p)]
+    if any(p.ndim == 3 for p in sharded):
+        # the exchange brings a matrix's rows to its owner; FSDP2's Shard(0) of a stack cuts its experts instead
+        raise ValueError(
+            "a Muon group's 3-D expert stacks are stepped per expert, and under FSDP2 a stack's Shard(0) splits its "
+            "experts between ranks (not built yet): give the experts use_muon=False (muon_param_groups(..., "
+            "expert_stacks=False)) under FSDP2"
+        )
+    if precision == "8bit" and sharded:
         # the codes' blocks run over a whole matrix's elements, and a row shard holds a slice of them
         raise ValueError(
             "a Muon group's 8-bit momentum is coded in blocks over each whole matrix, and under FSDP2 a param holds "
@@ -74,13 +83,16 @@ def state_bytes(p: torch.Tensor, group: dict) -> int:
     return p.numel() * _buffer_dtype(p, group).itemsize
 
 
-def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> MuonSide | CodedMomentum:
+def build(
+    params: list[torch.Tensor], states: list[dict], groups: list[dict]
+) -> MuonSide | ExpertStacks | CodedMomentum:
     """The update of `params` (a group's each, `groups[i]` with its base lr: the schedule's factor comes from the
-    decisions), batched once by group, dtype and shape; decoding and encoding 8-bit buffers around it."""
+    decisions), batched once by group, dtype and shape; a 3-D param (a stack of experts' matrices) is stepped as
+    its experts' 2-D views (experts.py); 8-bit buffers decoded and encoded around it (lowbit.py)."""
     groups = [{**group, "lr": _host_lr(group["lr"])} for group in groups]
     if any(is_coded(state) for state in states):
         return CodedMomentum(params, states, groups)
-    return MuonSide(params, [state[KEY] for state in states], groups)
+    return muon_update(params, [state[KEY] for state in states], groups)
 
 
 def _host_lr(lr):

@@ -158,6 +158,19 @@ def _optim(value):
     return {"optim": entry.rule, "state_precision": entry.state_precision}
 
 
+# ms-swift's --optimizer (swift/plugin/optimizer.py `optimizers_map`): `muon` is Moonlight's Muon over every
+# trainable param of 2 or more dimensions whose name has neither the embedding's nor the head's key, LoRA factors
+# included, AdamW over the rest; `default` is the HF Trainer's optimizer, which swift's own `optim` names
+SWIFT_OPTIMIZERS = {"muon": {"optim": "muon", "muon_lora": True}, "default": None}
+
+
+def _swift_optimizer(value):
+    name = str(value).strip().lower()
+    if name not in SWIFT_OPTIMIZERS:
+        raise Refused(f"not supported here (supported: {', '.join(SWIFT_OPTIMIZERS)})")
+    return SWIFT_OPTIMIZERS[name]
+
+
 def their_spelling(name: str, value) -> bool:
     """Whether a key spelt as ours is another trainer's: `optim` is ours with a rule's name (adamw, lion, muon),
     the HF Trainer's with any other (adamw_torch, lion_8bit, adafactor...)."""
@@ -212,6 +225,10 @@ KEYS: dict[str, AnchorKey] = {
     ),
     # the rule and its state: two of our keys (optim, state_precision)
     "optim": AnchorKey(BOTH, "*", _optim, explain=optim_names.describe),
+    # ms-swift's Muon: its LoRA factors on Muon too (muon_lora), as swift splits them
+    "optimizer": AnchorKey(
+        (MS_SWIFT,), "*", _swift_optimizer, note="swift's default optimizer: the rule optim names (adamw)"
+    ),
     # LLaMA-Factory's Muon switch: Muon in place of the AdamW `optim` names (its AdamW part takes the 1-D params)
     "use_muon": AnchorKey((LLAMA_FACTORY,), "optim", _if_true("muon"), note="off, optim as given"),
     "dataset_dir": AnchorKey((LLAMA_FACTORY,), None, note="where dataset_info.json names the datasets"),

@@ -98,8 +98,15 @@ class TrainConfig:
     optim: str = _key(
         "adamw",
         "the update rule: adamw (FusedAdamW) | lion (FusedLion, lion-pytorch's Lion) | muon (FusedMuon: Muon for the "
-        "hidden 2-D weights, AdamW for the rest, as muon_param_groups splits them; a LoRA run has no Muon matrix and "
-        "trains as AdamW); the HF Trainer's names (adamw_torch, lion_8bit, ...) are read too",
+        "hidden 2-D weights and MoE expert stacks, AdamW for the rest, as muon_param_groups splits them; a LoRA "
+        "run's factors stay on AdamW unless muon_lora); the HF Trainer's names (adamw_torch, lion_8bit, ...) are "
+        "read too",
+        "optim",
+    )
+    muon_lora: bool = _key(
+        False,
+        "optim muon: the LoRA factors (A: r x in, B: out x r) on Muon too, as ms-swift splits them; false = on "
+        "AdamW, as LLaMA-Factory's use_muon",
         "optim",
     )
     lr: float = _key(
@@ -315,8 +322,9 @@ CHOICES = {
 LAUNCH_KEYS = ("resume", "overwrite")
 # keys a checkpoint fixes: the shapes or meaning of its saved weights (model, tuner, quantisation, adapter
 # rank, scale and targets, LoRA+ groups), and the hyper-parameters its optimizer state carries and restores
-# (the rule whose state it is, lr with any guard rollback cut, and weight_decay: a new value would be silently
-# ignored). A resume that changes one is refused; the checkpoint's saved config is the reference.
+# (the rule whose state it is, its groups: muon_lora moves the LoRA factors between Muon's and AdamW's, lr with
+# any guard rollback cut, and weight_decay: a new value would be silently ignored). A resume that changes one is
+# refused; the checkpoint's saved config is the reference.
 STATE_KEYS = (
     "model",
     "tuner",
@@ -326,6 +334,7 @@ STATE_KEYS = (
     "target_modules",
     "loraplus_lr_ratio",
     "optim",
+    "muon_lora",
     "lr",
     "weight_decay",
 )

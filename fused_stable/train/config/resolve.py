@@ -367,6 +367,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(
             f"lr x loraplus_lr_ratio (the B matrices' lr) must be at most 1, got {cfg.lr * cfg.loraplus_lr_ratio:g}"
         )
+    if cfg.muon_lora and cfg.optim != "muon":
+        raise UserError(
+            f"muon_lora puts the LoRA factors on Muon: it needs optim muon, not {cfg.optim} (drop muon_lora, or "
+            "add optim muon)"
+        )
     if cfg.lr * cfg.weight_decay >= 1:
         raise UserError(
             f"lr x weight_decay must be below 1 (each step multiplies the weights by 1 - lr x weight_decay), "

@@ -84,7 +84,8 @@ def check_keys(cfg) -> None:
             "(ZeRO-3's per-param partitions and the offloaded step are not built for Muon yet); use zero_stage 1 "
             "or 2, or optim adamw"
         )
-    if cfg.optim == "muon" and cfg.state_precision == "8bit" and cfg.tuner == "full" and stage_of(raw, cfg) > 0:
+    muon_matrices = cfg.optim == "muon" and (cfg.tuner == "full" or cfg.muon_lora)  # else all on AdamW
+    if muon_matrices and cfg.state_precision == "8bit" and stage_of(raw, cfg) > 0:
         raise UserError(
             f"optim muon with state_precision 8bit under {_where(cfg)}: 8-bit Muon momentum is coded in blocks over "
             "whole matrices, and ZeRO 1-2 steps flat partitions of them; use state_precision bf16 (or zero_stage 0)"

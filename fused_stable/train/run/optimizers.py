@@ -46,9 +46,12 @@ def _muon(cfg, model, groups, options):
     import fused_stable
 
     # Muon orthogonalises whole matrices: its own split of the trainable params (use_muon per group)
-    # (hidden 2-D weights to Muon; embeddings, head, norms, biases and LoRA factors to AdamW, at the same lr and
-    # weight decay, as LLaMA-Factory's use_muon does: a LoRA run has no Muon matrix, and trains as AdamW)
-    muon_groups = fused_stable.muon_param_groups(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # (hidden 2-D weights and expert stacks to Muon; embeddings, head, norms, biases and LoRA factors to AdamW, at
+    # the same lr and weight decay, as LLaMA-Factory's use_muon does; muon_lora: the LoRA factors to Muon, as
+    # ms-swift does). The header and run_manifest.json say where each went (FusedMuon.describe())
+    muon_groups = fused_stable.muon_param_groups(
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lora=cfg.muon_lora
+    )
     optimizer = fused_stable.FusedMuon(muon_groups, **options)
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer.param_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]

@@ -136,7 +136,11 @@ class RunSetup:
                 # what a run killed mid-save left behind (the lock says no other writer is here)
                 for line in checkpoint.clear_leftovers(cfg.output_dir):
                     print_rank0(f"fused-stable sft: note: {line}")
-                outputs.claim(cfg.output_dir, run_entries(cfg), details={"optimizer_state": optimizer_state(trainer)})
+                details = {"optimizer_state": optimizer_state(trainer)}
+                split = muon_split(trainer)
+                if split is not None:
+                    details["muon_split"] = split
+                outputs.claim(cfg.output_dir, run_entries(cfg), details=details)
                 with open(os.path.join(cfg.output_dir, RUN_FILE), "w") as f:
                     f.write(dump_yaml(cfg))
         except BaseException:
@@ -173,6 +177,35 @@ def optimizer_state(trainer) -> dict:
     if trainer.engine is not None:
         return {**precision, **trainer.engine.optimizer_state()}
     return {**precision, "mib": round(opt.state_bytes() / 2**20, 3)}
+
+
+def muon_split(trainer) -> dict | None:
+    """Where a Muon run's params went and why (FusedMuon.describe(): tensors, matrices and params per side, per
+    reason), for the header and run_manifest.json's `muon_split`; None for another rule."""
+    describe = getattr(trainer.optimizer, "describe", None)
+    return describe() if callable(describe) else None
+
+
+def muon_split_text(trainer, muon_lora: bool) -> str | None:
+    """`muon_split` in a line: `Muon: 14 matrices in 14 tensors, 98,304 params (hidden matrix 14) | AdamW: 7
+    tensors, 4,288 params (1-D 5, embedding 1, head 1)`, the reasons counted in tensors; a LoRA run whose factors
+    are on AdamW says how to put them on Muon. None for another rule."""
+    split = muon_split(trainer)
+    if split is None:
+        return None
+    muon, adamw = split["muon"], split["adamw"]
+
+    def reasons(side: dict) -> str:
+        counts = ", ".join(f"{reason} {held['tensors']}" for reason, held in side["reasons"].items())
+        return f" ({counts})" if counts else ""
+
+    text = (
+        f"Muon: {muon['matrices']} matrices in {muon['tensors']} tensors, {muon['params']:,} params{reasons(muon)} | "
+        f"AdamW: {adamw['tensors']} tensors, {adamw['params']:,} params{reasons(adamw)}"
+    )
+    if "LoRA factor" in adamw["reasons"] and not muon_lora:
+        text += " | the LoRA factors are on AdamW, as LLaMA-Factory's use_muon; --muon_lora puts them on Muon"
+    return text
 
 
 def _mib(n_bytes: int) -> str:

@@ -20,7 +20,7 @@ from fused_stable.cli import offline_environment
 from fused_stable.errors import UserError
 from fused_stable.train.evaluation.run_evaluations import evaluate_run
 from fused_stable.train.run import stop_message
-from fused_stable.train.run.setup import RunSetup, optimizer_state_text, print_rank0, setup_run
+from fused_stable.train.run.setup import RunSetup, muon_split_text, optimizer_state_text, print_rank0, setup_run
 
 
 def main(argv: list[str]) -> int:
@@ -185,6 +185,9 @@ def _announce(setup: RunSetup, numel) -> None:
         f"{setup.n_examples:,} examples | {trainer.total_steps} steps x {cfg.grad_accum} x {cfg.batch_size} | "
         f"output {cfg.output_dir}" + (f" | resumed from {setup.resume_path}" if setup.resume_path else "")
     )
+    split = muon_split_text(trainer, cfg.muon_lora)
+    if split is not None:
+        trainer.reporter.message(f"optim muon: {split}")
     if cfg.system is not None:
         trainer.reporter.message(
             f"system: {cfg.system!r} (given to the {setup.given_system:,} training and held-out examples without "
