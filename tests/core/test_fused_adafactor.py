@@ -352,5 +352,12 @@ def test_fsdp2_dtensor_params_are_refused(tmp_path):
         columns = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))
         with pytest.raises(ValueError, match=r"Muon group: param 0 of shape \(4, 6\) is placed as \(Shard\(dim=1\),\)"):
             FusedMuon([{"params": [columns], "use_muon": True}])
+        # 8-bit codes run in blocks over whole matrices; a 3-D stack's Shard(0) splits experts: both one line
+        with pytest.raises(ValueError, match="8-bit momentum is coded in blocks over each whole matrix"):
+            FusedMuon([{"params": [p], "use_muon": True}], state_precision="8bit")
+        FusedMuon([{"params": [p], "use_muon": True}], state_precision="bf16")
+        experts = torch.nn.Parameter(distribute_tensor(torch.zeros(2, 4, 6), mesh, [Shard(0)]))
+        with pytest.raises(ValueError, match="3-D expert stacks are stepped per expert, and under FSDP2"):
+            FusedMuon([{"params": [experts], "use_muon": True}])
     finally:
         dist.destroy_process_group()

@@ -321,3 +321,51 @@ def test_a_non_finite_expert_grad_skips_the_step_and_leaves_the_stacks_as_they_w
     opt.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert torch.equal(opt.state[stack]["momentum_buffer"], buffer)
+
+
+def _moe_steps(model, opt, steps: int, after_step=None) -> None:
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step(opt)
+
+
+@pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
+def test_expert_stacks_keep_8bit_momentum_as_the_stacks_codes(backend):
+    """state_precision="8bit": a stack of at least 4096 elements (gate_up_proj, 4 x 32 x 32) keeps its momentum as
+    one int8 code tensor shaped like the stack with its block scales (the experts' 2-D views step the decoded
+    buffer); the run equals the fp32 run with that buffer put through the codec after every step, bit for bit,
+    params and codes. A non-finite grad leaves codes and scales as they were."""
+    from fused_stable import state_format
+
+    key = "momentum_buffer"
+    model, reference = _tiny_moe(), _tiny_moe()
+    opt = FusedMuon(muon_param_groups(model, lr=LR), max_grad_norm=MAX_NORM, backend=backend, state_precision="8bit")
+    fp32 = FusedMuon(muon_param_groups(reference, lr=LR), max_grad_norm=MAX_NORM, backend=backend)
+    coded = [n for n, p in model.named_parameters() if p.ndim == 3 and p.numel() >= state_format.MIN_QUANTISED_NUMEL]
+    assert coded == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(2)]
+    by_name = dict(reference.named_parameters())
+
+    def round_trip(optimizer):
+        for name in coded:
+            state = optimizer.state[by_name[name]]
+            state[key].copy_(state_format.decode(*state_format.encode(state[key], key), key))
+
+    _moe_steps(model, opt, 3)
+    _moe_steps(reference, fp32, 3, round_trip)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), f"{name}: {(p - q).abs().max():.3g}"
+    stack = model.model.layers[0].mlp.experts.gate_up_proj
+    codes, scales = opt.state[stack][key], opt.state[stack][key + state_format.SCALE_SUFFIX]
+    assert codes.dtype == torch.int8 and codes.shape == stack.shape
+    expected = state_format.encode(fp32.state[by_name["model.layers.0.mlp.experts.gate_up_proj"]][key], key)
+    assert torch.equal(codes, expected[0].view_as(codes)) and torch.equal(scales, expected[1])
+    before = (codes.clone(), scales.clone(), stack.detach().clone())
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    stack.grad[1, 0, 0] = float("inf")
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, (codes, scales, stack)))

@@ -104,6 +104,29 @@ def test_fused_muon_is_refused_before_the_engine_is_built_where_it_does_not_run(
         fs_deepspeed.initialize(model=model, optimizer=opt, config={"train_batch_size": 1, "zero_optimization": zero})
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(
+    "what, words",
+    [
+        ("8bit", "Muon groups keep 8-bit momentum in blocks over whole matrices, and ZeRO {stage} steps flat"),
+        ("experts", "Muon groups step 3-D expert stacks per expert, and the ZeRO {stage} exchange rebuilds 2-D"),
+    ],
+)
+def test_fused_muon_8bit_momentum_and_expert_stacks_are_refused_at_zero_1_2(stage, what, words):
+    """ZeRO 1-2 rebuilds 2-D matrices from flat partitions (deepspeed_muon.py): 8-bit momentum (blocks over whole
+    matrices) and 3-D expert stacks are refused in one line before deepspeed runs, not stepped wrongly."""
+    from fused_stable import FusedMuon
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    model = torch.nn.Linear(128, 64)
+    weight = model.weight if what == "8bit" else torch.nn.Parameter(torch.zeros(2, 64, 128))
+    precision = "8bit" if what == "8bit" else "fp32"
+    opt = FusedMuon([{"params": [weight], "use_muon": True}], state_precision=precision)
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}}
+    with pytest.raises(ValueError, match=words.format(stage=stage)):
+        fs_deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+
 def _muon_layout():
     from fused_stable.integrations.deepspeed_muon import Matrix
 

@@ -353,6 +353,10 @@ REFUSALS = {
     "stage": (lambda p: ["--zero_stage", "4"], "zero_stage must be in [0, 3], got 4"),
     "stage in file": (lambda p: ["--deepspeed", _json(p, {"zero_optimization": {"stage": 5}})], "stage must be 0"),
     "muon zero3": (lambda p: ["--zero_stage", "3", "--optim", "muon"], "optim muon under --zero_stage 3"),
+    "muon 8bit zero2": (
+        lambda p: ["--zero_stage", "2", "--optim", "muon", "--tuner", "full", "--state_precision", "8bit"],
+        "optim muon with state_precision 8bit under --zero_stage 2",
+    ),
     "muon offload": (
         lambda p: ["--zero_stage", "2", "--offload_optimizer", "cpu", "--optim", "muon"],
         "run at ZeRO 0-2 without offload_optimizer",
