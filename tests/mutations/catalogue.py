@@ -48,8 +48,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "muon-8bit-encoded-from-the-old-buffer",
         "fused_stable/rules/muon/lowbit.py",
-        "        MuonSide(self.params, buffers, self.rows).step(grads, grad_mul, skip, lr_factor)",
-        "        MuonSide(self.params, [b.clone() for b in buffers], self.rows).step(grads, grad_mul, skip, lr_factor)",
+        "        muon_update(self.params, buffers, self.rows).step(grads, grad_mul, skip, lr_factor)",
+        "        muon_update(self.params, [b.clone() for b in buffers], self.rows).step(grads, grad_mul, skip, lr_factor)",
         ["tests/core/test_muon_lowbit.py"],
         "the 8-bit codes are the encoding of the step's new fp32 momentum (torch Muon + the codec, bit for bit)",
         select="codec_after_each_step and host",
@@ -3694,7 +3694,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "muon-expert-stack-one-flat-matrix",
-        "fused_stable/rules/muon/matrix.py",
+        "fused_stable/rules/muon/experts.py",
         "    return [m for t in tensors for m in (t.unbind(0) if t is not None and t.ndim == 3 else (t,))]",
         "    return [m for t in tensors for m in (t.flatten(0, 1) if t is not None and t.ndim == 3 else t,)]",
         ["tests/core/test_muon_routing.py"],
