@@ -196,17 +196,21 @@ def momentum_and_direction(g: Tensor, old_buffers: Tensor, hp: MuonHparams, stor
     return buffers, (g.lerp(buffers, hp.momentum) if hp.nesterov else buffers)
 
 
-def _stacked(tensors: list[Tensor]) -> Tensor:
-    """A stack of matrices; one matrix as a view (no copy)."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+def _bf16_stack(tensors: list[Tensor]) -> Tensor:
+    """The batch's directions as one bf16 stack, each cast once: Newton-Schulz's first op is that cast, so this
+    is the stack it would make from an fp32 one (the same bits), without writing and reading the fp32 stack."""
+    stack = tensors[0].new_empty((len(tensors), *tensors[0].shape), dtype=torch.bfloat16)
+    torch._foreach_copy_(list(stack.unbind(0)), tensors)
+    return stack
 
 
-def _orthogonalize(batch: _Batch, directions: Tensor) -> Tensor:
+def _orthogonalize(batch: _Batch, directions: Tensor, *, temporary: bool = False) -> Tensor:
     """Newton-Schulz of the batch's directions (n, rows, cols): here, or, for row shards, at each matrix's owner
-    rank on the whole matrix (matrix_exchange.py), each rank getting its rows of the result back."""
+    rank on the whole matrix (matrix_exchange.py), each rank getting its rows of the result back. `temporary`:
+    the stack is the step's own, divided in place."""
     hp = batch.hparams
     if batch.exchange is None:
-        return orthogonalize_stack(directions, hp.ns_coefficients, hp.ns_steps, hp.eps)
+        return orthogonalize_stack(directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary)
     # bf16 on the wire: Newton-Schulz's first op is that cast, so the owner orthogonalises the same bits
     return batch.exchange.apply(
         batch.indices,
@@ -226,10 +230,13 @@ def _step_batch_in_place(batch: _Batch, grads, grad_mul: Tensor, lr_factor: Tens
     torch._foreach_lerp_(batch.buffers, g, 1 - hp.momentum)
     update = torch._foreach_lerp(g, batch.buffers, hp.momentum) if hp.nesterov else batch.buffers
     del g
-    ortho = _orthogonalize(batch, _stacked(list(update)))
+    ortho = _orthogonalize(batch, _bf16_stack(list(update)), temporary=True)
     del update
     torch._foreach_mul_(batch.params, decay)
-    torch._foreach_add_(batch.params, list(ortho.float().mul_(lr_factor).unbind(0)), alpha=batch.neg_adjusted_lr)
+    if bool(lr_factor != 1.0):  # a schedule's factor, in fp32 as the device path applies it
+        ortho = ortho.float().mul_(lr_factor)
+    # else the bf16 result itself: the add widens it exactly, as torch's `param.add_(update, alpha=-lr)` does
+    torch._foreach_add_(batch.params, list(ortho.unbind(0)), alpha=batch.neg_adjusted_lr)
 
 
 def _step_batch(batch: _Batch, grads, grad_mul: Tensor, skip: Tensor, lr_factor: Tensor, decay: Tensor) -> None:
