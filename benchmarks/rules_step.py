@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.out:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%MZ")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         out = Path(args.out) / f"rules-step-{stamp}"
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         lines = [f"# Update rules' step, {meta['device']}, {meta['threads']} threads, {meta['when']}", ""]
