@@ -28,6 +28,9 @@ process, under DDP and at ZeRO-0 (its blocks run over whole matrices: refused in
 
 `torch.compile(opt.step)` runs the Muon groups inside the compiled step's op (compiled.py), the same bits as eager.
 
+Newton-Schulz runs in bf16 as torch's, but in fp32 on a CPU without native bf16 products, where torch's bf16
+matmul is several times slower (rules/muon/newton_schulz.py); `describe()["newton_schulz"]` says which and why.
+
 Not yet: tensor lrs in Muon groups.
 """
 
@@ -38,6 +41,7 @@ from typing import Any
 
 from .optim import FusedOptimizer
 from .rules import RULES
+from .rules.muon.newton_schulz import newton_schulz_choice
 from .rules.muon.param_groups import describe_groups
 
 
@@ -85,8 +89,13 @@ class FusedMuon(FusedOptimizer):
         ("hidden matrix", "3-D expert", "LoRA factor" on Muon; "1-D", "embedding", "head", "LoRA factor", "conv
         weight", "3-D expert", "other" on AdamW; "caller's group" for a group built without muon_param_groups'
         reasons) its tensors and params. `per_param=True` adds `each`: every param's name (`param_names` when
-        set, else its index), shape, side and reason."""
-        return describe_groups(self.param_groups, self.param_names, per_param)
+        set, else its index), shape, side and reason. `newton_schulz`: the dtype Newton-Schulz runs in on the Muon
+        params' device ("bf16", torch's, or "fp32" on a CPU without native bf16 products) and why."""
+        summary = describe_groups(self.param_groups, self.param_names, per_param)
+        muon = [p for group in self.param_groups if group.get("use_muon") for p in group["params"]]
+        dtype, why = newton_schulz_choice(muon[0].device if muon else "cpu")
+        summary["newton_schulz"] = {"dtype": dtype, "why": why}
+        return summary
 
     def group_rule(self, group: dict):
         return self.MATRIX_RULE if group.get("use_muon") else self.RULE

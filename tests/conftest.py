@@ -13,6 +13,11 @@ import platform
 
 import pytest
 
+# Newton-Schulz in bf16, torch.optim.Muon's dtype, on every machine: the suite compares FusedMuon with torch's
+# bits, and on a CPU without native bf16 products FusedMuon would choose fp32 (rules/muon/newton_schulz.py, whose
+# own tests set the choice). Set here, before any test starts, so the ranks the tests launch inherit it.
+os.environ["FUSED_STABLE_NEWTON_SCHULZ"] = "bf16"
+
 # the dependencies whose releases have changed what the tests see; add a new extra's packages here
 REPORTED_PACKAGES = (
     "torch",

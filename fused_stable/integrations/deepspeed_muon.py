@@ -9,13 +9,13 @@ the accumulation boundary), from the step's decisions (clip multiplier, skip fla
 
     on the partition, elementwise:   g = grad * grad_mul;  B = B.lerp(g, 1 - momentum)
                                      U = g.lerp(B, momentum) with nesterov, else B
-    exchange 1 (all_to_all_single):  each piece of U, rounded to bf16, to its matrix's owner
+    exchange 1 (all_to_all_single):  each piece of U, rounded to Newton-Schulz's dtype (bf16), to its matrix's owner
     on the owner:                    the whole matrices, stacked by shape, newton_schulz.orthogonalize_stack
     exchange 2 (all_to_all_single):  each piece of the orthogonalised matrix back to the rank that holds it
     on the partition:                p = p * (1 - lr * lr_factor * wd);  p += -adjusted_lr(shape) * O * lr_factor
 
 Owners: the matrices by decreasing Newton-Schulz work (elements x the smaller side), each to the rank with the
-least work so far; the same on every rank, from the layout alone. Every element travels once each way, in bf16.
+least work so far; the same on every rank, from the layout alone. Every element travels once each way, in that dtype.
 
 The same bits as one process's FusedMuon given the same grads: U and its bf16 rounding are elementwise (the stack's
 first op in orthogonalize_stack is that rounding), so the owner's matrix is the bf16 tensor MuonSide stacks; Newton-
@@ -37,7 +37,7 @@ from torch import Tensor
 from ..matrix_exchange import balanced_owners
 from ..rules.muon import adjusted_lr
 from ..rules.muon import torch as muon_torch
-from ..rules.muon.newton_schulz import newton_schulz_work, orthogonalize_stack
+from ..rules.muon.newton_schulz import newton_schulz_dtype, newton_schulz_work, orthogonalize_stack
 from ..rules.muon.torch import MuonHparams, decay_factor, momentum_and_direction
 
 
@@ -170,16 +170,17 @@ class PartitionedMuon:
         return new_buffers, directions
 
     def _to_owners(self, directions: list[Tensor]) -> Tensor:
-        """Exchange 1: the pieces of the directions, in bf16 (Newton-Schulz's first op), to their owners."""
+        """Exchange 1: the pieces of the directions, in the Newton-Schulz dtype (its first op), to their owners."""
         ex = self.exchange
+        dtype = newton_schulz_dtype(directions[0].device)
         send = [directions[self.matrices[p.matrix].part].narrow(0, p.local, p.length) for p in ex.outgoing]
-        send = torch.cat(send).bfloat16() if send else directions[0].new_empty(0, dtype=torch.bfloat16)
+        send = torch.cat(send).to(dtype) if send else directions[0].new_empty(0, dtype=dtype)
         received = send.new_empty(sum(ex.incoming_counts))
         dist.all_to_all_single(received, send, ex.incoming_counts, ex.outgoing_counts, group=self.process_group)
         return received
 
     def _orthogonalize(self, received: Tensor) -> dict[int, Tensor]:
-        """The owned matrices whole (from the received pieces), Newton-Schulz per stack: {matrix: flat bf16}."""
+        """The owned matrices whole (from the received pieces), Newton-Schulz per stack: {matrix: flat result}."""
         whole = {i: received.new_empty(self.matrices[i].numel) for i in self.exchange.owned}
         at = 0
         for p in self.exchange.incoming:
@@ -198,7 +199,8 @@ class PartitionedMuon:
         """Exchange 2: each piece of the orthogonalised matrices back to the rank whose partition holds it."""
         ex = self.exchange
         send = [ortho[p.matrix].narrow(0, p.start, p.length) for p in ex.incoming]
-        send = torch.cat(send) if send else self.params[0].new_empty(0, dtype=torch.bfloat16)
+        empty = self.params[0].new_empty(0, dtype=newton_schulz_dtype(self.params[0].device))
+        send = torch.cat(send) if send else empty
         received = send.new_empty(sum(ex.outgoing_counts))
         dist.all_to_all_single(received, send, ex.outgoing_counts, ex.incoming_counts, group=self.process_group)
         return received

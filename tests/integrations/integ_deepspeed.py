@@ -7,6 +7,7 @@ EXTENSIONS_DIR, kept between runs). Results are plain tensors and numbers, compa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -303,6 +304,10 @@ def muon_runs(rank: int, out_dir: str) -> dict:
             "orthogonalized": engine.fused_stable_step.orthogonalized_matrices,
         }
         results[("muon-inf", stage)] = muon_skip_run(rank, stage)
+    with newton_schulz_in("fp32"):  # a CPU without bf16 products' choice: the partitions travel in fp32
+        engine, model = muon_engine(2, clip=False)
+        train(engine, rank, range(STEPS), same_data=True)
+        results[("muon-fp32", 2)] = {"params": full_fp32_params(engine, model)}
     ckpt = os.path.join(out_dir, "ckpt-muon")  # a DeepSpeed checkpoint of the Muon partitions, resumed at ZeRO-2
     engine, model = muon_engine(2, clip=True)
     train(engine, rank, range(2))
@@ -321,6 +326,18 @@ def muon_runs(rank: int, out_dir: str) -> dict:
     finally:
         muon_torch.DECIDE_ON_HOST = True
     return results
+
+
+@contextlib.contextmanager
+def newton_schulz_in(dtype: str):
+    """Newton-Schulz in `dtype` inside (the suite pins torch's bf16, tests/conftest.py)."""
+    from fused_stable.rules.muon.newton_schulz import ENV
+
+    os.environ[ENV] = dtype
+    try:
+        yield
+    finally:
+        os.environ[ENV] = "bf16"
 
 
 def muon_skip_run(rank: int, stage: int) -> dict:

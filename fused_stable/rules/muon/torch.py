@@ -1,10 +1,11 @@
-"""The Muon groups' share of a fused step, on torch tensors: `MuonSide`, built once per plan, stepped with the
-step's decisions as 0-dim device tensors (clip multiplier, skip flag, lr factor), none of them read on the host.
+"""The Muon groups' share of a fused step, on torch tensors: `MuonSide`, built once per plan, stepped with the step's
+decisions as 0-dim device tensors (clip multiplier, skip flag, lr factor), none of them read on the host.
 
 The update is torch.optim.Muon's, op for op, on each batch of same-shape matrices (newton_schulz.ShapeBatches):
 the grads times the clip multiplier (before the momentum, as torch's clip_grad_norm_ then Muon.step), then
 `buf.lerp(g, 1 - momentum)`, the Nesterov direction `g.lerp(buf, momentum)` (or `buf`), the batched
-Newton-Schulz (bf16), `p * (1 - lr * lr_factor * weight_decay)`, then `add(O * lr_factor, alpha=-adjusted_lr)`.
+Newton-Schulz (bf16, or fp32 on a CPU without bf16 products: newton_schulz.py), `p * (1 - lr * lr_factor *
+weight_decay)`, then `add(O * lr_factor, alpha=-adjusted_lr)`.
 With fp32 params and buffers this is bit-identical to clip_grad_norm_ + torch.optim.Muon on CPU at
 lr_factor = 1 (and at any power of two, which scales exactly): the scalars are torch's, `1 - lr * wd` in fp64.
 
@@ -39,7 +40,7 @@ from ...matrix_exchange import MatrixExchange, row_shard_dim
 from ...sharding import is_dtensor
 from ...sharding import local as local_shard
 from . import DEFAULTS, adjusted_lr, check_muon_group
-from .newton_schulz import ShapeBatches, newton_schulz_work, orthogonalize_stack
+from .newton_schulz import ShapeBatches, newton_schulz_dtype, newton_schulz_work, orthogonalize_stack
 
 # On CPU tensors the step branches on the skip decision (a read of host memory, as the torch backend's host
 # decisions): nothing runs on a skipped step, an applied one updates in place. Elsewhere (CUDA, meta) every step
@@ -196,10 +197,12 @@ def momentum_and_direction(g: Tensor, old_buffers: Tensor, hp: MuonHparams, stor
     return buffers, (g.lerp(buffers, hp.momentum) if hp.nesterov else buffers)
 
 
-def _bf16_stack(tensors: list[Tensor]) -> Tensor:
-    """The batch's directions as one bf16 stack, each cast once: Newton-Schulz's first op is that cast, so this
-    is the stack it would make from an fp32 one (the same bits), without writing and reading the fp32 stack."""
-    stack = tensors[0].new_empty((len(tensors), *tensors[0].shape), dtype=torch.bfloat16)
+def _newton_schulz_stack(tensors: list[Tensor]) -> Tensor:
+    """The batch's directions as one stack in the Newton-Schulz dtype, each cast once: Newton-Schulz's first op is
+    that cast, so this is the stack it would make from an fp32 one (the same bits), without writing and reading
+    the fp32 stack."""
+    dtype = newton_schulz_dtype(tensors[0].device)
+    stack = tensors[0].new_empty((len(tensors), *tensors[0].shape), dtype=dtype)
     torch._foreach_copy_(list(stack.unbind(0)), tensors)
     return stack
 
@@ -211,10 +214,10 @@ def _orthogonalize(batch: _Batch, directions: Tensor, *, temporary: bool = False
     hp = batch.hparams
     if batch.exchange is None:
         return orthogonalize_stack(directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary)
-    # bf16 on the wire: Newton-Schulz's first op is that cast, so the owner orthogonalises the same bits
+    # the Newton-Schulz dtype on the wire: its first op is that cast, so the owner orthogonalises the same bits
     return batch.exchange.apply(
         batch.indices,
-        directions.bfloat16(),
+        directions.to(newton_schulz_dtype(directions.device)),
         lambda whole: orthogonalize_stack(whole, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True),
     )
 
@@ -230,12 +233,12 @@ def _step_batch_in_place(batch: _Batch, grads, grad_mul: Tensor, lr_factor: Tens
     torch._foreach_lerp_(batch.buffers, g, 1 - hp.momentum)
     update = torch._foreach_lerp(g, batch.buffers, hp.momentum) if hp.nesterov else batch.buffers
     del g
-    ortho = _orthogonalize(batch, _bf16_stack(list(update)), temporary=True)
+    ortho = _orthogonalize(batch, _newton_schulz_stack(list(update)), temporary=True)
     del update
     torch._foreach_mul_(batch.params, decay)
     if bool(lr_factor != 1.0):  # a schedule's factor, in fp32 as the device path applies it
         ortho = ortho.float().mul_(lr_factor)
-    # else the bf16 result itself: the add widens it exactly, as torch's `param.add_(update, alpha=-lr)` does
+    # else the result itself: the add widens a bf16 one exactly, as torch's `param.add_(update, alpha=-lr)` does
     torch._foreach_add_(batch.params, list(ortho.unbind(0)), alpha=batch.neg_adjusted_lr)
 
 

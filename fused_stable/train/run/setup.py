@@ -205,6 +205,8 @@ def muon_split_text(trainer, muon_lora: bool) -> str | None:
     )
     if "LoRA factor" in adamw["reasons"] and not muon_lora:
         text += " | the LoRA factors are on AdamW, as LLaMA-Factory's use_muon; --muon_lora puts them on Muon"
+    elif muon["matrices"]:
+        text += f" | Newton-Schulz in {split['newton_schulz']['dtype']} ({split['newton_schulz']['why']})"
     return text
 
 
