@@ -94,6 +94,12 @@ def fp32_ulp(x) -> float:
     return float(np.spacing(np.float32(largest)))
 
 
+def scale_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference between `a` and `b` in fp32 ulps of the tensor's largest magnitude (the rounding
+    of `p + step` lands on the param's grid, whatever one element's own size)."""
+    return float((a - b).abs().max() / (torch.maximum(a.abs().max(), b.abs().max()) * 2**-23))
+
+
 def assert_within_floor(what: str, ours, reference, alternatives: list, factor: float = FLOOR_FACTOR) -> float:
     """ours (fused_stable) within `factor` x the floor (the largest deviation of torch's `alternatives` from the
     torch `reference`) of the reference; returns the floor. Modules (their parameters), lists of tensors or of

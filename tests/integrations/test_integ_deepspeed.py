@@ -18,7 +18,7 @@ import integ_deepspeed as ds
 import pytest
 import torch
 from integ_dist import spawn
-from integ_floor import ExactAdamW, assert_within_floor
+from integ_floor import ExactAdamW, assert_within_floor, scale_ulps
 
 
 def test_deepspeed_is_installed():
@@ -288,11 +288,6 @@ def test_fused_muon_with_one_process_grads_is_bit_exact(runs, stage):
         assert torch.equal(a, b), f"ZeRO-{stage}: {float((a - b).abs().max()):.3g} from one process's FusedMuon"
 
 
-def _scale_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference in fp32 ulps of the tensor's largest magnitude."""
-    return float((a - b).abs().max() / (torch.maximum(a.abs().max(), b.abs().max()) * 2**-23))
-
-
 def test_fused_muon_with_fp32_newton_schulz_follows_one_process(runs):
     """Newton-Schulz in fp32 (a CPU without bf16 products; the partitions travel in fp32): ZeRO-2 with one
     process's grads is the one-process fp32 run within 2 ulps of each param's scale (fp32 products may round
@@ -302,9 +297,9 @@ def test_fused_muon_with_fp32_newton_schulz_follows_one_process(runs):
         reference = muon_trajectory(clip=False)
     bf16 = muon_trajectory(clip=False)
     for index, (a, b) in enumerate(zip(ours["params"], reference)):
-        assert _scale_ulps(a, b) <= 2, f"param {index}: {_scale_ulps(a, b):.3g} ulps from one process's fp32 run"
+        assert scale_ulps(a, b) <= 2, f"param {index}: {scale_ulps(a, b):.3g} ulps from one process's fp32 run"
     muon = [i for i, p in enumerate(ds.make_muon_model().parameters()) if p.ndim == 2]
-    assert min(_scale_ulps(ours["params"][i], bf16[i]) for i in muon) > 100
+    assert min(scale_ulps(ours["params"][i], bf16[i]) for i in muon) > 100
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -26,6 +26,7 @@ from functools import partial
 import pytest
 import torch
 from integ_dist import spawn
+from integ_floor import scale_ulps
 from integ_sharded import full_state, grads_at, run_steps, save_or_resume, seeded
 
 from fused_stable import FusedMuon
@@ -187,12 +188,6 @@ def test_two_ranks_equal_one_process_bit_for_bit(runs, case):
         assert_equal_runs(rank[case], reference, f"{case}, 2 ranks vs one process")
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference between `a` and `b` in fp32 ulps of the tensor's largest magnitude (the rounding
-    of `p + step` lands on the param's grid, whatever one element's own size)."""
-    return float((a - b).abs().max() / (torch.maximum(a.abs().max(), b.abs().max()) * 2**-23))
-
-
 def test_two_ranks_with_fp32_newton_schulz_follow_one_process_within_fp32_rounding(runs):
     """Newton-Schulz in fp32 (the choice of a CPU without bf16 products; its wire dtype too): the 2-rank run is the
     one-process fp32 run within 2 fp32 ulps of each param's scale (measured 0.53 on two params, 0 on the rest:
@@ -202,9 +197,9 @@ def test_two_ranks_with_fp32_newton_schulz_follow_one_process_within_fp32_roundi
     reference, bf16 = single_process("exact-fp32"), single_process("exact-host")
     for rank in saved:
         for index, (a, b) in enumerate(zip(rank["exact-fp32"]["params"], reference["params"])):
-            assert _ulps(a, b) <= 2, f"param {index}: {_ulps(a, b):.3g} ulps off one process"
+            assert scale_ulps(a, b) <= 2, f"param {index}: {scale_ulps(a, b):.3g} ulps off one process"
     muon = [i for i, shape in enumerate(SHAPES) if len(shape) == 2]
-    assert min(_ulps(reference["params"][i], bf16["params"][i]) for i in muon) > 100
+    assert min(scale_ulps(reference["params"][i], bf16["params"][i]) for i in muon) > 100
 
 
 @functools.cache
