@@ -139,6 +139,7 @@ class PartitionedMuon:
             -adjusted_lr(self.hparams[m.part].lr, self.hparams[m.part].adjust_lr_fn, m.shape) for m in self.matrices
         ]
         self.stacks = self._stacks()
+        self.newton_schulz_dtype = newton_schulz_dtype(self.params[0].device)  # resolved once (by device)
         self.orthogonalized = 0
 
     def _stacks(self) -> list[tuple[MuonHparams, tuple[int, int], list[int]]]:
@@ -172,7 +173,7 @@ class PartitionedMuon:
     def _to_owners(self, directions: list[Tensor]) -> Tensor:
         """Exchange 1: the pieces of the directions, in the Newton-Schulz dtype (its first op), to their owners."""
         ex = self.exchange
-        dtype = newton_schulz_dtype(directions[0].device)
+        dtype = self.newton_schulz_dtype
         send = [directions[self.matrices[p.matrix].part].narrow(0, p.local, p.length) for p in ex.outgoing]
         send = torch.cat(send).to(dtype) if send else directions[0].new_empty(0, dtype=dtype)
         received = send.new_empty(sum(ex.incoming_counts))
@@ -189,7 +190,9 @@ class PartitionedMuon:
         out = {}
         for hp, shape, members in self.stacks:
             stack = torch.stack([whole[i] for i in members]).view(len(members), *shape)
-            ortho = orthogonalize_stack(stack, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True)
+            ortho = orthogonalize_stack(
+                stack, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True, dtype=self.newton_schulz_dtype
+            )
             for i, matrix in zip(members, ortho.reshape(len(members), -1).unbind(0)):
                 out[i] = matrix
             self.orthogonalized += len(members)
@@ -199,8 +202,7 @@ class PartitionedMuon:
         """Exchange 2: each piece of the orthogonalised matrices back to the rank whose partition holds it."""
         ex = self.exchange
         send = [ortho[p.matrix].narrow(0, p.start, p.length) for p in ex.incoming]
-        empty = self.params[0].new_empty(0, dtype=newton_schulz_dtype(self.params[0].device))
-        send = torch.cat(send) if send else empty
+        send = torch.cat(send) if send else self.params[0].new_empty(0, dtype=self.newton_schulz_dtype)
         received = send.new_empty(sum(ex.outgoing_counts))
         dist.all_to_all_single(received, send, ex.outgoing_counts, ex.incoming_counts, group=self.process_group)
         return received

@@ -3841,8 +3841,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "newton-schulz-stack-always-bf16",
         "fused_stable/rules/muon/torch.py",
-        "    dtype = newton_schulz_dtype(tensors[0].device)\n",
-        "    dtype = torch.bfloat16\n",
+        "                    newton_schulz_dtype=newton_schulz_dtype(params[indices[0]].device),\n",
+        "                    newton_schulz_dtype=torch.bfloat16,\n",
         ["tests/core/test_newton_schulz_dtype.py"],
         "FusedMuon's step runs Newton-Schulz in the chosen dtype (fp32: torch's iteration in fp32, bit for bit)",
         select="fused_muon_in_fp32",
@@ -3850,7 +3850,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "newton-schulz-fsdp2-wire-bf16",
         "fused_stable/rules/muon/torch.py",
-        "        directions.to(newton_schulz_dtype(directions.device)),",
+        "        directions.to(dtype),",
         "        directions.bfloat16(),",
         ["tests/integrations/test_integ_fsdp2_muon.py"],
         "under FSDP2 the directions travel in the Newton-Schulz dtype (fp32 on a CPU without bf16 products)",
@@ -3873,5 +3873,14 @@ MUTATIONS: list[Mutation] = [
         ["tests/train/test_optim_rules.py"],
         "the sft split line says Newton-Schulz's dtype and why",
         select="hidden_matrices_with_muon",
+    ),
+    M(
+        "sft-muon-8bit-fsdp2-accepted",
+        "fused_stable/train/run/optimizers.py",
+        '    if cfg.tuner == "full" and cfg.state_precision == "8bit" and not deepspeed and parallel.world_size() > 1:',
+        "    if False:",
+        ["tests/train/test_optim_rules.py"],
+        "sft --optim muon --tuner full --state_precision 8bit under torchrun (FSDP2) is one line before the model loads",
+        select="under_fsdp2",
     ),
 ]

@@ -138,6 +138,28 @@ def test_optim_muon_with_loraplus_is_refused_in_one_line_before_the_model_loads(
     assert not os.path.exists(tmp_path / "muon"), "nothing is written"
 
 
+@pytest.mark.parametrize(
+    "ranks, deepspeed, tuner, refused",
+    [(2, False, "full", True), (1, False, "full", False), (2, True, "full", False), (2, False, "lora", False)],
+)
+def test_8bit_muon_under_fsdp2_is_refused_before_the_model_loads(monkeypatch, ranks, deepspeed, tuner, refused):
+    """torchrun's full fine-tune is FSDP2, whose row shards 8-bit Muon momentum (blocks over whole matrices) cannot
+    hold: refused with the run's keys, before the model loads; one process, DDP's LoRA and DeepSpeed (checked per
+    stage in deepspeed_run) are not."""
+    from fused_stable.errors import UserError
+    from fused_stable.train.config.keys import TrainConfig
+    from fused_stable.train.run import optimizers, parallel
+
+    monkeypatch.setattr(parallel, "world_size", lambda: ranks)
+    cfg = TrainConfig(optim="muon", tuner=tuner, state_precision="8bit")
+    if refused:
+        with pytest.raises(UserError, match="state_precision 8bit under torchrun: FSDP2 shards each matrix by rows"):
+            optimizers.check_available(cfg, deepspeed=deepspeed)
+    else:
+        optimizers.check_available(cfg, deepspeed=deepspeed)
+    optimizers.check_available(TrainConfig(optim="muon", tuner=tuner, state_precision="bf16"), deepspeed=deepspeed)
+
+
 def _muon_entries(saved: dict) -> list[dict]:
     muon_ids = next(g["params"] for g in saved["param_groups"] if g["use_muon"])
     return [entry for param_id, entry in saved["state"].items() if param_id in muon_ids]

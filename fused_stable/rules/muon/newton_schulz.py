@@ -84,18 +84,25 @@ def newton_schulz_work(shape: Sequence[int]) -> int:
 
 
 def orthogonalize_stack(
-    stack: Tensor, coefficients: Sequence[float], ns_steps: int, eps: float, *, overwrite: bool = False
+    stack: Tensor,
+    coefficients: Sequence[float],
+    ns_steps: int,
+    eps: float,
+    *,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """The Newton-Schulz iteration on a stack (n, A, B) of same-shape matrices, any float dtype; returns (n, A, B)
-    in `newton_schulz_dtype` (for a tall stack, A > B, the `.mT` view of a contiguous (n, B, A) result, as torch's
-    `.T`). `overwrite=True` lets a stack in that dtype that is the caller's temporary be divided in place."""
+    in `dtype` (None: `newton_schulz_dtype` of the stack's device; a step passes the one it resolved when it was
+    built) (for a tall stack, A > B, the `.mT` view of a contiguous (n, B, A) result, as torch's `.T`).
+    `overwrite=True` lets a stack in that dtype that is the caller's temporary be divided in place."""
     if stack.ndim != 3:
         raise ValueError(f"orthogonalize_stack takes a stack (n, A, B), got shape {tuple(stack.shape)}")
     if not 0 <= ns_steps < 100:
         raise ValueError(f"ns_steps must be from 0 to 99 (torch's bound), got {ns_steps}")
     a, b, c = coefficients
     tall = stack.size(1) > stack.size(2)
-    x = stack.to(newton_schulz_dtype(stack.device))
+    x = stack.to(dtype or newton_schulz_dtype(stack.device))
     if x is stack and not overwrite:
         x = x.clone()  # the division below is in place (torch's `.bfloat16()` of a bf16 grad divides the grad)
     if tall:

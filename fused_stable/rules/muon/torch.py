@@ -79,6 +79,7 @@ class _Batch:
     hparams: MuonHparams
     neg_adjusted_lr: float  # -adjusted_lr(lr, adjust_lr_fn, shape): the add's alpha, as torch passes it
     in_place: bool  # fp32 params and buffers: an applied step on host decisions updates them in place
+    newton_schulz_dtype: torch.dtype  # resolved once, when the side is built (newton_schulz.py: by device)
     exchange: MatrixExchange | None  # row shards (FSDP2): Newton-Schulz at each matrix's owner rank
 
 
@@ -117,6 +118,7 @@ def _batches(params, buffers, hparams, max_matrices) -> list[_Batch]:
                     hparams=hp,
                     neg_adjusted_lr=-adjusted_lr(hp.lr, hp.adjust_lr_fn, shape),
                     in_place=buffer_dtype == torch.float32 and params[indices[0]].dtype == torch.float32,
+                    newton_schulz_dtype=newton_schulz_dtype(params[indices[0]].device),
                     exchange=exchanges[indices[0]],
                 )
             )
@@ -197,11 +199,10 @@ def momentum_and_direction(g: Tensor, old_buffers: Tensor, hp: MuonHparams, stor
     return buffers, (g.lerp(buffers, hp.momentum) if hp.nesterov else buffers)
 
 
-def _newton_schulz_stack(tensors: list[Tensor]) -> Tensor:
+def _newton_schulz_stack(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
     """The batch's directions as one stack in the Newton-Schulz dtype, each cast once: Newton-Schulz's first op is
     that cast, so this is the stack it would make from an fp32 one (the same bits), without writing and reading
     the fp32 stack."""
-    dtype = newton_schulz_dtype(tensors[0].device)
     stack = tensors[0].new_empty((len(tensors), *tensors[0].shape), dtype=dtype)
     torch._foreach_copy_(list(stack.unbind(0)), tensors)
     return stack
@@ -211,14 +212,16 @@ def _orthogonalize(batch: _Batch, directions: Tensor, *, temporary: bool = False
     """Newton-Schulz of the batch's directions (n, rows, cols): here, or, for row shards, at each matrix's owner
     rank on the whole matrix (matrix_exchange.py), each rank getting its rows of the result back. `temporary`:
     the stack is the step's own, divided in place."""
-    hp = batch.hparams
+    hp, dtype = batch.hparams, batch.newton_schulz_dtype
     if batch.exchange is None:
-        return orthogonalize_stack(directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary)
+        return orthogonalize_stack(
+            directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary, dtype=dtype
+        )
     # the Newton-Schulz dtype on the wire: its first op is that cast, so the owner orthogonalises the same bits
     return batch.exchange.apply(
         batch.indices,
-        directions.to(newton_schulz_dtype(directions.device)),
-        lambda whole: orthogonalize_stack(whole, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True),
+        directions.to(dtype),
+        lambda whole: orthogonalize_stack(whole, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True, dtype=dtype),
     )
 
 
@@ -233,7 +236,7 @@ def _step_batch_in_place(batch: _Batch, grads, grad_mul: Tensor, lr_factor: Tens
     torch._foreach_lerp_(batch.buffers, g, 1 - hp.momentum)
     update = torch._foreach_lerp(g, batch.buffers, hp.momentum) if hp.nesterov else batch.buffers
     del g
-    ortho = _orthogonalize(batch, _newton_schulz_stack(list(update)), temporary=True)
+    ortho = _orthogonalize(batch, _newton_schulz_stack(list(update), batch.newton_schulz_dtype), temporary=True)
     del update
     torch._foreach_mul_(batch.params, decay)
     if bool(lr_factor != 1.0):  # a schedule's factor, in fp32 as the device path applies it

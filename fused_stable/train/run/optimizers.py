@@ -37,8 +37,16 @@ def _build_over_groups(cls) -> Callable:
 
 
 def _muon_missing(cfg, deepspeed: bool) -> str | None:
+    from fused_stable.train.run import parallel  # (the process group is joined before the run is checked)
+
     if cfg.loraplus_lr_ratio is not None:
         return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
+    if cfg.tuner == "full" and cfg.state_precision == "8bit" and not deepspeed and parallel.world_size() > 1:
+        # torchrun's full fine-tune is FSDP2 (parallel.wrap); DeepSpeed's stages are checked in deepspeed_run
+        return (
+            "optim muon with tuner full and state_precision 8bit under torchrun: FSDP2 shards each matrix by rows, "
+            "and 8-bit Muon momentum is coded in blocks over whole matrices; use state_precision bf16 (or one process)"
+        )
     return None
 
 
