@@ -140,9 +140,9 @@ class TrainConfig:
     scheduler: str = _key("cosine", "cosine | linear | constant (after warm-up)", "optim")
     state_precision: str = _key(
         "fp32",
-        "fp32 | bf16 | 8bit: how the optimizer's state (AdamW's moments, Lion's momentum, Muon's momentum: fp32 "
-        "or bf16) is stored (8bit: blockwise codes with fp32 scales, tensors under 4096 elements kept fp32), "
-        "dequantised and requantised inside the fused step",
+        "fp32 | bf16 | 8bit: how the optimizer's state (AdamW's moments, Lion's momentum, Muon's momentum) is "
+        "stored (8bit: blockwise codes with fp32 scales, tensors under 4096 elements kept fp32; Muon's 8-bit "
+        "momentum not under FSDP2 or ZeRO 1-2), dequantised and requantised inside the fused step",
         "optim",
     )
     precision: str = _key(
