@@ -209,14 +209,7 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
     assert outputs.read_manifest(str(out))["optimizer_state"] == {"precision": "fp32", "mib": mib}
     assert proc.stdout.count(f"optimizer state fp32 {mib:.1f} MiB on rank 0 (FSDP2 shards it over 2 ranks) |") == 1
 
-    broken = tmp_path / "broken"
-    shutil.copytree(out, broken)
-    shutil.rmtree(broken / "checkpoints" / "step-4")
-    shutil.rmtree(broken / "model")
-    _ok(torchrun("--output_dir", broken, "--resume", "latest"))
-    assert [r["loss"] for r in read_metrics(broken)] == [r["loss"] for r in rows]
-    resumed = load_file(broken / "checkpoints" / "step-4" / "weights.safetensors")
-    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    broken = _resumed_from_step_2(tmp_path, out, rows, weights)
     resumed_optim = torch.load(broken / "checkpoints" / "step-4" / "optimizer.pt", weights_only=True)
     assert torch.equal(resumed_optim["fused_stable"]["fstate"], optim["fused_stable"]["fstate"])
 
@@ -240,15 +233,22 @@ def test_fsdp2_full_muon_two_ranks_and_exact_resume(tmp_path):
     assert hidden and all(set(state[name]) == {"momentum_buffer", "step"} for name in hidden), state.keys()
     assert "exp_avg" in state["lm_head.weight"]  # the head on AdamW, as muon_param_groups splits it
 
+    _resumed_from_step_2(tmp_path, out, rows, load_file(out / "checkpoints" / "step-4" / "weights.safetensors"))
+
+
+def _resumed_from_step_2(tmp_path, out, rows, weights):
+    """The finished 2-rank run `out` without its step-4 checkpoint and final model, resumed with `--resume
+    latest` (from step 2): its losses are `rows`' and its step-4 weights `weights`, bit for bit. Returns its
+    folder."""
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     shutil.rmtree(broken / "checkpoints" / "step-4")
     shutil.rmtree(broken / "model")
     _ok(torchrun("--output_dir", broken, "--resume", "latest"))
     assert [r["loss"] for r in read_metrics(broken)] == [r["loss"] for r in rows]
-    weights = load_file(out / "checkpoints" / "step-4" / "weights.safetensors")
     resumed = load_file(broken / "checkpoints" / "step-4" / "weights.safetensors")
     assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+    return broken
 
 
 def test_guard_rollback_takes_every_rank_back_together(tmp_path):
