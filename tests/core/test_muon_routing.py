@@ -15,30 +15,13 @@ import copy
 import pytest
 import torch
 from helpers import WITH_TENSOR_DECISIONS
+from integrations.integ_models import tiny_llama  # the integration tests' 2-layer Llama, its head untied
 
 from fused_stable import FusedMuon, muon_param_groups
 from fused_stable.rules.muon import param_groups as split
 
 MAX_NORM = 0.05  # the tiny MoE's grad norm is ~1.2: every step is clipped
 LR = 0.02
-
-
-def tiny_llama(seed: int = 0):
-    """A 2-layer Llama with hidden size 32, its head untied (tests/integrations/integ_models.py's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
 
 
 def _reasons(groups, model) -> dict[str, tuple[bool, str]]:
