@@ -24,7 +24,8 @@ one owner rank for Newton-Schulz, integrations/deepspeed_muon.py); ZeRO-3 and Ze
 Momentum buffers: fp32 (the param's dtype, as torch's), bf16 (state_precision="bf16"), or 8-bit
 (state_precision="8bit": AdamW exp_avg's signed blockwise codes under `momentum_buffer`, their block scales under
 `momentum_buffer_scale`, decoded to fp32 for each step and encoded once: rules/muon/lowbit.py); 8-bit runs in one
-process, under DDP and at ZeRO-0 (its blocks run over whole matrices: refused in one line under FSDP2 and ZeRO 1-2).
+process (tested), and DDP and ZeRO-0 hand it whole params as one process does (not tested there); its blocks run
+over whole matrices: refused in one line under FSDP2 and ZeRO 1-2.
 
 `torch.compile(opt.step)` runs the Muon groups inside the compiled step's op (compiled.py), the same bits as eager.
 
