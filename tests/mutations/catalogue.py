@@ -3877,7 +3877,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "sft-muon-8bit-fsdp2-accepted",
         "fused_stable/train/run/optimizers.py",
-        '    if cfg.tuner == "full" and cfg.state_precision == "8bit" and not deepspeed and parallel.world_size() > 1:',
+        '    if cfg.tuner == "full" and cfg.state_precision == "8bit" and not deepspeed and _launched_ranks() > 1:',
         "    if False:",
         ["tests/train/test_optim_rules.py"],
         "sft --optim muon --tuner full --state_precision 8bit under torchrun (FSDP2) is one line before the model loads",

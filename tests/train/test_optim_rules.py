@@ -148,9 +148,9 @@ def test_8bit_muon_under_fsdp2_is_refused_before_the_model_loads(monkeypatch, ra
     stage in deepspeed_run) are not."""
     from fused_stable.errors import UserError
     from fused_stable.train.config.keys import TrainConfig
-    from fused_stable.train.run import optimizers, parallel
+    from fused_stable.train.run import optimizers
 
-    monkeypatch.setattr(parallel, "world_size", lambda: ranks)
+    monkeypatch.setattr(optimizers, "_launched_ranks", lambda: ranks)
     cfg = TrainConfig(optim="muon", tuner=tuner, state_precision="8bit")
     if refused:
         with pytest.raises(UserError, match="state_precision 8bit under torchrun: FSDP2 shards each matrix by rows"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from fused_stable.errors import UserError
 from fused_stable.optimizers import OPTIMIZERS
 
@@ -36,12 +38,16 @@ def _build_over_groups(cls) -> Callable:
     return build
 
 
-def _muon_missing(cfg, deepspeed: bool) -> str | None:
-    from fused_stable.train.run import parallel  # (the process group is joined before the run is checked)
+def _launched_ranks() -> int:
+    """The run's process count (parallel.world_size's reading: the process group is joined before the run is
+    checked; importing train.run.parallel here would close an import circle through the model loader)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
+
+def _muon_missing(cfg, deepspeed: bool) -> str | None:
     if cfg.loraplus_lr_ratio is not None:
         return "optim muon builds its own param groups (muon_param_groups), so loraplus_lr_ratio cannot apply"
-    if cfg.tuner == "full" and cfg.state_precision == "8bit" and not deepspeed and parallel.world_size() > 1:
+    if cfg.tuner == "full" and cfg.state_precision == "8bit" and not deepspeed and _launched_ranks() > 1:
         # torchrun's full fine-tune is FSDP2 (parallel.wrap); DeepSpeed's stages are checked in deepspeed_run
         return (
             "optim muon with tuner full and state_precision 8bit under torchrun: FSDP2 shards each matrix by rows, "
