@@ -137,6 +137,13 @@ class Rule:
     def stochastic_bf16(self) -> frozenset[str]:
         return frozenset(state.name for state in self.states if state.bf16 == STOCHASTIC)
 
+    def slot_codes(self, option: bool = False) -> tuple[int, int]:
+        """The states' codes per slot in the element's order, one bit each: (the slots with the SIGNED 8-bit
+        codec, the slots stored in bf16 with stochastic rounding); the compiled CPU update's SlotCodes."""
+        states = [state for state in self.states if state.option is None or option]
+        signed = sum(1 << slot for slot, state in enumerate(states) if state.codec == SIGNED)
+        return signed, sum(1 << slot for slot, state in enumerate(states) if state.bf16 == STOCHASTIC)
+
     @property
     def torch_state_keys(self) -> tuple[str, ...]:
         """What torch's optimizer keeps per param (`step` first where it keeps one)."""

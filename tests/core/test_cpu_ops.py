@@ -77,6 +77,25 @@ def test_sum_squares_do_not_depend_on_the_thread_count():
     assert torch.equal(results[0][1], results[1][1])
 
 
+def test_sum_squares_of_a_grad_do_not_depend_on_its_neighbours():
+    """The pass sums up to four pieces side by side (cpu_step.cpp's kStreams) and groups pieces only of one grad
+    dtype: each grad's sum is the one it has alone, bit for bit, in a list of mixed dtypes and sizes (fp32, bf16 and
+    fp16 interleaved; the exact fp64 sum rounded once, as alone), and the total is their sum in order."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    grads = [g.to(dtypes[k % 3]) for k, g in enumerate(grads_of(torch.float32, seed=4) * 2)]
+    out = torch.full((len(grads),), float("nan"))
+    total = cpu_ops.sum_squares(grads, out)
+    alone, alone_total = [], 0.0
+    for g in grads:
+        one = torch.empty(1)
+        alone_total += cpu_ops.sum_squares([g], one)
+        alone.append(one)
+    assert torch.equal(out, torch.cat(alone))
+    assert total == alone_total
+    exact = torch.stack([g.double().square().sum() for g in grads])
+    torch.testing.assert_close(out, exact.float(), rtol=0, atol=0)
+
+
 def test_sum_squares_refuses_a_wrong_out():
     with pytest.raises(RuntimeError, match="one value per grad"):
         cpu_ops.sum_squares([torch.ones(3), torch.ones(2)], torch.empty(1))
@@ -168,7 +187,7 @@ def test_fp32_adamw_state_takes_torch_adamws_fp64_scalars(monkeypatch):
 def test_the_update_op_refuses_wrong_lists():
     """One line per mistake, whatever the rule: list lengths (states slot by slot, scales in 8-bit only), the
     rule's number of scalars, the state format's dtypes, 8-bit scales per block, an option the rule lacks, the
-    param dtypes the op compiles."""
+    param dtypes the op compiles, slot codes other than the rule's declared ones."""
     p, codes = torch.zeros(256), torch.zeros(256, dtype=torch.int8)
     row, keys = torch.zeros(1, 7), torch.zeros(1, dtype=torch.int64)
     lion, adamw = cpu_ops.update_op(LION), cpu_ops.update_op(ADAMW)
@@ -190,6 +209,12 @@ def test_the_update_op_refuses_wrong_lists():
             call(lion, **args)
     with pytest.raises(RuntimeError, match=r"one tensor per param \(3 states"):  # amsgrad: max_exp_avg_sq too
         call(adamw, [p.clone(), p.clone()], scalars=torch.zeros(1, 8), option=True)
+    # the slot codes are compiled in from the rule's declaration (Lion: exp_avg signed and stochastic): a caller
+    # with others is refused, in the format that reads them
+    with pytest.raises(RuntimeError, match="called with signed 8-bit slots 0, built for the rule's declared 1"):
+        lion([p], [p], [codes], [torch.zeros(2)], [], row, keys, Q8, False, 0b000, 0b001)
+    with pytest.raises(RuntimeError, match="called with stochastic bf16 slots 0, built for the rule's declared 1"):
+        lion([p], [p], [p.to(torch.bfloat16)], [], [], row, keys, BF16, False, 0b001, 0b000)
 
 
 def clipped_optimizer(seed=5):
@@ -778,7 +803,7 @@ TINY_RULE_RUN = """
     from pathlib import Path
     import torch
     from fused_stable.backends.torch import cpu_ops
-    print("built", cpu_ops.build_and_load(Path(sys.argv[1])))
+    print("built", cpu_ops.build_and_load(Path(sys.argv[1]), {"tiny": (0b01, 0b01, 0b01, 0b01)}))
     calls = torch.load(sys.argv[2])
     for call in calls:
         torch.ops.fused_stable.update_tiny(*call)

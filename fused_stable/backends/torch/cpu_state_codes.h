@@ -47,10 +47,12 @@ FUSED_STABLE_INLINE c10::BFloat16 round_stochastic_bf16(float x, uint32_t bits) 
 
 // The 8-bit codes (code format v2, state_format.py): one block decoded and encoded, state_codes.h's functions (the
 // same in the torch reference and the Triton kernels)
-using fused_stable::state_codes::decode_signed;
-using fused_stable::state_codes::decode_unsigned;
-using fused_stable::state_codes::encode_signed;
-using fused_stable::state_codes::encode_unsigned;
+using fused_stable::state_codes::decode_signed_one;
+using fused_stable::state_codes::decode_unsigned_one;
+using fused_stable::state_codes::encode_signed_with;
+using fused_stable::state_codes::encode_unsigned_with;
+using fused_stable::state_codes::largest_bits;
+using fused_stable::state_codes::scale_of;
 
 }  // namespace cpu
 }  // namespace fused_stable

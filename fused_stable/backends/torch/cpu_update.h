@@ -9,13 +9,14 @@
 // times the step's multiplier inside the rule's element, never written), fp32 master copies (the master is updated
 // and the param stores its rounding to nearest even); up to kMaxStates state slots in the rule's order, stored in
 // the state format: fp32 updated in place element by element; bf16 (to nearest, or stochastically where the rule
-// says) and 8-bit blockwise (each slot's codec, signed or unsigned, as the rule says) decoded, updated and encoded
-// again block by block in registers, with cpu_state_codes.h's arithmetic (state_format.py's).
+// says) in the same one pass; 8-bit in one pass per 128-element block (codes decoded, the element, each slot's
+// running largest magnitude; then the block encoded from registers with that scale), with cpu_state_codes.h's
+// arithmetic (state_format.py's).
 // The rule's scalars are the caller's, one fp32 row per tensor (or one for all): rules/<rule>/torch.py computes them
 // on the host, so the update is the exact reference's bit for bit (exact_reference.py), or for AdamW's fp32 state
 // the fp64 scalars of torch.optim.AdamW. The codecs and roundings per slot come from the rule's Python declaration
-// at call time (`signed_slots`, `stochastic_slots`: one bit per slot), as the Triton kernel takes them: declared
-// once, and a branch per 128-element block, where template parameters would multiply the instantiations.
+// (`Rule.slot_codes`: one bit per slot), written into the rule's translation unit by cpu_ops.py: template arguments,
+// because a branch per element stops the loop vectorising; the op checks the caller's bits against them.
 // Built with -ffp-contract=off: IEEE fp32, each operation rounded as written (cpu_ops.py's flags).
 
 #pragma once
@@ -28,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_state_codes.h"
@@ -67,10 +69,13 @@ struct UpdateTensor {
 };
 
 // The rule's declaration per slot, one bit each: the 8-bit codec is signed; the bf16 store rounds stochastically.
+// A template argument of the block loop (compile-time codecs: a branch per element would stop it vectorising),
+// built from the rule's Python declaration by the generated translation unit (cpu_ops.update_source) and checked
+// against the caller's bits at every call.
 struct SlotCodes {
   uint32_t signed_slots, stochastic_slots;
-  bool is_signed(int slot) const { return (signed_slots >> slot) & 1u; }
-  bool is_stochastic(int slot) const { return (stochastic_slots >> slot) & 1u; }
+  constexpr bool is_signed(int slot) const { return (signed_slots >> slot) & 1u; }
+  constexpr bool is_stochastic(int slot) const { return (stochastic_slots >> slot) & 1u; }
 };
 
 // One fp32 chunk of one tensor, every state updated in place. P is the param's (and grad's) dtype: fp32, or bf16 /
@@ -102,95 +107,116 @@ void fp32_piece(P* __restrict param, const P* __restrict grad, float* __restrict
   }
 }
 
-// One slot's block as fp32 values: bf16 widened, 8-bit codes decoded with the slot's codec and the block's scale.
-template <int kFormat>
-FUSED_STABLE_INLINE void load_block(const UpdateTensor& t, int slot, SlotCodes codes, int64_t first, int64_t n,
-                                    float* out) {
-  if (kFormat == kFormatQ8) {
-    const float scale = t.scales[slot][first / kQuantBlock];
-    if (codes.is_signed(slot)) {
-      decode_signed(static_cast<const int8_t*>(t.states[slot]) + first, scale, out, n);
-    } else {
-      decode_unsigned(static_cast<const uint8_t*>(t.states[slot]) + first, scale, out, n);
-    }
-    return;
-  }
-  const auto* stored = static_cast<const c10::BFloat16*>(t.states[slot]) + first;
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = static_cast<float>(stored[i]);
-  }
-}
+// What a slot's element is stored as: bf16, or its 8-bit code (int8 for a signed codec, uint8 for an unsigned one)
+template <int kFormat, bool kSigned>
+using Stored = std::conditional_t<kFormat == kFormatQ8, std::conditional_t<kSigned, int8_t, uint8_t>, c10::BFloat16>;
 
-// One slot's block stored back: 8-bit codes and the block's scale, or bf16 rounded to nearest even or
-// stochastically (the element's index in its tensor and the tensor's key: the reference's random bits).
-template <int kFormat>
-FUSED_STABLE_INLINE void store_block(const UpdateTensor& t, int slot, SlotCodes codes, int64_t first, int64_t n,
-                                     const float* values) {
-  if (kFormat == kFormatQ8) {
-    float& scale = t.scales[slot][first / kQuantBlock];
-    if (codes.is_signed(slot)) {
-      scale = encode_signed(values, static_cast<int8_t*>(t.states[slot]) + first, n);
-    } else {
-      scale = encode_unsigned(values, static_cast<uint8_t*>(t.states[slot]) + first, n);
-    }
-    return;
-  }
-  auto* stored = static_cast<c10::BFloat16*>(t.states[slot]) + first;
-  if (codes.is_stochastic(slot)) {
-    for (int64_t i = 0; i < n; ++i) {
-      stored[i] = round_stochastic_bf16(values[i], mix32(static_cast<uint32_t>(first + i) ^ t.key));
-    }
+// One slot's stored element as fp32: bf16 widened, or its 8-bit code decoded with its block's scale.
+template <typename S>
+FUSED_STABLE_INLINE float load_value(S stored, float scale) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    return decode_signed_one(stored, scale);
+  } else if constexpr (std::is_same_v<S, uint8_t>) {
+    return decode_unsigned_one(stored, scale);
   } else {
-    for (int64_t i = 0; i < n; ++i) {
-      stored[i] = c10::BFloat16(values[i]);  // to nearest even
-    }
+    return static_cast<float>(stored);
   }
 }
 
-// One bf16 or 8-bit chunk (whole blocks, but the tensor's last) of one tensor: per block, every slot decoded, the
-// rule's element, every slot encoded. P and kMaster as in fp32_piece.
-template <class Rule, int kFormat, int kStates, bool kOption, typename P, bool kMaster>
-void block_piece(const UpdateTensor& t, const typename Rule::Scalars& s, SlotCodes codes, int64_t begin,
-                 int64_t end) {
-  P* param = static_cast<P*>(t.param);
-  const P* grad = static_cast<const P*>(t.grad);
-  float* master = t.master;
-  float values[kMaxStates][kQuantBlock];
-  for (int64_t first = begin; first < end; first += kQuantBlock) {
-    const int64_t n = std::min(kQuantBlock, end - first);
-    for (int slot = 0; slot < kStates; ++slot) {
-      load_block<kFormat>(t, slot, codes, first, n, values[slot]);
-    }
+// One slot's element stored in bf16: rounded to nearest even, or stochastically (the element's index in its tensor
+// and the tensor's key: the reference's random bits).
+template <bool kStochastic>
+FUSED_STABLE_INLINE c10::BFloat16 to_bf16(float value, uint32_t key, int64_t i) {
+  return kStochastic ? round_stochastic_bf16(value, mix32(static_cast<uint32_t>(i) ^ key)) : c10::BFloat16(value);
+}
+
+// One slot's 8-bit block encoded with its scale (the block's largest magnitude, kept while its values were made).
+template <typename S>
+FUSED_STABLE_INLINE void store_codes(const float* values, uint32_t largest, S* codes, float& scale, int64_t n) {
+  scale = scale_of(largest);
+  if constexpr (std::is_same_v<S, int8_t>) {
+    encode_signed_with(values, scale, codes, n);
+  } else {
+    encode_unsigned_with(values, scale, codes, n);
+  }
+}
+
+// One bf16 or 8-bit chunk (whole blocks, but the tensor's last) of one tensor, one pass per 8-bit block: each
+// element's states loaded (bf16 widened, codes decoded), the rule's element, the param stored, and the new states
+// stored in bf16, or in 8-bit kept in registers with each slot's running largest magnitude, then encoded with that
+// scale (the encode alone needs the whole block). The pointers are parameters (restrict): the loop vectorises with
+// no aliasing checks. P and kMaster as in fp32_piece; S0-S2 the slots' stored types.
+template <class Rule, int kFormat, int kStates, bool kOption, typename P, bool kMaster, SlotCodes kCodes, typename S0,
+          typename S1, typename S2>
+void block_loop(P* __restrict param, const P* __restrict grad, float* __restrict master, S0* __restrict s0,
+                S1* __restrict s1, S2* __restrict s2, float* const* scales, uint32_t key,
+                const typename Rule::Scalars& s, int64_t begin, int64_t end) {
+  constexpr bool kCoded = kFormat == kFormatQ8;
+  const int64_t block = kCoded ? kQuantBlock : end - begin;  // bf16 needs no block: the chunk is one
+  alignas(64) float values[kMaxStates][kQuantBlock];
+  for (int64_t first = begin; first < end; first += block) {
+    const int64_t n = std::min(block, end - first);
+    const int64_t b = first / kQuantBlock;
+    const float scale0 = kCoded && kStates > 0 ? scales[0][b] : 0.0f;
+    const float scale1 = kCoded && kStates > 1 ? scales[1][b] : 0.0f;
+    const float scale2 = kCoded && kStates > 2 ? scales[2][b] : 0.0f;
+    uint32_t largest0 = 0, largest1 = 0, largest2 = 0;
     for (int64_t k = 0; k < n; ++k) {
       const int64_t i = first + k;
       float p = kMaster ? master[i] : static_cast<float>(param[i]);  // (a master holds the fp32 value)
-      float a = kStates > 0 ? values[0][k] : 0.0f;
-      float b = kStates > 1 ? values[1][k] : 0.0f;
-      float c = kStates > 2 ? values[2][k] : 0.0f;
-      Rule::template element<kOption>(p, static_cast<float>(grad[i]), a, b, c, s);
-      if (kStates > 0) {
-        values[0][k] = a;
-      }
-      if (kStates > 1) {
-        values[1][k] = b;
-      }
-      if (kStates > 2) {
-        values[2][k] = c;
-      }
+      float v0 = kStates > 0 ? load_value(s0[i], scale0) : 0.0f;
+      float v1 = kStates > 1 ? load_value(s1[i], scale1) : 0.0f;
+      float v2 = kStates > 2 ? load_value(s2[i], scale2) : 0.0f;
+      Rule::template element<kOption>(p, static_cast<float>(grad[i]), v0, v1, v2, s);
       if (kMaster) {
         master[i] = p;
       }
       param[i] = static_cast<P>(p);
+      if constexpr (kCoded) {
+        values[0][k] = v0;
+        values[1][k] = v1;
+        values[2][k] = v2;
+        largest0 = largest_bits(largest0, v0);
+        largest1 = largest_bits(largest1, v1);
+        largest2 = largest_bits(largest2, v2);
+      } else {
+        if (kStates > 0) {
+          s0[i] = to_bf16<kCodes.is_stochastic(0)>(v0, key, i);
+        }
+        if (kStates > 1) {
+          s1[i] = to_bf16<kCodes.is_stochastic(1)>(v1, key, i);
+        }
+        if (kStates > 2) {
+          s2[i] = to_bf16<kCodes.is_stochastic(2)>(v2, key, i);
+        }
+      }
     }
-    for (int slot = 0; slot < kStates; ++slot) {
-      store_block<kFormat>(t, slot, codes, first, n, values[slot]);
+    if constexpr (kCoded) {  // each slot's codes and scale
+      if (kStates > 0) {
+        store_codes(values[0], largest0, s0 + first, scales[0][b], n);
+      }
+      if (kStates > 1) {
+        store_codes(values[1], largest1, s1 + first, scales[1][b], n);
+      }
+      if (kStates > 2) {
+        store_codes(values[2], largest2, s2 + first, scales[2][b], n);
+      }
     }
   }
 }
 
-template <class Rule, int kFormat, bool kOption, typename P>
-void typed_piece(const UpdateTensor& t, const typename Rule::Scalars& s, SlotCodes codes, int64_t begin,
-                 int64_t end) {
+template <class Rule, int kFormat, int kStates, bool kOption, typename P, bool kMaster, SlotCodes kCodes>
+void block_piece(const UpdateTensor& t, const typename Rule::Scalars& s, int64_t begin, int64_t end) {
+  using S0 = Stored<kFormat, kCodes.is_signed(0)>;
+  using S1 = Stored<kFormat, kCodes.is_signed(1)>;
+  using S2 = Stored<kFormat, kCodes.is_signed(2)>;
+  block_loop<Rule, kFormat, kStates, kOption, P, kMaster, kCodes>(
+      static_cast<P*>(t.param), static_cast<const P*>(t.grad), t.master, static_cast<S0*>(t.states[0]),
+      static_cast<S1*>(t.states[1]), static_cast<S2*>(t.states[2]), t.scales, t.key, s, begin, end);
+}
+
+template <class Rule, class Codes, int kFormat, bool kOption, typename P>
+void typed_piece(const UpdateTensor& t, const typename Rule::Scalars& s, int64_t begin, int64_t end) {
   constexpr int kStates = Rule::num_states(kOption);
   static_assert(kStates >= 0 && kStates <= kMaxStates, "a rule keeps at most kMaxStates states");
   const bool with_master = t.master != nullptr;
@@ -207,36 +233,36 @@ void typed_piece(const UpdateTensor& t, const typename Rule::Scalars& s, SlotCod
       fp32_piece<Rule, kStates, kOption, P, false>(param, grad, nullptr, slot[0], slot[1], slot[2], s, begin, end);
     }
   } else if (with_master) {
-    block_piece<Rule, kFormat, kStates, kOption, P, true>(t, s, codes, begin, end);
+    block_piece<Rule, kFormat, kStates, kOption, P, true, Codes::of(kOption)>(t, s, begin, end);
   } else {
-    block_piece<Rule, kFormat, kStates, kOption, P, false>(t, s, codes, begin, end);
+    block_piece<Rule, kFormat, kStates, kOption, P, false, Codes::of(kOption)>(t, s, begin, end);
   }
 }
 
-template <class Rule, int kFormat, bool kOption>
-void option_piece(const UpdateTensor& t, at::ScalarType dtype, const typename Rule::Scalars& s, SlotCodes codes,
-                  int64_t begin, int64_t end) {
+template <class Rule, class Codes, int kFormat, bool kOption>
+void option_piece(const UpdateTensor& t, at::ScalarType dtype, const typename Rule::Scalars& s, int64_t begin,
+                  int64_t end) {
   switch (dtype) {
     case at::kFloat:
-      return typed_piece<Rule, kFormat, kOption, float>(t, s, codes, begin, end);
+      return typed_piece<Rule, Codes, kFormat, kOption, float>(t, s, begin, end);
     case at::kBFloat16:
-      return typed_piece<Rule, kFormat, kOption, c10::BFloat16>(t, s, codes, begin, end);
+      return typed_piece<Rule, Codes, kFormat, kOption, c10::BFloat16>(t, s, begin, end);
     default:  // at::kHalf (checked by the op)
-      return typed_piece<Rule, kFormat, kOption, c10::Half>(t, s, codes, begin, end);
+      return typed_piece<Rule, Codes, kFormat, kOption, c10::Half>(t, s, begin, end);
   }
 }
 
 // One chunk: the instantiation for the call's state format, option and param dtype (option=true is instantiated
 // only for a rule that has one).
-template <class Rule, int kFormat>
+template <class Rule, class Codes, int kFormat>
 void format_piece(const UpdateTensor& t, at::ScalarType dtype, bool option, const typename Rule::Scalars& s,
-                  SlotCodes codes, int64_t begin, int64_t end) {
+                  int64_t begin, int64_t end) {
   if constexpr (Rule::kHasOption) {
     if (option) {
-      return option_piece<Rule, kFormat, true>(t, dtype, s, codes, begin, end);
+      return option_piece<Rule, Codes, kFormat, true>(t, dtype, s, begin, end);
     }
   }
-  option_piece<Rule, kFormat, false>(t, dtype, s, codes, begin, end);
+  option_piece<Rule, Codes, kFormat, false>(t, dtype, s, begin, end);
 }
 
 inline bool is_plain(const at::Tensor& t, const at::Tensor& like, at::ScalarType dtype) {
@@ -312,7 +338,7 @@ inline UpdateTensor tensor_of(int64_t t, int64_t n, int64_t num_states, at::Tens
 // by slot (see check_lists), `masters` empty or one fp32 copy per param, `scalars` the rule's step scalars ([n or
 // 1, Rule::kNumScalars] fp32), `keys` each tensor's stochastic-rounding key (read in bf16 only), `option` the
 // group's option (AdamW's amsgrad), `signed_slots` / `stochastic_slots` the rule's codecs and bf16 roundings.
-template <class Rule>
+template <class Rule, class Codes>
 void update(at::TensorList params, at::TensorList grads, at::TensorList states, at::TensorList scales,
             at::TensorList masters, const at::Tensor& scalars, const at::Tensor& keys, int64_t state_format,
             bool option, int64_t signed_slots, int64_t stochastic_slots) {
@@ -320,7 +346,13 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList states, 
   TORCH_CHECK(!option || Rule::kHasOption, "fused_stable's compiled CPU update: this rule takes no option");
   const int64_t num_states = Rule::num_states(option);
   check_lists(n, num_states, Rule::kNumScalars, params, grads, states, scales, masters, scalars, keys, state_format);
-  const SlotCodes codes{static_cast<uint32_t>(signed_slots), static_cast<uint32_t>(stochastic_slots)};
+  const SlotCodes codes = Codes::of(option);  // the rule's declaration, compiled in: the caller's must agree
+  TORCH_CHECK(state_format != kFormatQ8 || signed_slots == codes.signed_slots,
+              "fused_stable's compiled CPU update: called with signed 8-bit slots ", signed_slots,
+              ", built for the rule's declared ", codes.signed_slots);
+  TORCH_CHECK(state_format != kFormatBF16 || stochastic_slots == codes.stochastic_slots,
+              "fused_stable's compiled CPU update: called with stochastic bf16 slots ", stochastic_slots,
+              ", built for the rule's declared ", codes.stochastic_slots);
   std::vector<at::Tensor> dense_grads(grads.begin(), grads.end());
   std::vector<UpdateTensor> tensors(n);
   std::vector<typename Rule::Scalars> rows;
@@ -347,11 +379,11 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList states, 
       const UpdateTensor& t = tensors[piece.tensor];
       const typename Rule::Scalars& s = rows[one_row ? 0 : piece.tensor];
       if (state_format == kFormatQ8) {
-        format_piece<Rule, kFormatQ8>(t, dtype, option, s, codes, piece.begin, piece.end);
+        format_piece<Rule, Codes, kFormatQ8>(t, dtype, option, s, piece.begin, piece.end);
       } else if (state_format == kFormatBF16) {
-        format_piece<Rule, kFormatBF16>(t, dtype, option, s, codes, piece.begin, piece.end);
+        format_piece<Rule, Codes, kFormatBF16>(t, dtype, option, s, piece.begin, piece.end);
       } else {
-        format_piece<Rule, kFormatFP32>(t, dtype, option, s, codes, piece.begin, piece.end);
+        format_piece<Rule, Codes, kFormatFP32>(t, dtype, option, s, piece.begin, piece.end);
       }
     }
   });
@@ -362,10 +394,22 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList states, 
 
 // The op of the rule whose header defines fused_stable::<rule>::Rule, as `fused_stable::update_<rule>` (one line in
 // the translation unit cpu_ops.py generates per rule; TORCH_LIBRARY_FRAGMENT: every rule adds to the one library).
-#define FUSED_STABLE_REGISTER_UPDATE(rule)                                                                      \
+// The four masks are the rule's slot codes without and with its option (SlotCodes: signed 8-bit codec, stochastic
+// bf16 rounding, one bit per slot), which cpu_ops.update_source writes from the rule's Python declaration.
+#define FUSED_STABLE_REGISTER_UPDATE(rule, signed_plain, stochastic_plain, signed_option, stochastic_option)      \
+  namespace fused_stable {                                                                                      \
+  namespace rule {                                                                                              \
+  struct Codes {                                                                                                \
+    static constexpr cpu::SlotCodes of(bool option) {                                                           \
+      return option ? cpu::SlotCodes{signed_option, stochastic_option}                                          \
+                    : cpu::SlotCodes{signed_plain, stochastic_plain};                                           \
+    }                                                                                                           \
+  };                                                                                                            \
+  }                                                                                                             \
+  }                                                                                                             \
   TORCH_LIBRARY_FRAGMENT(fused_stable, m) {                                                                     \
     m.def("update_" #rule                                                                                      \
           "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor(c!)[] scales, Tensor(d!)[] masters, " \
           "Tensor scalars, Tensor keys, int state_format, bool option, int signed_slots, int stochastic_slots) -> ()", \
-          &fused_stable::cpu::update<fused_stable::rule::Rule>);                                               \
+          &fused_stable::cpu::update<fused_stable::rule::Rule, fused_stable::rule::Codes>);                                               \
   }

@@ -67,14 +67,20 @@ FUSED_STABLE_INLINE float pseudo_square(float q) {
   return float_of(root | (bits_of(q) & kSign));
 }
 
-// The block's scale: the largest magnitude's bits (integer max: vectorises, and a NaN's bits lie above
-// infinity's), 0 below FLT_MIN
+// The largest magnitude's bits of a block, kept as the block's values are produced: an integer max (vectorises,
+// and a NaN's bits lie above infinity's, so a NaN anywhere is the max)
+FUSED_STABLE_INLINE uint32_t largest_bits(uint32_t largest, float x) { return std::max(largest, bits_of(x) & kMagnitude); }
+
+// The block's scale from its largest magnitude's bits: 0 below FLT_MIN (so 1 / s is finite)
+FUSED_STABLE_INLINE float scale_of(uint32_t largest) { return float_of(largest < kFltMinBits ? 0u : largest); }
+
+// The block's scale: the largest magnitude, 0 below FLT_MIN
 FUSED_STABLE_INLINE float block_scale(const float* x, int64_t n) {
   uint32_t largest = 0;
   for (int64_t i = 0; i < n; ++i) {
-    largest = std::max(largest, bits_of(x[i]) & kMagnitude);
+    largest = largest_bits(largest, x[i]);
   }
-  return float_of(largest < kFltMinBits ? 0u : largest);
+  return scale_of(largest);
 }
 
 FUSED_STABLE_INLINE float inverse_of(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
@@ -82,42 +88,72 @@ FUSED_STABLE_INLINE float inverse_of(float scale) { return scale > 0.0f ? 1.0f /
 // floor(y + 0.5) for y in [0, levels]: a truncation, which vectorises (floorf does not, here)
 FUSED_STABLE_INLINE int32_t round_up(float y) { return static_cast<int32_t>(y + 0.5f); }
 
+// state_format.decode_signed of one code: psquare2(c / 127) * s, c's sign kept
+FUSED_STABLE_INLINE float decode_signed_one(int8_t code, float scale) {
+  constexpr float kInverse = static_cast<float>(1.0 / 127.0);
+  return pseudo_square<1, kRoot2>(static_cast<float>(code) * kInverse) * scale;
+}
+
+// state_format.decode_unsigned of one code: psquare4(c / 255) * s
+FUSED_STABLE_INLINE float decode_unsigned_one(uint8_t code, float scale) {
+  constexpr float kInverse = static_cast<float>(1.0 / 255.0);
+  return pseudo_square<2, kRoot4>(static_cast<float>(code) * kInverse) * scale;
+}
+
+// state_format.encode_signed of one value, given 1 / its block's scale: round(127 * proot2(|x| / s)), x's sign
+FUSED_STABLE_INLINE int8_t encode_signed_one(float x, float inverse) {
+  const float magnitude = float_of(bits_of(x) & kMagnitude);
+  const int32_t code = round_up(pseudo_root<1, kRoot2>(magnitude * inverse) * kSignedLevels);
+  return static_cast<int8_t>(x < 0.0f ? -code : code);
+}
+
+// state_format.encode_unsigned of one value, given 1 / its block's scale: round(255 * proot4(|x| / s))
+FUSED_STABLE_INLINE uint8_t encode_unsigned_one(float x, float inverse) {
+  const float magnitude = float_of(bits_of(x) & kMagnitude);
+  return static_cast<uint8_t>(round_up(pseudo_root<2, kRoot4>(magnitude * inverse) * kUnsignedLevels));
+}
+
 // state_format.decode_signed on one block
 FUSED_STABLE_INLINE void decode_signed(const int8_t* codes, float scale, float* out, int64_t n) {
-  constexpr float kInverse = static_cast<float>(1.0 / 127.0);
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = pseudo_square<1, kRoot2>(static_cast<float>(codes[i]) * kInverse) * scale;
+    out[i] = decode_signed_one(codes[i], scale);
   }
 }
 
 // state_format.decode_unsigned on one block
 FUSED_STABLE_INLINE void decode_unsigned(const uint8_t* codes, float scale, float* out, int64_t n) {
-  constexpr float kInverse = static_cast<float>(1.0 / 255.0);
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = pseudo_square<2, kRoot4>(static_cast<float>(codes[i]) * kInverse) * scale;
+    out[i] = decode_unsigned_one(codes[i], scale);
+  }
+}
+
+// state_format.encode_signed on one block whose scale is known: the codes
+FUSED_STABLE_INLINE void encode_signed_with(const float* x, float scale, int8_t* codes, int64_t n) {
+  const float inverse = inverse_of(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    codes[i] = encode_signed_one(x[i], inverse);
+  }
+}
+
+// state_format.encode_unsigned on one block whose scale is known: the codes
+FUSED_STABLE_INLINE void encode_unsigned_with(const float* x, float scale, uint8_t* codes, int64_t n) {
+  const float inverse = inverse_of(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    codes[i] = encode_unsigned_one(x[i], inverse);
   }
 }
 
 // state_format.encode_signed: s = the block's max |x|, c = round(127 * proot2(|x| / s)) with x's sign, ties up
 FUSED_STABLE_INLINE float encode_signed(const float* x, int8_t* codes, int64_t n) {
   const float scale = block_scale(x, n);
-  const float inverse = inverse_of(scale);
-  for (int64_t i = 0; i < n; ++i) {
-    const float magnitude = float_of(bits_of(x[i]) & kMagnitude);
-    const int32_t code = round_up(pseudo_root<1, kRoot2>(magnitude * inverse) * kSignedLevels);
-    codes[i] = static_cast<int8_t>(x[i] < 0.0f ? -code : code);
-  }
+  encode_signed_with(x, scale, codes, n);
   return scale;
 }
 
 // state_format.encode_unsigned: s = the block's max |x|, c = round(255 * proot4(|x| / s)), ties up
 FUSED_STABLE_INLINE float encode_unsigned(const float* x, uint8_t* codes, int64_t n) {
   const float scale = block_scale(x, n);
-  const float inverse = inverse_of(scale);
-  for (int64_t i = 0; i < n; ++i) {
-    const float magnitude = float_of(bits_of(x[i]) & kMagnitude);
-    codes[i] = static_cast<uint8_t>(round_up(pseudo_root<2, kRoot4>(magnitude * inverse) * kUnsignedLevels));
-  }
+  encode_unsigned_with(x, scale, codes, n);
   return scale;
 }
 

@@ -31,7 +31,7 @@ import torch
 
 from ... import state_format
 from ...plan import StepPlan
-from ...state_format import BF16, FP32, Q8, SIGNED
+from ...state_format import BF16, FP32, Q8
 from . import cpu_ops
 from .host_decide import read_steps
 
@@ -220,9 +220,8 @@ class CompiledUpdate:
         names = rule.state_names(self.option)
         self.states = [plan.states[i][slot] for slot in range(len(names)) for i in all_indices]  # slot by slot
         self.scales = [plan.scales[i][slot] for slot in range(len(names)) for i in all_indices] if fmt == Q8 else []
-        self.signed_slots = sum(1 << k for k, name in enumerate(names) if rule.codecs[name] == SIGNED)
-        stochastic = [k for k, name in enumerate(names) if name in rule.stochastic_bf16]
-        self.stochastic_slots = sum(1 << k for k in stochastic) if fmt == BF16 else 0
+        self.signed_slots, stochastic = rule.slot_codes(self.option)
+        self.stochastic_slots = stochastic if fmt == BF16 else 0
         self.steps = [plan.steps[i] for i in all_indices]
         self.step_values = torch.empty(len(all_indices), dtype=torch.float32)  # the counters after this step's +1
         self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
