@@ -27,7 +27,7 @@ import torch
 
 from . import sharded_state, state_format
 from .param_state import ParamStates, Version
-from .sharding import is_dtensor, local
+from .sharding import element_offset, is_dtensor, local
 from .state_format import FP32, Q8, SCALE_SUFFIX
 
 # C-level accessors for map(): a pass over hundreds of params costs tens of microseconds, a Python loop hundreds
@@ -112,6 +112,9 @@ class StepPlan:
     members: list[int] | None  # flat positions of the params taking part; None: all of them
     params: list[torch.Tensor]  # the optimizer's param objects taking part (DTensors under FSDP2)
     local_params: list[torch.Tensor]  # what the kernels update (a DTensor's local shard)
+    # each local param's first element's index in its whole param (sharding.element_offset: 0 but for a row shard):
+    # bf16 stochastic rounding hashes global element indices, the same bits on any mesh
+    element_offsets: list[int]
     rule: Any  # the update rule (a fused_stable/rules declaration): its state names, codecs and option
     # each group's rule: `rule`, or None for a group the update pass leaves alone (its params take part in the norm
     # and the decisions only, and keep no rule state: FusedMuon's Muon groups, updated after the fused step)
@@ -327,6 +330,7 @@ def build_plan(
         members=None if len(members) == len(all_params) else members,
         params=params,
         local_params=local_params,
+        element_offsets=[element_offset(p) for p in params],
         rule=rule,
         group_rules=list(group_rules),
         updated=updated,

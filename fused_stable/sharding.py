@@ -61,6 +61,22 @@ class NotRowShards(ValueError):
     """A DTensor placed other than Shard(0) on one mesh dim and Replicate on the others."""
 
 
+def element_offset(p: torch.Tensor) -> int:
+    """The index in the whole param (its memory order) of the first element of `p`'s local shard: the first of
+    torch.chunk's rows times the row size under Shard(0), else 0 (a whole tensor). bf16 stochastic rounding draws
+    each element's bits from this global index, so a sharded state rounds as one process would. A layout whose local
+    elements are not one range of the whole's (_StridedShard, a Shard on another dim) keeps its local indices."""
+    try:
+        mesh_dim = row_shard_mesh_dim(p)
+    except NotRowShards:
+        return 0
+    if mesh_dim is None or p.numel() == 0:
+        return 0
+    mesh, rows = p.device_mesh, p.shape[0]
+    first_row, _ = chunk_span(rows, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+    return first_row * (p.numel() // rows)
+
+
 def norm_reducer(param_groups: list[dict]):
     """`global_sumsq` when some param is a DTensor (FSDP2): the all-reduce that turns the local sums of squares
     into the global one; None otherwise (every local norm is the global one)."""

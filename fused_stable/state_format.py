@@ -324,7 +324,8 @@ def random_key(position: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(key: torch.Tensor, element: torch.Tensor) -> torch.Tensor:
-    """Per element (its index in its tensor's memory order): 32 random bits, from its tensor's key."""
+    """Per element (its index in its whole param's memory order: a shard's local index plus its first element's,
+    sharding.element_offset, so every mesh draws the same bits): 32 random bits, from its tensor's key."""
     return mix32((element & 0xFFFFFFFF) ^ key)
 
 

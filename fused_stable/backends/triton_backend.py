@@ -192,8 +192,8 @@ def _chunk_maps(plan: StepPlan, launch_groups: dict, device: torch.device, chunk
 
 def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
     """The update table of one launch group, row by row in kernels/update.py's column order (COL_*): the param,
-    master, step, size, group and position, then the rule's states and their 8-bit scales, each padded with 0 to
-    the kernel's MAX_STATES slots."""
+    master, step, size, group, position and first element's index in the whole param, then the rule's states and
+    their 8-bit scales, each padded with 0 to the kernel's MAX_STATES slots."""
     from ..kernels.update import MAX_STATES
 
     rows, positions = [], plan.positions
@@ -208,6 +208,7 @@ def _update_rows(plan: StepPlan, indices: list[int]) -> list[int]:
             plan.numels[i],
             plan.groups[i],
             positions[i],
+            plan.element_offsets[i],
             *map(address, states),
             *padding,
             *map(address, scales),

@@ -103,7 +103,7 @@ def mix32(x):
 @triton.jit
 def _round_stochastic_bf16(x, random):
     """state_format.round_stochastic_bf16 with state_format.random_bits: `random` is (this tensor's key for this
-    step, the elements' indices in the tensor); the low 16 bits plus 16 random ones carry into the kept half."""
+    step, the elements' indices in the whole param); the low 16 bits plus 16 random ones carry into the kept half."""
     key, elements = random
     noise = mix32(elements.to(tl.uint32) ^ key)
     bits = x.to(tl.uint32, bitcast=True)

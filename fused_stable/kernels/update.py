@@ -5,7 +5,7 @@ step it returns at once; otherwise it updates its chunk of one tensor with grad 
 scale), the group's hyper-parameters and the scheduled lr, fp32 arithmetic, optional fp32 master weights, and
 stores the param rounded to nearest even. What is the rule's (the scalars from its hyper-parameter row and the
 per-element math) is the rule's `step_scalars` and `element` (rules/<rule>/triton.py, e.g. rules/adamw/triton.py),
-which the kernel takes as one constexpr argument (`rule_constexpr`); what is here is rule-free: chunks and tails,
+which the kernel takes as one constexpr argument (kernels/rule_arg.py); what is here is rule-free: chunks and tails,
 alignment, the skip, master weights, up to MAX_STATES state slots in the rule's order and the state formats'
 loads and stores (codes, scales, stochastic rounding, as the rule's codecs say).
 
@@ -40,6 +40,7 @@ from .common import (
     to_storage,
 )
 from .launch import ArgTemplate, LaunchConfig, PreparedLaunch
+from .rule_arg import MAX_STATES, rule_constexpr
 from .state_codes import load_moment, mix32, moment_pointer, store_moment
 from .tables import ChunkMap
 
@@ -49,24 +50,14 @@ from .tables import ChunkMap
 # (bar.sync) to convert between the two layouts (tests/core/test_kernels_codegen.py checks this).
 UPDATE_CONFIG = LaunchConfig(block=1024, num_warps=8, fp_fusion=False)
 
-# A rule keeps up to MAX_STATES state tensors per param (AdamW: exp_avg, exp_avg_sq and amsgrad's max_exp_avg_sq;
-# Lion: exp_avg): the kernel has that many state slots, of which a launch uses the first NUM_STATES.
-MAX_STATES = 3
 # update-table columns (int64 [num_tensors, TABLE_COLUMNS]); a state column past the rule's count is 0, a scale
 # column 0 but for 8-bit state
 COL_PARAM, COL_MASTER, COL_STEP, COL_NUMEL, COL_GROUP = range(5)
 COL_POSITION = 5  # the param's index in the optimizer's flat order: keys bf16 stochastic rounding
-COL_STATE = 6  # MAX_STATES consecutive columns: the rule's states, in its order (its declaration: `state_names`)
+COL_FIRST_ELEMENT = 6  # its first element's index in the whole param (sharding.element_offset): the rounding's bits
+COL_STATE = 7  # MAX_STATES consecutive columns: the rule's states, in its order (its declaration: `state_names`)
 COL_SCALE = COL_STATE + MAX_STATES  # MAX_STATES consecutive columns: their 8-bit scales
 TABLE_COLUMNS = COL_SCALE + MAX_STATES
-
-
-# The rule, as the kernel's one constexpr argument `RULE` (`rule_constexpr`): a tuple read by index inside the jit
-# functions (a constexpr tuple cannot be unpacked there):
-#   0 step_scalars, 1 element (rules/<rule>/triton.py), 2 the group option (AdamW's amsgrad), 3 the number of states,
-#   4 each slot's codec is signed (a tuple of MAX_STATES bools), 5 each slot rounds stochastically in bf16 (the same),
-#   6 the rule's row_layout and 7 its jit functions' source hash: Triton's cache key holds a constexpr function by its
-#   name only, so these make a changed rule recompile instead of reading a stale cached binary
 
 
 @triton.jit
@@ -334,6 +325,17 @@ def _tensor_pointers(
 
 
 @triton.jit
+def _from_first_element(pointers, start, end, first):
+    """A chunk's bounds as its elements' indices in the whole param (`first`: the tensor's first element's,
+    sharding.element_offset) and the pointers stepped back by `first`: the loop's index is then the one bf16
+    stochastic rounding hashes, the addresses are the same, and no register holds `first` in the loop (one more
+    live register made ptxas spill in the bf16 variant)."""
+    param, grad, master, states = pointers
+    shifted = (param - first, grad - first, master - first, (states[0] - first, states[1] - first, states[2] - first))
+    return shifted, start + first, end + first
+
+
+@triton.jit
 def _block_offsets(BLOCK: tl.constexpr, STATE_FORMAT: tl.constexpr, FMT_Q8: tl.constexpr, QUANT_BLOCK: tl.constexpr):
     """A block's element offsets, and its rows: 8-bit state lays a block out as [BLOCK // QUANT_BLOCK,
     QUANT_BLOCK], a row per quantisation block, so a block's scale is a reduction along its row."""
@@ -366,6 +368,7 @@ def _update_kernel(
     COL_NUMEL: tl.constexpr = COL_NUMEL,
     COL_GROUP: tl.constexpr = COL_GROUP,
     COL_POSITION: tl.constexpr = COL_POSITION,
+    COL_FIRST_ELEMENT: tl.constexpr = COL_FIRST_ELEMENT,
     COL_STATE: tl.constexpr = COL_STATE,
     COL_SCALE: tl.constexpr = COL_SCALE,
     F_SKIP: tl.constexpr = layout.F_SKIP,
@@ -396,8 +399,9 @@ def _update_kernel(
         )
         step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
         scalars = RULE[0](hparams + tl.load(row + COL_GROUP) * H_SIZE, fstate, step)  # the rule's step_scalars
-        # state_format.random_key: bf16 stochastic rounding's key for this tensor and step
-        random_key = mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ mix32(step.to(tl.uint32)))
+        random_key = mix32(tl.load(row + COL_POSITION).to(tl.uint32) ^ mix32(step.to(tl.uint32)))  # state_format's
+        if STATE_FORMAT == FMT_BF16:  # bf16 stochastic rounding hashes the elements' indices in the whole param
+            pointers, start, end = _from_first_element(pointers, start, end, tl.load(row + COL_FIRST_ELEMENT))
         rows, offsets = _block_offsets(BLOCK, STATE_FORMAT, FMT_Q8, QUANT_BLOCK)
         full_end = start + (end - start) // BLOCK * BLOCK
         _update_chunk(
@@ -420,30 +424,6 @@ def _update_kernel(
             QUANT_BLOCK,
             RULE,
         )
-
-
-def rule_constexpr(rule, option: bool) -> tuple:
-    """The update kernel's `RULE` argument for a rule (a rules/<rule> package, with a `triton.py` beside it) and a
-    group option (`rule.option`'s value, e.g. AdamW's amsgrad): see the layout comment above `_load_states`."""
-    from importlib import import_module
-
-    jit = import_module(rule.package + ".triton")
-    names = rule.state_names(option)
-    if len(names) > MAX_STATES:
-        raise ValueError(f"rule {rule.name!r} keeps {len(names)} states; the update kernel has {MAX_STATES} slots")
-    # unused slots take slot 0's settings (a rule keeping no state: signed, nearest); they are never read
-    signed = [rule.codecs[name] == state_format.SIGNED for name in names] or [True]
-    stochastic = [name in rule.stochastic_bf16 for name in names] or [False]
-    signed = tuple(signed + signed[:1] * (MAX_STATES - len(signed)))
-    stochastic = tuple(stochastic + stochastic[:1] * (MAX_STATES - len(stochastic)))
-    source = _source_key(jit.step_scalars) + _source_key(jit.element)
-    return (jit.step_scalars, jit.element, bool(option), len(names), signed, stochastic, rule.row_layout, source)
-
-
-def _source_key(fn) -> str:
-    """A jit function's hash of its source and its callees' (Triton's `cache_key`); "" under the interpreter, which
-    compiles nothing and keeps no cache."""
-    return getattr(fn, "cache_key", "")
 
 
 def prepare_update(

@@ -147,7 +147,7 @@ def fp32_adamw_step(params, grads, states, steps, hparams, *, grad_mul, amsgrad)
     rows = [adamw_torch.float64_step_scalars(hparams, float(s), np.float32(grad_mul), np.float32(1.0)) for s in steps]
     keys = torch.zeros(len(params), dtype=torch.int64)
     op = cpu_ops.update_op(ADAMW)
-    op(params, grads, [t for slot in states for t in slot], [], [], torch.from_numpy(np.stack(rows)), keys, FP32,
+    op(params, grads, [t for slot in states for t in slot], [], [], torch.from_numpy(np.stack(rows)), keys, keys, FP32,
        amsgrad, 0b001, 0)  # fmt: skip
 
 
@@ -193,7 +193,7 @@ def test_the_update_op_refuses_wrong_lists():
     lion, adamw = cpu_ops.update_op(LION), cpu_ops.update_op(ADAMW)
 
     def call(op, states, scales=(), fmt=FP32, scalars=row, option=False, params=(p,), grads=(p,)):
-        op(list(params), list(grads), list(states), list(scales), [], scalars, keys, fmt, option, 0b001, 0b001)
+        op(list(params), list(grads), list(states), list(scales), [], scalars, keys, keys, fmt, option, 0b001, 0b001)
 
     for match, args in [
         ("one tensor per param", dict(states=[])),
@@ -212,9 +212,11 @@ def test_the_update_op_refuses_wrong_lists():
     # the slot codes are compiled in from the rule's declaration (Lion: exp_avg signed and stochastic): a caller
     # with others is refused, in the format that reads them
     with pytest.raises(RuntimeError, match="called with signed 8-bit slots 0, built for the rule's declared 1"):
-        lion([p], [p], [codes], [torch.zeros(2)], [], row, keys, Q8, False, 0b000, 0b001)
+        lion([p], [p], [codes], [torch.zeros(2)], [], row, keys, keys, Q8, False, 0b000, 0b001)
     with pytest.raises(RuntimeError, match="called with stochastic bf16 slots 0, built for the rule's declared 1"):
-        lion([p], [p], [p.to(torch.bfloat16)], [], [], row, keys, BF16, False, 0b001, 0b000)
+        lion([p], [p], [p.to(torch.bfloat16)], [], [], row, keys, keys, BF16, False, 0b001, 0b000)
+    with pytest.raises(RuntimeError, match="first_elements must be int64, one per param"):
+        lion([p], [p], [p.clone()], [], [], row, keys, keys.float(), FP32, False, 0b001, 0b001)
 
 
 def clipped_optimizer(seed=5):
@@ -834,7 +836,9 @@ def tiny_call(fmt: int, keep_peak: bool, seed: int) -> list:
             else:
                 states.append(v.to(torch.bfloat16) if fmt == BF16 else v)
     keys = torch.tensor([12345, 678], dtype=torch.int64)
-    return [params, grads, states, scales, [], TINY_ROW, keys, fmt, keep_peak, SIGNED_MOMENTUM, SIGNED_MOMENTUM]
+    first_elements = torch.tensor([0, 5 * 2**31 + 3], dtype=torch.int64)  # the second a shard's (its low 32 bits)
+    return [params, grads, states, scales, [], TINY_ROW, keys, first_elements, fmt, keep_peak, SIGNED_MOMENTUM,
+            SIGNED_MOMENTUM]  # fmt: skip
 
 
 def tiny_blocks(v: torch.Tensor) -> torch.Tensor:
@@ -846,7 +850,7 @@ def tiny_blocks(v: torch.Tensor) -> torch.Tensor:
 def tiny_expected(call: list) -> list:
     """The same update in torch's fp32 ops (each op rounded as the element's), the states decoded and stored as
     cpu_update.h does: bf16 momentum stochastically rounded with the reference's bits, 8-bit by block."""
-    params, grads, states, scales, _, row, keys, fmt, keep_peak = call[:9]
+    params, grads, states, scales, _, row, keys, first_elements, fmt, keep_peak = call[:10]
     grad_mul, lr, beta = row[0]
     n, num_states = len(params), 2 if keep_peak else 1
     new_params, new_states, new_scales = [], [[] for _ in range(num_states)], [[] for _ in range(num_states)]
@@ -867,7 +871,7 @@ def tiny_expected(call: list) -> list:
                 new_states[k].append(codes.view(-1)[: value.numel()])
                 new_scales[k].append(scale)
             elif fmt == BF16 and k == 0:  # SIGNED_MOMENTUM: slot 0 rounds stochastically
-                bits = state_format.random_bits(keys[t], torch.arange(value.numel()))
+                bits = state_format.random_bits(keys[t], first_elements[t] + torch.arange(value.numel()))
                 new_states[k].append(state_format.round_stochastic_bf16(value, bits))
             else:
                 new_states[k].append(value.to(torch.bfloat16) if fmt == BF16 else value)

@@ -27,6 +27,7 @@ import torch
 from helpers import BACKEND_PARAMS, WITH_TENSOR_DECISIONS, backend_param, ulp_distance
 
 from fused_stable import FusedAdamW, schedules, state_format
+from fused_stable import plan as plan_module
 from fused_stable.state_format import MIN_QUANTISED_NUMEL, QUANT_BLOCK
 
 INTERPRET = [backend_param("interpret")]
@@ -230,6 +231,38 @@ def test_with_clipping_codes_differ_by_at_most_one_and_rarely(backend):
 
 # ------------------------------------------------------------------------------------------------------------
 # a skipped step
+
+
+def shard_run(backend, whole, grads, rows, offset):
+    """bf16 state over the rows `rows` of `whole` alone, stepped with those rows of `grads`, its first element
+    declared `offset` in the whole param (what sharding.element_offset says of a Shard(0) shard)."""
+    param = torch.nn.Parameter(whole[rows].clone())
+    opt = FusedAdamW([param], lr=1e-2, weight_decay=0.1, state_precision="bf16", backend=backend)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_module, "element_offset", lambda p: offset)
+        for grad in grads:
+            param.grad = grad[rows].clone()
+            opt.step()
+    return param.detach(), opt.state[param]
+
+
+@pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
+def test_bf16_stochastic_rounding_of_a_shard_is_the_whole_params(backend):
+    """bf16 stochastic rounding hashes each element's index in its whole param: the second half of a param stepped
+    as a shard whose first element is 6400 (rows 32-63 of (64, 200)) holds bit for bit the second half of the
+    whole param's run (params and both moments; exp_avg_sq rounds stochastically), on every backend (the compiled
+    op, the exact reference, the Triton kernel); with its local indices (offset 0) it does not."""
+    gen = torch.Generator().manual_seed(21)
+    whole = torch.randn(64, 200, generator=gen)
+    grads = [torch.randn(64, 200, generator=gen) for _ in range(3)]
+    full, full_state = shard_run(backend, whole, grads, slice(0, 64), 0)
+    shard, shard_state = shard_run(backend, whole, grads, slice(32, 64), 32 * 200)
+    assert shard_state["exp_avg_sq"].dtype == torch.bfloat16
+    assert torch.equal(shard, full[32:])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(shard_state[key], full_state[key][32:]), key
+    _, local_state = shard_run(backend, whole, grads, slice(32, 64), 0)
+    assert not torch.equal(local_state["exp_avg_sq"], full_state["exp_avg_sq"][32:])
 
 
 @pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)

@@ -379,7 +379,7 @@ def test_every_layout_constant_the_kernels_read_is_in_their_cache_key():
     module is in its string, every default of a rule's Triton file is a `layout.X` or a `SLOT.H_NAME` (RULE.slots) of a
     declared slot (in row_layout), and the kernels that read slots take them."""
     from fused_stable import layout
-    from fused_stable.kernels import decide, update
+    from fused_stable.kernels import decide, rule_arg, update
     from fused_stable.rules import ELEMENTWISE, H_SIZE
 
     layout_names = dict(item.split("=") for item in update.KERNEL_LAYOUT.split(";"))
@@ -400,9 +400,9 @@ def test_every_layout_constant_the_kernels_read_is_in_their_cache_key():
             assert owner == "SLOT" or (owner == "layout" and layout_names.get(name) == repr(getattr(layout, name)))
         jit = importlib.import_module(module)
         for option in (False, True) if rule.option else (False,):
-            constant = update.rule_constexpr(rule, option)
+            constant = rule_arg.rule_constexpr(rule, option)
             assert constant[6] == rule.row_layout
-            assert constant[7] == update._source_key(jit.step_scalars) + update._source_key(jit.element)
+            assert constant[7] == rule_arg.source_key(jit.step_scalars) + rule_arg.source_key(jit.element)
             assert constant[7] or os.environ.get("TRITON_INTERPRET") == "1"  # compiled kernels: a real hash
     for kernel in (decide._decide_kernel, update._update_kernel):
         assert inspect.signature(kernel.fn).parameters["LAYOUT"].default == update.KERNEL_LAYOUT

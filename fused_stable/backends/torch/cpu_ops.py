@@ -193,11 +193,14 @@ def update_op(rule):
     """The compiled update op of a rule package (rules/<rule>/), or None for a rule without a cpu.h. Call it only
     where `available()`: the op exists once the library is loaded.
 
-    op(params, grads, states, scales, masters, scalars, keys, state_format, option, signed_slots, stochastic_slots)
+    op(params, grads, states, scales, masters, scalars, keys, first_elements, state_format, option, signed_slots,
+       stochastic_slots)
     updates contiguous CPU tensors in place: `states` (and in 8-bit their per-block `scales`) slot by slot in the
     rule's order (slot k of param t at k * len(params) + t), `masters` empty or one fp32 copy per param (updated;
     the param stores its rounding to nearest even), `scalars` the rule's step scalars as fp32 [params or 1,
     number of scalars], `keys` each param's bf16 stochastic-rounding key ([params] int64, state_format.random_key),
+    `first_elements` the index of each param's first element in its whole param ([params] int64: a shard's
+    offset, sharding.element_offset; the random bits hash global indices),
     `state_format` state_format.FP32 / BF16 / Q8, `option` the group's (AdamW's amsgrad), and one bit per slot for
     a signed 8-bit codec and for stochastic bf16 rounding; each grad is read times the scalars' multiplier, never
     written."""

@@ -65,7 +65,8 @@ struct UpdateTensor {
   float* master;
   void* states[kMaxStates];
   float* scales[kMaxStates];
-  uint32_t key;  // state_format.random_key of this tensor and step (bf16 stochastic rounding)
+  uint32_t key;          // state_format.random_key of this tensor and step (bf16 stochastic rounding)
+  int64_t first_element;  // the index of its first element in its whole param (a shard's; its random bits')
 };
 
 // The rule's declaration per slot, one bit each: the 8-bit codec is signed; the bf16 store rounds stochastically.
@@ -126,8 +127,8 @@ FUSED_STABLE_INLINE float load_value(S stored, float scale) {
 // One slot's element stored in bf16: rounded to nearest even, or stochastically (the element's index in its tensor
 // and the tensor's key: the reference's random bits).
 template <bool kStochastic>
-FUSED_STABLE_INLINE c10::BFloat16 to_bf16(float value, uint32_t key, int64_t i) {
-  return kStochastic ? round_stochastic_bf16(value, mix32(static_cast<uint32_t>(i) ^ key)) : c10::BFloat16(value);
+FUSED_STABLE_INLINE c10::BFloat16 to_bf16(float value, uint32_t key, int64_t element) {
+  return kStochastic ? round_stochastic_bf16(value, mix32(static_cast<uint32_t>(element) ^ key)) : c10::BFloat16(value);
 }
 
 // One slot's 8-bit block encoded with its scale (the block's largest magnitude, kept while its values were made).
@@ -149,7 +150,7 @@ FUSED_STABLE_INLINE void store_codes(const float* values, uint32_t largest, S* c
 template <class Rule, int kFormat, int kStates, bool kOption, typename P, bool kMaster, SlotCodes kCodes, typename S0,
           typename S1, typename S2>
 void block_loop(P* __restrict param, const P* __restrict grad, float* __restrict master, S0* __restrict s0,
-                S1* __restrict s1, S2* __restrict s2, float* const* scales, uint32_t key,
+                S1* __restrict s1, S2* __restrict s2, float* const* scales, uint32_t key, int64_t first_element,
                 const typename Rule::Scalars& s, int64_t begin, int64_t end) {
   constexpr bool kCoded = kFormat == kFormatQ8;
   const int64_t block = kCoded ? kQuantBlock : end - begin;  // bf16 needs no block: the chunk is one
@@ -181,13 +182,13 @@ void block_loop(P* __restrict param, const P* __restrict grad, float* __restrict
         largest2 = largest_bits(largest2, v2);
       } else {
         if (kStates > 0) {
-          s0[i] = to_bf16<kCodes.is_stochastic(0)>(v0, key, i);
+          s0[i] = to_bf16<kCodes.is_stochastic(0)>(v0, key, first_element + i);
         }
         if (kStates > 1) {
-          s1[i] = to_bf16<kCodes.is_stochastic(1)>(v1, key, i);
+          s1[i] = to_bf16<kCodes.is_stochastic(1)>(v1, key, first_element + i);
         }
         if (kStates > 2) {
-          s2[i] = to_bf16<kCodes.is_stochastic(2)>(v2, key, i);
+          s2[i] = to_bf16<kCodes.is_stochastic(2)>(v2, key, first_element + i);
         }
       }
     }
@@ -212,7 +213,7 @@ void block_piece(const UpdateTensor& t, const typename Rule::Scalars& s, int64_t
   using S2 = Stored<kFormat, kCodes.is_signed(2)>;
   block_loop<Rule, kFormat, kStates, kOption, P, kMaster, kCodes>(
       static_cast<P*>(t.param), static_cast<const P*>(t.grad), t.master, static_cast<S0*>(t.states[0]),
-      static_cast<S1*>(t.states[1]), static_cast<S2*>(t.states[2]), t.scales, t.key, s, begin, end);
+      static_cast<S1*>(t.states[1]), static_cast<S2*>(t.states[2]), t.scales, t.key, t.first_element, s, begin, end);
 }
 
 template <class Rule, class Codes, int kFormat, bool kOption, typename P>
@@ -286,7 +287,8 @@ inline at::ScalarType slot_dtype(int64_t state_format, bool is_signed) {
 // number of scalars in each row, one row per tensor or one for all.
 inline void check_lists(int64_t n, int64_t num_states, int64_t num_scalars, at::TensorList params,
                         at::TensorList grads, at::TensorList states, at::TensorList scales, at::TensorList masters,
-                        const at::Tensor& scalars, const at::Tensor& keys, int64_t state_format) {
+                        const at::Tensor& scalars, const at::Tensor& keys, const at::Tensor& first_elements,
+                        int64_t state_format) {
   const char* op = "fused_stable's compiled CPU update";
   TORCH_CHECK(state_format >= kFormatFP32 && state_format <= kFormatQ8, op, ": state_format must be 0, 1 or 2");
   const int64_t scale_count = state_format == kFormatQ8 ? n * num_states : 0;
@@ -301,6 +303,9 @@ inline void check_lists(int64_t n, int64_t num_states, int64_t num_scalars, at::
               op, ": scalars must be contiguous fp32 [params or 1, ", num_scalars, "] (the rule's step_scalars)");
   TORCH_CHECK(keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.numel() == n, op,
               ": keys must be int64, one per param");
+  TORCH_CHECK(first_elements.scalar_type() == at::kLong && first_elements.is_contiguous() &&
+                  first_elements.numel() == n,
+              op, ": first_elements must be int64, one per param");
   const at::ScalarType dtype = n > 0 ? params[0].scalar_type() : at::kFloat;
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": unsupported param dtype ",
               dtype);
@@ -309,7 +314,7 @@ inline void check_lists(int64_t n, int64_t num_states, int64_t num_scalars, at::
 // One param's tensors checked and their pointers (a non-contiguous grad read from a copy kept in `grad`).
 inline UpdateTensor tensor_of(int64_t t, int64_t n, int64_t num_states, at::TensorList params, at::Tensor& grad,
                               at::TensorList states, at::TensorList scales, at::TensorList masters,
-                              int64_t state_format, SlotCodes codes, int64_t key) {
+                              int64_t state_format, SlotCodes codes, int64_t key, int64_t first_element) {
   const char* op = "fused_stable's compiled CPU update";
   const at::Tensor& p = params[t];
   if (!grad.is_contiguous()) {
@@ -319,7 +324,7 @@ inline UpdateTensor tensor_of(int64_t t, int64_t n, int64_t num_states, at::Tens
                   is_plain(grad, p, p.scalar_type()) && (masters.empty() || is_plain(masters[t], p, at::kFloat)),
               op, ": params and grads must be contiguous CPU tensors of one dtype and size, the masters fp32");
   UpdateTensor u{p.data_ptr(), grad.const_data_ptr(), masters.empty() ? nullptr : masters[t].data_ptr<float>(),
-                 {nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}, static_cast<uint32_t>(key)};
+                 {nullptr, nullptr, nullptr}, {nullptr, nullptr, nullptr}, static_cast<uint32_t>(key), first_element};
   for (int64_t slot = 0; slot < num_states; ++slot) {
     const at::Tensor& state = states[slot * n + t];
     TORCH_CHECK(is_plain(state, p, slot_dtype(state_format, codes.is_signed(slot))), op,
@@ -336,16 +341,20 @@ inline UpdateTensor tensor_of(int64_t t, int64_t n, int64_t num_states, at::Tens
 
 // The rule's update of every tensor of one call (the op `fused_stable::update_<rule>`): `states` and `scales` slot
 // by slot (see check_lists), `masters` empty or one fp32 copy per param, `scalars` the rule's step scalars ([n or
-// 1, Rule::kNumScalars] fp32), `keys` each tensor's stochastic-rounding key (read in bf16 only), `option` the
-// group's option (AdamW's amsgrad), `signed_slots` / `stochastic_slots` the rule's codecs and bf16 roundings.
+// 1, Rule::kNumScalars] fp32), `keys` each tensor's stochastic-rounding key and `first_elements` the index of its
+// first element in its whole param (a shard's: the random bits hash global indices; both read in bf16 only),
+// `option` the group's option (AdamW's amsgrad), `signed_slots` / `stochastic_slots` the rule's codecs and bf16
+// roundings (checked against the compiled ones).
 template <class Rule, class Codes>
 void update(at::TensorList params, at::TensorList grads, at::TensorList states, at::TensorList scales,
-            at::TensorList masters, const at::Tensor& scalars, const at::Tensor& keys, int64_t state_format,
-            bool option, int64_t signed_slots, int64_t stochastic_slots) {
+            at::TensorList masters, const at::Tensor& scalars, const at::Tensor& keys,
+            const at::Tensor& first_elements, int64_t state_format, bool option, int64_t signed_slots,
+            int64_t stochastic_slots) {
   const int64_t n = static_cast<int64_t>(params.size());
   TORCH_CHECK(!option || Rule::kHasOption, "fused_stable's compiled CPU update: this rule takes no option");
   const int64_t num_states = Rule::num_states(option);
-  check_lists(n, num_states, Rule::kNumScalars, params, grads, states, scales, masters, scalars, keys, state_format);
+  check_lists(n, num_states, Rule::kNumScalars, params, grads, states, scales, masters, scalars, keys,
+              first_elements, state_format);
   const SlotCodes codes = Codes::of(option);  // the rule's declaration, compiled in: the caller's must agree
   TORCH_CHECK(state_format != kFormatQ8 || signed_slots == codes.signed_slots,
               "fused_stable's compiled CPU update: called with signed 8-bit slots ", signed_slots,
@@ -359,9 +368,10 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList states, 
   std::vector<int64_t> sizes(n);
   const float* row = scalars.const_data_ptr<float>();
   const int64_t* key = keys.const_data_ptr<int64_t>();
+  const int64_t* first_element = first_elements.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
     tensors[t] = tensor_of(t, n, num_states, params, dense_grads[t], states, scales, masters, state_format, codes,
-                           key[t]);
+                           key[t], first_element[t]);
     sizes[t] = params[t].numel();
   }
   for (int64_t r = 0; r < scalars.size(0); ++r) {
@@ -408,8 +418,9 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList states, 
   }                                                                                                             \
   }                                                                                                             \
   TORCH_LIBRARY_FRAGMENT(fused_stable, m) {                                                                     \
-    m.def("update_" #rule                                                                                      \
+    m.def("update_" #rule                                                                                       \
           "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor(c!)[] scales, Tensor(d!)[] masters, " \
-          "Tensor scalars, Tensor keys, int state_format, bool option, int signed_slots, int stochastic_slots) -> ()", \
-          &fused_stable::cpu::update<fused_stable::rule::Rule, fused_stable::rule::Codes>);                                               \
+          "Tensor scalars, Tensor keys, Tensor first_elements, int state_format, bool option, int signed_slots, "  \
+          "int stochastic_slots) -> ()",                                                                        \
+          &fused_stable::cpu::update<fused_stable::rule::Rule, fused_stable::rule::Codes>);                     \
   }

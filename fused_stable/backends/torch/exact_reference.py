@@ -91,7 +91,10 @@ class ExactUpdate:
         self.block_tensor = torch.repeat_interleave(torch.arange(len(self.params), device=device), counts)
         # bf16 stochastic rounding's keys: each param's position in the optimizer, and each element's index
         self.positions = torch.tensor([plan.positions[i] for i in all_indices], device=device)
-        self.block_in_tensor = torch.cat([torch.arange(b, device=device) for b in self.flat.blocks])
+        # and each block's first element's index in its whole param (a shard's offset added: sharding.element_offset)
+        block_in_tensor = torch.cat([torch.arange(b, device=device) for b in self.flat.blocks])
+        offsets = torch.tensor([plan.element_offsets[i] for i in all_indices], dtype=torch.int64, device=device)
+        self.block_first = block_in_tensor * QB + offsets[self.block_tensor]
         self.lanes = torch.arange(QB, device=device)
         self.row_cache: tuple | None = None
 
@@ -151,7 +154,7 @@ class ExactUpdate:
         """bf16 states the rule rounds stochastically (AdamW's exp_avg_sq), with the kernel's random bits
         (state_format.random_bits)."""
         keys = state_format.random_key(self.positions, torch.stack(self.steps))[self.block_tensor][:, None]
-        elements = self.block_in_tensor[:, None] * QB + self.lanes
+        elements = self.block_first[:, None] + self.lanes
         return state_format.round_stochastic_bf16(value, state_format.random_bits(keys, elements))
 
     def _step_scalars(self, hp, grad_mul, lr_factor):

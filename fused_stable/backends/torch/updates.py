@@ -193,7 +193,8 @@ class CompiledUpdate:
 
     __slots__ = (
         "group", "indices", "format", "option", "op", "params", "masters", "states", "scales", "signed_slots",
-        "stochastic_slots", "steps", "step_values", "positions", "no_keys", "step_scalars", "fp32_state_scalars",
+        "stochastic_slots", "steps", "step_values", "positions", "first_elements", "no_keys", "step_scalars",
+        "fp32_state_scalars",
         "hparam_row", "row",
     )  # fmt: skip
 
@@ -225,6 +226,8 @@ class CompiledUpdate:
         self.steps = [plan.steps[i] for i in all_indices]
         self.step_values = torch.empty(len(all_indices), dtype=torch.float32)  # the counters after this step's +1
         self.positions = torch.tensor([plan.positions[i] for i in all_indices], dtype=torch.int64)
+        # each tensor's first element's index in its whole param (a shard's offset): the random bits' element index
+        self.first_elements = torch.tensor([plan.element_offsets[i] for i in all_indices], dtype=torch.int64)
         self.no_keys = torch.zeros(len(all_indices), dtype=torch.int64)  # keys are read by stochastic bf16 only
         self.step_scalars = language.step_scalars
         self.fp32_state_scalars = getattr(language, "FP32_STATE_SCALARS", None) if fmt == FP32 else None
@@ -244,6 +247,7 @@ class CompiledUpdate:
             self.masters,
             scalars,
             keys,
+            self.first_elements,
             self.format,
             self.option,
             self.signed_slots,
