@@ -3,8 +3,8 @@
 // by operation in fp32 (IEEE division and square root: the hardware's correctly rounded ones, as
 // state_format.sqrt_rn), so the compiled update is the exact reference's (exact_reference.py) bit for bit.
 // The stochastic rounding of a bf16 state draws state_format.random_bits: mix32(element ^ key), the element's index
-// in its tensor (its memory order: the tensors are contiguous), the key per tensor and step
-// (state_format.random_key, computed by the caller).
+// in its whole param (its memory order: the tensors are contiguous; a shard's first element's index added), the key
+// per tensor and step (state_format.random_key, computed by the caller).
 // Every function here is always inlined into the update's block loop: its loops vectorise only so.
 
 #pragma once

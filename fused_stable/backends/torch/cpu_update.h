@@ -124,8 +124,8 @@ FUSED_STABLE_INLINE float load_value(S stored, float scale) {
   }
 }
 
-// One slot's element stored in bf16: rounded to nearest even, or stochastically (the element's index in its tensor
-// and the tensor's key: the reference's random bits).
+// One slot's element stored in bf16: rounded to nearest even, or stochastically (the element's index in its whole
+// param and the tensor's key: the reference's random bits).
 template <bool kStochastic>
 FUSED_STABLE_INLINE c10::BFloat16 to_bf16(float value, uint32_t key, int64_t element) {
   return kStochastic ? round_stochastic_bf16(value, mix32(static_cast<uint32_t>(element) ^ key)) : c10::BFloat16(value);
