@@ -210,13 +210,19 @@ void block_loop(P* __restrict param, const P* __restrict grad, float* __restrict
         master[i] = p;
       }
       param[i] = static_cast<P>(p);
-      if constexpr (kCoded) {
-        values[0][k] = v0;
-        values[1][k] = v1;
-        values[2][k] = v2;
-        largest0 = largest_bits(largest0, v0);
-        largest1 = largest_bits(largest1, v1);
-        largest2 = largest_bits(largest2, v2);
+      if constexpr (kCoded) {  // the slots the rule keeps: their values and running largest magnitudes
+        if (kStates > 0) {
+          values[0][k] = v0;
+          largest0 = largest_bits(largest0, v0);
+        }
+        if (kStates > 1) {
+          values[1][k] = v1;
+          largest1 = largest_bits(largest1, v1);
+        }
+        if (kStates > 2) {
+          values[2][k] = v2;
+          largest2 = largest_bits(largest2, v2);
+        }
       } else {
         if (kStates > 0) {
           s0[i] = to_bf16<kCodes.is_stochastic(0)>(v0, key, first_element + i);
