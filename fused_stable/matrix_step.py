@@ -30,10 +30,19 @@ def matrix_module(rule) -> ModuleType:
 class MatrixSteps:
     """One plan's matrix-rule params, their states and the rules' updates, built for the groups' hyper-parameters
     of `key` (base lrs: the schedule's factor comes from the decisions); built anew when either changes (no tensor
-    work but the states a param does not have yet)."""
+    work but the states a param does not have yet). `compiled_ops`: the backend runs the compiled CPU ops
+    (ops.compiled_cpu_ops), given to a rule whose matrix.py says `CPU_OP = True` (its own op: cpu_matrix.cpp)."""
 
     def __init__(
-        self, plan, key: tuple, param_groups: list[dict], rules: list, state, base_lrs: list, builds: dict | None = None
+        self,
+        plan,
+        key: tuple,
+        param_groups: list[dict],
+        rules: list,
+        state,
+        base_lrs: list,
+        builds: dict | None = None,
+        compiled_ops: bool = False,
     ) -> None:
         self.plan, self.key = plan, key
         by_rule: dict[str, list[int]] = {}
@@ -52,8 +61,14 @@ class MatrixSteps:
                 if missing:
                     state[p].update(missing)
                 states.append(state[p])
-            build = (builds or {}).get(rules[plan.groups[members[0]]].name, interface.build)  # engines.drive's
-            self.updates.append((members, params, build(params, states, groups)))
+            build = (builds or {}).get(rules[plan.groups[members[0]]].name)  # engines.drive's
+            if build is not None:
+                update = build(params, states, groups)
+            elif getattr(interface, "CPU_OP", False):  # the rule's own compiled op, where the backend runs them
+                update = interface.build(params, states, groups, compiled_ops=compiled_ops)
+            else:
+                update = interface.build(params, states, groups)
+            self.updates.append((members, params, update))
 
     def step(self, fstate: torch.Tensor, grads: list[torch.Tensor] | None = None) -> None:
         """One step of every matrix rule, from the decisions in the step's fp32 buffer; `grads` in plan order (a

@@ -72,6 +72,11 @@ def _triton_imported_interpreted() -> bool:
     return made_by_jit is None or isinstance(made_by_jit, InterpretedFunction)
 
 
+def compiled_cpu_ops(backend: str) -> bool:
+    """Whether the backend's steps run the compiled CPU ops: a matrix rule's own op is used then (matrix_step.py)."""
+    return BACKENDS[backend].compiled_cpu_ops()
+
+
 def needs_dense_layouts(backend: str) -> bool:
     """Whether the backend walks memory linearly (the kernels), so grads must be dense with the params' strides."""
     return BACKENDS[backend].DENSE_LAYOUTS

@@ -212,7 +212,16 @@ class FusedOptimizer(ReadOuts, SavedState, ShownLrs, Optimizer):
             cached = self.__dict__.get("_matrix")  # (absent after unpickling: built again)
         if cached is None or cached.plan is not plan or cached.key != key:
             builds = engines.matrix_builds_of(self)  # an engine's own, where it cut the params (DeepSpeed)
-            cached = MatrixSteps(plan, key, self.param_groups, rules, self.state if own else state, base_lrs, builds)
+            cached = MatrixSteps(
+                plan,
+                key,
+                self.param_groups,
+                rules,
+                self.state if own else state,
+                base_lrs,
+                builds,
+                compiled_ops=ops.compiled_cpu_ops(self.backend),
+            )
             if own:
                 self._matrix = cached
         return cached

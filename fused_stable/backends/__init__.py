@@ -28,6 +28,11 @@ class Backend(Protocol):
     # whether the backend walks memory linearly (the kernels), so grads must be dense with their params' strides
     DENSE_LAYOUTS: bool
 
+    def compiled_cpu_ops(self) -> bool:
+        """Whether this backend's steps run the compiled CPU ops (the torch backend, built): a matrix rule with its
+        own op (rules/<rule>/cpu_matrix.cpp, matrix.py's `CPU_OP`) takes it then."""
+        ...
+
     def fused_step(
         self,
         plan: StepPlan,

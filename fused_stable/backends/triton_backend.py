@@ -29,6 +29,11 @@ from ..rules import H_SIZE
 DENSE_LAYOUTS = True  # the kernels walk memory linearly (fused_stable.backends.Backend)
 
 
+def compiled_cpu_ops() -> bool:
+    """The kernels' steps: no compiled CPU op (fused_stable.backends.Backend)."""
+    return False
+
+
 def _another_device_is_current(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.current_device() != device.index
 

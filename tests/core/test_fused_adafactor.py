@@ -1,9 +1,12 @@
 """FusedAdafactor (rules/adafactor, the second matrix rule) against torch.optim.Adafactor + clip_grad_norm_.
 
-The update has two paths (rules/adafactor/torch.py): with the decisions on the CPU it is torch's for-loop step op for
-op (bit-identical to torch.optim.Adafactor(), whose default foreach=None is the for-loop); with device decisions
-(`DECIDE_ON_HOST` off, what CUDA runs) it reads nothing on the host and selects with torch.where, and its last add is
-torch's foreach one (bit-identical to torch.optim.Adafactor(foreach=True)). Every test runs both paths on CPU.
+The update has three paths (rules/adafactor/torch.py): with the decisions on the CPU and the compiled CPU ops (the
+torch backend's default) the fp32 matrices take the compiled op (rules/adafactor/cpu_matrix.cpp: torch's element
+arithmetic, its sums in fp64: within the floor, tests/core/test_adafactor_cpu_op.py holds it there); without them
+(the torch-ops backend) torch's for-loop step op for op (bit-identical to torch.optim.Adafactor(), whose default
+foreach=None is the for-loop); with device decisions (`DECIDE_ON_HOST` off, what CUDA runs) it reads nothing on the
+host and selects with torch.where, and its last add is torch's foreach one (bit-identical to
+torch.optim.Adafactor(foreach=True)). The bit-for-bit tests run the two torch paths, the others all three.
 With a clip, the fused clip coefficient may differ from clip_grad_norm_'s in its last fp32 bit (another summation
 order): those runs are held to the floor measured in the same run (the fp32 reference against the fp64 one).
 """
@@ -18,6 +21,7 @@ import torch
 
 import fused_stable.rules.adafactor.torch as adafactor_torch
 from fused_stable import OPTIMIZERS, FusedAdafactor, schedules
+from fused_stable.backends.torch import cpu_ops
 from fused_stable.integrations import optim_names
 from tests.helpers import ulp_distance
 
@@ -25,14 +29,28 @@ from tests.helpers import ulp_distance
 SHAPES = [(37, 53), (3, 5, 7), (2, 3, 4, 5), (1000,), (3,), (1,), (), (64, 65), (1, 9), (9, 1), *[(7, 11)] * 6]
 EMPTY = [(0,), (0, 4)]  # no element: torch's step divides by the numel and raises; the fused one leaves them
 OTHER_GROUP = dict(weight_decay=0.1, maximize=True, d=1.5, beta2_decay=-1.0, eps=(1e-30, 1e-3), lr=0.02)
-PATHS = ["host", "device"]
+PATHS = ["host", "device"]  # the paths that are torch's bits
 STATE_KEYS = ("row_var", "col_var", "variance")
+
+
+def _take_path(monkeypatch, name: str) -> None:
+    monkeypatch.setattr(adafactor_torch, "DECIDE_ON_HOST", name != "device")
+    if name != "compiled":  # the torch-ops backend: no compiled op, torch's for-loop
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """The update's two paths on CPU: host decisions (the default there) and device decisions (torch.where)."""
-    monkeypatch.setattr(adafactor_torch, "DECIDE_ON_HOST", request.param == "host")
+    """The update's torch paths on CPU: host decisions without the compiled ops (torch's for-loop) and device
+    decisions (torch.where)."""
+    _take_path(monkeypatch, request.param)
+    return request.param
+
+
+@pytest.fixture(params=["compiled", *PATHS])
+def any_path(request, monkeypatch):
+    """Every path, the compiled op's too (for the tests that compare the fused step with itself or a floor)."""
+    _take_path(monkeypatch, request.param)
     return request.param
 
 
@@ -97,7 +115,7 @@ def test_matches_torch_bit_for_bit(path):
 
 def test_bf16_params_match_torch_on_the_host_path(monkeypatch):
     """bf16 params and states: torch's for-loop bit for bit."""
-    monkeypatch.setattr(adafactor_torch, "DECIDE_ON_HOST", True)
+    monkeypatch.setattr(adafactor_torch, "DECIDE_ON_HOST", True)  # with the compiled ops: bf16 is not the op's
     _bit_for_bit("host", torch.bfloat16)
 
 
@@ -154,7 +172,7 @@ def _reference_runs(max_norm=None, lrs=None) -> list:
     return runs
 
 
-def test_matches_clip_grad_norm_then_torch(path):
+def test_matches_clip_grad_norm_then_torch(any_path):
     """Grads 30x over the clip threshold: the clip comes before the second moments (as clip_grad_norm_ then
     Adafactor.step), params and states within the floor of the fp32 reference against the fp64 one."""
     ours = _params()
@@ -169,7 +187,7 @@ def test_matches_clip_grad_norm_then_torch(path):
     assert float(opt.grad_norm) > 30.0  # the clip was active
 
 
-def test_the_device_schedule_is_torch_with_the_same_lrs(path):
+def test_the_device_schedule_is_torch_with_the_same_lrs(any_path):
     """lr_schedule (warm-up + cosine, on the device) equals torch stepped with those lrs set by hand (the
     schedule's factor is fp32: within the floor)."""
     schedule = schedules.warmup_cosine(total_steps=6, warmup_steps=2, min_lr_ratio=0.1)
@@ -196,7 +214,7 @@ def _assert_unchanged(opt, params, snapshot) -> None:
             assert torch.equal(opt.state[p][key], value), f"{key} of param {index} moved on a skipped step"
 
 
-def test_a_non_finite_step_changes_nothing(path):
+def test_a_non_finite_step_changes_nothing(any_path):
     """An inf in one grad (a NaN in another) skips the step: every param, state and `step` bit-identical."""
     params = _params()
     opt = FusedAdafactor(_groups(params), max_grad_norm=1.0, backend="torch")
@@ -213,7 +231,7 @@ def test_a_non_finite_step_changes_nothing(path):
     assert not torch.equal(params[0].detach(), snapshot[0][0])
 
 
-def test_a_spike_is_skipped_like_a_non_finite_step(path):
+def test_a_spike_is_skipped_like_a_non_finite_step(any_path):
     params = _params()
     options = dict(zscore_warmup=4, zscore_threshold=3.0, spike_skip_threshold=6.0)
     opt = FusedAdafactor(_groups(params), backend="torch", **options)
@@ -231,7 +249,7 @@ def _saved(state_dict: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-def test_resuming_from_a_saved_state_dict_is_the_uninterrupted_run(path):
+def test_resuming_from_a_saved_state_dict_is_the_uninterrupted_run(any_path):
     whole = _params()
     _run(FusedAdafactor(_groups(whole), max_grad_norm=1.0, backend="torch"), whole, 4)
     first = _params()
@@ -267,7 +285,7 @@ def test_torch_state_dicts_load_both_ways(path):
     _assert_same(from_torch, loaded, from_ours, back)
 
 
-def test_a_tensor_lr_is_its_value(path):
+def test_a_tensor_lr_is_its_value(any_path):
     """torch takes a 1-element tensor lr (and reads it every step): the same step as its float, changes included."""
     floats, tensors = _params(), _params()
     lr = torch.tensor(2.0**-6)  # a tensor lr is fp32: values exact in fp32, so the float is the same number

@@ -6,7 +6,9 @@ grads times the step's multiplier without writing them back (AdamW: 32 bytes per
 pass, clipped or not; torch's CPU `_fused_adamw_` writes the scaled grads back: 36).
 
 A new rule's op needs no edit here: every rules/*/cpu.h found is one generated translation unit (`update_source`:
-the template, the rule's header and one registration line), built into the one library beside cpu_step.cpp.
+the template, the rule's header and one registration line), built into the one library beside cpu_step.cpp; every
+rules/*/cpu_matrix.cpp found (a matrix rule's own op, e.g. `fused_stable::adafactor_factored`) is built into it as
+it is.
 Built on first use with torch's C++ extension builder (`torch.utils.cpp_extension.load`: a C++17 compiler and
 ninja, the `ninja` package's binary when PATH has none; ~10-20 s on 2 cores, cached in torch's extensions folder,
 `TORCH_EXTENSIONS_DIR`, under a name that changes with the sources, the headers, the rules found, the flags, torch,
@@ -48,6 +50,11 @@ log = logging.getLogger("fused_stable")
 def rule_headers(rules_dir: Path = RULES_DIR) -> dict[str, Path]:
     """The rules with a C++ header, by folder name (the op's name: `update_<folder>`): rules_dir/*/cpu.h."""
     return {header.parent.name: header for header in sorted(rules_dir.glob("*/cpu.h"))}
+
+
+def matrix_sources(rules_dir: Path = RULES_DIR) -> list[Path]:
+    """The matrix rules' own compiled ops: rules_dir/*/cpu_matrix.cpp, each built into the library as it is."""
+    return sorted(rules_dir.glob("*/cpu_matrix.cpp"))
 
 
 def declared_slot_codes() -> dict[str, tuple[int, int, int, int]]:
@@ -102,6 +109,7 @@ def build_fingerprint(rules_dir: Path = RULES_DIR, slot_codes: dict | None = Non
             SOURCE.read_text(),
             *(header.read_text() for header in TEMPLATE_HEADERS),
             *(f"{rule}:{header.read_text()}:{generated[rule]}" for rule, header in rule_headers(rules_dir).items()),
+            *(f"{source.parent.name}:{source.read_text()}" for source in matrix_sources(rules_dir)),
             *CFLAGS,
             *LDFLAGS,
             platform.machine(),
@@ -136,8 +144,11 @@ def build_and_load(rules_dir: Path = RULES_DIR, slot_codes: dict | None = None) 
     log.info("fused_stable: loading the compiled CPU step (%s; the first time it is built, ~10-20 s)", name)
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # load()'s own folder for `name`
     sources = [str(SOURCE)]
-    for rule, text in units(rules_dir, slot_codes).items():
-        unit = build_dir / f"update_{rule}.cpp"
+    generated = {f"update_{rule}": text for rule, text in units(rules_dir, slot_codes).items()}
+    for source in matrix_sources(rules_dir):  # one unit per rule: two rules' cpu_matrix.o would share a name
+        generated[f"matrix_{source.parent.name}"] = f'#include "{source.parent.name}/cpu_matrix.cpp"\n'
+    for stem, text in generated.items():
+        unit = build_dir / f"{stem}.cpp"
         if not unit.exists() or unit.read_text() != text:
             partial = unit.with_suffix(f".{os.getpid()}.tmp")  # another process may build the same name
             partial.write_text(text)

@@ -39,6 +39,11 @@ from .updates import Update, implementations
 DENSE_LAYOUTS = False  # tensors of any layout go through working copies (fused_stable.backends.Backend)
 
 
+def compiled_cpu_ops() -> bool:
+    """Whether the compiled CPU ops run (built, not switched off: cpu_ops.available; fused_stable.backends.Backend)."""
+    return cpu_ops.available()
+
+
 def layout_fits_fused_adamw(tensors: list[torch.Tensor | None]) -> bool:
     """Whether `_fused_adamw_` may walk these tensors (param first, then its grad and states) as flat memory."""
     param = tensors[0]

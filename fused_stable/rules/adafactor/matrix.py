@@ -14,6 +14,8 @@ import torch
 from . import RULE
 from .torch import AdafactorSide
 
+CPU_OP = True  # cpu_matrix.cpp: the CPU host path's fp32 matrices in three passes (torch.py)
+
 
 def check_group(group: dict, precision: str) -> None:
     """The state precision and the params an Adafactor group can hold here (torch.optim.Adafactor's checks are the
@@ -41,7 +43,10 @@ def state_bytes(p: torch.Tensor, group: dict) -> int:
     return sum(torch.Size(shape).numel() for shape in state_shapes(p).values()) * p.element_size()
 
 
-def build(params: list[torch.Tensor], states: list[dict], groups: list[dict]) -> AdafactorSide:
+def build(
+    params: list[torch.Tensor], states: list[dict], groups: list[dict], compiled_ops: bool = False
+) -> AdafactorSide:
     """The update of `params` (`groups[i]` param i's group, with its base lr: the schedule's factor comes from the
-    decisions)."""
-    return AdafactorSide(params, states, groups)
+    decisions); `compiled_ops`: the backend runs the compiled CPU ops, so its host path's fp32 matrices take
+    cpu_matrix.cpp's op (torch.py)."""
+    return AdafactorSide(params, states, groups, compiled_ops)

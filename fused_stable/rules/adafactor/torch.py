@@ -4,7 +4,11 @@ values, stepped with the step's decisions as 0-dim tensors (clip multiplier, ski
 Two paths, as rules/muon/torch.py's MuonSide:
 - decisions on the CPU (`DECIDE_ON_HOST`): their values are host memory, so a skipped step runs nothing and an
   applied one is torch.optim.Adafactor's for-loop step (its default, foreach=None) op for op, its scalars on the
-  host in float64 as torch computes them: bit-identical to clip_grad_norm_ + torch.optim.Adafactor on CPU.
+  host in float64 as torch computes them: bit-identical to clip_grad_norm_ + torch.optim.Adafactor on CPU. Where
+  the backend runs the compiled CPU ops (`compiled_ops`: the torch backend, built), the contiguous fp32 matrices
+  take the compiled op instead (cpu_matrix.cpp beside this file: three passes over each matrix where torch's ops
+  make about fifteen; torch's element arithmetic, its reductions summed in fp64 and rounded once, so within the
+  last bits of torch's own fp32 sums); vectors, bf16 / fp16 params and other layouts keep torch's for-loop.
 - elsewhere (CUDA; tests switch the flag off to run it on CPU): no host read. torch's `.item()` scalars (the step
   count, the param's and the update's norms) stay 0-dim tensors, computed in float64 as torch's host floats;
   every new value is computed out of place and selected with `torch.where(skip, old, new)`, so a skipped step
@@ -74,12 +78,15 @@ def _item(p: Tensor, state: dict, group: dict) -> _Param:
 class AdafactorSide:
     """The Adafactor groups' params and states (updated in place by `step`)."""
 
-    def __init__(self, params: Sequence[Tensor], states: Sequence[dict], groups: Sequence[dict]) -> None:
+    def __init__(
+        self, params: Sequence[Tensor], states: Sequence[dict], groups: Sequence[dict], compiled_ops: bool = False
+    ) -> None:
         if not len(params) == len(states) == len(groups):
             raise ValueError(f"AdafactorSide: {len(params)} params, {len(states)} states, {len(groups)} groups")
         self.count = len(params)
         # (position in the grads a step is given, the param): params with no element are left alone
         self.items = [(i, _item(p, s, g)) for i, (p, s, g) in enumerate(zip(params, states, groups)) if p.numel()]
+        self.compiled_ops = compiled_ops  # the host path's matrices on the compiled op (see the module doc)
 
     def step(self, grads: Sequence[Tensor], grad_mul: Tensor, skip: Tensor, lr_factor: Tensor) -> None:
         """One step: `grads[i]` is param i's grad, `grad_mul` the clip multiplier over all groups' norm, `skip`
@@ -91,7 +98,10 @@ class AdafactorSide:
                 return
             multiplier = None if bool(grad_mul == 1.0) else grad_mul  # x 1.0 changes no bit: no copy of the grads
             factor = float(lr_factor)
-            for index, item in self.items:
+            rest = self.items
+            if self.compiled_ops:
+                rest = compiled_step(self.items, grads, float(grad_mul), factor)
+            for index, item in rest:
                 _host_step(item, grads[index], multiplier, factor)
             return
         skip = skip != 0
@@ -127,6 +137,62 @@ def _host_step(it: _Param, grad: Tensor, grad_mul: Tensor | None, lr_factor: flo
     update.mul_(g)
     denom = max(1.0, update.norm(2).item() / (it.sqrt_numel * it.d))
     p.add_(update, alpha=-alpha / denom)
+
+
+def _fits_the_op(it: _Param, grad: Tensor) -> bool:
+    """A param the compiled op takes: a contiguous fp32 CPU matrix (>= 2-D) with contiguous fp32 grad and states."""
+    return (
+        it.factored
+        and it.param.dtype == grad.dtype == torch.float32
+        and it.param.device.type == "cpu"
+        and it.param.is_contiguous()
+        and grad.is_contiguous()
+        and it.row_var.is_contiguous()
+        and it.col_var.is_contiguous()
+    )
+
+
+def factored_op(params, grads, row_vars, col_vars, scalars: Tensor) -> None:
+    """cpu_matrix.cpp's op: the params and their states updated in place (`scalars`: fp64, one row per param)."""
+    torch.ops.fused_stable.adafactor_factored(params, grads, row_vars, col_vars, scalars)
+
+
+def compiled_step(items: list, grads: Sequence[Tensor], grad_mul: float, lr_factor: float) -> list:
+    """The host path's step of the params the compiled op takes (`_fits_the_op`), in one call
+    (`fused_stable::adafactor_factored`, cpu_matrix.cpp), with `_host_step`'s host scalars; returns the items it left
+    to `_host_step`."""
+    taken, rest, rows = [], [], []
+    for index, it in items:
+        grad = grads[index]
+        if not _fits_the_op(it, grad):
+            rest.append((index, it))
+            continue
+        t = float(it.step)
+        lr = float(it.lr) * lr_factor
+        decay = 1 - lr * it.weight_decay if it.weight_decay != 0 else 1.0
+        rows.append(
+            # cpu_matrix.cpp's Column order
+            (
+                -grad_mul if it.maximize else grad_mul,
+                t**it.beta2_decay,
+                it.eps1,
+                it.eps2,
+                min(lr, 1 / (t**0.5)),
+                decay,
+                it.sqrt_numel,
+                it.d,
+            )
+        )
+        taken.append((it, grad))
+    if taken:
+        factored_op(
+            [it.param for it, _ in taken],
+            [grad for _, grad in taken],
+            [it.row_var for it, _ in taken],
+            [it.col_var for it, _ in taken],
+            torch.tensor(rows, dtype=torch.float64),
+        )
+    return rest
 
 
 def _lerp(old: Tensor, end: Tensor, weight: Tensor) -> Tensor:

@@ -8,6 +8,9 @@ params. The interface every matrix rule's matrix.py offers:
                                  decisions as 0-dim device tensors (the clip multiplier before the momentum, the
                                  skip flag, the schedule's factor), none of them read on the host but on the CPU
   COMPILED_STEP                  (optional) True: the update runs inside torch.compile's step (compiled.py)
+  CPU_OP                         (optional) True: the rule has its own compiled CPU op (rules/<rule>/cpu_matrix.cpp,
+                                 built into the CPU ops' library), and its build takes `compiled_ops=`, whether the
+                                 backend runs them (Adafactor's)
 """
 
 from __future__ import annotations
