@@ -101,6 +101,34 @@ MUTATIONS: list[Mutation] = [
         select="8bit_state_checkpoints and muon",
     ),
     # ------------------------------------------------------------------ FusedAdafactor (rules/adafactor)
+    # ------------------------------------------------------------------ the engine matrix (issue 52 item 3)
+    M(
+        "matrix-muon-groups-silently-adamw",
+        "fused_stable/muon.py",
+        '        return self.MATRIX_RULE if group.get("use_muon") else self.RULE\n',
+        "        return self.RULE\n",
+        ["tests/integrations/test_engine_matrix.py"],
+        "no cell runs another rule's update in silence: FusedMuon's Muon groups sent to AdamW fail every Muon cell",
+        select="muon-plain-fp32 or muon-hf-fp32",
+    ),
+    M(
+        "matrix-hf-builds-another-rule",
+        "fused_stable/integrations/hf.py",
+        "    cls = rules[rule].cls\n",
+        '    cls = rules["adamw"].cls if rule == "lion" else rules[rule].cls\n',
+        ["tests/integrations/test_engine_matrix.py"],
+        "the HF Trainer's cells run the rule they were asked for (a Lion run built as AdamW fails)",
+        select="lion-hf-fp32",
+    ),
+    M(
+        "matrix-compiled-step-skips-the-matrix-rule",
+        "fused_stable/compiled.py",
+        "        step.matrix.step(buffers.fstate, grads)\n",
+        "        pass\n",
+        ["tests/integrations/test_engine_matrix.py"],
+        "inside torch.compile a matrix rule's groups are still updated (Muon's compile cells)",
+        select="muon-compile-fp32",
+    ),
     M(
         "adafactor-op-not-given-the-backends-ops",
         "fused_stable/matrix_step.py",
