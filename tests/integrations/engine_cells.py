@@ -100,7 +100,7 @@ class Record:
         self.order = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
     def before_step(self) -> None:
-        self.grads.append({n: p.grad.detach().clone() for n, p in self.net.named_parameters() if p.grad is not None})
+        self.grads.append({n: _full(p.grad).clone() for n, p in self.net.named_parameters() if p.grad is not None})
 
     def done(self) -> None:
         self.last = _snapshot(self.net)
@@ -145,6 +145,11 @@ def moved(record: dict, ulps: int) -> dict:
             out[name] = g
         grads.append(out)
     return {**record, "grads": grads}
+
+
+def scaled(record: dict, factor: float) -> dict:
+    """The record with every grad times `factor` (1 +- 2**-23: a clip coefficient one fp32 ulp off)."""
+    return {**record, "grads": [{name: g * factor for name, g in step.items()} for step in record["grads"]]}
 
 
 def distance(a: dict, b: dict, first: dict) -> float:
@@ -250,17 +255,26 @@ def run_lightning(rule: str, precision: str, out: str) -> dict:
 # ---------------------------------------------------------------------------------------------- 2 gloo ranks
 
 
-def ddp_rank(rank: int, world: int, store: str, out: str) -> None:
-    """One DDP rank: every rule x precision cell in turn, in one process group; rank 0 saves each cell's record
-    (or its refusal) to `out`/<rule>-<precision>.pt."""
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def spawned_rank(rank: int, world: int, store: str, out: str, engine: str) -> None:
+    """One rank of `engine` ("ddp", "fsdp2" or "zeroN"): every rule x precision cell in turn, in one process
+    group; rank 0 saves each cell's record (or its refusal) to `out`/<rule>-<precision>.pt."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if engine in ZERO_STAGES:
+        from integ_deepspeed import setup_rank
+
+        os.environ["WORLD_SIZE"] = str(world)
+        setup_rank(rank)  # DeepSpeed's CPU accelerator and its op build folder, before it is imported
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for rule in RULES:
             for precision in PRECISIONS:
-                result = _ddp_cell(rule, precision, rank, world)
+                cell = _zero_cell if engine in ZERO_STAGES else _spawned_cell
+                result = cell(engine, rule, precision, rank, world)
                 if rank == 0:
                     torch.save(result, os.path.join(out, f"{rule}-{precision}.pt"))
                 dist.barrier()
@@ -268,11 +282,23 @@ def ddp_rank(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _ddp_cell(rule: str, precision: str, rank: int, world: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
+def _wrapped(engine: str, net: torch.nn.Module) -> torch.nn.Module:
+    """DDP around the model, or FSDP2's fully_shard per decoder layer and at the root (params become Shard(0)
+    DTensors; the records hold them whole)."""
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
 
+        return DistributedDataParallel(net)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net.model.layers:
+        fully_shard(layer)
+    return fully_shard(net)
+
+
+def _spawned_cell(engine: str, rule: str, precision: str, rank: int, world: int) -> dict:
     net = model()
-    ddp = DistributedDataParallel(net)
+    wrapped = _wrapped(engine, net)
     record = Record(net)
     try:
         opt = fused(rule, precision, net)
@@ -280,9 +306,31 @@ def _ddp_cell(rule: str, precision: str, rank: int, world: int) -> dict:
         return {"refused": str(exc)}
     record.holds(opt)
     for batch in torch.utils.data.DataLoader(data(rank, world), batch_size=BATCH):
-        ddp(**batch).loss.backward()
+        wrapped(**batch).loss.backward()
         record.before_step()
         opt.step()
         opt.zero_grad()
     record.done()
     return record.plain()
+
+
+def _zero_cell(engine: str, rule: str, precision: str, rank: int, world: int) -> dict:
+    """A DeepSpeed ZeRO cell through fused_stable.integrations.deepspeed: the optimizer sees flat partitions, so
+    no per-param grads are recorded; the first params and the full fp32 params after the last step are."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from fused_stable.integrations import deepspeed as fs_deepspeed
+
+    net = model()
+    first = _snapshot(net)
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": ZERO_STAGES[engine]}}
+    try:
+        opt = fused(rule, precision, net)
+        engine_, *_ = fs_deepspeed.initialize(model=net, optimizer=opt, config=config)
+    except (ValueError, NotImplementedError) as exc:  # refused before anything runs: the same on every rank
+        return {"refused": str(exc)}
+    for batch in torch.utils.data.DataLoader(data(rank, world), batch_size=BATCH):
+        engine_.backward(engine_(**batch).loss)
+        engine_.step()
+    last = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in net.named_parameters()}
+    return {"first": first, "grads": None, "last": last, "steps": int(engine_.global_steps)}

@@ -130,6 +130,15 @@ MUTATIONS: list[Mutation] = [
         select="muon-compile-fp32",
     ),
     M(
+        "matrix-zero-muon-update-on-the-partitions",
+        "fused_stable/integrations/deepspeed.py",
+        "        builds = {MUON: self._build_muon} if self.muon_layouts else {}\n",
+        "        builds = {}\n",
+        ["tests/integrations/test_engine_matrix.py"],
+        "under ZeRO 1-2 the Muon groups are stepped on whole matrices rebuilt for their owners, not on flat partitions",
+        select="muon-zero1-fp32 or muon-zero2-fp32",
+    ),
+    M(
         "adafactor-op-not-given-the-backends-ops",
         "fused_stable/matrix_step.py",
         "                update = interface.build(params, states, groups, compiled_ops=compiled_ops)\n",
