@@ -16,8 +16,8 @@ import fused_stable.rules.adafactor.torch as adafactor_torch
 from fused_stable import FusedAdafactor
 from fused_stable.backends.torch import cpu_ops
 
-# odd sizes; 2-D to 4-D; rows or columns of one; matrices cut into several units of rows (kUnitElements = 65536:
-# (300, 700) is 3 units, (2, 150, 1000) 3 per batch entry); vectors and a 0-D param stay on torch's for-loop
+# odd sizes; 2-D to 4-D; rows or columns of one; matrices cut into several units of rows (at least 65536 elements:
+# (300, 700) is 4 units, (2, 150, 1000) 3 per batch entry); vectors and a 0-D param stay on torch's for-loop
 SHAPES = [(37, 53), (3, 5, 7), (2, 3, 4, 5), (64, 65), (1, 9), (9, 1), (300, 700), (2, 150, 1000), (1000,), (3,), ()]
 OTHER_GROUP = dict(weight_decay=0.1, maximize=True, d=1.5, beta2_decay=-1.0, lr=0.02)
 EPS = (1e-7, 1e-3)  # given: eps1's default is the dtype's machine epsilon, which differs between fp32 and fp64

@@ -23,7 +23,10 @@
 
 namespace {
 
-constexpr int64_t kUnitElements = 1 << 16;  // elements per unit of work: whole rows of one matrix
+constexpr int64_t kUnitElements = 1 << 16;  // elements per unit of work (at least): whole rows of one matrix
+// units per matrix (at most): each keeps its column sums (cols fp64 values), so a wide matrix in one-row units
+// would hold twice its own bytes in them; 16 bound them to 128 bytes per column
+constexpr int64_t kMaxUnits = 16;
 constexpr int kLanes = 16;                  // fp64 accumulators per sum
 
 // The per-param scalars, fp64 columns of the op's `scalars` ([params, kColumns]), from rules/adafactor/torch.py.
@@ -203,14 +206,16 @@ Matrix matrix_of(const at::Tensor& p, const at::Tensor& g, const at::Tensor& row
                 col_var.data_ptr<float>(), batch, rows, cols, s};
 }
 
-// Every matrix cut into units of whole rows (at least one row, about kUnitElements elements), in matrix order;
+// Every matrix cut into units of whole rows (at least one row and kUnitElements elements, at most kMaxUnits per
+// batch entry), in matrix order;
 // their column sums' places in one buffer, whose size is returned.
 int64_t cut_rows(const std::vector<Matrix>& matrices, std::vector<Unit>& units, std::vector<int64_t>& first_unit) {
   int64_t col_size = 0;
   for (int64_t t = 0; t < static_cast<int64_t>(matrices.size()); ++t) {
     const Matrix& m = matrices[t];
     first_unit.push_back(static_cast<int64_t>(units.size()));
-    const int64_t step = std::max<int64_t>(1, kUnitElements / std::max<int64_t>(1, m.cols));
+    const int64_t fill = (kUnitElements + m.cols - 1) / std::max<int64_t>(1, m.cols);
+    const int64_t step = std::max({int64_t{1}, fill, (m.rows + kMaxUnits - 1) / kMaxUnits});
     for (int64_t b = 0; b < m.batch; ++b) {
       for (int64_t r0 = 0; r0 < m.rows; r0 += step) {
         units.push_back(Unit{t, b, r0, std::min(m.rows, r0 + step), col_size});
