@@ -163,16 +163,25 @@ def distance(a: dict, b: dict, first: dict) -> float:
 
 
 def run_plain(rule: str, precision: str, compiled: bool = False) -> dict:
+    from torch._dynamo.utils import counters
+
     net = model()
     record = Record(net)
     opt = fused(rule, precision, net, backend="torch")
     record.holds(opt)
+    if compiled:
+        # a fresh dynamo: each optimizer's step is another compile of the same code, and past dynamo's recompile
+        # limit (8) it runs the frame eagerly, in silence: a cell would then test no compiled step at all
+        torch._dynamo.reset()
+        counters.clear()
     step = torch.compile(opt.step, backend="eager") if compiled else opt.step
     for batch in torch.utils.data.DataLoader(data(), batch_size=BATCH):
         net(**batch).loss.backward()
         record.before_step()
         step()
         opt.zero_grad()
+    if compiled:
+        assert counters["stats"]["unique_graphs"] > 0, "torch.compile(opt.step) ran eagerly: no graph was compiled"
     record.done()
     return record.plain()
 
