@@ -31,7 +31,7 @@ class MatrixSteps:
     """One plan's matrix-rule params, their states and the rules' updates, built for the groups' hyper-parameters
     of `key` (base lrs: the schedule's factor comes from the decisions); built anew when either changes (no tensor
     work but the states a param does not have yet). `compiled_ops`: the backend runs the compiled CPU ops
-    (ops.compiled_cpu_ops), given to a rule whose matrix.py says `CPU_OP = True` (its own op: cpu_matrix.cpp)."""
+    (ops.compiled_cpu_ops), given to every rule's build (Adafactor's takes its own op then: cpu_matrix.cpp)."""
 
     def __init__(
         self,
@@ -64,10 +64,8 @@ class MatrixSteps:
             build = (builds or {}).get(rules[plan.groups[members[0]]].name)  # engines.drive's
             if build is not None:
                 update = build(params, states, groups)
-            elif getattr(interface, "CPU_OP", False):  # the rule's own compiled op, where the backend runs them
-                update = interface.build(params, states, groups, compiled_ops=compiled_ops)
             else:
-                update = interface.build(params, states, groups)
+                update = interface.build(params, states, groups, compiled_ops=compiled_ops)
             self.updates.append((members, params, update))
 
     def step(self, fstate: torch.Tensor, grads: list[torch.Tensor] | None = None) -> None:

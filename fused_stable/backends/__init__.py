@@ -30,7 +30,7 @@ class Backend(Protocol):
 
     def compiled_cpu_ops(self) -> bool:
         """Whether this backend's steps run the compiled CPU ops (the torch backend, built): a matrix rule with its
-        own op (rules/<rule>/cpu_matrix.cpp, matrix.py's `CPU_OP`) takes it then."""
+        own op (rules/<rule>/cpu_matrix.cpp: its build's `compiled_ops`) takes it then."""
         ...
 
     def fused_step(

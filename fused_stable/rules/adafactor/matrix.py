@@ -14,8 +14,6 @@ import torch
 from . import RULE
 from .torch import AdafactorSide
 
-CPU_OP = True  # cpu_matrix.cpp: the CPU host path's fp32 matrices in three passes (torch.py)
-
 
 def check_group(group: dict, precision: str) -> None:
     """The state precision and the params an Adafactor group can hold here (torch.optim.Adafactor's checks are the

@@ -4,13 +4,14 @@ params. The interface every matrix rule's matrix.py offers:
   check_group(group, precision)  refuse what the rule cannot step (ValueError, one line), before the group is added
   init_state(p, group)           the param's rule states, created at its first step (`step` is the machinery's)
   state_bytes(p, group)          the bytes those states take (or will take), as opt.state holds them
-  build(params, states, groups)  the update of those params: `.step(grads, grad_mul, skip, lr_factor)`, the step's
+  build(params, states, groups, compiled_ops)
+                                 the update of those params: `.step(grads, grad_mul, skip, lr_factor)`, the step's
                                  decisions as 0-dim device tensors (the clip multiplier before the momentum, the
                                  skip flag, the schedule's factor), none of them read on the host but on the CPU
   COMPILED_STEP                  (optional) True: the update runs inside torch.compile's step (compiled.py)
-  CPU_OP                         (optional) True: the rule has its own compiled CPU op (rules/<rule>/cpu_matrix.cpp,
-                                 built into the CPU ops' library), and its build takes `compiled_ops=`, whether the
-                                 backend runs them (Adafactor's)
+                                 (`compiled_ops`: whether the backend runs the compiled CPU ops, where a rule's
+                                 own op, rules/<rule>/cpu_matrix.cpp, built into their library, may step it:
+                                 Adafactor's; Muon has none, its update is torch's matmuls)
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def state_bytes(p: torch.Tensor, group: dict) -> int:
 
 
 def build(
-    params: list[torch.Tensor], states: list[dict], groups: list[dict]
+    params: list[torch.Tensor], states: list[dict], groups: list[dict], compiled_ops: bool = False
 ) -> MuonSide | ExpertStacks | CodedMomentum:
     """The update of `params` (a group's each, `groups[i]` with its base lr: the schedule's factor comes from the
     decisions), batched once by group, dtype and shape; a 3-D param (a stack of experts' matrices) is stepped as
