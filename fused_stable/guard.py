@@ -16,8 +16,10 @@ Alert kinds (`Alert.kind`):
   the optimizer's grad-norm rules on the host);
 - `nonfinite_loss`: a step's loss was inf/NaN;
 - `loss_rise`: an interval's median loss (or its last 3's) above `loss_rise` (1.5) x the best interval so far;
-- `data_shift`: right after a rollback, the restored model finds the new data bad too: the loss statistics
-  start over instead of rolling back again;
+- `data_shift`: the data changed, not the model: the loss statistics start over instead of rolling back. Two
+  witnesses: a loss rise at a check whose evaluation held (eval_loss and retention_loss within `eval_rise` of
+  their bests, as the model's knowledge does when only the data moved) with finite grads and nothing else
+  wrong; or, at a check with no evaluation, the restored model's first loss after a rollback, already bad;
 - `eval_loss_rise` / `retention_loss_rise`: an evaluation's held-out loss (`eval_loss`, the user's own held-out
   data) or retention loss (`retention_loss`, the base model's own answers to general prompts) above `eval_rise`
   (1.3) x its best so far (the model before its first step included). Forgetting moves neither the training
@@ -53,7 +55,7 @@ NONFINITE_GRADS = "nonfinite_grads"  # steps skipped for inf/NaN gradients in th
 LOSS_SPIKE = "loss_spike"  # loss z-score above loss_z
 NONFINITE_LOSS = "nonfinite_loss"  # a step's loss was inf/NaN
 LOSS_RISE = "loss_rise"  # an interval's median loss (or its last 3's) rose above loss_rise x the best so far
-DATA_SHIFT = "data_shift"  # right after a rollback, the restored model finds the new data bad too
+DATA_SHIFT = "data_shift"  # a loss rise the held-out losses did not follow, or a restored model finding it too
 EVAL_LOSS_RISE = "eval_loss_rise"  # an evaluation's held-out loss rose above eval_rise x its best so far
 RETENTION_LOSS_RISE = "retention_loss_rise"  # ...its retention loss (the base model's own answers) did
 # the metrics-row fields an evaluation fills in, and the alert each one raises
@@ -100,8 +102,8 @@ class Alert:
             what = f"{measure} rose to {self.value:.2f}x its best so far (alert above {self.threshold:g}x)"
         else:
             what = (
-                f"the data changed: the restored model's loss is {self.value:.2f}x the best so far; "
-                "the loss statistics start over"
+                f"the data changed, not the model: the loss is {self.value:.2f}x the best so far while the model "
+                "held up (its held-out losses, or a restored model's first loss); the loss statistics start over"
             )
         extra = []
         if self.grad_norm is not None:
@@ -243,7 +245,11 @@ class Guard:
                 alerts.append(alert(int(row["step"]), LOSS_SPIKE, z, c.loss_z, action, loss=loss))
         alerts += self._check_rise(rows, step, top)
         alerts += self._check_evaluations(rows, step, in_grace=step <= self.grace_until)
-        if any(key in row for row in rows for key in EVALUATED):
+        evaluated = any(row.get(key) is not None for row in rows for key in EVALUATED)
+        if evaluated and self._only_the_data_moved(alerts, step):
+            alerts = self._accept_shift(alerts, step)
+            optimizer.reset_grad_norm_stats()  # they describe the old data too: warm them up again
+        if evaluated:
             self.eval_history.append([step, dict(self.best_eval)])
         return self._decide(alerts, in_grace=step <= self.grace_until)
 
@@ -297,6 +303,35 @@ class Guard:
             return [Alert(step=int(rows[-1]["step"]), kind=LOSS_RISE, **rise, top_tensors=top)]
         return []
 
+    def _only_the_data_moved(self, alerts: list[Alert], step: int) -> bool:
+        """A loss rise at a check whose evaluation held (no eval or retention rise: the model still knows what
+        it knew), with every grad and loss of the interval finite and no grad spike left unskipped: the loss
+        rose because the data changed (a shift that persists), not because the weights broke."""
+        if step <= self.grace_until or not any(a.kind == LOSS_RISE for a in alerts):
+            return False
+        moved = (LOSS_RISE, LOSS_SPIKE)  # the new data's first losses are spikes against the old statistics
+        return all(a.kind in moved or (a.kind == GRAD_SPIKE and a.action == ACTION_SKIPPED) for a in alerts)
+
+    def _accept_shift(self, alerts: list[Alert], step: int) -> list[Alert]:
+        """The loss rise becomes a data shift and the interval's loss spikes follow it (no rollback): the loss
+        statistics start over on the new data."""
+        rise = next(a for a in alerts if a.kind == LOSS_RISE)
+        for alert in alerts:
+            if alert.kind == LOSS_SPIKE:
+                alert.action = ACTION_REBASELINE
+        self._start_over(step)
+        shift = Alert(
+            step=rise.step,
+            kind=DATA_SHIFT,
+            value=rise.value,
+            threshold=rise.threshold,
+            action=ACTION_REBASELINE,
+            detected_at=step,
+            loss=rise.loss,
+            top_tensors=rise.top_tensors,
+        )
+        return [a for a in alerts if a is not rise] + [shift]
+
     def _check_data_shift(self, first: dict, step: int) -> list[Alert]:
         """After a rollback the first loss comes from the restored, good weights: if it is already bad, the data
         changed (not the model), and rolling back again would not help: start the loss statistics over."""
@@ -308,14 +343,18 @@ class Guard:
         bad_rise = bool(self.config.loss_rise) and loss > self.config.loss_rise * best
         if not (bad_z or bad_rise):
             return []
+        self._start_over(step)
+        c = self.config
+        shift = dict(value=loss / best, threshold=c.loss_rise, action=ACTION_REBASELINE, detected_at=step, loss=loss)
+        return [Alert(step=int(first["step"]), kind=DATA_SHIFT, **shift)]
+
+    def _start_over(self, step: int) -> None:
+        """New data: the loss statistics start over. The optimizer's grad-norm statistics need a while to follow
+        it: until the loss statistics are warm again, spikes are recorded but do not roll back."""
         c = self.config
         self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
         self.best_interval_loss = None
-        # the optimizer's grad-norm statistics need a while to follow the new data: until the loss statistics
-        # are warm again, spikes are recorded but do not roll back again
         self.grace_until = step + c.loss_warmup
-        shift = dict(value=loss / best, threshold=c.loss_rise, action=ACTION_REBASELINE, detected_at=step, loss=loss)
-        return [Alert(step=int(first["step"]), kind=DATA_SHIFT, **shift)]
 
     def _top_tensors(self, norms: list[float], names: list[str] | None) -> list[dict]:
         k = self.config.top_k

@@ -124,8 +124,9 @@ def build_parser() -> OneLineParser:
         default="adamw",
         choices=list(RULES),
         help="the update rule of both recipes, as `fused-stable sft --optim`: adamw (usual: torch AdamW; guarded: "
-        "FusedAdamW) | lion (lion-pytorch's Lion; FusedLion) | muon (tiny only: torch Muon on the hidden matrices + "
-        "torch AdamW on the rest; FusedMuon) | sgd (torch SGD, momentum 0.9; FusedSGD, the same) | adafactor "
+        "FusedAdamW) | lion (lion-pytorch's Lion; FusedLion) | muon (torch Muon on the hidden matrices, a pretrained "
+        "model's LoRA factors as --muon_lora, + torch AdamW on the rest; FusedMuon) | sgd (torch SGD, momentum "
+        "0.9; FusedSGD, the same) | adafactor "
         "(torch Adafactor; FusedAdafactor) (default: adamw)",
     )
     p.add_argument(
@@ -224,14 +225,9 @@ def _check_rule(cfg: StressConfig) -> None:
     from fused_stable.train.run import optimizers
 
     tuner = "lora" if is_real(cfg) else "full"
-    if cfg.optim == "muon" and tuner == "lora":
-        raise UserError(
-            "--optim muon needs the tiny model: a pretrained model is trained with LoRA here, whose factors "
-            "muon_param_groups gives to AdamW (no Muon matrix to stress)"
-        )
-    optimizers.check_available(
-        TrainConfig(optim=cfg.optim, tuner=tuner, state_precision=cfg.state_precision), deepspeed=False
-    )
+    muon_lora = cfg.optim == "muon" and tuner == "lora"  # a pretrained model's LoRA factors on Muon (runs.py)
+    train = TrainConfig(optim=cfg.optim, tuner=tuner, state_precision=cfg.state_precision, muon_lora=muon_lora)
+    optimizers.check_available(train, deepspeed=False)
     # what the rule's class refuses (e.g. Adafactor's factored moments in bf16), before anything is written: the
     # guarded optimizer built once over a stand-in of the suite's layers (an embedding, hidden matrices, a norm)
     stand_in = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))

@@ -2,7 +2,8 @@
 
 Recipes, each built with the suite's update rule (`--optim`, `RULES`: adamw, lion, muon, sgd, adafactor):
 - `usual`: the rule's reference optimizer (torch.optim.AdamW; lion_pytorch.Lion; torch.optim.Muon on the hidden
-  matrices beside torch.optim.AdamW on the rest, as muon_param_groups splits them; torch.optim.SGD with momentum
+  matrices (a pretrained model's LoRA factors) beside torch.optim.AdamW on the rest, as muon_param_groups splits
+  them with `muon_lora=True`; torch.optim.SGD with momentum
   0.9; torch.optim.Adafactor) + torch.nn.utils.clip_grad_norm_(1.0)
   + transformers-style warm-up/cosine LambdaLR (+ torch.amp.GradScaler in the fp16 scenario): what most
   fine-tuning scripts do.
@@ -360,19 +361,24 @@ def _trainable(model) -> list:
 
 
 def _muon_split(model, lr: float) -> list[dict]:
-    """muon_param_groups over the trainable params: hidden 2-D matrices to Muon, the rest to AdamW, one lr."""
+    """muon_param_groups over the trainable params: hidden 2-D matrices to Muon, the rest to AdamW, one lr. On a
+    pretrained model (LoRA) the factors are the only hidden matrices that train, so they go to Muon
+    (`muon_lora`, ms-swift's split, as `fused-stable sft --optim muon --muon_lora true`); the tiny model's full
+    fine-tune has none, so the flag changes nothing there."""
     from fused_stable import muon_param_groups
 
-    return muon_param_groups(model, lr=lr, weight_decay=WEIGHT_DECAY)
+    return muon_param_groups(model, lr=lr, weight_decay=WEIGHT_DECAY, muon_lora=True)
 
 
 def _usual_muon(model, lr: float) -> list:
     """torch.optim.Muon on muon_param_groups' Muon group (torch's defaults: momentum 0.95, Nesterov, 5
     Newton-Schulz steps, the "original" lr adjustment, as FusedMuon's), torch AdamW on the rest."""
-    muon, rest = sorted(_muon_split(model, lr), key=lambda group: not group["use_muon"])
+    groups = _muon_split(model, lr)  # a LoRA model's trainable params are all factors: no AdamW group then
     return [
-        torch.optim.Muon(muon["params"], lr=lr, weight_decay=WEIGHT_DECAY),
-        torch.optim.AdamW(rest["params"], lr=lr, weight_decay=WEIGHT_DECAY),
+        (torch.optim.Muon if group["use_muon"] else torch.optim.AdamW)(
+            group["params"], lr=lr, weight_decay=WEIGHT_DECAY
+        )
+        for group in sorted(groups, key=lambda group: not group["use_muon"])
     ]
 
 

@@ -13,12 +13,15 @@ import pytest
 from test_guard import Run
 
 from fused_stable.guard import (
+    ACTION_REBASELINE,
     ACTION_ROLLBACK,
     ACTION_STOP,
     ACTION_WARN,
     DATA_SHIFT,
     EVAL_LOSS_RISE,
     EVALUATED,
+    LOSS_RISE,
+    NONFINITE_GRADS,
     RETENTION_LOSS_RISE,
     Guard,
     GuardConfig,
@@ -205,3 +208,59 @@ def test_the_bests_travel_in_the_guard_state():
 def test_a_bad_factor_is_refused(bad):
     with pytest.raises(ValueError, match="eval_rise"):
         GuardConfig(eval_rise=bad)
+
+
+def _shift_at_a_check(**evaluation):
+    """40 steady steps, a reference evaluation, then the loss jumps to 5x from step 41 on; the check at step 45
+    carries `evaluation` (none when empty). Returns the run and its step-45 decision."""
+    run = Run("rollback", log_every=5)
+    run.run(40)
+    run.guard.eval_reference({"eval_loss": 1.0, "retention_loss": 0.5})
+    lr_before = [g["lr"] for g in run.opt.param_groups]
+    shifted = {s: 10.0 for s in range(41, 300)}
+    row = {45: evaluation} if evaluation else {}
+    decision = run.run(5, loss_at=shifted, row_at=row) or run.decisions[-1]
+    return run, decision, shifted, lr_before
+
+
+def test_a_loss_rise_whose_evaluation_held_is_a_data_shift_not_a_rollback():
+    """Issue 52 item 2: a shift that persists (the loss at a new level, grads finite, the held-out losses where
+    they were) is new data, not broken weights: no rollback, no lr cut, the loss statistics and the optimizer's
+    grad-norm statistics start over, and the run goes on on the new data without another alert."""
+    run, decision, shifted, lr_before = _shift_at_a_check(eval_loss=1.1, retention_loss=0.55)  # 1.1x: held
+    assert decision.action == "continue" and kinds(decision).count(DATA_SHIFT) == 1
+    assert LOSS_RISE not in kinds(decision)
+    assert all(a.action == ACTION_REBASELINE for a in decision.alerts)  # the interval's loss spikes follow it
+    shift = next(a for a in decision.alerts if a.kind == DATA_SHIFT)
+    assert shift.value > GuardConfig().loss_rise and shift.loss == 10.0 and "the data changed" in shift.describe()
+    assert run.guard.rollbacks == 0 and run.guard.lr_scale == 1.0
+    assert [g["lr"] for g in run.opt.param_groups] == lr_before
+    assert run.guard.best_interval_loss is None and run.guard.loss_stats.count == 0
+    assert run.guard.grace_until == 45 + GuardConfig().loss_warmup
+    assert run.opt.grad_norm_mean.item() == 0.0  # the optimizer's norm statistics warm up again
+    assert run.run(40, loss_at=shifted) is None and run.decisions[-1].alerts == []
+
+
+@pytest.mark.parametrize(
+    "evaluation, why",
+    [
+        (dict(eval_loss=1.1, retention_loss=0.5 * RISE * 1.01), RETENTION_LOSS_RISE),  # the model forgot
+        (dict(eval_loss=1.0 * RISE * 1.01, retention_loss=0.5), EVAL_LOSS_RISE),  # ...or unlearnt its task
+        ({}, None),  # no evaluation at this check: nothing says the model held
+    ],
+)
+def test_a_loss_rise_the_evaluation_did_not_clear_rolls_back(evaluation, why):
+    run, decision, _, _ = _shift_at_a_check(**evaluation)
+    assert decision.action == "rollback" and DATA_SHIFT not in kinds(decision)
+    assert LOSS_RISE in kinds(decision) and (why is None or why in kinds(decision))
+
+
+def test_a_loss_rise_with_non_finite_grads_is_not_a_shift():
+    """Grads must be finite for the data to be the cause: a non-finite step in the interval keeps the rise."""
+    run = Run("rollback", log_every=5)
+    run.run(40)
+    run.guard.eval_reference({"eval_loss": 1.0, "retention_loss": 0.5})
+    shifted = {s: 10.0 for s in range(41, 300)}
+    decision = run.run(5, loss_at=shifted, grad_scale={43: math.inf}, row_at={45: dict(eval_loss=1.0)})
+    assert decision.action == "rollback" and DATA_SHIFT not in kinds(decision)
+    assert NONFINITE_GRADS in kinds(decision) and LOSS_RISE in kinds(decision)
