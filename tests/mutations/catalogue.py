@@ -26,6 +26,18 @@ M = Mutation
 TRAIN = "fused_stable/train/"
 
 MUTATIONS: list[Mutation] = [
+    # ------------------------------------------------- a killed run resumed, new rules with 8-bit state (issue 52)
+    M(
+        "resume-moves-8bit-scales",
+        "fused_stable/state_dict.py",
+        "                state[key] = value.to(device=param.device, dtype=dtype, copy=True)",
+        "                state[key] = value.to(device=param.device, dtype=dtype, copy=True) if not key.endswith('_scale')"
+        " else value.to(param.device, copy=True).nextafter(torch.tensor(1e30))",
+        ["tests/train/test_faults.py"],
+        "a run SIGKILLed and resumed with --resume latest ends bit-identical to an uninterrupted one, 8-bit Lion and "
+        "Muon momentum (codes and block scales) included",
+        select="new_rule",
+    ),
     # ------------------------------------------------------------------ 8-bit Muon momentum (issue 50 item 4)
     M(
         "muon-8bit-host-skip-ignored",
@@ -491,6 +503,43 @@ MUTATIONS: list[Mutation] = [
         ["tests/core/test_thresholds.py"],
         "a grad-norm alert needs norm >= guard_grad_ratio x running mean",
         select="guard_grad_ratio",
+    ),
+    # ------------------------------------------------------------------ a shift that persists (issue 52 item 2)
+    M(
+        "guard-shift-without-evaluation",
+        "fused_stable/guard.py",
+        "        if evaluated and self._only_the_data_moved(alerts, step):",
+        "        if self._only_the_data_moved(alerts, step):",
+        ["tests/guard/test_guard_evaluation.py"],
+        "a loss rise at a check with no evaluation rolls back: nothing says the model held",
+        select="did_not_clear",
+    ),
+    M(
+        "guard-shift-despite-a-held-out-rise",
+        "fused_stable/guard.py",
+        "        moved = (LOSS_RISE, LOSS_SPIKE)  # the new data's",
+        "        moved = (LOSS_RISE, LOSS_SPIKE, EVAL_LOSS_RISE, RETENTION_LOSS_RISE, NONFINITE_GRADS)  # the new data's",
+        ["tests/guard/test_guard_evaluation.py"],
+        "a loss rise with a held-out rise or a non-finite grad is no data shift: it rolls back",
+        select="did_not_clear or non_finite_grads_is_not",
+    ),
+    M(
+        "guard-shift-rolls-back-anyway",
+        "fused_stable/guard.py",
+        "        if evaluated and self._only_the_data_moved(alerts, step):",
+        "        if False:",
+        ["tests/guard/test_guard_evaluation.py"],
+        "a loss rise whose evaluation held is a data shift: no rollback, the statistics start over",
+        select="evaluation_held_is_a_data_shift",
+    ),
+    M(
+        "guard-shift-keeps-norm-stats",
+        "fused_stable/guard.py",
+        "            optimizer.reset_grad_norm_stats()  # they describe the old data too: warm them up again",
+        "            pass",
+        ["tests/guard/test_guard_evaluation.py"],
+        "an accepted shift warms the optimizer's grad-norm statistics up again",
+        select="evaluation_held_is_a_data_shift",
     ),
     M(
         "guard-grad-z-ge",

@@ -39,6 +39,12 @@ KILLS = {
     "while-pruning": ({"kill": ["pruning", 3]}, ["--save_total_limit", "1"], 6),
     "metrics-line-cut": ({"cut_metrics": 5}, [], 3),
 }
+# issue 52 item 5: new rules with 8-bit state, full fine-tuning (the tiny model's matrices are >= 4096 elements, so
+# their moments are 8-bit codes; a LoRA run would keep them fp32), SIGKILLed between the step-6 save's files
+RULE_KILLS = {
+    "lion-8bit": ["--optim", "lion", "--tuner", "full", "--state_precision", "8bit"],
+    "muon-8bit": ["--optim", "muon", "--tuner", "full", "--state_precision", "8bit"],
+}
 FILE_SIZE_LIMIT = 8192  # bytes: below the step-6 checkpoint's weights file, above metrics.jsonl
 
 
@@ -59,6 +65,9 @@ def faulted(tmp_path_factory):
         {"name": name, "fault": fault, "extra": extra, "output_dir": str(root / name)}
         for name, (fault, extra, _) in KILLS.items()
     ]
+    for name, extra in RULE_KILLS.items():
+        kill = {"kill": ["weights.safetensors", 6]}
+        cases.append({"name": name, "fault": kill, "extra": extra, "output_dir": str(root / name)})
     limit = {"file_size_limit": ["tmp", 6, FILE_SIZE_LIMIT]}
     cases.append({"name": "file-size-limit", "fault": limit, "output_dir": str(root / "file-size-limit")})
     small = root / "small-disk"
@@ -91,6 +100,18 @@ def straight(faulted, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
     assert sft_command.main([*RUN, "--output_dir", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def straight_rules(faulted, tmp_path_factory):
+    """RULE_KILLS' runs, never interrupted (in this process)."""
+    from fused_stable.train.run import sft as sft_command
+
+    runs = {}
+    for name, extra in RULE_KILLS.items():
+        runs[name] = tmp_path_factory.mktemp("straight-" + name) / "run"
+        assert sft_command.main([*RUN, *extra, "--output_dir", str(runs[name])]) == 0
+    return runs
 
 
 def _err(out) -> str:
@@ -146,6 +167,27 @@ def test_sigkill_during_a_save_then_resume_latest_continues_exactly(faulted, str
         assert os.path.getsize(out / "curves.png") > 0 and "done: steps 3->6" in stdout
     if name in ("between-files", "after-rng", "while-pruning"):
         assert "fused-stable sft: note: removed" in stdout
+
+
+@pytest.mark.parametrize("name", list(RULE_KILLS))
+def test_sigkill_of_a_new_rule_with_8bit_state_then_resume_latest_is_bit_identical(faulted, straight_rules, sft, name):
+    """Lion's and Muon's 8-bit momentum codes (and their scales) go through a killed save and `--resume latest`:
+    losses, weights and the step-6 optimizer state are the uninterrupted run's, bit for bit."""
+    root, results, _ = faulted
+    out, straight = root / name, straight_rules[name]
+    assert results[name]["signal"] == signal.SIGKILL, (results[name], _err(out)[-3000:])
+    assert checkpoint.latest_verified_checkpoint(str(out))[0] == str(out / "checkpoints" / "step-3")
+    _assert_continues_exactly(sft, out, straight, 3)
+    mine = torch.load(out / "checkpoints" / "step-6" / "optimizer.pt", weights_only=True)
+    theirs = torch.load(straight / "checkpoints" / "step-6" / "optimizer.pt", weights_only=True)
+    moment = "momentum_buffer" if name.startswith("muon") else "exp_avg"
+    codes = [s for s in theirs["state"].values() if moment in s and s[moment].dtype == torch.int8]
+    assert codes, f"no 8-bit {moment} in the run: the test would not see its codes"
+    assert mine["state"].keys() == theirs["state"].keys()
+    for key, state in theirs["state"].items():
+        assert state.keys() == mine["state"][key].keys(), key
+        for k, v in state.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(mine["state"][key][k])), (key, k)
 
 
 @pytest.mark.parametrize("name", ["file-size-limit", "disk-full"])
