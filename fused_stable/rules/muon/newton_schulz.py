@@ -1,6 +1,5 @@
 """Newton-Schulz orthogonalisation batched over matrices of one shape, equal bit for bit to torch.optim.Muon's
-`_zeropower_via_newtonschulz` applied to each matrix (checked on CPU at 1 and 2 threads, tests/core/test_muon_parts.py;
-in bf16 on a CPU the iteration goes matrix by matrix with torch's own ops: `_iterate_each` says why).
+`_zeropower_via_newtonschulz` applied to each matrix (checked on CPU at 1 and 2 threads, tests/core/test_muon_parts.py).
 
 Per shape, the matrices are stacked once and cast to the Newton-Schulz dtype (`newton_schulz_dtype`: bf16, as
 torch computes, wherever bf16 products are native); a tall stack is used as its `.mT`, so each matrix has the
@@ -108,31 +107,12 @@ def orthogonalize_stack(
         x = x.clone()  # the division below is in place (torch's `.bfloat16()` of a bf16 grad divides the grad)
     if tall:
         x = x.mT
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        x = _iterate_each(x, a, b, c, ns_steps, eps)
-    else:
-        x.div_(torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps))
-        for _ in range(ns_steps):
-            gram = torch.bmm(x, x.mT)
-            gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, gram_update, x, beta=a)
+    x.div_(torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = torch.bmm(x, x.mT)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
     return x.mT if tall else x
-
-
-def _iterate_each(x: Tensor, a: float, b: float, c: float, ns_steps: int, eps: float) -> Tensor:
-    """The iteration matrix by matrix with torch's own 2-D ops (`norm`, `@`, `addmm`), for bf16 on a CPU: where
-    bf16 products are native (AVX512-BF16), torch's bf16 `baddbmm` and `addmm` take different kernels and round
-    differently (measured on an AMD EPYC: one 16 x 16 Gram update in four of a stack), so only torch's own ops give
-    torch's bits there. A CPU's batched bmm is a loop over the matrices anyway."""
-    results = []
-    for m in x.unbind(0):
-        m.div_(m.norm().clamp(min=eps))
-        for _ in range(ns_steps):
-            gram = m @ m.T
-            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            m = torch.addmm(m, gram_update, m, beta=a)
-        results.append(m)
-    return torch.stack(results)
 
 
 def orthogonalize(
