@@ -11,6 +11,7 @@ coefficient within the floor measured here: torch's run with that coefficient mo
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -22,6 +23,12 @@ from fused_stable.rules.muon import param_groups as split
 
 MAX_NORM = 0.05  # the tiny MoE's grad norm is ~1.2: every step is clipped
 LR = 0.02
+# Where a matrix's bf16 product depends on the batch it is in, the stacked Newton-Schulz is not torch's per-matrix
+# bits: measured on an AMD EPYC with AVX512-BF16 and no AMX (torch's bf16 baddbmm on the tiny MoE's four 16 x 16
+# Gram updates gave the second other bits than addmm on it alone; alone, and in a batch of one, the same), not on an
+# Intel Xeon with AMX nor on a CPU without native bf16, where the suite sees them equal. There the expert-stack runs
+# are held to torch's own floor (one ulp of the clip coefficient) instead of its bits.
+BATCH_MOVES_BF16_BITS = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
 
 
 def _reasons(groups, model) -> dict[str, tuple[bool, str]]:
@@ -263,11 +270,15 @@ def test_expert_stacks_step_as_torch_muon_on_each_expert(backend):
     params = dict(model.named_parameters())
     theirs = dict(reference.named_parameters())
     muon = _muon_names(model)
-    for name in muon:
-        assert torch.equal(params[name], theirs[name]), f"{name}: {(params[name] - theirs[name]).abs().max():.3g}"
-    for name, p in params.items():
-        if name not in muon:
-            torch.testing.assert_close(p, theirs[name], rtol=1e-6, atol=1e-7)
+    if BATCH_MOVES_BF16_BITS:
+        difference = max(float((params[n] - theirs[n]).detach().abs().max()) for n in params)
+        assert difference <= 2 * _floor(), (difference, _floor())
+    else:
+        for name in muon:
+            assert torch.equal(params[name], theirs[name]), f"{name}: {(params[name] - theirs[name]).abs().max():.3g}"
+        for name, p in params.items():
+            if name not in muon:
+                torch.testing.assert_close(p, theirs[name], rtol=1e-6, atol=1e-7)
     stack = params["model.layers.1.mlp.experts.down_proj"]
     buffer = opt.state[stack]["momentum_buffer"]
     assert buffer.shape == stack.shape and opt.state_bytes() > 0
@@ -280,13 +291,21 @@ def test_expert_stacks_follow_clip_grad_norm_within_torchs_own_floor():
     here on the same grads: 1.9e-4 after 3 steps, about 1% of a step of lr 0.02), with a factor of 2 for the 0-2
     ulps the coefficients differ by (measured: the difference equals the floor)."""
     model, _, own_clip, _ = _moe_runs("torch")
+    params, theirs = (dict(m.named_parameters()) for m in (model, own_clip))
+    difference = max(float((params[n] - theirs[n]).detach().abs().max()) for n in _muon_names(model))
+    assert difference <= 2 * _floor(), (difference, _floor())
+
+
+@functools.cache
+def _floor() -> float:
+    """What one fp32 ulp of clip_grad_norm_'s coefficient moves torch's own run on the tiny MoE's Muon params (3
+    steps; measured 1.9e-4 on an Intel Xeon)."""
+    model, _, own_clip, _ = _moe_runs("torch")
     _, _, nudged, _ = _moe_runs("torch", nudge=1)
-    params, theirs, moved = (dict(m.named_parameters()) for m in (model, own_clip, nudged))
-    muon = _muon_names(model)
-    difference = max(float((params[n] - theirs[n]).detach().abs().max()) for n in muon)
-    floor = max(float((moved[n] - theirs[n]).detach().abs().max()) for n in muon)
+    theirs, moved = (dict(m.named_parameters()) for m in (own_clip, nudged))
+    floor = max(float((moved[n] - theirs[n]).detach().abs().max()) for n in _muon_names(model))
     assert floor > 0, "one ulp of the coefficient moves torch's run"
-    assert difference <= 2 * floor, (difference, floor)
+    return floor
 
 
 @pytest.mark.parametrize("backend", WITH_TENSOR_DECISIONS)
@@ -339,13 +358,22 @@ def test_expert_stacks_keep_8bit_momentum_as_the_stacks_codes(backend):
 
     _moe_steps(model, opt, 3)
     _moe_steps(reference, fp32, 3, round_trip)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), f"{name}: {(p - q).abs().max():.3g}"
     stack = model.model.layers[0].mlp.experts.gate_up_proj
     codes, scales = opt.state[stack][key], opt.state[stack][key + state_format.SCALE_SUFFIX]
     assert codes.dtype == torch.int8 and codes.shape == stack.shape
     expected = state_format.encode(fp32.state[by_name["model.layers.0.mlp.experts.gate_up_proj"]][key], key)
-    assert torch.equal(codes, expected[0].view_as(codes)) and torch.equal(scales, expected[1])
+    if BATCH_MOVES_BF16_BITS:  # the two runs stack their matrices differently (the coded stacks apart)
+        pairs = zip(model.parameters(), reference.parameters())
+        difference = max(float((p - q).detach().abs().max()) for p, q in pairs)
+        assert difference <= 2 * _floor(), (difference, _floor())
+        # a momentum an ulp off rounds to a neighbouring code at most, its block's scale moves by an ulp or two
+        # (measured, interpret: params 7.5e-9 apart, every code equal, scales 1.9e-7 relative)
+        assert (codes.int() - expected[0].view_as(codes).int()).abs().max() <= 1
+        torch.testing.assert_close(scales, expected[1], rtol=5e-7, atol=0)
+    else:
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), f"{name}: {(p - q).abs().max():.3g}"
+        assert torch.equal(codes, expected[0].view_as(codes)) and torch.equal(scales, expected[1])
     before = (codes.clone(), scales.clone(), stack.detach().clone())
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
     model(input_ids=ids, labels=ids).loss.backward()

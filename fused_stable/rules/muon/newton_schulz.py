@@ -1,5 +1,10 @@
 """Newton-Schulz orthogonalisation batched over matrices of one shape, equal bit for bit to torch.optim.Muon's
-`_zeropower_via_newtonschulz` applied to each matrix (checked on CPU at 1 and 2 threads, tests/core/test_muon_parts.py).
+`_zeropower_via_newtonschulz` applied to each matrix (checked on CPU at 1 and 2 threads, tests/core/test_muon_parts.py)
+wherever a matrix's bf16 product does not depend on the batch it is in. On an AMD EPYC with AVX512-BF16 and no AMX
+it can (measured: torch's bf16 baddbmm gave the second of four 16 x 16 Gram updates other bits than addmm on it
+alone): there the result is within torch's own floor, not its bits (tests/core/test_muon_routing.py). Going matrix
+by matrix would give the bits back but cost the batching: the LoRA set's step 1.11x torch's there, 0.74-0.85x
+batched (docs/benchmarks.md).
 
 Per shape, the matrices are stacked once and cast to the Newton-Schulz dtype (`newton_schulz_dtype`: bf16, as
 torch computes, wherever bf16 products are native); a tall stack is used as its `.mT`, so each matrix has the
