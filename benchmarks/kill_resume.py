@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "train"))
-from sft_helpers import TINY  # noqa: E402  (the suite's tiny flags)
+from sft_helpers import TINY, optimizer_state_difference  # noqa: E402  (the suite's tiny flags, its comparison)
 
 from fused_stable.train.run import checkpoint  # noqa: E402
 
@@ -211,19 +211,9 @@ def file_digest(path: str) -> str:
 
 
 def same_optimizer_state(a: str, b: str) -> bool:
-    """Two optimizer.pt files hold the same state: every tensor equal (dtype, shape, bits), every other value."""
+    """Two optimizer.pt files hold the same state (the suite's own comparison, sft_helpers)."""
     sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-
-    def same(x, y) -> bool:
-        if isinstance(x, torch.Tensor):
-            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-        if isinstance(x, dict):
-            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
-        if isinstance(x, (list, tuple)):
-            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
-        return x == y
-
-    return same(sa, sb)
+    return optimizer_state_difference(sa, sb) is None
 
 
 def compare(straight: str, killed: str, steps: int) -> dict:

@@ -40,7 +40,7 @@ has nothing the optimizer could skip: under `skip` it warns.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
@@ -227,10 +227,7 @@ class Guard:
             action = ACTION_SKIPPED if new_spike_skips > 0 else ""
             alerts.append(alert(at, GRAD_SPIKE, max_z, c.grad_z, action, grad_norm=max_z_norm))
         if self.after_rollback and rows:
-            shift = self._check_data_shift(rows[0], step)
-            if shift:  # the optimizer's norm statistics describe the old data too: warm them up again
-                optimizer.reset_grad_norm_stats()
-            alerts += shift
+            alerts += self._check_data_shift(rows[0], step, optimizer)
         for row in rows:
             loss = float(row["loss"])
             z = self.loss_stats.update(loss)
@@ -247,8 +244,7 @@ class Guard:
         alerts += self._check_evaluations(rows, step, in_grace=step <= self.grace_until)
         evaluated = any(row.get(key) is not None for row in rows for key in EVALUATED)
         if evaluated and self._only_the_data_moved(alerts, step):
-            alerts = self._accept_shift(alerts, step)
-            optimizer.reset_grad_norm_stats()  # they describe the old data too: warm them up again
+            alerts = self._accept_shift(alerts, step, optimizer)
         if evaluated:
             self.eval_history.append([step, dict(self.best_eval)])
         return self._decide(alerts, in_grace=step <= self.grace_until)
@@ -312,27 +308,18 @@ class Guard:
         moved = (LOSS_RISE, LOSS_SPIKE)  # the new data's first losses are spikes against the old statistics
         return all(a.kind in moved or (a.kind == GRAD_SPIKE and a.action == ACTION_SKIPPED) for a in alerts)
 
-    def _accept_shift(self, alerts: list[Alert], step: int) -> list[Alert]:
-        """The loss rise becomes a data shift and the interval's loss spikes follow it (no rollback): the loss
+    def _accept_shift(self, alerts: list[Alert], step: int, optimizer) -> list[Alert]:
+        """The loss rise becomes a data shift and the interval's loss spikes follow it (no rollback): the
         statistics start over on the new data."""
         rise = next(a for a in alerts if a.kind == LOSS_RISE)
         for alert in alerts:
             if alert.kind == LOSS_SPIKE:
                 alert.action = ACTION_REBASELINE
-        self._start_over(step)
-        shift = Alert(
-            step=rise.step,
-            kind=DATA_SHIFT,
-            value=rise.value,
-            threshold=rise.threshold,
-            action=ACTION_REBASELINE,
-            detected_at=step,
-            loss=rise.loss,
-            top_tensors=rise.top_tensors,
-        )
+        self._start_over(step, optimizer)
+        shift = replace(rise, kind=DATA_SHIFT, action=ACTION_REBASELINE, detected_at=step)
         return [a for a in alerts if a is not rise] + [shift]
 
-    def _check_data_shift(self, first: dict, step: int) -> list[Alert]:
+    def _check_data_shift(self, first: dict, step: int, optimizer) -> list[Alert]:
         """After a rollback the first loss comes from the restored, good weights: if it is already bad, the data
         changed (not the model), and rolling back again would not help: start the loss statistics over."""
         self.after_rollback = False
@@ -343,14 +330,15 @@ class Guard:
         bad_rise = bool(self.config.loss_rise) and loss > self.config.loss_rise * best
         if not (bad_z or bad_rise):
             return []
-        self._start_over(step)
+        self._start_over(step, optimizer)
         c = self.config
         shift = dict(value=loss / best, threshold=c.loss_rise, action=ACTION_REBASELINE, detected_at=step, loss=loss)
         return [Alert(step=int(first["step"]), kind=DATA_SHIFT, **shift)]
 
-    def _start_over(self, step: int) -> None:
-        """New data: the loss statistics start over. The optimizer's grad-norm statistics need a while to follow
-        it: until the loss statistics are warm again, spikes are recorded but do not roll back."""
+    def _start_over(self, step: int, optimizer) -> None:
+        """New data: the loss statistics start over, and the optimizer's grad-norm statistics, which describe the
+        old data too, warm up again. Until the loss statistics are warm, spikes are recorded but do not roll back."""
+        optimizer.reset_grad_norm_stats()
         c = self.config
         self.loss_stats = LossStats(c.loss_alpha, c.loss_z, c.loss_warmup, c.loss_rel_floor)
         self.best_interval_loss = None

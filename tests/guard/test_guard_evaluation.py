@@ -210,7 +210,7 @@ def test_a_bad_factor_is_refused(bad):
         GuardConfig(eval_rise=bad)
 
 
-def _shift_at_a_check(**evaluation):
+def _shift_at_a_check(grad_scale=None, **evaluation):
     """40 steady steps, a reference evaluation, then the loss jumps to 5x from step 41 on; the check at step 45
     carries `evaluation` (none when empty). Returns the run and its step-45 decision."""
     run = Run("rollback", log_every=5)
@@ -219,7 +219,7 @@ def _shift_at_a_check(**evaluation):
     lr_before = [g["lr"] for g in run.opt.param_groups]
     shifted = {s: 10.0 for s in range(41, 300)}
     row = {45: evaluation} if evaluation else {}
-    decision = run.run(5, loss_at=shifted, row_at=row) or run.decisions[-1]
+    decision = run.run(5, loss_at=shifted, row_at=row, grad_scale=grad_scale) or run.decisions[-1]
     return run, decision, shifted, lr_before
 
 
@@ -257,10 +257,6 @@ def test_a_loss_rise_the_evaluation_did_not_clear_rolls_back(evaluation, why):
 
 def test_a_loss_rise_with_non_finite_grads_is_not_a_shift():
     """Grads must be finite for the data to be the cause: a non-finite step in the interval keeps the rise."""
-    run = Run("rollback", log_every=5)
-    run.run(40)
-    run.guard.eval_reference({"eval_loss": 1.0, "retention_loss": 0.5})
-    shifted = {s: 10.0 for s in range(41, 300)}
-    decision = run.run(5, loss_at=shifted, grad_scale={43: math.inf}, row_at={45: dict(eval_loss=1.0)})
+    _, decision, _, _ = _shift_at_a_check(grad_scale={43: math.inf}, eval_loss=1.0)
     assert decision.action == "rollback" and DATA_SHIFT not in kinds(decision)
     assert NONFINITE_GRADS in kinds(decision) and LOSS_RISE in kinds(decision)

@@ -535,8 +535,8 @@ MUTATIONS: list[Mutation] = [
     M(
         "guard-shift-keeps-norm-stats",
         "fused_stable/guard.py",
-        "            optimizer.reset_grad_norm_stats()  # they describe the old data too: warm them up again",
-        "            pass",
+        "        optimizer.reset_grad_norm_stats()\n        c = self.config",
+        "        c = self.config",
         ["tests/guard/test_guard_evaluation.py"],
         "an accepted shift warms the optimizer's grad-norm statistics up again",
         select="evaluation_held_is_a_data_shift",

@@ -89,3 +89,23 @@ def crash_at(step_to_crash):
             raise Crash(f"simulated crash at step {step}")
 
     return callback
+
+
+def optimizer_state_difference(a, b, where: str = "state") -> str | None:
+    """Where two saved optimizer states (optimizer.pt, loaded) first differ, or None when they hold the same: every
+    tensor equal in dtype, shape and bits (8-bit codes and their scales included), every other value equal."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return None if same else where
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return f"{where}: keys"
+        return next((d for k in a if (d := optimizer_state_difference(a[k], b[k], f"{where}[{k!r}]"))), None)
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return f"{where}: length"
+        pairs = enumerate(zip(a, b))
+        return next((d for i, (x, y) in pairs if (d := optimizer_state_difference(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else where
