@@ -18,6 +18,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # torch.distributed.nn's collectives take `group=group.WORLD` as a default argument, evaluated at its import.
+    # Imported while a process group is up (transformers imports it, through torch.distributed.fsdp), they hold
+    # that group for the life of the process: destroy_process_group cannot free it, and its gloo worker threads
+    # run on into interpreter shutdown, where a worker releasing the tensors of a collective that just finished
+    # needs the GIL and aborts the process ("terminate called without an active exception": issue 52's rare
+    # SIGABRT at exit). Imported here, before any group exists (2 ms), the defaults are None.
+    import torch.distributed.nn  # noqa: F401
+
 SUPPORTED = (
     "FusedAdamW supports plain tensors, DDP models, and DTensor parameters (FSDP2 `fully_shard`, tensor "
     "parallel) with Shard/_StridedShard/Replicate placements, all DTensors of one param group on one DeviceMesh"

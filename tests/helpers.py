@@ -376,3 +376,21 @@ def copy_kwargs(kwargs: dict) -> dict:
     """Tensor hyper-parameters cloned: each optimizer gets its own (torch may keep and read them later)."""
     copy = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
     return {k: tuple(map(copy, v)) if isinstance(v, tuple) else copy(v) for k, v in kwargs.items()}
+
+
+# gloo's worker threads and transport loop, and the TCP store's loop (rank 0): they stop when the group is freed
+GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+
+
+def group_threads() -> list[str]:
+    """The names (Linux /proc) of this process's threads that belong to a process group: none once the group
+    is freed. A group held past destroy_process_group keeps them into interpreter shutdown, where a worker
+    releasing a finished collective's tensors aborts the process (issue 52's SIGABRT at exit)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended while we listed
+            continue
+    return sorted(name for name in names if name in GROUP_THREADS)

@@ -8,7 +8,10 @@ re-exported here under the names users import them by.
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -98,9 +101,46 @@ def init_distributed_from_env(backend: str | None = None) -> DistInfo:
 
 
 def destroy_distributed() -> None:
-    """Leave the process group if one is up (call at the end of training, also on error paths)."""
+    """Leave the process group if one is up (call at the end of training, also on error paths), and free it:
+    its gloo worker threads stop here, not during interpreter shutdown (see _release_group_holders)."""
     if dist.is_available() and dist.is_initialized():
+        _release_group_holders()
         dist.destroy_process_group()
+
+
+def _release_group_holders() -> None:
+    """Drop what keeps the process group alive past destroy_process_group: models and optimizers left in
+    reference cycles, and DTensor's caches, which hold the FSDP2 device meshes and through them the group.
+
+    A group that outlives destroy_process_group keeps its gloo worker threads into interpreter shutdown; a
+    worker still releasing the tensors of a collective that just finished then needs the GIL, cannot take it,
+    and the process aborts ("terminate called without an active exception": issue 52's rare SIGABRT at exit,
+    tests/train/test_torchrun.py checks that no worker thread is left)."""
+    if "torch.distributed.tensor" in sys.modules:  # FSDP2 ran: its meshes sit in DTensor's dispatch caches
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
+        for cached in _dtensor_lru_caches():
+            cached.cache_clear()
+    gc.collect()
+
+
+def _dtensor_lru_caches() -> list:
+    """Every functools.lru_cache of torch.distributed.tensor's modules (module functions and static methods):
+    keyed by DTensorSpecs, they hold device meshes."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            members = vars(value).values() if isinstance(value, type) else (value,)
+            for member in members:
+                member = getattr(member, "__func__", member)  # a staticmethod's function
+                if isinstance(member, functools._lru_cache_wrapper):
+                    found.append(member)
+    return found
 
 
 def is_main_process() -> bool:

@@ -1,14 +1,16 @@
 """Helpers for the integration tests that run several real torch.distributed processes (gloo, CPU).
 
 Each test spawns its ranks with torch.multiprocessing, on a port found by binding to port 0 (so
-parallel runs do not collide), and every rank leaves its process group in a ``finally``. Ranks write
-their results to files that the test reads and asserts on in the parent process.
+parallel runs do not collide), and every rank leaves its process group in a ``finally`` with the trainer's
+destroy_distributed, which frees it. Ranks write their results to files that the test reads and asserts on
+in the parent process; a rank whose group outlived it fails (helpers.group_threads: issue 52's abort at exit).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import group_threads
+
+from fused_stable.integrations.distributed import destroy_distributed
 
 
 def free_port() -> int:
@@ -32,9 +37,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, out_dir: str, ar
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
+    # DeepSpeed's own comm layer keeps the group: its ranks are checked by DeepSpeed's tests, not here
+    if "deepspeed" not in sys.modules:
+        assert group_threads() == [], f"rank {rank}: the process group outlived destroy_distributed"
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def spawn(fn: Callable, world_size: int, out_dir: Path, *args: Any, timeout: timedelta | None = None) -> list[Any]:

@@ -625,6 +625,25 @@ MUTATIONS: list[Mutation] = [
     ),
     # ------------------------------------------------------------------ what a run prints and imports
     M(
+        "group-pinned-by-torch-distributed-nn",
+        "fused_stable/sharding.py",
+        "    import torch.distributed.nn  # noqa: F401\n",
+        "    pass\n",
+        ["tests/train/test_logging_reduction.py"],
+        "a rank's process group is freed when it leaves (its gloo workers stop before interpreter shutdown, where "
+        "one releasing a collective's tensors aborted the process)",
+        select="two_ranks",
+    ),
+    M(
+        "group-pinned-by-dtensor-caches",
+        "fused_stable/integrations/distributed.py",
+        "        for cached in _dtensor_lru_caches():\n            cached.cache_clear()\n",
+        "",
+        ["tests/integrations/test_integ_ddp_fsdp2.py"],
+        "an FSDP2 rank's process group is freed when it leaves, DTensor's caches notwithstanding",
+        select="fsdp2",
+    ),
+    M(
         "deepspeed-imported-by-the-final-save",
         TRAIN + "saved/final_model.py",
         "    other.is_deepspeed_available = lambda: False\n",

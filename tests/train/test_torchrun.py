@@ -104,10 +104,31 @@ def _check_rank0_outputs(out, steps, saved):
     return rows
 
 
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
+
+
+def torchrun_reporting_threads(tmp_path, *argv):
+    """torchrun(ARGV) through torchrun_fault_script, which reports each rank's process-group threads at exit
+    (tmp_path/threads/threads-rank-R.txt); returns the run and that folder."""
+    folder = tmp_path / "threads"
+    folder.mkdir()
+    return torchrun(*argv, program=(SCRIPT,), env={"GROUP_THREADS_AT_EXIT": str(folder)}), folder
+
+
+def assert_group_freed(folder):
+    """Every rank freed its process group before the interpreter shut down: no gloo worker was left to release a
+    collective's tensors during shutdown, which aborted ranks now and then (issue 52: torch.distributed.nn imported
+    after init_process_group, and DTensor's caches, held the group past destroy_process_group)."""
+    for rank in (0, 1):
+        assert (folder / f"threads-rank-{rank}.txt").read_text() == "[]", rank
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "straight"
-    proc = _ok(torchrun(*RUN, "--output_dir", out))
+    proc, threads = torchrun_reporting_threads(out.parent, *RUN, "--output_dir", out)
+    _ok(proc)
+    assert_group_freed(threads)
     return out, proc
 
 
@@ -177,11 +198,12 @@ def test_fsdp2_full_two_ranks_and_exact_resume(tmp_path):
 
     out = tmp_path / "full"
     args = [*RUN, "--tuner", "full", "--lr", "1e-3"]
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
     traces = tmp_path / "traces"
     traces.mkdir()
-    proc = _ok(torchrun(*args, "--output_dir", out, program=(script,), env={"DEEPSPEED_IMPORT_TRACE": str(traces)}))
+    env = {"DEEPSPEED_IMPORT_TRACE": str(traces), "GROUP_THREADS_AT_EXIT": str(traces)}
+    proc = _ok(torchrun(*args, "--output_dir", out, program=(SCRIPT,), env=env))
     assert proc.stdout.count("done: steps 0->4") == 1
+    assert_group_freed(traces)
     # no rank imports deepspeed (the final save used to, through accelerate's unwrap: issue 52's aborts at exit)
     for rank in (0, 1):
         assert (traces / f"rank-{rank}.txt").read_text() == "deepspeed loaded: False\n"
@@ -221,7 +243,9 @@ def test_fsdp2_full_muon_two_ranks_and_exact_resume(tmp_path):
     and a resume from the step-2 checkpoint continues bit for bit."""
     out = tmp_path / "muon"
     args = [*RUN, "--tuner", "full", "--optim", "muon", "--lr", "1e-3"]
-    proc = _ok(torchrun(*args, "--output_dir", out))
+    proc, threads = torchrun_reporting_threads(tmp_path, *args, "--output_dir", out)
+    _ok(proc)
+    assert_group_freed(threads)
     assert "optim=muon (FusedMuon)" in proc.stdout
     rows = _check_rank0_outputs(out, 4, "model")
     per_rank, grad_norm = first_step_reference(tmp_path, *args)
@@ -255,7 +279,6 @@ def test_guard_rollback_takes_every_rank_back_together(tmp_path):
     # non-finite logits on 3 micro-batches in a row, on both ranks: a storm the guard answers with a rollback
     # to the step-10 checkpoint; if the ranks disagreed (decision or checkpoint) the run would hang or diverge
     out = tmp_path / "fault"
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
     proc = _ok(
         torchrun(
             "--model",
@@ -282,7 +305,7 @@ def test_guard_rollback_takes_every_rank_back_together(tmp_path):
             "rollback",
             "--output_dir",
             out,
-            program=(script,),
+            program=(SCRIPT,),
             env={"FAULT_BATCHES": "12,13,14"},
         )
     )
@@ -302,8 +325,7 @@ def test_a_rank_killed_mid_run_stops_the_others_with_one_line_and_resume_continu
     uninterrupted run's losses and weights."""
     straight, _ = ddp_run
     out, death = tmp_path / "killed", tmp_path / "death"
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
-    proc = torchrun(*RUN, "--output_dir", out, program=(script,), env={"KILL_RANK": "1:3", "DEATH_FILE": str(death)})
+    proc = torchrun(*RUN, "--output_dir", out, program=(SCRIPT,), env={"KILL_RANK": "1:3", "DEATH_FILE": str(death)})
     ended = time.time()
     assert proc.returncode != 0
     # torchrun stops the group as soon as a worker dies and kills what is left 30 s later: rank 0 must have

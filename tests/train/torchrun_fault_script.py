@@ -8,6 +8,10 @@ DEEPSPEED_IMPORT_TRACE=DIR: each rank writes DIR/rank-R.txt: the stack of every 
 imported by rank R:"), and at its exit whether deepspeed was loaded ("deepspeed loaded: BOOL"); a run that does not
 use DeepSpeed must never import it (issue 52: the import came with ranks aborting at exit). A file per rank: the
 ranks' lines interleave in torchrun's shared stdout.
+GROUP_THREADS_AT_EXIT=DIR: each rank writes DIR/threads-rank-R.txt at its exit (atexit, before the interpreter
+shuts down): the names of its threads that belong to a process group (helpers.group_threads). Empty once the trainer has
+left and freed its group; a group held past destroy_process_group keeps them running into shutdown, where a
+worker releasing a finished collective's tensors aborts the process (issue 52's SIGABRT at exit).
 """
 
 import atexit
@@ -19,6 +23,9 @@ import time
 import traceback
 
 from fused_stable.train.run import parallel, sft
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers import group_threads  # noqa: E402
 
 
 def trace_deepspeed_import(folder: str):
@@ -41,9 +48,21 @@ def trace_deepspeed_import(folder: str):
     atexit.register(lambda: write(f"deepspeed loaded: {'deepspeed' in sys.modules}"))
 
 
+def report_group_threads_at_exit(folder: str) -> None:
+    report = os.path.join(folder, f"threads-rank-{os.environ.get('RANK', '0')}.txt")
+
+    def write() -> None:
+        with open(report, "w") as f:
+            f.write(repr(group_threads()))
+
+    atexit.register(write)
+
+
 def main(argv):
     if os.environ.get("DEEPSPEED_IMPORT_TRACE"):
         trace_deepspeed_import(os.environ["DEEPSPEED_IMPORT_TRACE"])
+    if os.environ.get("GROUP_THREADS_AT_EXIT"):
+        report_group_threads_at_exit(os.environ["GROUP_THREADS_AT_EXIT"])
     faults = {int(i) for i in os.environ.get("FAULT_BATCHES", "").split(",") if i}
     kill_rank, _, kill_step = os.environ.get("KILL_RANK", "").partition(":")
     build = sft.setup_run
