@@ -22,6 +22,7 @@ import torch
 from integ_models import TokenDataset, tiny_llama
 
 from fused_stable import OPTIMIZERS, muon_param_groups
+from fused_stable.integrations.distributed import destroy_distributed
 
 RULES = ["adamw", "lion", "sgd", "adafactor", "muon"]
 PRECISIONS = ["fp32", "bf16", "8bit"]
@@ -288,7 +289,7 @@ def spawned_rank(rank: int, world: int, store: str, out: str, engine: str) -> No
                     torch.save(result, os.path.join(out, f"{rule}-{precision}.pt"))
                 dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()  # frees the group (DeepSpeed's comm layer may still hold it in ZeRO cells)
 
 
 def _wrapped(engine: str, net: torch.nn.Module) -> torch.nn.Module:
