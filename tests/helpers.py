@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -382,15 +383,22 @@ def copy_kwargs(kwargs: dict) -> dict:
 GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
 
 
-def group_threads() -> list[str]:
+def group_threads(wait: float = 2.0) -> list[str]:
     """The names (Linux /proc) of this process's threads that belong to a process group: none once the group
     is freed. A group held past destroy_process_group keeps them into interpreter shutdown, where a worker
-    releasing a finished collective's tensors aborts the process (issue 52's SIGABRT at exit)."""
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # the thread ended while we listed
-            continue
-    return sorted(name for name in names if name in GROUP_THREADS)
+    releasing a finished collective's tensors aborts the process (issue 52's SIGABRT at exit). Polled for up to
+    `wait` seconds: a joined thread's /proc entry can outlast pthread_join by a moment (the kernel wakes the
+    joiner before it removes the task), while a held group's threads stay for good."""
+    deadline = time.monotonic() + wait
+    while True:
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    names.append(f.read().strip())
+            except FileNotFoundError:  # the thread ended while we listed
+                continue
+        left = sorted(name for name in names if name in GROUP_THREADS)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
