@@ -30,7 +30,9 @@ over whole matrices: refused in one line under FSDP2 and ZeRO 1-2.
 `torch.compile(opt.step)` runs the Muon groups inside the compiled step's op (compiled.py), the same bits as eager.
 
 Newton-Schulz runs in bf16 as torch's, but in fp32 on a CPU without native bf16 products, where torch's bf16
-matmul is several times slower (rules/muon/newton_schulz.py); `describe()["newton_schulz"]` says which and why.
+matmul is several times slower (rules/muon/newton_schulz.py); on a CPU whose bf16 products do not run on AMX its
+symmetric Gram products run by blocks above the diagonal (fewer products, the same dot products);
+`describe()["newton_schulz"]` says which dtype, how many matrices go by blocks, and why.
 
 Not yet: tensor lrs in Muon groups.
 """
@@ -42,7 +44,7 @@ from typing import Any
 
 from .optim import FusedOptimizer
 from .rules import RULES
-from .rules.muon.newton_schulz import newton_schulz_choice
+from .rules.muon.newton_schulz import gram_blocks_choice, newton_schulz_choice, newton_schulz_dtype, row_blocked
 from .rules.muon.param_groups import describe_groups
 
 
@@ -91,11 +93,17 @@ class FusedMuon(FusedOptimizer):
         weight", "3-D expert", "other" on AdamW; "caller's group" for a group built without muon_param_groups'
         reasons) its tensors and params. `per_param=True` adds `each`: every param's name (`param_names` when
         set, else its index), shape, side and reason. `newton_schulz`: the dtype Newton-Schulz runs in on the Muon
-        params' device ("bf16", torch's, or "fp32" on a CPU without native bf16 products) and why."""
+        params' device ("bf16", torch's, or "fp32" on a CPU without native bf16 products) and why, and
+        `gram_blocks`: how many Muon matrices run their Gram products by row blocks, and why (`blocks_why`)."""
         summary = describe_groups(self.param_groups, self.param_names, per_param)
         muon = [p for group in self.param_groups if group.get("use_muon") for p in group["params"]]
-        dtype, why = newton_schulz_choice(muon[0].device if muon else "cpu")
-        summary["newton_schulz"] = {"dtype": dtype, "why": why}
+        device = muon[0].device if muon else "cpu"
+        dtype, why = newton_schulz_choice(device)
+        blocks, blocks_why = gram_blocks_choice(device, newton_schulz_dtype(device))
+        # counted as describe_groups counts matrices: a DeepSpeed flat partition is none
+        matrices = [p for p in muon if p.ndim in (2, 3)]
+        blocked = sum(p.shape[0] if p.ndim == 3 else 1 for p in matrices if blocks and row_blocked(p.shape))
+        summary["newton_schulz"] = {"dtype": dtype, "why": why, "gram_blocks": blocked, "blocks_why": blocks_why}
         return summary
 
     def group_rule(self, group: dict):

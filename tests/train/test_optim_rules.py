@@ -82,7 +82,9 @@ def test_sft_optim_muon_trains_the_hidden_matrices_with_muon(sft, tmp_path):
     assert "AdamW: 11 tensors" in line and "LoRA" not in line
     # Newton-Schulz's dtype and why (the suite pins torch's bf16: tests/conftest.py)
     assert line.endswith("| Newton-Schulz in bf16 (FUSED_STABLE_NEWTON_SCHULZ=bf16)"), line
-    assert split["newton_schulz"] == {"dtype": "bf16", "why": "FUSED_STABLE_NEWTON_SCHULZ=bf16"}
+    schulz = split["newton_schulz"]
+    assert (schulz["dtype"], schulz["why"]) == ("bf16", "FUSED_STABLE_NEWTON_SCHULZ=bf16")
+    assert schulz["gram_blocks"] == 0, schulz  # the tiny model's Gram sides (64 rows) are one block
 
 
 def _lora_muon_run(sft, out_dir, *flags):

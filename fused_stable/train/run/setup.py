@@ -206,7 +206,10 @@ def muon_split_text(trainer, muon_lora: bool) -> str | None:
     if "LoRA factor" in adamw["reasons"] and not muon_lora:
         text += " | the LoRA factors are on AdamW, as LLaMA-Factory's use_muon; --muon_lora puts them on Muon"
     elif muon["matrices"]:
-        text += f" | Newton-Schulz in {split['newton_schulz']['dtype']} ({split['newton_schulz']['why']})"
+        schulz = split["newton_schulz"]
+        text += f" | Newton-Schulz in {schulz['dtype']} ({schulz['why']})"
+        if schulz["gram_blocks"]:
+            text += f", its Gram products by blocks for {schulz['gram_blocks']} matrices ({schulz['blocks_why']})"
     return text
 
 
