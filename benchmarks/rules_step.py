@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from datetime import datetime, timezone
@@ -31,6 +32,8 @@ from fused_stable import FusedAdafactor, FusedLion, FusedMuon, FusedSGD
 from fused_stable.bench import measure
 from fused_stable.bench.paramsets import materialize, plan_sets
 from fused_stable.bench.report import cpu_name
+
+_CHOICE_ENVIRONMENT = ("ONEDNN_MAX_CPU_ISA", "FUSED_STABLE_NEWTON_SCHULZ", "FUSED_STABLE_NEWTON_SCHULZ_BLOCKS")
 
 
 def _muon_split(params: list[torch.Tensor], family: str) -> tuple[list, list]:
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        # what chose Newton-Schulz's dtype and products: a cap on oneDNN stands in for a CPU without AMX
+        "environment": {name: os.environ[name] for name in _CHOICE_ENVIRONMENT if name in os.environ},
     }
     if args.out:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%MZ")
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) / f"rules-step-{stamp}"
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         lines = [f"# Update rules' step, {meta['device']}, {meta['threads']} threads, {meta['when']}", ""]
+        lines += [f"Environment: {meta['environment']}", ""] if meta["environment"] else []
         lines += ["| set | rule | fused ms | reference ms | ratio |", "|---|---|---|---|---|"]
         for row in rows:
             fused_ms, reference_ms = [v for k, v in row.items() if k.endswith("_ms")]

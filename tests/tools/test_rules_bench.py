@@ -20,7 +20,10 @@ def test_the_rules_benchmark_writes_a_row_per_set_and_rule(tmp_path):
     finally:
         torch.set_num_threads(threads)
     (result,) = tmp_path.glob("rules-step-*.json")
-    rows = json.loads(result.read_text())["rows"]
+    saved = json.loads(result.read_text())
+    rows = saved["rows"]
+    # the variables that chose Newton-Schulz's dtype and products are kept (the suite pins bf16: conftest.py)
+    assert saved["meta"]["environment"]["FUSED_STABLE_NEWTON_SCHULZ"] == "bf16"
     assert [(r["set"], r["rule"]) for r in rows] == [
         ("dense-fp32", "lion"),
         ("dense-fp32", "muon"),

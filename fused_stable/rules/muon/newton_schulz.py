@@ -24,10 +24,11 @@ diagonal are multiplied, those below are the transposes of those above, so a Gra
 a sixteenth where torch's costs 16. Each element is the same dot product over the same inner dimension, so on the
 CPUs measured it is the same bits as the whole product (an Intel Xeon capped at AVX512-BF16 by
 ONEDNN_MAX_CPU_ISA, tests/core/test_newton_schulz_blocks.py), not on AMX, whose kernels sum a block's elements
-in another order; AMX also multiplies whole Grams faster than blocks. So the blocks run on a CPU unless its bf16
+in another order; AMX also multiplies whole Grams faster than blocks. A tall stack's first Gram, of its transposed
+view, stays whole (its blocks were other bits on 1536 x 576). So the blocks run on a CPU unless its bf16
 products run on AMX (`gram_blocks_choice`), and never on CUDA (not measured there); FUSED_STABLE_NEWTON_SCHULZ_BLOCKS
-=1 or 0 overrides the choice. Measured (docs/benchmarks.md): the dense Muon step's Newton-Schulz 16-22% faster
-with AVX512-BF16 products, 5-11% in fp32.
+=1 or 0 overrides the choice. Measured on 2 cores (docs/benchmarks.md): Newton-Schulz 16-21% faster per shape with
+AVX512-BF16 products (the dense CPU step from 1.00x to 0.88-0.91x of torch's), 4-11% in fp32.
 
 `ShapeBatches` is the grouping by shape, computed once from the shapes, so a step only stacks.
 """
