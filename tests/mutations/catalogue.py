@@ -4123,6 +4123,34 @@ MUTATIONS: list[Mutation] = [
         "the sft split line says Newton-Schulz's dtype and why",
         select="hidden_matrices_with_muon",
     ),
+    # ------------------------------------------------- DeepSpeed ranks free their groups at exit (issue 52 follow-up)
+    M(
+        "deepspeed-engine-kept-at-exit",
+        "fused_stable/integrations/distributed.py",
+        "    for engine in [o for o in gc.get_objects() if isinstance(o, deepspeed.DeepSpeedEngine)]:\n",
+        "    for engine in []:\n",
+        ["tests/train/test_deepspeed_sft.py"],
+        "destroy_distributed destroys the DeepSpeed engines, whose grad hooks keep them and the groups alive",
+        select="rollback_goes_through",
+    ),
+    M(
+        "deepspeed-comm-keeps-its-groups",
+        "fused_stable/integrations/distributed.py",
+        "        if deepspeed_comm is not None:  # torch's destroy, then DeepSpeed drops its own module-level groups\n",
+        "        if False:\n",
+        ["tests/train/test_deepspeed_sft.py"],
+        "destroy_distributed leaves through deepspeed.comm, which drops DeepSpeed's module-level groups",
+        select="rollback_goes_through",
+    ),
+    M(
+        "deepspeed-barrier-default-holds-the-world",
+        "fused_stable/integrations/distributed.py",
+        "        method.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in method.__defaults__)\n",
+        "        pass\n",
+        ["tests/train/test_deepspeed_sft.py"],
+        "TorchBackend.barrier's default group (the world group) is dropped at exit",
+        select="rollback_goes_through",
+    ),
     # ---------------------------------------- Newton-Schulz's symmetric products by row blocks (issue 50 item 6)
     M(
         "gram-blocks-lower-block-not-transposed",

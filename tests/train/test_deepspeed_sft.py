@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sft_helpers import REPO_ROOT, TINY, read_metrics, setup_run
-from test_torchrun import first_step_reference
+from test_torchrun import assert_group_freed, first_step_reference
 
 from fused_stable.train.run import checkpoint, outputs
 
@@ -271,15 +271,26 @@ def test_one_process_without_a_launcher_with_zero_offload(tmp_path):
 def test_guard_rollback_goes_through_the_engine(tmp_path):
     """Non-finite logits on 3 micro-batches in a row on both ranks (ZeRO-1, the stage no other run here takes on 2
     ranks): the guard sees the skipped steps, rolls every rank back to the step-10 checkpoint through
-    engine.load_checkpoint and the run completes."""
+    engine.load_checkpoint and the run completes; each rank frees its groups when it leaves (destroy_distributed
+    destroys the DeepSpeed engine and lets deepspeed.comm drop its references: issue 52's SIGABRT at exit)."""
     out = tmp_path / "fault"
+    threads = tmp_path / "threads"
+    threads.mkdir()
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_fault_script.py")
     args = [*TINY[:8], "--batch_size", 2, "--grad_accum", 1, "--max_length", 96, "--tensorboard", "false"]
     args += ["--logging_steps", 5, "--save_steps", 10, "--max_steps", 20, "--guard", "rollback"]
     proc = launch(
-        "torchrun", *args, "--zero_stage", 1, "--output_dir", out, program=(script,), env={"FAULT_BATCHES": "12,13,14"}
+        "torchrun",
+        *args,
+        "--zero_stage",
+        1,
+        "--output_dir",
+        out,
+        program=(script,),
+        env={"FAULT_BATCHES": "12,13,14", "GROUP_THREADS_AT_EXIT": str(threads)},
     )
     assert proc.stdout.count("done: steps 0->20") == 1
+    assert_group_freed(threads)
     _check_state_header(proc, out, tmp_path, 1, 2, args)
     from fused_stable.train.run.report import read_alerts
 
