@@ -37,7 +37,7 @@ from torch import Tensor
 from ..matrix_exchange import balanced_owners
 from ..rules.muon import adjusted_lr
 from ..rules.muon import torch as muon_torch
-from ..rules.muon.newton_schulz import newton_schulz_dtype, newton_schulz_work, orthogonalize_stack
+from ..rules.muon.newton_schulz import gram_blocks_choice, newton_schulz_dtype, newton_schulz_work, orthogonalize_stack
 from ..rules.muon.torch import MuonHparams, decay_factor, momentum_and_direction
 
 
@@ -140,6 +140,7 @@ class PartitionedMuon:
         ]
         self.stacks = self._stacks()
         self.newton_schulz_dtype = newton_schulz_dtype(self.params[0].device)  # resolved once (by device)
+        self.gram_blocks = gram_blocks_choice(self.params[0].device, self.newton_schulz_dtype)[0]  # the same
         self.orthogonalized = 0
 
     def _stacks(self) -> list[tuple[MuonHparams, tuple[int, int], list[int]]]:
@@ -191,7 +192,13 @@ class PartitionedMuon:
         for hp, shape, members in self.stacks:
             stack = torch.stack([whole[i] for i in members]).view(len(members), *shape)
             ortho = orthogonalize_stack(
-                stack, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True, dtype=self.newton_schulz_dtype
+                stack,
+                hp.ns_coefficients,
+                hp.ns_steps,
+                hp.eps,
+                overwrite=True,
+                dtype=self.newton_schulz_dtype,
+                blocks=self.gram_blocks,
             )
             for i, matrix in zip(members, ortho.reshape(len(members), -1).unbind(0)):
                 out[i] = matrix

@@ -98,6 +98,8 @@ def test_blocks_where_bf16_products_are_not_amxs(cpu):
     assert newton_schulz.newton_schulz_choice("cpu")[0] == "bf16"
     cpu(amx=True, avx512_bf16=True, cap="AVX512_CORE_AMX")
     assert gram_blocks_choice("cpu", torch.bfloat16)[0] is False
+    cpu(amx=False, avx512_bf16=True, cap="avx512_core_fp16")  # above AVX512-BF16 (oneDNN's AVX10_1_512)
+    assert newton_schulz.newton_schulz_choice("cpu")[0] == "bf16"
     cpu(amx=True, avx512_bf16=True, cap="AVX512_CORE")  # below bf16 products: emulated, so fp32
     assert newton_schulz.newton_schulz_choice("cpu")[0] == "fp32"
 
@@ -205,3 +207,19 @@ def test_blocked_iteration_is_torchs_with_avx512_bf16_products():
     assert 0 < out["error"] <= 1.25 * out["torch_error"], out
     if torch.cpu._is_amx_tile_supported():  # an AMX CPU capped at AVX512-BF16: measured torch's bits
         assert out["bits"] and out["step_bits"], out
+
+
+def test_a_step_keeps_the_choice_it_was_built_with(monkeypatch):
+    """The blocks are chosen once, when FusedMuon's step is built (as the dtype): the environment changed later
+    does not split one run's steps between two arithmetics (its describe() reads the environment anew)."""
+    monkeypatch.setenv(BLOCKS_ENV, "1")
+    param = torch.nn.Parameter(_stack(1, 400, 400, torch.float32)[0])
+    param.grad = _stack(1, 400, 400, torch.float32, seed=1)[0]
+    opt = FusedMuon([{"params": [param], "use_muon": True}])
+    opt.step()
+    opt.step()  # the first step made the states, and the second its plan with them: built from here on
+    monkeypatch.setenv(BLOCKS_ENV, "0")
+    with CountDeviceOps() as ops:
+        opt.step()
+    bmm = sum("bmm" in op for op in ops.ops)
+    assert bmm == muon.NS_STEPS * 7, ops.ops  # 3 + 3 block products and the update's, each iteration

@@ -4180,6 +4180,15 @@ MUTATIONS: list[Mutation] = [
         select="run_when_chosen or avx512_bf16",
     ),
     M(
+        "gram-blocks-chosen-per-step",
+        "fused_stable/rules/muon/torch.py",
+        "            directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary, dtype=dtype, blocks=blocks\n",
+        "            directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary, dtype=dtype\n",
+        ["tests/core/test_newton_schulz_blocks.py"],
+        "a built step keeps the blocks choice it was built with (as the dtype)",
+        select="keeps_the_choice",
+    ),
+    M(
         "gram-blocks-on-amx",
         "fused_stable/rules/muon/newton_schulz.py",
         "    if dtype == torch.bfloat16 and _cpu_uses_amx():\n",

@@ -111,7 +111,9 @@ def _cpu_uses_amx() -> bool:
 @functools.cache
 def _cpu_multiplies_bf16() -> bool:
     cap = _isa_cap()
-    capped_above_bf16 = cap in _NO_ISA_CAP or cap == "AVX512_CORE_BF16" or cap.startswith("AVX10") or "AMX" in cap
+    # oneDNN's ISAs from AVX512_CORE_BF16 up (AVX512_CORE_FP16 is AVX10_1_512; every AMX one is above it)
+    at_least_bf16 = cap.startswith(("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10")) or "AMX" in cap
+    capped_above_bf16 = cap in _NO_ISA_CAP or at_least_bf16
     return _cpu_uses_amx() or bool(torch.cpu._is_avx512_bf16_supported() and capped_above_bf16)
 
 
@@ -159,7 +161,8 @@ def orthogonalize_stack(
     in `dtype` (None: `newton_schulz_dtype` of the stack's device; a step passes the one it resolved when it was
     built) (for a tall stack, A > B, the `.mT` view of a contiguous (n, B, A) result, as torch's `.T`).
     `overwrite=True` lets a stack in that dtype that is the caller's temporary be divided in place. `blocks`: the
-    symmetric products by row blocks (None: `gram_blocks_choice` of the device and dtype)."""
+    symmetric products by row blocks (None: `gram_blocks_choice` of the device and dtype; a step passes the one it
+    resolved when it was built, as the dtype)."""
     if stack.ndim != 3:
         raise ValueError(f"orthogonalize_stack takes a stack (n, A, B), got shape {tuple(stack.shape)}")
     if not 0 <= ns_steps < 100:

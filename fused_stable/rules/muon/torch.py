@@ -40,7 +40,13 @@ from ...matrix_exchange import MatrixExchange, row_shard_dim
 from ...sharding import is_dtensor
 from ...sharding import local as local_shard
 from . import DEFAULTS, adjusted_lr, check_muon_group
-from .newton_schulz import ShapeBatches, newton_schulz_dtype, newton_schulz_work, orthogonalize_stack
+from .newton_schulz import (
+    ShapeBatches,
+    gram_blocks_choice,
+    newton_schulz_dtype,
+    newton_schulz_work,
+    orthogonalize_stack,
+)
 
 # On CPU tensors the step branches on the skip decision (a read of host memory, as the torch backend's host
 # decisions): nothing runs on a skipped step, an applied one updates in place. Elsewhere (CUDA, meta) every step
@@ -80,6 +86,7 @@ class _Batch:
     neg_adjusted_lr: float  # -adjusted_lr(lr, adjust_lr_fn, shape): the add's alpha, as torch passes it
     in_place: bool  # fp32 params and buffers: an applied step on host decisions updates them in place
     newton_schulz_dtype: torch.dtype  # resolved once, when the side is built (newton_schulz.py: by device)
+    gram_blocks: bool  # the Gram products by row blocks: resolved once, as the dtype (newton_schulz.py)
     exchange: MatrixExchange | None  # row shards (FSDP2): Newton-Schulz at each matrix's owner rank
 
 
@@ -119,10 +126,15 @@ def _batches(params, buffers, hparams, max_matrices) -> list[_Batch]:
                     neg_adjusted_lr=-adjusted_lr(hp.lr, hp.adjust_lr_fn, shape),
                     in_place=buffer_dtype == torch.float32 and params[indices[0]].dtype == torch.float32,
                     newton_schulz_dtype=newton_schulz_dtype(params[indices[0]].device),
+                    gram_blocks=_gram_blocks(params[indices[0]].device),
                     exchange=exchanges[indices[0]],
                 )
             )
     return batches
+
+
+def _gram_blocks(device: torch.device) -> bool:
+    return gram_blocks_choice(device, newton_schulz_dtype(device))[0]
 
 
 def _check_lists(params, buffers, hparams) -> None:
@@ -212,16 +224,18 @@ def _orthogonalize(batch: _Batch, directions: Tensor, *, temporary: bool = False
     """Newton-Schulz of the batch's directions (n, rows, cols): here, or, for row shards, at each matrix's owner
     rank on the whole matrix (matrix_exchange.py), each rank getting its rows of the result back. `temporary`:
     the stack is the step's own, divided in place."""
-    hp, dtype = batch.hparams, batch.newton_schulz_dtype
+    hp, dtype, blocks = batch.hparams, batch.newton_schulz_dtype, batch.gram_blocks
     if batch.exchange is None:
         return orthogonalize_stack(
-            directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary, dtype=dtype
+            directions, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=temporary, dtype=dtype, blocks=blocks
         )
     # the Newton-Schulz dtype on the wire: its first op is that cast, so the owner orthogonalises the same bits
     return batch.exchange.apply(
         batch.indices,
         directions.to(dtype),
-        lambda whole: orthogonalize_stack(whole, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True, dtype=dtype),
+        lambda whole: orthogonalize_stack(
+            whole, hp.ns_coefficients, hp.ns_steps, hp.eps, overwrite=True, dtype=dtype, blocks=blocks
+        ),
     )
 
 
