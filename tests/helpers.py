@@ -402,3 +402,22 @@ def group_threads(wait: float = 2.0) -> list[str]:
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
+
+
+def count_symmetric_products() -> list:
+    """A list that grows by one on each later call, in this process, of newton_schulz.symmetric_product (Muon's Gram
+    products by row blocks, which orthogonalize_stack looks up in its module at each call) on a stack of matrices:
+    a rank that owns none of a batch runs Newton-Schulz on an empty stack (matrix_exchange.py), not counted. For
+    spawned ranks (the patch is not undone)."""
+    from fused_stable.rules.muon import newton_schulz
+
+    calls: list = []
+    by_blocks = newton_schulz.symmetric_product
+
+    def counted(x, *args, **kwargs):
+        if x.size(0):
+            calls.append(1)
+        return by_blocks(x, *args, **kwargs)
+
+    newton_schulz.symmetric_product = counted
+    return calls

@@ -1,7 +1,7 @@
 """FusedMuon's step inside torch.compile (issue 50 item 3): the Muon groups are updated inside the compiled step's
 custom op (compiled.py), right after the fused step, from its decisions, with the groups' hyper-parameters read
 when the op runs: the same bits as eager steps on the eager, aot_eager and inductor backends, fp32 and 8-bit
-momentum, through a skipped step, a hand-written lr and a changed momentum."""
+momentum, through a skipped step, a hand-written lr and a changed momentum; the Gram products by blocks too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from fused_stable import FusedAdafactor, FusedMuon
+from fused_stable.rules import muon
+from fused_stable.rules.muon import newton_schulz
 
 SHAPES = [(128, 64), (64, 96), (17, 5), (16,)]
 
@@ -84,3 +86,36 @@ def test_fused_adafactor_stays_refused_inside_torch_compile():
     p.grad = torch.ones(4, 4)
     with pytest.raises(Exception, match="does not run inside torch.compile"):
         torch.compile(opt.step, fullgraph=True)()
+
+
+def test_a_compiled_step_runs_the_gram_products_by_blocks(monkeypatch):
+    """FUSED_STABLE_NEWTON_SCHULZ_BLOCKS=1 (a CPU without AMX's choice) on a 384-row Gram side: inside the compiled
+    step's op the Gram products go by blocks (both, every iteration, every step), the eager step's bits."""
+    monkeypatch.setenv(newton_schulz.BLOCKS_ENV, "1")
+    calls = []
+    by_blocks = newton_schulz.symmetric_product
+
+    def counted(x, *args, **kwargs):
+        calls.append(1)
+        return by_blocks(x, *args, **kwargs)
+
+    monkeypatch.setattr(newton_schulz, "symmetric_product", counted)
+
+    def run(backend):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in [(384, 400), (16,)]]
+        groups = [{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}]
+        opt = FusedMuon(groups, max_grad_norm=1.0, backend="torch")
+        step = opt.step if backend is None else torch.compile(opt.step, backend=backend)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            step()
+        return params
+
+    eager = run(None)
+    calls.clear()
+    compiled = run("eager")
+    assert len(calls) == 3 * 2 * muon.NS_STEPS, len(calls)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))

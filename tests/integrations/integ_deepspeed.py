@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from helpers import count_symmetric_products
 
 STEPS = 4
 LOCAL_BATCH = 2
@@ -224,17 +225,20 @@ def train_torch_reference(engine, rank):
 # through matrices) and an AdamW group, on ZeRO 0-2
 
 
-def make_muon_model() -> torch.nn.Module:
+def make_muon_model(width: int = 16) -> torch.nn.Module:
     """Matrices of 128, 256, 256 and 64 elements (tall, square twice, wide): each Muon group's flat buffer is cut
-    through a matrix on 2 ranks, and the square pair shares a Newton-Schulz stack."""
+    through a matrix on 2 ranks, and the square pair shares a Newton-Schulz stack. `width` BLOCKS_WIDTH: the
+    square pair's Gram side is two row blocks (their Gram products by blocks where chosen)."""
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)]
+    layers = [torch.nn.Linear(8, width), torch.nn.Linear(width, width), torch.nn.Linear(width, width)]
+    layers.append(torch.nn.Linear(width, 4))
     return torch.nn.Sequential(
         layers[0], torch.nn.ReLU(), layers[1], torch.nn.ReLU(), layers[2], torch.nn.Tanh(), layers[3]
     )
 
 
 MUON_MATRICES = 4
+BLOCKS_WIDTH = 384  # newton_schulz.gram_blocks: two row blocks
 
 
 def muon_groups(model: torch.nn.Module) -> list[dict]:
@@ -253,10 +257,10 @@ def fused_muon(model: torch.nn.Module, clip: bool):
     return FusedMuon(muon_groups(model), max_grad_norm=MAX_NORM if clip else None, lr_schedule=schedule())
 
 
-def muon_engine(stage: int, clip: bool, **config):
+def muon_engine(stage: int, clip: bool, width: int = 16, **config):
     from fused_stable.integrations import deepspeed as fs_deepspeed
 
-    model = make_muon_model()
+    model = make_muon_model(width)
     engine, *_ = fs_deepspeed.initialize(
         model=model, optimizer=fused_muon(model, clip), config=ds_config(stage, "fp32", **config)
     )
@@ -308,6 +312,12 @@ def muon_runs(rank: int, out_dir: str) -> dict:
         engine, model = muon_engine(2, clip=False)
         train(engine, rank, range(STEPS), same_data=True)
         results[("muon-fp32", 2)] = {"params": full_fp32_params(engine, model)}
+    with gram_blocks_on():  # the Gram products by row blocks (a CPU without AMX's choice), whatever this CPU is
+        engine, model = muon_engine(2, clip=False, width=BLOCKS_WIDTH)
+        blocked = count_symmetric_products()
+        train(engine, rank, range(STEPS), same_data=True)
+        results[("muon-blocks", 2)] = {"params": full_fp32_params(engine, model)}
+        results["muon-blocks-products"] = len(blocked)
     ckpt = os.path.join(out_dir, "ckpt-muon")  # a DeepSpeed checkpoint of the Muon partitions, resumed at ZeRO-2
     engine, model = muon_engine(2, clip=True)
     train(engine, rank, range(2))
@@ -338,6 +348,18 @@ def newton_schulz_in(dtype: str):
         yield
     finally:
         os.environ[ENV] = "bf16"
+
+
+@contextlib.contextmanager
+def gram_blocks_on():
+    """Muon's Gram products by row blocks inside, whatever this CPU's choice (rules/muon/newton_schulz.py)."""
+    from fused_stable.rules.muon.newton_schulz import BLOCKS_ENV
+
+    os.environ[BLOCKS_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(BLOCKS_ENV)
 
 
 def muon_skip_run(rank: int, stage: int) -> dict:

@@ -20,6 +20,8 @@ import torch
 from integ_dist import spawn
 from integ_floor import ExactAdamW, assert_within_floor, scale_ulps
 
+from fused_stable.rules import muon
+
 
 def test_deepspeed_is_installed():
     assert importlib.util.find_spec("deepspeed") is not None, (
@@ -245,10 +247,10 @@ def test_zero_offload_keeps_low_precision_state_in_host_memory(runs, kind, stage
 # FusedMuon (issue 50 item 2): two Muon groups and an AdamW group, against one process's FusedMuon on the same data
 
 
-def muon_trajectory(clip: bool, accumulate: bool = False, nudge: bool = False) -> list[torch.Tensor]:
+def muon_trajectory(clip: bool, accumulate: bool = False, nudge: bool = False, width: int = 16) -> list[torch.Tensor]:
     """One process, the whole batch (accumulating: two halves at loss / 2, as DeepSpeed scales by 1 / gas);
     `nudge` moves every grad one fp32 ulp up before each step (the floor: Muon against itself)."""
-    model = ds.make_muon_model()
+    model = ds.make_muon_model(width)
     opt = ds.fused_muon(model, clip)
     for x, y in ds.global_batches():
         if accumulate:
@@ -300,6 +302,24 @@ def test_fused_muon_with_fp32_newton_schulz_follows_one_process(runs):
         assert scale_ulps(a, b) <= 2, f"param {index}: {scale_ulps(a, b):.3g} ulps from one process's fp32 run"
     muon = [i for i, p in enumerate(ds.make_muon_model().parameters()) if p.ndim == 2]
     assert min(scale_ulps(ours["params"][i], bf16[i]) for i in muon) > 100
+
+
+def test_fused_muon_gram_products_by_blocks_at_zero2_are_one_process_bits(runs):
+    """The Gram products by row blocks (FUSED_STABLE_NEWTON_SCHULZ_BLOCKS=1, the choice of a CPU without AMX) on
+    384-row matrices: each square matrix's owner runs both of them by blocks in every iteration of every step, and
+    ZeRO-2 with one process's grads is the one-process run with the blocks bit for bit."""
+    ours = same_on_every_rank(runs, ("muon-blocks", 2))
+    counts = sorted(result["muon-blocks-products"] for result in runs)
+    assert counts == [2 * ds.STEPS * muon.NS_STEPS] * ds.WORLD, counts  # the square pair: one owner each
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (integ_dist): fp32 products of 384-wide layers sum by thread
+    try:
+        with ds.gram_blocks_on():
+            reference = muon_trajectory(clip=False, width=ds.BLOCKS_WIDTH)
+    finally:
+        torch.set_num_threads(threads)
+    for index, (a, b) in enumerate(zip(ours["params"], reference)):
+        assert torch.equal(a, b), f"param {index}: {float((a - b).abs().max()):.3g} from one process"
 
 
 @pytest.mark.parametrize("stage", [1, 2])

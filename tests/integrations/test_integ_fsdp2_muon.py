@@ -25,23 +25,32 @@ from functools import partial
 
 import pytest
 import torch
+from helpers import count_symmetric_products
 from integ_dist import spawn
 from integ_floor import scale_ulps
 from integ_sharded import full_state, grads_at, run_steps, save_or_resume, seeded
 
 from fused_stable import FusedMuon
+from fused_stable.rules import muon
 from fused_stable.rules.muon import newton_schulz
 from fused_stable.rules.muon import torch as muon_torch
 
-SHAPES = [(64, 96), (64, 96), (96, 64), (9, 40), (256, 64), (64,), (96,)]
+# (384, 400): a Gram side of two row blocks, where the Gram products go by blocks (newton_schulz.symmetric_product)
+SHAPES = [(64, 96), (64, 96), (96, 64), (9, 40), (256, 64), (384, 400), (64,), (96,)]
 STEPS, SAVE_AT, SKIP_AT = 4, 2, 1
-# randn grads: norm ~180, clip active; "exact-fp32": Newton-Schulz in fp32 (a CPU without bf16 products' choice)
-MAX_GRAD_NORM = {"exact-host": None, "exact-device": None, "exact-fp32": None, "clipped": 1.0}
+# randn grads: norm ~180, clip active; "exact-fp32": Newton-Schulz in fp32 (a CPU without bf16 products' choice);
+# "exact-blocks": the Gram products by row blocks (the choice of a CPU whose bf16 products are not AMX's)
+MAX_GRAD_NORM = {"exact-host": None, "exact-device": None, "exact-fp32": None, "exact-blocks": None, "clipped": 1.0}
 
 
 def newton_schulz_for(case: str) -> None:
-    """The case's Newton-Schulz dtype (the suite pins torch's bf16; the fp32 case sends fp32 on the wire too)."""
+    """The case's Newton-Schulz dtype (the suite pins torch's bf16; the fp32 case sends fp32 on the wire too) and
+    Gram products (by blocks in the blocks case, whatever this CPU's choice; else this CPU's choice)."""
     os.environ[newton_schulz.ENV] = "fp32" if case == "exact-fp32" else "bf16"
+    if case == "exact-blocks":
+        os.environ[newton_schulz.BLOCKS_ENV] = "1"
+    else:
+        os.environ.pop(newton_schulz.BLOCKS_ENV, None)
 
 
 TIMEOUT = timedelta(seconds=60)
@@ -79,15 +88,18 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, mode: str) -> dict:
         return distribute_tensor(t, mesh, [Shard(0)])
 
     out: dict = {}
+    blocked = count_symmetric_products()
     for case, max_grad_norm in MAX_GRAD_NORM.items():
         muon_torch.DECIDE_ON_HOST = case != "exact-device"
         newton_schulz_for(case)
+        blocked.clear()
         params = [torch.nn.Parameter(sharded(t)) for t in full_params()]
         opt = make_optimizer(params, max_grad_norm)
         advance = partial(run_steps, opt, params, SHAPES, to_param=sharded)
         save_or_resume(opt, params, mode, f"{ckpt_dir}/{case}", advance, SAVE_AT)
         run_steps(opt, params, SHAPES, range(SAVE_AT, STEPS), sharded)
         out[case] = {"params": [p.full_tensor().detach().clone() for p in params], "state": full_state(opt, params)}
+        out[case]["symmetric_products"] = len(blocked)
         if mode == "save":
             held = sum(_local(v).nbytes for p in params for v in opt.state[p].values())
             out[case]["state_bytes"] = (opt.state_bytes(), held)
@@ -180,12 +192,20 @@ def assert_equal_runs(actual, expected, what):
         assert torch.equal(actual["state"][key], value), f"{what}: state {key}"
 
 
-@pytest.mark.parametrize("case", ["exact-host", "exact-device"])
+@pytest.mark.parametrize("case", ["exact-host", "exact-device", "exact-blocks"])
 def test_two_ranks_equal_one_process_bit_for_bit(runs, case):
     saved, _, _ = runs
     reference = single_process(case)
     for rank in saved:
         assert_equal_runs(rank[case], reference, f"{case}, 2 ranks vs one process")
+
+
+def test_the_blocks_case_runs_the_gram_products_by_blocks(runs):
+    """In the blocks case the (384, 400) matrix's owner rank (one of the two) runs both Gram products of every
+    iteration by blocks, on every step: the case is not the default run under another name."""
+    saved, _, _ = runs
+    counts = sorted(rank["exact-blocks"]["symmetric_products"] for rank in saved)
+    assert counts == [0, 2 * STEPS * muon.NS_STEPS], counts
 
 
 def test_two_ranks_with_fp32_newton_schulz_follow_one_process_within_fp32_rounding(runs):
