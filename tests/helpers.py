@@ -404,11 +404,11 @@ def group_threads(wait: float = 2.0) -> list[str]:
         time.sleep(0.05)
 
 
-def count_symmetric_products() -> list:
+def count_symmetric_products(monkeypatch=None) -> list:
     """A list that grows by one on each later call, in this process, of newton_schulz.symmetric_product (Muon's Gram
     products by row blocks, which orthogonalize_stack looks up in its module at each call) on a stack of matrices:
-    a rank that owns none of a batch runs Newton-Schulz on an empty stack (matrix_exchange.py), not counted. For
-    spawned ranks (the patch is not undone)."""
+    a rank that owns none of a batch runs Newton-Schulz on an empty stack (matrix_exchange.py), not counted. With
+    pytest's `monkeypatch` the patch is undone after the test; without (spawned ranks) it stays."""
     from fused_stable.rules.muon import newton_schulz
 
     calls: list = []
@@ -419,5 +419,8 @@ def count_symmetric_products() -> list:
             calls.append(1)
         return by_blocks(x, *args, **kwargs)
 
-    newton_schulz.symmetric_product = counted
+    if monkeypatch is not None:
+        monkeypatch.setattr(newton_schulz, "symmetric_product", counted)
+    else:
+        newton_schulz.symmetric_product = counted
     return calls

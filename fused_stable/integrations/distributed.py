@@ -102,7 +102,8 @@ def init_distributed_from_env(backend: str | None = None) -> DistInfo:
 
 def destroy_distributed() -> None:
     """Leave the process group if one is up (call at the end of training, also on error paths), and free it:
-    its gloo worker threads stop here, not during interpreter shutdown (see _release_group_holders)."""
+    its gloo worker threads stop here, not during interpreter shutdown (see _release_group_holders). A DeepSpeed
+    engine still alive is destroyed first (`engine.destroy()`): it cannot step without the group."""
     if dist.is_available() and dist.is_initialized():
         _release_group_holders()
         deepspeed_comm = _deepspeed_comm()

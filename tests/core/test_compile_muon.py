@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import count_symmetric_products
 from torch._dynamo.utils import counters
 
 from fused_stable import FusedAdafactor, FusedMuon
@@ -92,14 +93,7 @@ def test_a_compiled_step_runs_the_gram_products_by_blocks(monkeypatch):
     """FUSED_STABLE_NEWTON_SCHULZ_BLOCKS=1 (a CPU without AMX's choice) on a 384-row Gram side: inside the compiled
     step's op the Gram products go by blocks (both, every iteration, every step), the eager step's bits."""
     monkeypatch.setenv(newton_schulz.BLOCKS_ENV, "1")
-    calls = []
-    by_blocks = newton_schulz.symmetric_product
-
-    def counted(x, *args, **kwargs):
-        calls.append(1)
-        return by_blocks(x, *args, **kwargs)
-
-    monkeypatch.setattr(newton_schulz, "symmetric_product", counted)
+    calls = count_symmetric_products(monkeypatch)
 
     def run(backend):
         torch._dynamo.reset()
